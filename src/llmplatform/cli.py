@@ -1,0 +1,41 @@
+"""The ``llmplatform`` command: ``serve`` (a whole cluster), ``controller``, ``worker``, ``api``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+USAGE = """\
+usage: llmplatform {serve,controller,worker,api} [options]
+
+  serve       start a controller, model worker(s) and the OpenAI gateway in one command
+  controller  run the controller (worker registry)
+  worker      run one model worker
+  api         run the OpenAI-compatible gateway
+
+Run `llmplatform COMMAND --help` for a command's options.
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        raise SystemExit(0 if argv else 2)
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        from llmplatform.serve.launcher import main as run
+    elif command == "controller":
+        from llmplatform.controller.__main__ import main as run
+    elif command == "worker":
+        from llmplatform.model_worker.__main__ import main as run
+    elif command == "api":
+        from llmplatform.openai_api.__main__ import main as run
+    else:
+        print(f"llmplatform: unknown command {command!r}\n\n{USAGE}", file=sys.stderr, end="")
+        raise SystemExit(2)
+    run(rest)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""The unified LLM interface: the seam between serving and inference.
+
+Every backend (the native paged engine, plain HF transformers) implements :class:`LLM`. The
+model worker's HTTP surface is written once against this interface; backends differ only behind it.
+
+A generation yields :class:`GenerateChunk` objects, each carrying the *delta* since the previous
+chunk (new token ids, new visible text, their log-probabilities) plus running usage; exactly the
+last chunk has a ``finish_reason``. Stop strings, partial UTF-8 and incremental detokenization are
+applied before a chunk leaves the backend, by the shared :mod:`llmplatform.llm.output` code.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import enum
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Sequence
+
+from llmplatform.errors import InvalidRequestError
+from llmplatform.llm.sampling import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"        # EOS, a stop token id or a stop string
+    LENGTH = "length"    # max_tokens or the context length reached
+    ABORT = "abort"      # cancelled by the client
+    ERROR = "error"      # the backend failed
+
+    def __str__(self) -> str:  # so f-strings and JSON see "stop", not "FinishReason.STOP"
+        return self.value
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of one chosen token and its top alternatives (most likely first).
+
+    ``logprob`` is None only for the first prompt token (nothing precedes it)."""
+
+    token_id: int
+    token: str
+    logprob: float | None
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation: a rendered prompt (text or token ids) and how to sample it."""
+
+    request_id: str
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt is None and self.prompt_token_ids is None:
+            raise InvalidRequestError("a prompt or prompt token ids are required", param="prompt")
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    """What one step added to a request's output (deltas, not cumulative values)."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    usage: Usage
+    finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    # Only on the first chunk, and only when SamplingParams.prompt_logprobs is set; one record per
+    # prompt token.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    # Only on a chunk with finish_reason ERROR.
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """How busy a backend is, for /worker_get_status and heartbeats."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    names: tuple[str, ...]
+    context_length: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+class LLM(abc.ABC):
+    """A model that serves generation requests. One instance per worker."""
+
+    tokenizer: Any
+
+    @property
+    @abc.abstractmethod
+    def facts(self) -> ModelFacts: ...
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return self.facts.names
+
+    @property
+    def context_length(self) -> int:
+        return self.facts.context_length
+
+    async def start(self) -> None:
+        """Start background work (step loops). Called once before the first request."""
+
+    async def shutdown(self) -> None:
+        """Stop background work and fail whatever is still running."""
+
+    def is_healthy(self) -> bool:
+        """False once the backend can no longer serve (e.g. its step loop died)."""
+        return True
+
+    @abc.abstractmethod
+    def load(self) -> LoadStats: ...
+
+    @abc.abstractmethod
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Stream the request's output. Closing the iterator aborts the request.
+
+        Raises :class:`InvalidRequestError` (before the first chunk) for a request that can never
+        be served, e.g. one whose prompt plus ``max_tokens`` exceeds the context length.
+        """
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request and free its resources. Returns False if it was not running."""
+
+    # ---- tokenizer-side helpers, shared by every backend --------------------------------------
+
+    async def encode(self, text: str) -> list[int]:
+        """Token ids of a rendered prompt (off the event loop: long prompts take a while)."""
+        return await asyncio.to_thread(self.encode_sync, text)
+
+    def encode_sync(self, text: str) -> list[int]:
+        # Rendered chat templates already contain any BOS they need; plain-text prompts get the
+        # tokenizer's own special tokens, as HF generate would.
+        return list(self.tokenizer(text, add_special_tokens=not _starts_with_bos(self.tokenizer, text))["input_ids"])
+
+    async def count_tokens(self, text: str) -> int:
+        return len(await self.encode(text))
+
+    async def apply_chat_template(self, messages: Sequence[dict[str, Any]],
+                                  add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        return await asyncio.to_thread(self.apply_chat_template_sync, messages,
+                                       add_generation_prompt, **kwargs)
+
+    def apply_chat_template_sync(self, messages: Sequence[dict[str, Any]],
+                                 add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render messages with the tokenizer's own chat template (never a hand-written one)."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidRequestError(
+                f"model {self.model_names[0]!r} has no chat template; use /v1/completions",
+                param="messages")
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+        except Exception as exc:  # jinja raises on templates' own checks (e.g. role order)
+            raise InvalidRequestError(f"could not apply the chat template: {exc}",
+                                      param="messages") from exc
+
+
+def _starts_with_bos(tokenizer: Any, text: str) -> bool:
+    bos = getattr(tokenizer, "bos_token", None)
+    return bool(bos) and text.startswith(bos)

@@ -1,0 +1,161 @@
+"""The plain HF-transformers backend: one ``AutoModelForCausalLM``, one KV cache per request.
+
+Each request runs its own decode loop; every forward pass runs on a worker thread (never on the
+event loop), one step at a time, so an abort or a client disconnect stops it within one token.
+Concurrency is bounded by the thread pool (``max_concurrency``); the model worker queues the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator
+
+import torch
+
+from llmplatform.errors import ContextLengthExceededError, EngineDeadError
+from llmplatform.llm.base import (LLM, FinishReason, GenerateChunk, GenerateRequest, LoadStats,
+                                  ModelFacts, TokenLogprob)
+from llmplatform.llm.output import OutputProcessor, eos_token_ids_of, token_text
+from llmplatform.llm.sampler import Sampler, SamplingRow, make_generator
+from llmplatform.llm.torch_utils import resolve_device, resolve_dtype
+
+logger = logging.getLogger("llmplatform.hf")
+
+
+class HFTransformersLLM(LLM):
+    """Serves a model with plain transformers forward passes (no batching across requests)."""
+
+    def __init__(self, model_path: str, model_names: tuple[str, ...], *, device: str = "auto",
+                 dtype: str = "auto", max_concurrency: int = 4,
+                 max_model_len: int | None = None) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        from llmplatform.llm.resolve import context_length
+
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        self.model.to(self.device).eval()
+        try:
+            generation_config = GenerationConfig.from_pretrained(model_path)
+        except OSError:
+            generation_config = None
+        limit = context_length(self.model.config)
+        if max_model_len is not None:
+            limit = min(limit, max_model_len)
+        self._facts = ModelFacts(names=tuple(model_names), context_length=limit,
+                                 vocab_size=int(self.model.config.vocab_size),
+                                 eos_token_ids=eos_token_ids_of(self.tokenizer, generation_config))
+        self._sampler = Sampler(self.tokenizer)
+        self._executor = ThreadPoolExecutor(max_workers=max_concurrency,
+                                            thread_name_prefix="hf-forward")
+        self._max_concurrency = max_concurrency
+        self._aborted: set[str] = set()
+        self._active: set[str] = set()
+        self._num_running = 0
+        self._lock = threading.Lock()
+        self._dead: str | None = None
+        # transformers 5.2x renamed the KV-cache argument and output field to ``cache``.
+        forward_params = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in forward_params else "past_key_values"
+        logger.info("loaded %s on %s as %s (context %d)", model_path, self.device, self.dtype, limit)
+
+    @property
+    def facts(self) -> ModelFacts:
+        return self._facts
+
+    def is_healthy(self) -> bool:
+        return self._dead is None
+
+    def load(self) -> LoadStats:
+        running = min(self._num_running, self._max_concurrency)
+        return LoadStats(num_running=running, num_waiting=max(0, self._num_running - running))
+
+    async def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def abort(self, request_id: str) -> bool:
+        if request_id in self._active:
+            self._aborted.add(request_id)
+            return True
+        return False
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        if self._dead is not None:
+            raise EngineDeadError(f"the backend has failed: {self._dead}")
+        params = request.params
+        prompt_ids = (list(request.prompt_token_ids) if request.prompt_token_ids is not None
+                      else await self.encode(request.prompt or ""))
+        self._check_fits(len(prompt_ids), params.max_tokens)
+        processor = OutputProcessor(request.request_id, self.tokenizer, params, prompt_ids,
+                                    self.facts.eos_token_ids, self.context_length)
+        row = SamplingRow(params=params, prompt_token_ids=prompt_ids,
+                          output_token_ids=processor.output_ids,
+                          generator=make_generator(params.seed, self.device),
+                          stop_token_ids=tuple(self.facts.eos_token_ids) + params.stop_token_ids)
+        loop = asyncio.get_running_loop()
+        request_id = request.request_id
+        self._active.add(request_id)
+        self._num_running += 1
+        state: dict[str, Any] = {"cache": None}
+        try:
+            next_input = prompt_ids
+            first = True
+            while True:
+                if request_id in self._aborted:
+                    yield processor.finish(FinishReason.ABORT)
+                    return
+                token_id, record, prompt_records = await loop.run_in_executor(
+                    self._executor, self._step, state, next_input, row,
+                    first and params.prompt_logprobs is not None)
+                chunk = processor.append([token_id], [record] if record is not None else None)
+                if first and prompt_records is not None:
+                    chunk = _with_prompt_logprobs(chunk, prompt_records)
+                first = False
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+                next_input = [token_id]
+        finally:
+            self._active.discard(request_id)
+            self._aborted.discard(request_id)
+            self._num_running -= 1
+            state.clear()  # drop the KV cache now, not when the generator is collected
+
+    def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        if num_prompt_tokens + max_tokens > self.context_length:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.context_length} tokens. However, "
+                f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                f"prompt, {max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens")
+
+    @torch.inference_mode()
+    def _step(self, state: dict[str, Any], input_ids: list[int], row: SamplingRow,
+              want_prompt_logprobs: bool):
+        """One forward pass on a worker thread: prefill (first call) or one decode token."""
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: state["cache"]},
+                         logits_to_keep=0 if want_prompt_logprobs else 1)
+        state["cache"] = getattr(out, self._cache_arg)
+        logits = out.logits[0]  # [num_kept_positions, vocab_size]
+        prompt_records = None
+        if want_prompt_logprobs:
+            logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
+            records = self._sampler.logprob_records(logprobs, input_ids[1:],
+                                                    row.params.prompt_logprobs or 0)
+            first = TokenLogprob(input_ids[0], token_text(self.tokenizer, input_ids[0]), None)
+            prompt_records = (first, *records)
+        token_ids, records = self._sampler(logits[-1:], [row])
+        return token_ids[0], records[0], prompt_records
+
+
+def _with_prompt_logprobs(chunk: GenerateChunk, records) -> GenerateChunk:
+    from dataclasses import replace
+
+    return replace(chunk, prompt_logprobs=tuple(records))

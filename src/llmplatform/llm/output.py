@@ -1,0 +1,195 @@
+"""Turning sampled token ids into the visible output: done once here, for every backend.
+
+Per request, :class:`OutputProcessor` owns
+- incremental detokenization that never splits a UTF-8 character (a token that ends mid-character
+  decodes to U+FFFD; its text is held back until the next token completes it),
+- stop conditions: EOS (unless ``ignore_eos``), stop token ids, stop strings, ``max_tokens``,
+- stop-string hold-back: text that might be the beginning of a stop string is not emitted until
+  it is known not to be, and a matched stop string is never emitted.
+
+Backends call :meth:`OutputProcessor.append` with each step's new token ids and get back the
+:class:`GenerateChunk` to yield; they stop when the chunk has a ``finish_reason``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+from llmplatform.llm.base import FinishReason, GenerateChunk, TokenLogprob, Usage
+from llmplatform.llm.sampling import SamplingParams
+
+_REPLACEMENT = "\ufffd"
+# Prompt tokens kept in front of the output when decoding, so that tokenizers that drop a leading
+# space at the start of a sequence (SentencePiece) still render the first output word correctly.
+_PREFIX_CONTEXT_TOKENS = 4
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing token sequence into text deltas without splitting characters.
+
+    Keeps two offsets into ``ids``: text up to ``read_offset`` has been emitted; decoding starts at
+    ``prefix_offset`` so the tokenizer sees some context (merges and spaces depend on it).
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self.ids: list[int] = list(prompt_token_ids[-_PREFIX_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self.ids)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special,
+                                      clean_up_tokenization_spaces=False)
+
+    def push(self, token_id: int) -> str:
+        """Adds one token; returns the newly completed text (may be empty)."""
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self._prefix_offset:self._read_offset])
+        full_text = self._decode(self.ids[self._prefix_offset:])
+        if len(full_text) > len(prefix_text) and not full_text.endswith(_REPLACEMENT):
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self.ids)
+            return full_text[len(prefix_text):]
+        return ""
+
+    def flush(self) -> str:
+        """Text still held back (an incomplete character at the very end is dropped)."""
+        prefix_text = self._decode(self.ids[self._prefix_offset:self._read_offset])
+        full_text = self._decode(self.ids[self._prefix_offset:])
+        self._prefix_offset = self._read_offset = len(self.ids)
+        return full_text[len(prefix_text):].rstrip(_REPLACEMENT)
+
+
+def eos_token_ids_of(tokenizer: Any, generation_config: Any = None) -> tuple[int, ...]:
+    """Every token id that ends a generation for this model: the tokenizer's EOS and the
+    generation config's (which may list several, e.g. Llama 3's <|eot_id|>)."""
+    ids: set[int] = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif isinstance(gen_eos, (list, tuple)):
+        ids.update(int(t) for t in gen_eos)
+    return tuple(sorted(ids))
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """A single token's text as OpenAI's logprobs show it."""
+    return tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+class OutputProcessor:
+    """Tracks one request's output and decides when it finishes."""
+
+    def __init__(self, request_id: str, tokenizer: Any, params: SamplingParams,
+                 prompt_token_ids: Sequence[int], eos_token_ids: Iterable[int],
+                 max_total_tokens: int | None = None):
+        self.request_id = request_id
+        self.params = params
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.output_ids: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self._eos = frozenset(() if params.ignore_eos else eos_token_ids)
+        self._stop_ids = frozenset(params.stop_token_ids)
+        # max_tokens, further capped by the context length when the backend gives one.
+        self._max_output = params.max_tokens
+        if max_total_tokens is not None:
+            self._max_output = max(0, min(self._max_output, max_total_tokens - self.num_prompt_tokens))
+        self._text = ""      # all decoded output text (a matched stop string is cut off)
+        self._sent = 0       # how much of _text has been emitted
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self.num_prompt_tokens, len(self.output_ids))
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    def append(self, token_ids: Sequence[int],
+               logprobs: Sequence[TokenLogprob] | None = None) -> GenerateChunk:
+        """Consumes newly sampled tokens; tokens after a finishing one are ignored."""
+        accepted: list[int] = []
+        for token_id in token_ids:
+            if self.finished:
+                break
+            accepted.append(token_id)
+            self._push(token_id)
+        chunk_logprobs = None
+        if logprobs is not None and self.params.logprobs is not None:
+            chunk_logprobs = tuple(logprobs[:len(accepted)])
+        return GenerateChunk(
+            request_id=self.request_id,
+            text=self._take_text(),
+            token_ids=tuple(accepted),
+            usage=self.usage,
+            finish_reason=self.finish_reason,
+            logprobs=chunk_logprobs,
+        )
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> GenerateChunk:
+        """Ends the request from outside (abort, error); emits whatever text is complete."""
+        if not self.finished:
+            self.finish_reason = reason
+        return GenerateChunk(request_id=self.request_id, text=self._take_text(), token_ids=(),
+                             usage=self.usage, finish_reason=self.finish_reason, error=error)
+
+    def _push(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        num_output = len(self.output_ids)
+        may_stop = num_output > self.params.min_tokens
+        if may_stop and (token_id in self._eos or token_id in self._stop_ids):
+            # The stop token itself counts as generated but contributes no text.
+            self.finish_reason = FinishReason.STOP
+            self._text += self._detok.flush()
+            return
+        previous_len = len(self._text)
+        self._text += self._detok.push(token_id)
+        if self.params.stop and num_output >= self.params.min_tokens and len(self._text) > previous_len:
+            self._check_stop_strings(previous_len)
+            if self.finished:
+                return
+        if num_output >= self._max_output:
+            self.finish_reason = FinishReason.LENGTH
+            self._text += self._detok.flush()
+            if self.params.stop:  # the flushed text may complete a stop string: that wins
+                self._check_stop_strings(previous_len)
+
+    def _check_stop_strings(self, previous_len: int) -> None:
+        # Only a window around the new text can contain a new match.
+        start = max(0, previous_len - self.params.max_stop_len + 1)
+        best: int | None = None
+        for stop in self.params.stop:
+            pos = self._text.find(stop, start)
+            if pos != -1 and (best is None or pos < best):
+                best = pos
+        if best is not None:
+            self._text = self._text[:best]
+            self.finish_reason = FinishReason.STOP
+
+    def _take_text(self) -> str:
+        end = len(self._text)
+        if not self.finished and self.params.stop:
+            end -= self._held_back_len()
+        end = max(end, self._sent)
+        delta = self._text[self._sent:end]
+        self._sent = end
+        return delta
+
+    def _held_back_len(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        text = self._text
+        longest = 0
+        for stop in self.params.stop:
+            for k in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest

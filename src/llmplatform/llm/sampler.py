@@ -1,0 +1,184 @@
+"""Batched sampling from logits, shared by every backend.
+
+One call handles a batch of rows, each with its own :class:`SamplingParams`; the work is tensor
+ops over the batch, with per-row Python only where a row needs its own random generator (a seeded
+request must draw the same numbers whatever else is in the batch).
+
+Order of operations (the usual one, as in HF and vLLM):
+penalties -> min_tokens mask -> greedy argmax | temperature -> top-k -> top-p -> min-p -> draw.
+Reported log-probabilities are those of the model's raw distribution (before any processing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from llmplatform.llm.base import TokenLogprob, TopLogprob
+from llmplatform.llm.output import token_text
+from llmplatform.llm.sampling import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One row of the batch: its parameters and the token history the penalties look at."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None = None
+    stop_token_ids: Sequence[int] = ()  # EOS + params.stop_token_ids, masked before min_tokens
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    return generator
+
+
+class Sampler:
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+                 ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [num_rows, vocab_size] for the positions that sample. Returns one token id per
+        row and, per row, its logprob record (None for rows that did not ask)."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+        logits = logits.float()
+        num_rows, vocab_size = logits.shape
+        device = logits.device
+        want_logprobs = [r.params.logprobs is not None for r in rows]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+
+        logits = self._apply_penalties(logits, rows)
+        self._mask_early_stops(logits, rows)
+
+        greedy = torch.tensor([r.params.greedy for r in rows], device=device)
+        token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
+        if greedy.any():
+            token_ids[greedy] = logits[greedy].argmax(dim=-1)
+        random_rows = (~greedy).nonzero().flatten().tolist()
+        if random_rows:
+            sub_rows = [rows[i] for i in random_rows]
+            sub = logits[random_rows]
+            temperature = torch.tensor([r.params.temperature for r in sub_rows], device=device)
+            sub = sub / temperature.unsqueeze(1)
+            sub = _top_k_top_p_min_p(sub, sub_rows)
+            probs = torch.softmax(sub, dim=-1)
+            token_ids[random_rows] = _draw(probs, sub_rows)
+
+        ids = token_ids.tolist()
+        records: list[TokenLogprob | None] = [None] * num_rows
+        if raw_logprobs is not None:
+            for i, row in enumerate(rows):
+                if want_logprobs[i]:
+                    records[i] = self._record(raw_logprobs[i], ids[i], row.params.logprobs or 0)
+        return ids, records
+
+    def logprob_records(self, logprobs: torch.Tensor, token_ids: Sequence[int], num_top: int
+                        ) -> list[TokenLogprob]:
+        """Records for already-chosen tokens (used for prompt logprobs). logprobs: [n, vocab]."""
+        return [self._record(logprobs[i], int(t), num_top) for i, t in enumerate(token_ids)]
+
+    def _record(self, row_logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
+        top: tuple[TopLogprob, ...] = ()
+        if num_top > 0:
+            values, indices = row_logprobs.topk(num_top)
+            top = tuple(TopLogprob(int(t), token_text(self._tokenizer, int(t)), float(v))
+                        for v, t in zip(values.tolist(), indices.tolist()))
+        return TokenLogprob(token_id, token_text(self._tokenizer, token_id),
+                            float(row_logprobs[token_id]), top)
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        presence = [r.params.presence_penalty for r in rows]
+        frequency = [r.params.frequency_penalty for r in rows]
+        repetition = [r.params.repetition_penalty for r in rows]
+        has_output_penalty = any(p != 0.0 for p in presence) or any(f != 0.0 for f in frequency)
+        has_repetition = any(r != 1.0 for r in repetition)
+        if not (has_output_penalty or has_repetition):
+            return logits
+        num_rows, vocab_size = logits.shape
+        device = logits.device
+        # Per-row counts of each generated token id: [num_rows, vocab_size].
+        output_counts = _token_counts([r.output_token_ids for r in rows], vocab_size, device)
+        if has_output_penalty:
+            presence_t = torch.tensor(presence, device=device).unsqueeze(1)
+            frequency_t = torch.tensor(frequency, device=device).unsqueeze(1)
+            logits = logits - frequency_t * output_counts - presence_t * (output_counts > 0)
+        if has_repetition:
+            # HF/CTRL-style: tokens seen in the prompt or the output are made less likely.
+            seen = (output_counts > 0) | (_token_counts([r.prompt_token_ids for r in rows],
+                                                        vocab_size, device) > 0)
+            penalty = torch.tensor(repetition, device=device).unsqueeze(1).expand_as(logits)
+            penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits = torch.where(seen, penalised, logits)
+        return logits
+
+    @staticmethod
+    def _mask_early_stops(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        for i, row in enumerate(rows):
+            if len(row.output_token_ids) < row.params.min_tokens and row.stop_token_ids:
+                logits[i, list(row.stop_token_ids)] = float("-inf")
+
+
+def _token_counts(histories: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+                  ) -> torch.Tensor:
+    counts = torch.zeros(len(histories), vocab_size + 1, device=device)
+    max_len = max((len(h) for h in histories), default=0)
+    if max_len == 0:
+        return counts[:, :vocab_size]
+    # Pad with an extra column index (vocab_size) that is dropped afterwards.
+    padded = torch.full((len(histories), max_len), vocab_size, dtype=torch.long)
+    for i, history in enumerate(histories):
+        if history:
+            padded[i, :len(history)] = torch.as_tensor(list(history), dtype=torch.long)
+    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
+    return counts[:, :vocab_size]
+
+
+def _top_k_top_p_min_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    device = logits.device
+    vocab_size = logits.shape[1]
+    top_k = [r.params.top_k or vocab_size for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    min_p = [r.params.min_p for r in rows]
+    if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab_size, device=device).unsqueeze(0)
+        remove = ranks >= torch.tensor(top_k, device=device).unsqueeze(1)
+        sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        # Remove a token when the tokens more likely than it already reach top_p (the most
+        # likely token always stays).
+        cumulative_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        remove |= cumulative_before >= torch.tensor(top_p, device=device).unsqueeze(1)
+        remove[:, 0] = False
+        logits = torch.full_like(logits, float("-inf")).scatter(
+            1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
+    if any(p > 0.0 for p in min_p):
+        probs = torch.softmax(logits, dim=-1)
+        threshold = torch.tensor(min_p, device=device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def _draw(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Samples one token per row with the exponential race: argmax(p / E), E ~ Exp(1).
+
+    Equivalent to drawing from ``probs``; each seeded row draws its noise from its own generator,
+    so its choice does not depend on the other rows.
+    """
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            noise[i].exponential_(generator=row.generator)
+    return (probs / noise).argmax(dim=-1)

@@ -1,0 +1,100 @@
+"""``python -m llmplatform.model_worker``: serve one model over FastChat's worker protocol."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import sys
+from urllib.parse import urlparse
+
+from llmplatform.model_worker.backends import BACKENDS, BackendConfig, build_llm
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmplatform worker",
+                                     description="Serve one model as a FastChat-compatible model worker.")
+    parser.add_argument("--model-path", default=None,
+                        help="local HF directory, hub id, or .gguf file (default: the embedded "
+                             "SmolLM2-135M-Instruct)")
+    parser.add_argument("--model-names", default=None,
+                        help="comma-separated names to serve the model under (default: its directory name)")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="inference backend (auto picks the best available)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address")
+    parser.add_argument("--port", type=int, default=21002)
+    parser.add_argument("--worker-address", default=None,
+                        help="URL the controller and gateway reach this worker at "
+                             "(default: http://HOST:PORT; required when binding 0.0.0.0)")
+    parser.add_argument("--controller-address", default="http://127.0.0.1:21001")
+    parser.add_argument("--no-register", action="store_true",
+                        help="do not register with a controller")
+    parser.add_argument("--limit-worker-concurrency", type=int, default=5,
+                        help="requests served at once; more wait in the worker's queue")
+    parser.add_argument("--heartbeat-interval", type=float, default=3.0,
+                        help="seconds between heartbeats to the controller")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                        help="weights and activations dtype (auto: bfloat16)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="cap on prompt + output tokens (default: the model's context length)")
+    parser.add_argument("--log-level", default="info")
+    return parser
+
+
+def worker_address_from(args: argparse.Namespace) -> str:
+    """The announced address; a bind-all address is never announced."""
+    if args.worker_address:
+        address = args.worker_address.rstrip("/")
+        host = urlparse(address).hostname or ""
+    else:
+        host = args.host
+        address = f"http://{_bracket(host)}:{args.port}"
+    if _is_unspecified(host):
+        raise SystemExit(f"error: {address} is a bind address, not one others can reach; "
+                         "pass --worker-address http://<reachable-host>:<port>")
+    return address
+
+
+def _is_unspecified(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.limit_worker_concurrency < 1:
+        raise SystemExit("error: --limit-worker-concurrency must be at least 1")
+    address = worker_address_from(args)
+    import uvicorn
+
+    from llmplatform.model_worker.app import WorkerSettings, create_app
+
+    names = tuple(n.strip() for n in args.model_names.split(",") if n.strip()) if args.model_names else None
+    try:
+        llm = build_llm(BackendConfig(model_path=args.model_path, model_names=names,
+                                      backend=args.backend, device=args.device, dtype=args.dtype,
+                                      max_concurrency=args.limit_worker_concurrency,
+                                      max_model_len=args.max_model_len))
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    settings = WorkerSettings(worker_address=address, controller_address=args.controller_address,
+                              register=not args.no_register,
+                              limit_worker_concurrency=args.limit_worker_concurrency,
+                              heartbeat_interval=args.heartbeat_interval)
+    app = create_app(llm, settings)
+    print(f"llmplatform worker: serving {', '.join(llm.model_names)} at {address}", file=sys.stderr,
+          flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+"""The model worker: one HTTP surface (FastChat's worker routes) around one :class:`LLM`.
+
+The same app serves every backend. The params dict is parsed once here into typed objects;
+errors travel inside the stream as FastChat error objects (HTTP 200), and a closed connection
+aborts the request down to the backend (its generator is closed in ``finally``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from llmplatform.errors import (ErrorCode, InvalidRequestError, LLMPlatformError,
+                                ModelNotFoundError)
+from llmplatform.llm.base import LLM, GenerateChunk, GenerateRequest
+from llmplatform.llm.sampling import SamplingParams
+from llmplatform.model_worker.conv import conv_template_for
+from llmplatform.model_worker.registration import ControllerLink
+from llmplatform.protocol.worker import (AbortRequest, ApplyChatTemplateRequest,
+                                         ApplyChatTemplateResponse, ChunkLogprobs, ChunkUsage,
+                                         CountTokenRequest, ModelDetailsRequest, WorkerChunk,
+                                         WorkerParams, error_chunk)
+
+logger = logging.getLogger("llmplatform.worker")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """How the worker presents itself to the cluster.
+
+    ``worker_address`` is the URL others reach this worker at (never a bind-all address); when
+    ``None`` registration waits until ``app.state.worker_address`` is set (ephemeral ports).
+    """
+
+    worker_address: str | None = None
+    controller_address: str | None = "http://127.0.0.1:21001"
+    register: bool = True
+    limit_worker_concurrency: int = 5
+    heartbeat_interval: float = 3.0
+    speed: int = 1
+    controller_timeout: float = 5.0
+
+
+class WorkerState:
+    """Requests this worker has accepted: waiting for a concurrency slot, or running."""
+
+    def __init__(self, limit: int) -> None:
+        self.semaphore = asyncio.Semaphore(limit)
+        self.num_accepted = 0
+
+
+def create_app(llm: LLM, settings: WorkerSettings) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await llm.start()
+        client = httpx.AsyncClient(timeout=httpx.Timeout(settings.controller_timeout))
+        task = None
+        if settings.register and settings.controller_address:
+            link = ControllerLink(client, settings.controller_address,
+                                  lambda: app.state.worker_address,
+                                  lambda: _status(app), heartbeat_interval=settings.heartbeat_interval)
+            app.state.controller_link = link
+            task = asyncio.create_task(link.run(), name="controller-link")
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await client.aclose()
+            await llm.shutdown()
+
+    app = FastAPI(title="llmplatform model worker", lifespan=lifespan)
+    app.state.llm = llm
+    app.state.settings = settings
+    app.state.worker_address = settings.worker_address
+    app.state.worker = WorkerState(settings.limit_worker_concurrency)
+    app.state.controller_link = None
+    _add_routes(app)
+    return app
+
+
+def _status(app: FastAPI) -> dict[str, Any]:
+    llm: LLM = app.state.llm
+    load = llm.load()
+    return {
+        "model_names": list(llm.model_names),
+        "speed": app.state.settings.speed,
+        "queue_length": max(app.state.worker.num_accepted, load.num_running + load.num_waiting),
+        "num_running": load.num_running,
+        "num_waiting": load.num_waiting + max(0, app.state.worker.num_accepted - load.num_running - load.num_waiting),
+        "kv_cache_usage": load.kv_cache_usage,
+    }
+
+
+async def _json_body(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw) if raw.strip() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"malformed JSON body: {exc}") from exc
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ()))
+        raise InvalidRequestError(f"invalid value for {param or 'body'}: {first.get('msg')}",
+                                  param=param or None) from exc
+
+
+def _error_response(exc: LLMPlatformError) -> JSONResponse:
+    return JSONResponse({"text": exc.message, "error_code": exc.error_code},
+                        status_code=exc.http_status)
+
+
+def _check_model(llm: LLM, model: str | None) -> None:
+    if model is not None and model not in llm.model_names:
+        raise ModelNotFoundError(f"this worker serves {list(llm.model_names)}, not {model!r}",
+                                 param="model")
+
+
+def sampling_params_from(params: WorkerParams) -> SamplingParams:
+    if params.images:
+        raise InvalidRequestError("this worker serves a text-only model; images are not supported",
+                                  param="images")
+    if params.use_beam_search:
+        raise InvalidRequestError("beam search is not supported", param="use_beam_search")
+    stop = params.stop or ()
+    return SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        min_p=params.min_p, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
+        seed=params.seed, max_tokens=params.max_new_tokens, min_tokens=params.min_tokens,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        stop_token_ids=tuple(params.stop_token_ids or ()), ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
+        skip_special_tokens=params.skip_special_tokens)
+
+
+class _CumulativeStream:
+    """Turns the backend's delta chunks into FastChat's cumulative chunks."""
+
+    def __init__(self, params: WorkerParams) -> None:
+        self._text = params.prompt if params.echo else ""
+        self._want_logprobs = params.logprobs is not None
+        self._logprobs = ChunkLogprobs() if self._want_logprobs else None
+        self._offset = 0
+
+    def _add_logprob(self, token: str, logprob: float | None, top: dict[str, float] | None) -> None:
+        assert self._logprobs is not None
+        self._logprobs.text_offset.append(self._offset)
+        self._logprobs.tokens.append(token)
+        self._logprobs.token_logprobs.append(logprob)
+        self._logprobs.top_logprobs.append(top)
+        self._offset += len(token)
+
+    def update(self, chunk: GenerateChunk) -> WorkerChunk:
+        if self._logprobs is not None:
+            for record in (*(chunk.prompt_logprobs or ()), *(chunk.logprobs or ())):
+                # The first prompt token has no logprob (None) and no alternatives.
+                top = {t.token: t.logprob for t in record.top} if record.logprob is not None else None
+                self._add_logprob(record.token, record.logprob, top)
+        self._text += chunk.text
+        usage = chunk.usage
+        return WorkerChunk(
+            text=self._text, error_code=0,
+            usage=ChunkUsage(prompt_tokens=usage.prompt_tokens,
+                             completion_tokens=usage.completion_tokens,
+                             total_tokens=usage.total_tokens),
+            finish_reason=chunk.finish_reason.value if chunk.finish_reason else None,
+            logprobs=self._logprobs.model_copy(deep=True) if self._logprobs is not None else None)
+
+
+async def _generate_chunks(app: FastAPI, params: WorkerParams) -> AsyncIterator[bytes]:
+    """The worker's stream: JSON objects each followed by NUL; errors in-band."""
+    llm: LLM = app.state.llm
+    state: WorkerState = app.state.worker
+    state.num_accepted += 1
+    try:
+        try:
+            _check_model(llm, params.model)
+            sampling = sampling_params_from(params)
+            request = GenerateRequest(request_id=params.request_id or uuid.uuid4().hex,
+                                      params=sampling, prompt=params.prompt)
+        except LLMPlatformError as exc:
+            yield error_chunk(exc.message, exc.error_code)
+            return
+        async with state.semaphore:
+            stream = _CumulativeStream(params)
+            generator = llm.generate(request)
+            try:
+                first = True
+                async for chunk in generator:
+                    out = stream.update(chunk)
+                    if chunk.finish_reason is not None and chunk.error:
+                        yield error_chunk(chunk.error, ErrorCode.INTERNAL_ERROR)
+                        return
+                    if first or chunk.text or chunk.finish_reason is not None or chunk.logprobs:
+                        yield out.encode()
+                    first = False
+            except LLMPlatformError as exc:
+                yield error_chunk(exc.message, exc.error_code)
+            except Exception as exc:  # a backend bug must not take the worker down
+                logger.exception("generation %s failed", request.request_id)
+                yield error_chunk(f"internal error: {type(exc).__name__}: {exc}",
+                                  ErrorCode.INTERNAL_ERROR)
+            finally:
+                # Runs on normal end, on error and when the client disconnects (cancellation):
+                # closing the backend's generator aborts the request and frees its resources.
+                await generator.aclose()
+    finally:
+        state.num_accepted -= 1
+
+
+def _add_routes(app: FastAPI) -> None:
+    llm: LLM = app.state.llm
+
+    @app.post("/worker_generate_stream")
+    async def worker_generate_stream(request: Request) -> Response:
+        try:
+            params = await _json_body(request, WorkerParams)
+        except LLMPlatformError as exc:
+            return Response(error_chunk(exc.message, ErrorCode.VALIDATION_TYPE_ERROR))
+        return StreamingResponse(_generate_chunks(app, params))
+
+    @app.post("/worker_generate")
+    async def worker_generate(request: Request) -> Response:
+        try:
+            params = await _json_body(request, WorkerParams)
+        except LLMPlatformError as exc:
+            return JSONResponse({"text": exc.message, "error_code": ErrorCode.VALIDATION_TYPE_ERROR})
+        last = b""
+        async for item in _generate_chunks(app, params):
+            last = item
+        return Response(last.rstrip(b"\0"), media_type="application/json")
+
+    @app.post("/worker_get_status")
+    async def worker_get_status() -> dict[str, Any]:
+        return _status(app)
+
+    @app.post("/count_token")
+    async def count_token(request: Request) -> Response:
+        try:
+            body = await _json_body(request, CountTokenRequest)
+            return JSONResponse({"count": await llm.count_tokens(body.prompt), "error_code": 0})
+        except LLMPlatformError as exc:
+            return _error_response(exc)
+
+    @app.post("/model_details")
+    async def model_details(request: Request) -> Response:
+        try:
+            body = await _json_body(request, ModelDetailsRequest)
+            _check_model(llm, body.model)
+        except LLMPlatformError as exc:
+            return _error_response(exc)
+        return JSONResponse({"context_length": llm.context_length})
+
+    @app.post("/worker_get_conv_template")
+    async def worker_get_conv_template() -> dict[str, Any]:
+        if getattr(app.state, "conv", None) is None:
+            app.state.conv = await asyncio.to_thread(
+                conv_template_for, lambda m: llm.apply_chat_template_sync(m, True),
+                llm.model_names[0], list(llm.facts.eos_token_ids))
+        return {"conv": app.state.conv}
+
+    @app.post("/worker_apply_chat_template")
+    async def worker_apply_chat_template(request: Request) -> Response:
+        try:
+            body = await _json_body(request, ApplyChatTemplateRequest)
+            _check_model(llm, body.model)
+            prompt = await llm.apply_chat_template(body.messages, body.add_generation_prompt)
+            count = await llm.count_tokens(prompt)
+        except LLMPlatformError as exc:
+            return _error_response(exc)
+        return JSONResponse(ApplyChatTemplateResponse(
+            prompt=prompt, prompt_tokens=count, context_length=llm.context_length).model_dump())
+
+    @app.post("/worker_abort")
+    async def worker_abort(request: Request) -> Response:
+        try:
+            body = await _json_body(request, AbortRequest)
+        except LLMPlatformError as exc:
+            return _error_response(exc)
+        return JSONResponse({"aborted": await llm.abort(body.request_id)})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if llm.is_healthy():
+            return JSONResponse({"status": "ok", "models": list(llm.model_names)})
+        return JSONResponse({"status": "dead"}, status_code=503)

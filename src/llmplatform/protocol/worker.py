@@ -1,0 +1,124 @@
+"""Messages between the gateway (or a controller) and a model worker: FastChat's wire format.
+
+The params dict is parsed once, at the worker's edge, into :class:`WorkerParams`; unknown fields
+are ignored (a newer peer may send more). Stream chunks are :class:`WorkerChunk` objects, each
+serialised as JSON followed by one NUL byte. ``text`` is cumulative (all text so far), not a delta.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+
+NUL = b"\0"
+
+
+class WorkerParams(BaseModel):
+    """The params dict of /worker_generate_stream and /worker_generate.
+
+    Defaults are FastChat's: a stock worker treats a missing ``echo`` as true and a missing
+    ``max_new_tokens`` as 256. Everything after ``stop_token_ids`` is our addition.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 256
+    echo: StrictBool = True
+    logprobs: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    images: list[Any] | None = None
+    best_of: int | None = None
+    use_beam_search: bool | None = None
+    # ---- our additions ----
+    request_id: str | None = None
+    seed: int | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_bool(cls, value: Any) -> Any:
+        # FastChat's chat path sends a boolean; True means "the sampled token's logprob".
+        if value is True:
+            return 0
+        if value is False:
+            return None
+        return value
+
+
+class ChunkUsage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ChunkLogprobs(BaseModel):
+    """FastChat's logprobs shape (cumulative, like ``text``): parallel lists per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class WorkerChunk(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    text: str = ""
+    error_code: int = 0
+    usage: ChunkUsage | None = None
+    finish_reason: str | None = None
+    logprobs: ChunkLogprobs | None = None
+
+    def encode(self) -> bytes:
+        return self.model_dump_json(exclude_none=False).encode() + NUL
+
+
+def error_chunk(message: str, error_code: int) -> bytes:
+    """A FastChat error object: it travels inside the stream, with HTTP 200."""
+    return json.dumps({"text": message, "error_code": error_code}).encode() + NUL
+
+
+class CountTokenRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str
+
+
+class ModelDetailsRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+
+
+class AbortRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    request_id: str
+
+
+class ApplyChatTemplateRequest(BaseModel):
+    """Our addition: render messages with the worker's own chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool = True
+
+
+class ApplyChatTemplateResponse(BaseModel):
+    prompt: str
+    prompt_tokens: int
+    context_length: int

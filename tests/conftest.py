@@ -1,0 +1,86 @@
+"""Shared test fixtures.
+
+Sections: models (below). Add new sections after it, each under its own banner.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+# =============================================================================================
+# Models
+#
+# default_model_dir: the real default model (SmolLM2-135M-Instruct, dequantized from the
+#   packaged GGUF). The first run converts it into the real cache (~20 s); later runs reuse it.
+# tiny_model_dir: a tiny random Llama (a few MB) with the default model's real tokenizer and
+#   chat template, for fast tests that need real weights and real tokenization, not good text.
+# =============================================================================================
+
+# Tokenizer-side files copied from the default model into the tiny one.
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
+
+TINY_LLAMA = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from llmplatform.llm.resolve import resolve_model
+
+    return resolve_model(None).path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from llmplatform.llm.resolve import load_tokenizer
+
+    out_dir = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = load_tokenizer(default_model_dir)
+    eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    config = LlamaConfig(
+        **TINY_LLAMA,
+        vocab_size=len(tokenizer),  # 49152 for SmolLM2
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+
+    for name in _TOKENIZER_FILES:
+        if (default_model_dir / name).is_file():
+            shutil.copy2(default_model_dir / name, out_dir / name)
+    # The default model's limit is 8192; the tiny model's positions stop at 512.
+    tokenizer_config_path = out_dir / "tokenizer_config.json"
+    tokenizer_config = json.loads(tokenizer_config_path.read_text())
+    tokenizer_config["model_max_length"] = TINY_LLAMA["max_position_embeddings"]
+    tokenizer_config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    return out_dir
