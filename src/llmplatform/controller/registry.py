@@ -1,0 +1,210 @@
+"""The controller's registry: which worker serves which models, how loaded, and whether alive.
+
+Pure bookkeeping (no FastAPI, no asyncio, no network) so it can be tested with exact
+expectations: time comes from an injected clock.
+
+Liveness has one definition, used everywhere: a worker that checks heartbeats is live while
+`now - last_heartbeat <= heartbeat_expiration`; a worker registered with
+`check_heart_beat=False` is live until removed. Queries (`list_models`, `workers_for`,
+`aggregate_status`) see only live workers even before `expire` sweeps the stale ones out, so
+a dead worker disappears from answers as soon as it is stale, not one sweep period later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from llmplatform.protocol.controller import WorkerStatus
+
+DEFAULT_HEARTBEAT_EXPIRATION_S = 10.0
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A snapshot of one registered worker. Frozen: the registry replaces, never mutates."""
+
+    worker_name: str
+    model_names: tuple[str, ...]
+    speed: int
+    queue_length: int
+    check_heart_beat: bool
+    multimodal: bool
+    last_heartbeat: float
+    """Clock reading of the last registration or heartbeat, in seconds."""
+    num_running: int | None = None
+    num_waiting: int | None = None
+    kv_cache_usage: float | None = None
+
+
+class WorkerRegistry:
+    """Registered workers keyed by `worker_name` (the worker's base URL)."""
+
+    def __init__(
+        self,
+        heartbeat_expiration: float = DEFAULT_HEARTBEAT_EXPIRATION_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if heartbeat_expiration <= 0:
+            raise ValueError(f"heartbeat_expiration must be > 0 s, got {heartbeat_expiration}")
+        self.heartbeat_expiration = heartbeat_expiration
+        self._clock = clock
+        self._workers: dict[str, WorkerInfo] = {}
+
+    # ---- writes -------------------------------------------------------------------------------
+
+    def register(
+        self,
+        worker_name: str,
+        status: WorkerStatus,
+        *,
+        check_heart_beat: bool = True,
+        multimodal: bool = False,
+    ) -> WorkerInfo | None:
+        """Add or replace a worker; return the entry it replaced (None if new).
+
+        Replacing is the normal path for a worker that restarted or was told `exist: false`;
+        the caller decides whether a replacement looks like two workers sharing one URL.
+        """
+        previous = self._workers.get(worker_name)
+        self._workers[worker_name] = WorkerInfo(
+            worker_name=worker_name,
+            model_names=tuple(status.model_names),
+            speed=status.speed,
+            queue_length=status.queue_length,
+            check_heart_beat=check_heart_beat,
+            multimodal=multimodal,
+            last_heartbeat=self._clock(),
+            num_running=status.num_running,
+            num_waiting=status.num_waiting,
+            kv_cache_usage=status.kv_cache_usage,
+        )
+        return previous
+
+    def heartbeat(
+        self,
+        worker_name: str,
+        queue_length: int,
+        *,
+        num_running: int | None = None,
+        num_waiting: int | None = None,
+        kv_cache_usage: float | None = None,
+    ) -> bool:
+        """Record a heartbeat; False means "unknown, register again".
+
+        A stale entry not yet swept also answers False (and is dropped), so a worker that
+        vanished from `list_models` re-registers instead of silently reappearing.
+        Load facts are replaced, not merged: an absent fact becomes None, never a stale value.
+        """
+        info = self._workers.get(worker_name)
+        if info is None:
+            return False
+        now = self._clock()
+        if not self._is_live(info, now):
+            del self._workers[worker_name]
+            return False
+        self._workers[worker_name] = dataclasses.replace(
+            info,
+            queue_length=queue_length,
+            last_heartbeat=now,
+            num_running=num_running,
+            num_waiting=num_waiting,
+            kv_cache_usage=kv_cache_usage,
+        )
+        return True
+
+    def increment_queue(self, worker_name: str, by: int = 1) -> bool:
+        """Count requests sent to a worker since its last heartbeat (False if unknown).
+
+        Without this a burst of requests between two heartbeats all see the same queue
+        lengths and pile onto one worker; the next heartbeat overwrites the estimate.
+        """
+        info = self._workers.get(worker_name)
+        if info is None:
+            return False
+        self._workers[worker_name] = dataclasses.replace(info, queue_length=info.queue_length + by)
+        return True
+
+    def remove(self, worker_name: str) -> bool:
+        """Forget a worker; False if it was not registered."""
+        return self._workers.pop(worker_name, None) is not None
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Remove workers whose last heartbeat is older than `heartbeat_expiration`.
+
+        Exactly `heartbeat_expiration` seconds old is still live. Returns the removed names,
+        sorted, so the caller can log them.
+        """
+        now = self._clock() if now is None else now
+        stale = sorted(name for name, info in self._workers.items() if not self._is_live(info, now))
+        for name in stale:
+            del self._workers[name]
+        return stale
+
+    # ---- reads (live workers only) ------------------------------------------------------------
+
+    def get(self, worker_name: str) -> WorkerInfo | None:
+        """The entry for `worker_name`, live or not yet swept; None if unknown."""
+        return self._workers.get(worker_name)
+
+    def is_live(self, worker_name: str) -> bool:
+        info = self._workers.get(worker_name)
+        return info is not None and self._is_live(info, self._clock())
+
+    def live_workers(self) -> list[WorkerInfo]:
+        """Live workers sorted by name, so dispatch sees candidates in a stable order."""
+        now = self._clock()
+        return [
+            info for name, info in sorted(self._workers.items()) if self._is_live(info, now)
+        ]
+
+    def list_models(self, *, multimodal: bool | None = None) -> list[str]:
+        """Sorted union of model names over live workers.
+
+        multimodal=None: every worker; False: language-only workers; True: multimodal ones.
+        """
+        names: set[str] = set()
+        for info in self.live_workers():
+            if multimodal is None or info.multimodal == multimodal:
+                names.update(info.model_names)
+        return sorted(names)
+
+    def workers_for(self, model: str) -> list[WorkerInfo]:
+        """Live workers serving `model`, sorted by name."""
+        return [info for info in self.live_workers() if model in info.model_names]
+
+    def aggregate_status(self) -> WorkerStatus:
+        """This controller seen as one big worker, so it can register with a parent controller.
+
+        Counts are summed; a load fact is summed over the workers that report it and stays None
+        when none does (stock FastChat workers).
+        """
+        workers = self.live_workers()
+        names: set[str] = set()
+        for info in workers:
+            names.update(info.model_names)
+        running = [w.num_running for w in workers if w.num_running is not None]
+        waiting = [w.num_waiting for w in workers if w.num_waiting is not None]
+        return WorkerStatus(
+            model_names=sorted(names),
+            speed=sum(w.speed for w in workers),
+            queue_length=sum(w.queue_length for w in workers),
+            num_running=sum(running) if running else None,
+            num_waiting=sum(waiting) if waiting else None,
+        )
+
+    def __contains__(self, worker_name: object) -> bool:
+        """Membership, stale-but-unswept entries included (what `expire` has not removed)."""
+        return worker_name in self._workers
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _is_live(self, info: WorkerInfo, now: float) -> bool:
+        if not info.check_heart_beat:
+            return True
+        return now - info.last_heartbeat <= self.heartbeat_expiration

@@ -1,0 +1,93 @@
+"""Messages between workers, gateways and the controller (contracts only, no logic).
+
+The wire format is FastChat's (see shared/PROTOCOL.md). Every model ignores unknown fields so
+that a stock FastChat peer, or a newer one of ours, never gets a validation error for sending
+more than we read. Our additions (the load facts) are optional, so a stock worker that sends
+only the two FastChat fields is still a complete message.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Message(BaseModel):
+    """Base for controller messages: tolerant of extra fields, as FastChat peers send them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class LoadFacts(_Message):
+    """Optional load facts our workers report besides FastChat's `queue_length`.
+
+    A stock FastChat worker never sends them; `None` means "not reported", never zero.
+    """
+
+    num_running: int | None = Field(default=None, ge=0, description="Requests being decoded now.")
+    num_waiting: int | None = Field(default=None, ge=0, description="Requests queued, not started.")
+    kv_cache_usage: float | None = Field(
+        default=None, ge=0.0, le=1.0, description="Fraction of KV-cache blocks in use, 0..1."
+    )
+
+
+class WorkerStatus(LoadFacts):
+    """What `/worker_get_status` returns, on a worker or (aggregated) on a controller."""
+
+    model_names: list[str]
+    # FastChat workers always report 1. A controller with no workers aggregates to 0, which is
+    # why 0 is allowed; dispatch treats a speed-0 worker as the last resort.
+    speed: int = Field(default=1, ge=0, description="Relative throughput weight.")
+    queue_length: int = Field(default=0, ge=0, description="Requests running or waiting.")
+
+
+class RegisterWorkerRequest(_Message):
+    """Body of `POST /register_worker`."""
+
+    worker_name: str = Field(description="The worker's base URL, e.g. http://127.0.0.1:21002.")
+    check_heart_beat: bool = True
+    # None: the controller asks the worker's /worker_get_status itself.
+    worker_status: WorkerStatus | None = None
+    multimodal: bool = False
+
+
+class HeartbeatRequest(LoadFacts):
+    """Body of `POST /receive_heart_beat`."""
+
+    worker_name: str
+    queue_length: int = Field(ge=0)
+
+
+class HeartbeatResponse(_Message):
+    """`exist: false` tells the worker to register again (e.g. after a controller restart)."""
+
+    exist: bool
+
+
+class ListModelsResponse(_Message):
+    """Response of `/list_models`, `/list_language_models`, `/list_multimodal_models`."""
+
+    models: list[str]
+
+
+class GetWorkerAddressRequest(_Message):
+    """Body of `POST /get_worker_address`."""
+
+    model: str
+
+
+class GetWorkerAddressResponse(_Message):
+    """`address` is "" when no live worker serves the model (FastChat's convention)."""
+
+    address: str
+
+
+class RefreshAllWorkersResponse(_Message):
+    """Response of `POST /refresh_all_workers` (a stock client ignores the body)."""
+
+    removed: list[str] = Field(default_factory=list, description="Workers dropped as unreachable.")
+
+
+class ErrorResponse(_Message):
+    """Body of a 4xx answer from the controller: a client mistake, never a 500."""
+
+    error: str

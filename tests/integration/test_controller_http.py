@@ -1,0 +1,401 @@
+"""The controller over real HTTP: real uvicorn servers on 127.0.0.1 ephemeral ports, httpx clients."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from llmplatform.controller import ControllerConfig, create_app
+from llmplatform.controller.dispatch import DispatchMethod
+from llmplatform.utils.server import serve_in_thread
+
+FAKE_MODEL = "fake-model"
+TIMEOUT = httpx.Timeout(5.0)
+
+
+def fake_worker_app() -> FastAPI:
+    """A minimal worker: status, and a stream of two NUL-delimited chunks echoing the params."""
+    app = FastAPI()
+    app.state.closed_streams = []  # request_ids of streams whose client went away
+
+    @app.post("/worker_get_status")
+    async def worker_get_status() -> dict[str, Any]:
+        return {"model_names": [FAKE_MODEL], "speed": 1, "queue_length": 2, "extra": "ignored"}
+
+    @app.post("/worker_generate_stream")
+    async def worker_generate_stream(request: Request) -> StreamingResponse:
+        params = await request.json()
+
+        async def chunks() -> AsyncIterator[bytes]:
+            if params.get("endless"):
+                try:
+                    while True:
+                        yield json.dumps({"text": "...", "error_code": 0}).encode() + b"\0"
+                        await asyncio.sleep(0.02)
+                finally:
+                    app.state.closed_streams.append(params.get("request_id"))
+            for text in ("Hel", "Hello"):
+                chunk = {"text": text, "error_code": 0, "echo_params": params}
+                yield json.dumps(chunk).encode() + b"\0"
+                await asyncio.sleep(0.01)
+
+        return StreamingResponse(chunks())
+
+    return app
+
+
+def closed_port_url() -> str:
+    """A URL nobody listens on (the port was free a moment ago)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+@pytest.fixture(scope="module")
+def fake_worker_and_app() -> Iterator[tuple[str, FastAPI]]:
+    app = fake_worker_app()
+    with serve_in_thread(app) as url:
+        yield url, app
+
+
+@pytest.fixture
+def fake_worker(fake_worker_and_app: tuple[str, FastAPI]) -> str:
+    return fake_worker_and_app[0]
+
+
+class Controller:
+    """A running controller: its URL, its app (to look at the registry), an httpx client."""
+
+    def __init__(self, url: str, app: FastAPI, client: httpx.Client) -> None:
+        self.url, self.app, self.client = url, app, client
+
+    def post(self, route: str, body: Any = None, **kwargs: Any) -> httpx.Response:
+        if body is not None:
+            kwargs["json"] = body
+        return self.client.post(self.url + route, **kwargs)
+
+    def register(self, worker_name: str, models: list[str] | None = None, **extra: Any) -> httpx.Response:
+        status = None if models is None else {"model_names": models, "speed": 1, "queue_length": 0}
+        body = {"worker_name": worker_name, "check_heart_beat": True, "worker_status": status, **extra}
+        return self.post("/register_worker", body)
+
+    def heartbeat(self, worker_name: str, queue_length: int = 0) -> bool:
+        body = {"worker_name": worker_name, "queue_length": queue_length}
+        response = self.post("/receive_heart_beat", body)
+        assert response.status_code == 200, response.text
+        return response.json()["exist"]
+
+    def models(self, route: str = "/list_models") -> list[str]:
+        response = self.post(route)
+        assert response.status_code == 200, response.text
+        return response.json()["models"]
+
+    def address(self, model: str) -> str:
+        response = self.post("/get_worker_address", {"model": model})
+        assert response.status_code == 200, response.text
+        return response.json()["address"]
+
+
+StartController = Callable[..., "tuple[Controller, Callable[[], None]]"]
+
+
+@pytest.fixture
+def start_controller() -> Iterator[StartController]:
+    """Start a controller (a fresh app each call) -> (controller, stop). All stop at test end."""
+    with contextlib.ExitStack() as stack:
+        client = stack.enter_context(httpx.Client(timeout=TIMEOUT))
+
+        def start(**config: Any) -> tuple[Controller, Callable[[], None]]:
+            app = create_app(ControllerConfig(**config))
+            server_stack = stack.enter_context(contextlib.ExitStack())
+            url = server_stack.enter_context(serve_in_thread(app))
+            return Controller(url, app, client), server_stack.close
+
+        yield start
+
+
+@pytest.fixture
+def controller(start_controller: StartController) -> Controller:
+    return start_controller()[0]
+
+
+@pytest.fixture(scope="module")
+def shared_controller() -> Iterator[Controller]:
+    """One controller for the many parametrized cases that must leave it unchanged."""
+    app = create_app()
+    with httpx.Client(timeout=TIMEOUT) as client, serve_in_thread(app) as url:
+        yield Controller(url, app, client)
+
+
+def parse_stream(data: bytes) -> list[dict[str, Any]]:
+    assert data.endswith(b"\0")
+    return [json.loads(part) for part in data.split(b"\0")[:-1]]
+
+
+# ---- basics -------------------------------------------------------------------------------------
+
+
+def test_test_connection_and_health(controller: Controller) -> None:
+    response = controller.client.get(controller.url + "/test_connection")
+    assert response.status_code == 200 and response.json() == "success"
+    response = controller.client.get(controller.url + "/health")
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+
+
+def test_no_arg_routes_accept_empty_or_missing_bodies(controller: Controller) -> None:
+    routes = [
+        "/list_models",
+        "/list_language_models",
+        "/list_multimodal_models",
+        "/worker_get_status",
+        "/refresh_all_workers",
+    ]
+    for route in routes:
+        json_header = {"content-type": "application/json"}
+        for kwargs in ({}, {"content": b""}, {"content": b"", "headers": json_header}):
+            response = controller.post(route, **kwargs)
+            assert response.status_code == 200, (route, kwargs, response.text)
+    empty = {"model_names": [], "speed": 0, "queue_length": 0}
+    assert controller.post("/worker_get_status").json() == empty
+
+
+# ---- registration -------------------------------------------------------------------------------
+
+
+def test_register_with_status_then_list_and_address(controller: Controller) -> None:
+    worker = "http://127.0.0.1:39001"
+    response = controller.register(worker, ["llama", "alias"])
+    assert response.status_code == 200 and response.json() is None  # FastChat answers null
+    vision = "http://127.0.0.1:39002"
+    assert controller.register(vision, ["llava"], multimodal=True).status_code == 200
+    assert controller.models() == ["alias", "llama", "llava"]
+    assert controller.models("/list_language_models") == ["alias", "llama"]
+    assert controller.models("/list_multimodal_models") == ["llava"]
+    assert controller.address("llama") == worker
+    assert controller.address("llava") == vision
+    assert controller.address("unknown") == ""
+
+
+def test_register_without_status_polls_the_worker(controller: Controller, fake_worker: str) -> None:
+    response = controller.register(fake_worker + "/")  # trailing slash: same worker
+    assert response.status_code == 200, response.text
+    assert controller.models() == [FAKE_MODEL]
+    assert controller.address(FAKE_MODEL) == fake_worker
+    status = controller.post("/worker_get_status").json()
+    assert status == {"model_names": [FAKE_MODEL], "speed": 1, "queue_length": 3}  # 2 + the pick
+
+
+def test_register_without_status_unreachable_worker_is_refused(controller: Controller) -> None:
+    dead = closed_port_url()
+    response = controller.register(dead)
+    assert response.status_code == 400
+    assert dead in response.json()["error"]
+    assert controller.models() == []
+    assert controller.heartbeat(dead) is False
+
+
+@pytest.mark.parametrize(
+    "worker_name",
+    [
+        "http://0.0.0.0:21002",
+        "http://[::]:21002",
+        "127.0.0.1:21002",
+        "ftp://127.0.0.1:21",
+        "http://",
+        "http://h:99999",
+    ],
+)
+def test_unusable_worker_urls_are_refused(shared_controller: Controller, worker_name: str) -> None:
+    response = shared_controller.register(worker_name, ["m"])
+    assert response.status_code == 400
+    assert "error" in response.json()
+    assert shared_controller.models() == []
+
+
+def test_bind_all_address_message_is_clear(controller: Controller) -> None:
+    error = controller.register("http://0.0.0.0:21002", ["m"]).json()["error"]
+    assert "0.0.0.0" in error and "bind" in error
+
+
+def test_reregistration_with_other_models_warns(
+    controller: Controller, caplog: pytest.LogCaptureFixture
+) -> None:
+    worker = "http://127.0.0.1:39003"
+    with caplog.at_level(logging.INFO, logger="llmplatform.controller"):
+        controller.register(worker, ["a"])
+        controller.register(worker, ["a"])  # a restart: normal, no warning
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        controller.register(worker, ["b"])
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and worker in warnings[0].getMessage()
+    assert controller.models() == ["b"]
+
+
+# ---- heartbeats and expiry ------------------------------------------------------------------------
+
+
+def test_heartbeat_exists_then_not_after_controller_restart(start_controller: StartController) -> None:
+    worker = "http://127.0.0.1:39004"
+    first, stop_first = start_controller()
+    first.register(worker, ["m"])
+    assert first.heartbeat(worker, queue_length=4) is True
+    assert first.post("/worker_get_status").json()["queue_length"] == 4
+    stop_first()
+    second, _ = start_controller()  # a restarted controller has an empty registry
+    assert second.heartbeat(worker) is False
+    second.register(worker, ["m"])  # what the worker does on exist=false
+    assert second.heartbeat(worker) is True
+
+
+def test_heartbeat_with_load_facts(controller: Controller) -> None:
+    worker = "http://127.0.0.1:39005"
+    controller.register(worker, ["m"])
+    body = {
+        "worker_name": worker,
+        "queue_length": 3,
+        "num_running": 2,
+        "num_waiting": 1,
+        "kv_cache_usage": 0.4,
+    }
+    assert controller.post("/receive_heart_beat", body).json() == {"exist": True}
+    info = controller.app.state.registry.get(worker)
+    assert (info.queue_length, info.num_running, info.num_waiting, info.kv_cache_usage) == (3, 2, 1, 0.4)
+
+
+def test_silent_worker_expires(start_controller: StartController) -> None:
+    controller, _ = start_controller(heartbeat_expiration=0.5)
+    worker, beating = "http://127.0.0.1:39006", "http://127.0.0.1:39007"
+    controller.register(worker, ["silent"])
+    controller.register(beating, ["alive"])
+    registry = controller.app.state.registry
+    start = time.monotonic()
+    # The background sweep removes the silent worker; the other keeps beating and stays.
+    while worker in registry and time.monotonic() - start < 5.0:
+        assert controller.heartbeat(beating) is True
+        time.sleep(0.1)
+    assert worker not in registry
+    assert time.monotonic() - start >= 0.5
+    assert controller.models() == ["alive"]
+    assert controller.heartbeat(worker) is False
+    assert controller.address("silent") == ""
+
+
+def test_refresh_all_workers_drops_unreachable(controller: Controller, fake_worker: str) -> None:
+    dead = closed_port_url()
+    controller.register(fake_worker)
+    controller.register(dead, ["ghost"])
+    assert controller.models() == [FAKE_MODEL, "ghost"]
+    response = controller.post("/refresh_all_workers")
+    assert response.status_code == 200 and response.json() == {"removed": [dead]}
+    assert controller.models() == [FAKE_MODEL]
+
+
+# ---- streaming proxy ------------------------------------------------------------------------------
+
+
+def test_generate_stream_is_proxied_to_the_worker(controller: Controller, fake_worker: str) -> None:
+    controller.register(fake_worker)
+    params = {"model": FAKE_MODEL, "prompt": "hi", "request_id": "r-1", "unknown_field": [1, 2]}
+    url = controller.url + "/worker_generate_stream"
+    with controller.client.stream("POST", url, json=params) as response:
+        assert response.status_code == 200
+        data = b"".join(response.iter_bytes())
+    chunks = parse_stream(data)
+    assert [c["text"] for c in chunks] == ["Hel", "Hello"]
+    assert all(c["echo_params"] == params for c in chunks)  # forwarded untouched
+
+
+def test_client_disconnect_closes_the_worker_stream(
+    controller: Controller, fake_worker_and_app: tuple[str, FastAPI]
+) -> None:
+    fake_worker, worker_app = fake_worker_and_app
+    controller.register(fake_worker)
+    params = {"model": FAKE_MODEL, "prompt": "hi", "request_id": "endless-1", "endless": True}
+    url = controller.url + "/worker_generate_stream"
+    with controller.client.stream("POST", url, json=params) as response:
+        first = next(response.iter_bytes())
+        assert first.startswith(b'{"text"')
+    # Leaving the block closes our connection; the controller must close its upstream one.
+    assert wait_until(lambda: "endless-1" in worker_app.state.closed_streams)
+
+
+def test_generate_stream_without_worker(controller: Controller) -> None:
+    response = controller.post("/worker_generate_stream", {"model": "nobody", "prompt": "hi"})
+    assert response.status_code == 200
+    (chunk,) = parse_stream(response.content)
+    assert chunk["error_code"] == 50005 and "nobody" in chunk["text"]
+
+
+def test_generate_stream_worker_down(controller: Controller) -> None:
+    dead = closed_port_url()
+    controller.register(dead, ["ghost"])
+    response = controller.post("/worker_generate_stream", {"model": "ghost", "prompt": "hi"})
+    assert response.status_code == 200
+    (chunk,) = parse_stream(response.content)
+    assert chunk["error_code"] == 50006
+
+
+# ---- client mistakes are 400, never 500 -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "route", ["/register_worker", "/receive_heart_beat", "/get_worker_address", "/worker_generate_stream"]
+)
+@pytest.mark.parametrize(
+    "content", [b"{not json", b"", b"[1, 2]", b'"text"', b"\xff\xfe", b'{"unrelated": 1}']
+)
+def test_bad_bodies_are_400(shared_controller: Controller, route: str, content: bytes) -> None:
+    response = shared_controller.post(route, content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert isinstance(response.json()["error"], str)
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/register_worker", {"worker_name": "http://127.0.0.1:1", "worker_status": {"model_names": "m"}}),
+        (
+            "/register_worker",
+            {"worker_name": "http://127.0.0.1:1", "worker_status": {"model_names": ["m"], "speed": -1}},
+        ),
+        ("/register_worker", {"worker_name": 5}),
+        ("/receive_heart_beat", {"worker_name": "http://127.0.0.1:1", "queue_length": "many"}),
+        ("/receive_heart_beat", {"worker_name": "http://127.0.0.1:1"}),
+        ("/get_worker_address", {"model": ["a"]}),
+        ("/worker_generate_stream", {"model": None, "prompt": "x"}),
+    ],
+)
+def test_wrong_types_are_400(shared_controller: Controller, route: str, body: Any) -> None:
+    response = shared_controller.post(route, body)
+    assert response.status_code == 400, response.text
+    assert "error" in response.json()
+
+
+def test_shortest_queue_spreads_a_burst_over_http(start_controller: StartController) -> None:
+    controller, _ = start_controller(dispatch_method=DispatchMethod.SHORTEST_QUEUE)
+    workers = ["http://127.0.0.1:39011", "http://127.0.0.1:39012"]
+    for worker in workers:
+        controller.register(worker, ["m"])
+    picks = [controller.address("m") for _ in range(6)]
+    assert sorted(picks) == sorted(workers * 3)
