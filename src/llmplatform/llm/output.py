@@ -137,6 +137,7 @@ class OutputProcessor:
     def finish(self, reason: FinishReason, error: str | None = None) -> GenerateChunk:
         """Ends the request from outside (abort, error); emits whatever text is complete."""
         if not self.finished:
+            self._add_text(self._detok.flush())
             self.finish_reason = reason
         return GenerateChunk(request_id=self.request_id, text=self._take_text(), token_ids=(),
                              usage=self.usage, finish_reason=self.finish_reason, error=error)
@@ -144,30 +145,29 @@ class OutputProcessor:
     def _push(self, token_id: int) -> None:
         self.output_ids.append(token_id)
         num_output = len(self.output_ids)
-        may_stop = num_output > self.params.min_tokens
-        if may_stop and (token_id in self._eos or token_id in self._stop_ids):
+        if num_output > self.params.min_tokens and (token_id in self._eos or token_id in self._stop_ids):
             # The stop token itself counts as generated but contributes no text.
             self.finish_reason = FinishReason.STOP
-            self._text += self._detok.flush()
+            self._add_text(self._detok.flush())
             return
-        previous_len = len(self._text)
-        self._text += self._detok.push(token_id)
-        if self.params.stop and num_output >= self.params.min_tokens and len(self._text) > previous_len:
-            self._check_stop_strings(previous_len)
-            if self.finished:
-                return
-        if num_output >= self._max_output:
+        self._add_text(self._detok.push(token_id))
+        if not self.finished and num_output >= self._max_output:
             self.finish_reason = FinishReason.LENGTH
-            self._text += self._detok.flush()
-            if self.params.stop:  # the flushed text may complete a stop string: that wins
-                self._check_stop_strings(previous_len)
+            self._add_text(self._detok.flush())  # a stop string this completes still wins
+
+    def _add_text(self, text: str) -> None:
+        """Appends decoded text, cutting at a stop string it completes (once min_tokens allows)."""
+        previous_len = len(self._text)
+        self._text += text
+        if text and self.params.stop and len(self.output_ids) >= self.params.min_tokens:
+            self._check_stop_strings(previous_len)
 
     def _check_stop_strings(self, previous_len: int) -> None:
-        # Only a window around the new text can contain a new match.
-        start = max(0, previous_len - self.params.max_stop_len + 1)
+        # Only a match ending in the new text is new: one ending earlier was either ruled out
+        # already or came before min_tokens allowed stopping, and must not stop the request now.
         best: int | None = None
         for stop in self.params.stop:
-            pos = self._text.find(stop, start)
+            pos = self._text.find(stop, max(0, previous_len - len(stop) + 1))
             if pos != -1 and (best is None or pos < best):
                 best = pos
         if best is not None:

@@ -57,7 +57,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
         logits = self._apply_penalties(logits, rows)
-        self._mask_early_stops(logits, rows)
+        logits = self._mask_early_stops(logits, rows)
 
         greedy = torch.tensor([r.params.greedy for r in rows], device=device)
         token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
@@ -122,10 +122,16 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _mask_early_stops(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    def _mask_early_stops(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Stop ids may not be drawn before min_tokens. Masks a copy: ``logits`` may still be the
+        caller's tensor (``.float()`` of float32 logits is the same tensor)."""
+        masked: torch.Tensor | None = None
         for i, row in enumerate(rows):
             if len(row.output_token_ids) < row.params.min_tokens and row.stop_token_ids:
-                logits[i, list(row.stop_token_ids)] = float("-inf")
+                if masked is None:
+                    masked = logits.clone()
+                masked[i, list(row.stop_token_ids)] = float("-inf")
+        return logits if masked is None else masked
 
 
 def _token_counts(histories: Sequence[Sequence[int]], vocab_size: int, device: torch.device

@@ -48,7 +48,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Normalise wire conventions first (frozen: go through object.__setattr__).
-        if self.top_k is not None and self.top_k in (-1, 0):
+        if type(self.top_k) is int and self.top_k in (-1, 0):  # not bools: False == 0
             object.__setattr__(self, "top_k", None)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
@@ -71,7 +71,8 @@ class SamplingParams:
             raise bad("temperature", f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < 1):
             raise bad("top_k", f"top_k must be -1 (off) or a positive integer, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
