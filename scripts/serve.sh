@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Sets up (scripts/setup.sh) and starts the platform: controller, one worker with the embedded
+# default model, and the OpenAI-compatible gateway on http://127.0.0.1:8000/v1.
+# Extra arguments go to `llmplatform serve` (see `llmplatform serve --help`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+scripts/setup.sh
+exec "$PYTHON" -m llmplatform.cli serve "$@"

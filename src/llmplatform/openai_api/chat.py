@@ -1,0 +1,163 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from llmplatform.errors import LLMPlatformError
+from llmplatform.openai_api.deltas import (
+    DeltaTracker,
+    chat_logprobs,
+    finish_reason,
+    sum_usage,
+)
+from llmplatform.openai_api.errors import error_payload, parse_request
+from llmplatform.openai_api.sse import DONE, EventStreamResponse, sse_event
+from llmplatform.openai_api.streams import ChoiceStreams, until_disconnected
+from llmplatform.openai_api.translate import (
+    chat_messages,
+    chat_params,
+    check_chat_request,
+    new_id,
+    params_dict,
+    resolve_max_new_tokens,
+)
+from llmplatform.openai_api.worker_client import WorkerClient
+from llmplatform.protocol.openai import (
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatDelta,
+    ChatResponseMessage,
+    Usage,
+)
+from llmplatform.protocol.worker import WorkerChunk
+
+logger = logging.getLogger("llmplatform.openai_api")
+
+
+async def create_chat_completion(request: Request) -> Response:
+    body = parse_request(ChatCompletionRequest, await request.body())
+    messages = chat_messages(body.messages)
+    check_chat_request(body)
+    client: WorkerClient = request.app.state.worker_client
+
+    address = await client.worker_address(body.model)
+    prepared = await client.prepare_chat(address, body.model, messages)
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_new_tokens = resolve_max_new_tokens(
+        requested,
+        prompt_tokens=prepared.prompt_tokens,
+        context_length=prepared.context_length,
+        default=None,
+        prompt_param="messages",
+    )
+    response_id = new_id("chatcmpl")
+    params = [
+        params_dict(
+            chat_params(
+                body, prepared, max_new_tokens=max_new_tokens, request_id=f"{response_id}-{i}", choice_index=i
+            )
+        )
+        for i in range(body.n or 1)
+    ]
+    streams = ChoiceStreams(client, address, params)
+    # Read every choice's first chunk before answering, so early errors get a proper status.
+    await streams.start()
+    stream = _ChatStream(body, response_id, prompt_tokens=prepared.prompt_tokens)
+    if body.stream:
+        return EventStreamResponse(stream.events(streams), on_close=streams.aclose)
+    try:
+        final_chunks = await until_disconnected(request, streams.final_chunks())
+    finally:
+        await streams.aclose()
+    return JSONResponse(stream.response(final_chunks).model_dump())
+
+
+class _ChatStream:
+    """Builds the chunks and the full response of one chat completion."""
+
+    def __init__(self, body: ChatCompletionRequest, response_id: str, *, prompt_tokens: int) -> None:
+        self.body = body
+        self.response_id = response_id
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+        self.want_logprobs = bool(body.logprobs)
+        self.num_top_logprobs = body.top_logprobs or 0
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def response(self, final_chunks: list[WorkerChunk]) -> ChatCompletionResponse:
+        choices = [
+            ChatCompletionChoice(
+                index=index,
+                message=ChatResponseMessage(content=chunk.text),
+                logprobs=chat_logprobs(chunk.logprobs, self.num_top_logprobs) if self.want_logprobs else None,
+                finish_reason=finish_reason(chunk.finish_reason),
+            )
+            for index, chunk in enumerate(final_chunks)
+        ]
+        return ChatCompletionResponse(
+            id=self.response_id,
+            created=self.created,
+            model=self.body.model,
+            choices=choices,
+            usage=sum_usage(final_chunks, [self.prompt_tokens], len(final_chunks)),
+        )
+
+    def _event(self, choice: ChatCompletionStreamChoice | None, usage: Usage | None = None) -> bytes:
+        chunk = ChatCompletionChunk(
+            id=self.response_id,
+            created=self.created,
+            model=self.body.model,
+            choices=[choice] if choice is not None else [],
+            usage=usage,
+        )
+        return sse_event(chunk, exclude=None if self.include_usage else {"usage"})
+
+    async def events(self, streams: ChoiceStreams) -> AsyncIterator[bytes]:
+        n = streams.num_choices
+        trackers = [DeltaTracker() for _ in range(n)]
+        started = [False] * n
+        final_chunks: list[WorkerChunk | None] = [None] * n
+        try:
+            async for index, chunk in streams.events():
+                if not started[index]:
+                    started[index] = True
+                    yield self._event(
+                        ChatCompletionStreamChoice(
+                            index=index, delta=ChatDelta(role="assistant", content=""), finish_reason=None
+                        )
+                    )
+                final = chunk.finish_reason is not None
+                delta = trackers[index].advance(
+                    chunk.text, chunk.logprobs if self.want_logprobs else None, final=final
+                )
+                if delta.text or delta.has_tokens:
+                    logprobs = chat_logprobs(delta.logprobs, self.num_top_logprobs) if self.want_logprobs else None
+                    yield self._event(
+                        ChatCompletionStreamChoice(index=index, delta=ChatDelta(content=delta.text), logprobs=logprobs)
+                    )
+                if final:
+                    final_chunks[index] = chunk
+                    yield self._event(
+                        ChatCompletionStreamChoice(
+                            index=index, delta=ChatDelta(), finish_reason=finish_reason(chunk.finish_reason)
+                        )
+                    )
+            if self.include_usage:
+                yield self._event(None, usage=sum_usage(final_chunks, [self.prompt_tokens], n))
+        except LLMPlatformError as exc:
+            yield sse_event(error_payload(exc))
+        except Exception:
+            logger.exception("chat stream %s failed", self.response_id)
+            yield sse_event(error_payload(LLMPlatformError("The server had an error while streaming.")))
+        finally:
+            streams.cancel()
+        yield DONE

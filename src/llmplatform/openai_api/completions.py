@@ -1,0 +1,151 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from llmplatform.errors import LLMPlatformError
+from llmplatform.openai_api.deltas import (
+    DeltaTracker,
+    completion_logprobs,
+    finish_reason,
+    sum_usage,
+)
+from llmplatform.openai_api.errors import error_payload, parse_request
+from llmplatform.openai_api.sse import DONE, EventStreamResponse, sse_event
+from llmplatform.openai_api.streams import ChoiceStreams, until_disconnected
+from llmplatform.openai_api.translate import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    completion_params,
+    completion_prompts,
+    new_id,
+    params_dict,
+    resolve_max_new_tokens,
+)
+from llmplatform.openai_api.worker_client import WorkerClient
+from llmplatform.protocol.openai import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+)
+from llmplatform.protocol.worker import WorkerChunk
+
+logger = logging.getLogger("llmplatform.openai_api")
+
+
+async def create_completion(request: Request) -> Response:
+    body = parse_request(CompletionRequest, await request.body())
+    prompts = completion_prompts(body)
+    client: WorkerClient = request.app.state.worker_client
+
+    address = await client.worker_address(body.model)
+    prepared = await asyncio.gather(*(client.prepare_completion(address, body.model, p) for p in prompts))
+    n = body.n or 1
+    response_id = new_id("cmpl")
+    params = []
+    for p, prompt in enumerate(prepared):
+        max_new_tokens = resolve_max_new_tokens(
+            body.max_tokens,
+            prompt_tokens=prompt.prompt_tokens,
+            context_length=prompt.context_length,
+            default=DEFAULT_COMPLETION_MAX_TOKENS,
+            prompt_param="prompt",
+        )
+        for i in range(n):
+            # Choices are numbered prompt by prompt, as OpenAI does: index = p * n + i.
+            worker_params = completion_params(
+                body, prompt, max_new_tokens=max_new_tokens, request_id=f"{response_id}-{p * n + i}", choice_index=i
+            )
+            params.append(params_dict(worker_params))
+    streams = ChoiceStreams(client, address, params)
+    await streams.start()
+    stream = _CompletionStream(body, response_id, n=n, prompt_tokens=[p.prompt_tokens for p in prepared])
+    if body.stream:
+        return EventStreamResponse(stream.events(streams), on_close=streams.aclose)
+    try:
+        final_chunks = await until_disconnected(request, streams.final_chunks())
+    finally:
+        await streams.aclose()
+    return JSONResponse(stream.response(final_chunks).model_dump())
+
+
+class _CompletionStream:
+    """Builds the chunks and the full response of one text completion."""
+
+    def __init__(self, body: CompletionRequest, response_id: str, *, n: int, prompt_tokens: list[int]) -> None:
+        self.body = body
+        self.response_id = response_id
+        self.created = int(time.time())
+        self.n = n
+        self.prompt_tokens = prompt_tokens
+        self.want_logprobs = body.logprobs is not None
+        self.num_top_logprobs = body.logprobs or 0
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def response(self, final_chunks: list[WorkerChunk]) -> CompletionResponse:
+        choices = [
+            CompletionChoice(
+                index=index,
+                text=chunk.text,
+                logprobs=completion_logprobs(chunk.logprobs, self.num_top_logprobs) if self.want_logprobs else None,
+                finish_reason=finish_reason(chunk.finish_reason),
+            )
+            for index, chunk in enumerate(final_chunks)
+        ]
+        return CompletionResponse(
+            id=self.response_id,
+            created=self.created,
+            model=self.body.model,
+            choices=choices,
+            usage=sum_usage(final_chunks, self.prompt_tokens, self.n),
+        )
+
+    def _event(self, choices: list[CompletionChoice], usage: Usage | None = None) -> bytes:
+        chunk = CompletionChunk(
+            id=self.response_id, created=self.created, model=self.body.model, choices=choices, usage=usage
+        )
+        return sse_event(chunk, exclude=None if self.include_usage else {"usage"})
+
+    async def events(self, streams: ChoiceStreams) -> AsyncIterator[bytes]:
+        trackers = [DeltaTracker() for _ in range(streams.num_choices)]
+        final_chunks: list[WorkerChunk | None] = [None] * streams.num_choices
+        try:
+            async for index, chunk in streams.events():
+                final = chunk.finish_reason is not None
+                delta = trackers[index].advance(
+                    chunk.text, chunk.logprobs if self.want_logprobs else None, final=final
+                )
+                if final:
+                    final_chunks[index] = chunk
+                if delta.text or delta.has_tokens or final:
+                    logprobs = (
+                        completion_logprobs(delta.logprobs, self.num_top_logprobs) if self.want_logprobs else None
+                    )
+                    yield self._event(
+                        [
+                            CompletionChoice(
+                                index=index,
+                                text=delta.text,
+                                logprobs=logprobs,
+                                finish_reason=finish_reason(chunk.finish_reason) if final else None,
+                            )
+                        ]
+                    )
+            if self.include_usage:
+                yield self._event([], usage=sum_usage(final_chunks, self.prompt_tokens, self.n))
+        except LLMPlatformError as exc:
+            yield sse_event(error_payload(exc))
+        except Exception:
+            logger.exception("completion stream %s failed", self.response_id)
+            yield sse_event(error_payload(LLMPlatformError("The server had an error while streaming.")))
+        finally:
+            streams.cancel()
+        yield DONE

@@ -1,0 +1,212 @@
+"""The gateway's one translation of errors to OpenAI's envelope and HTTP status.
+
+Every error a client sees is ``{"error": {"message", "type", "param", "code"}}``. Typed errors
+(:mod:`llmplatform.errors`) carry their own status and type; request parsing failures are 400
+with ``param`` naming the field; anything unexpected is a logged 500 and the server keeps going.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from llmplatform.errors import ErrorCode, InvalidRequestError, LLMPlatformError, error_from_code
+from llmplatform.protocol.openai import ErrorResponse
+
+logger = logging.getLogger("llmplatform.openai_api")
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class AuthenticationError(LLMPlatformError):
+    """Missing or wrong API key (HTTP 401)."""
+
+    error_code = ErrorCode.INVALID_AUTH_KEY
+    http_status = 401
+    openai_type = "invalid_request_error"
+    openai_code = "invalid_api_key"
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the answer was ready; nobody is left to answer."""
+
+
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+class UpstreamError(LLMPlatformError):
+    """A worker or the controller answered 5xx without a FastChat error code (HTTP 502)."""
+
+    http_status = 502
+    openai_type = "api_error"
+
+
+def error_payload(exc: LLMPlatformError) -> dict[str, Any]:
+    """The envelope for a typed error (also sent as an SSE event once a stream has begun)."""
+    return ErrorResponse.of(
+        exc.message, exc.openai_type, param=exc.param, code=exc.openai_code
+    ).model_dump()
+
+
+def error_response(exc: LLMPlatformError) -> JSONResponse:
+    return JSONResponse(error_payload(exc), status_code=exc.http_status)
+
+
+def error_from_http(status_code: int, body: bytes, what: str) -> LLMPlatformError:
+    """A typed error for a non-200 answer from a worker or the controller.
+
+    Our worker and FastChat's answer ``{"text": message, "error_code": code}``; anything else is
+    classified by its status alone.
+    """
+    message = body[:500].decode("utf-8", "replace")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("error_code"), int) and data["error_code"]:
+        return error_from_code(data["error_code"], str(data.get("text") or message))
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        message = str(data["error"].get("message") or message)
+    elif isinstance(data, dict) and isinstance(data.get("error"), str):
+        message = data["error"]
+    elif isinstance(data, dict) and data.get("detail") is not None:
+        message = str(data["detail"])
+    if 400 <= status_code < 500:
+        return InvalidRequestError(f"{what} rejected the request (HTTP {status_code}): {message}")
+    return UpstreamError(f"{what} failed (HTTP {status_code}): {message}")
+
+
+def parse_request(model: type[M], raw: bytes) -> M:
+    """Parse a JSON request body; InvalidRequestError (400, with ``param``) on any problem."""
+    if not raw.strip():
+        raise InvalidRequestError("The request body is empty; expected a JSON object.")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise _invalid_request(exc) from None
+
+
+def _invalid_request(exc: ValidationError) -> InvalidRequestError:
+    first = exc.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return InvalidRequestError(
+            f"We could not parse the JSON body of your request: {first['msg']}. "
+            "The body must be valid JSON."
+        )
+    param = param_path(first["loc"])
+    if not param:
+        return InvalidRequestError(f"The request body must be a JSON object: {first['msg']}.")
+    if first["type"] == "missing":
+        return InvalidRequestError(f"Missing required parameter: '{param}'.", param=param)
+    return InvalidRequestError(f"Invalid value for '{param}': {first['msg']}.", param=param)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+
+
+def param_path(loc: tuple[int | str, ...]) -> str:
+    """``("messages", 0, "content", "str")`` -> ``"messages[0].content"``.
+
+    Pydantic adds union members (``str``, ``list[int]``) and model names to locations; those are
+    dropped so the path names what the client sent.
+    """
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in _TYPE_TAGS or "[" in part or part[:1].isupper() or "-" in part:
+            continue
+        else:
+            path += f".{part}" if path else part
+    return path
+
+
+def _internal_error_response() -> JSONResponse:
+    body = ErrorResponse.of("The server had an error while processing your request.", "internal_error")
+    return JSONResponse(body.model_dump(), status_code=500)
+
+
+class EnvelopeRoute(APIRoute):
+    """A route that turns every exception of its handler into an envelope response itself.
+
+    Starlette answers an unhandled exception with a 500 and then re-raises it, so uvicorn drops
+    the (keep-alive) connection; a client's next request on it would fail. Catching here keeps
+    the connection usable. The app-level handlers below remain as a backstop.
+    """
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except LLMPlatformError as exc:
+                _log_typed(request, exc)
+                return error_response(exc)
+            except ClientDisconnected:
+                return _disconnected_response(request)
+            except (StarletteHTTPException, RequestValidationError):
+                raise
+            except Exception:
+                logger.exception("unexpected error in %s %s", request.method, request.url.path)
+                return _internal_error_response()
+
+        return guarded
+
+
+def _log_typed(request: Request, exc: LLMPlatformError) -> None:
+    if exc.http_status >= 500:
+        logger.warning("%s %s -> %d: %s", request.method, request.url.path, exc.http_status, exc.message)
+
+
+def _disconnected_response(request: Request) -> Response:
+    logger.info("%s %s: client disconnected; request aborted", request.method, request.url.path)
+    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+
+def install_exception_handlers(app: FastAPI) -> None:
+    @app.exception_handler(LLMPlatformError)
+    async def _typed(request: Request, exc: LLMPlatformError) -> JSONResponse:
+        _log_typed(request, exc)
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        param = param_path(tuple(errors[0]["loc"][1:])) if errors else None
+        message = errors[0]["msg"] if errors else "invalid request"
+        return error_response(InvalidRequestError(f"Invalid request: {message}", param=param or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        body = ErrorResponse.of(
+            str(exc.detail), _STATUS_TYPES.get(exc.status_code, "api_error"), code=None
+        ).model_dump()
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        return _disconnected_response(request)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error in %s %s", request.method, request.url.path)
+        return _internal_error_response()

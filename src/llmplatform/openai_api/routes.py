@@ -1,0 +1,52 @@
+"""The gateway's routes: /v1 (behind the API-key check) and /health."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from llmplatform.errors import LLMPlatformError, ModelNotFoundError
+from llmplatform.openai_api.auth import require_api_key
+from llmplatform.openai_api.chat import create_chat_completion
+from llmplatform.openai_api.completions import create_completion
+from llmplatform.openai_api.errors import EnvelopeRoute
+from llmplatform.openai_api.worker_client import WorkerClient
+from llmplatform.protocol.openai import ModelCard, ModelList
+
+
+def _client(request: Request) -> WorkerClient:
+    return request.app.state.worker_client
+
+
+async def list_models(request: Request) -> JSONResponse:
+    models = await _client(request).list_models()
+    created = request.app.state.created
+    cards = [ModelCard(id=model, created=created) for model in sorted(models)]
+    return JSONResponse(ModelList(data=cards).model_dump())
+
+
+async def retrieve_model(model: str, request: Request) -> JSONResponse:
+    if model not in await _client(request).list_models():
+        raise ModelNotFoundError(f"The model '{model}' does not exist.", param="model")
+    return JSONResponse(ModelCard(id=model, created=request.app.state.created).model_dump())
+
+
+async def health(request: Request) -> JSONResponse:
+    """200 while the controller answers; 503 otherwise."""
+    try:
+        models = await _client(request).list_models()
+    except LLMPlatformError as exc:
+        return JSONResponse({"status": "unavailable", "detail": exc.message}, status_code=503)
+    return JSONResponse({"status": "ok", "models": len(models)})
+
+
+def build_router() -> APIRouter:
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], route_class=EnvelopeRoute)
+    v1.add_api_route("/models", list_models, methods=["GET"])
+    v1.add_api_route("/models/{model:path}", retrieve_model, methods=["GET"])
+    v1.add_api_route("/chat/completions", create_chat_completion, methods=["POST"])
+    v1.add_api_route("/completions", create_completion, methods=["POST"])
+    router = APIRouter(route_class=EnvelopeRoute)
+    router.include_router(v1)
+    router.add_api_route("/health", health, methods=["GET"])
+    return router

@@ -1,0 +1,168 @@
+"""The choices of one request: one worker stream each, run concurrently, merged in arrival order.
+
+Lifecycle::
+
+    streams = ChoiceStreams(client, address, params_per_choice)
+    await streams.start()       # first chunk of every choice read: an error here is an HTTP status
+    async for index, chunk in streams.events(): ...   # interleaved; each choice ends with a
+                                                      # chunk whose finish_reason is set
+    await streams.aclose()      # always (try/finally): stops the pumps, aborts unfinished work
+
+Each choice is pumped by its own task into one bounded queue (backpressure reaches the worker's
+TCP connection when the client reads slowly). Cancelling a pump closes its HTTP stream, which
+aborts the request on the worker; `/worker_abort` is also sent, best effort, for every choice
+that had not finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from llmplatform.errors import LLMPlatformError
+from llmplatform.openai_api.errors import ClientDisconnected, UpstreamError
+from llmplatform.openai_api.worker_client import WorkerClient
+from llmplatform.protocol.worker import WorkerChunk
+
+logger = logging.getLogger("llmplatform.openai_api")
+
+_END = None  # queue marker: this choice's stream is over
+_QUEUE_SLOTS_PER_CHOICE = 16
+
+T = TypeVar("T")
+Event = tuple[int, "WorkerChunk | LLMPlatformError | None"]
+
+
+class ChoiceStreams:
+    def __init__(self, client: WorkerClient, address: str, params: Sequence[dict[str, Any]]) -> None:
+        assert params, "a request has at least one choice"
+        self._client = client
+        self._address = address
+        self._params = list(params)
+        self._queue: asyncio.Queue[Event] = asyncio.Queue(maxsize=_QUEUE_SLOTS_PER_CHOICE * len(params))
+        self._tasks: list[asyncio.Task[None]] = []
+        self._finished = [False] * len(params)
+        self._buffered: list[Event] = []
+        self._closed = False
+
+    @property
+    def num_choices(self) -> int:
+        return len(self._params)
+
+    async def start(self) -> None:
+        """Start every stream and wait for each one's first chunk; raise the first error seen."""
+        self._tasks = [
+            asyncio.create_task(self._pump(i), name=f"worker-stream-{self._params[i].get('request_id')}")
+            for i in range(len(self._params))
+        ]
+        waiting = set(range(len(self._params)))
+        try:
+            while waiting:
+                event = await self._queue.get()
+                index, payload = event
+                if isinstance(payload, LLMPlatformError):
+                    raise payload
+                self._buffered.append(event)
+                waiting.discard(index)
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def events(self) -> AsyncIterator[tuple[int, WorkerChunk]]:
+        """Chunks of all choices as they arrive; a mid-stream error raises."""
+        num_open = len(self._params)
+        while num_open:
+            if self._buffered:
+                index, payload = self._buffered.pop(0)
+            else:
+                index, payload = await self._queue.get()
+            if payload is _END:
+                num_open -= 1
+            elif isinstance(payload, LLMPlatformError):
+                raise payload
+            else:
+                yield index, payload
+
+    async def final_chunks(self) -> list[WorkerChunk]:
+        """Run every stream to its end; the last (cumulative) chunk of each choice."""
+        last: list[WorkerChunk | None] = [None] * len(self._params)
+        async for index, chunk in self.events():
+            last[index] = chunk
+        assert all(chunk is not None for chunk in last), "every pump ends with a final chunk"
+        return last  # type: ignore[return-value]
+
+    def cancel(self) -> None:
+        """Stop every pump now and abort unfinished choices (no await: safe in a finally)."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        for index, finished in enumerate(self._finished):
+            request_id = self._params[index].get("request_id")
+            if not finished and request_id:
+                self._client.abort_soon(self._address, str(request_id))
+
+    async def aclose(self) -> None:
+        self.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _pump(self, index: int) -> None:
+        last: WorkerChunk | None = None
+        try:
+            chunks = self._client.generate_stream(self._address, self._params[index])
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    last = chunk
+                    if chunk.finish_reason is not None:
+                        self._finished[index] = True
+                    await self._queue.put((index, chunk))
+                    if chunk.finish_reason is not None:
+                        break
+            if last is None:
+                raise UpstreamError("The worker closed the stream without sending anything.")
+            if last.finish_reason is None:
+                # A stock worker that ends without a reason: the text it sent is all there is.
+                self._finished[index] = True
+                await self._queue.put((index, last.model_copy(update={"finish_reason": "stop"})))
+            await self._queue.put((index, _END))
+        except LLMPlatformError as exc:
+            self._finished[index] = True  # the worker is done with it (or unreachable)
+            await self._queue.put((index, exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here must reach the client as a 500, not hang it
+            logger.exception("worker stream %d failed unexpectedly", index)
+            self._finished[index] = True
+            await self._queue.put((index, LLMPlatformError(f"internal error: {type(exc).__name__}")))
+
+
+async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await `awaitable`, unless the client disconnects first: then cancel it and raise
+    ClientDisconnected (a non-streamed answer nobody will read should not keep a worker busy)."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        raise ClientDisconnected()
+    return work.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

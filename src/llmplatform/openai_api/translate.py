@@ -1,0 +1,250 @@
+"""OpenAI requests -> worker params dicts: pure functions, no I/O.
+
+The route handlers call these in order: check the request's own consistency
+(:func:`chat_messages`, :func:`check_chat_request`, :func:`completion_prompts`), then, once the
+prompt's token count and the model's context are known, :func:`resolve_max_new_tokens`, then one
+params object per choice (:func:`chat_params`, :func:`completion_params`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from llmplatform.errors import ContextLengthExceededError, InvalidRequestError
+from llmplatform.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
+from llmplatform.protocol.worker import WorkerParams
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""OpenAI's default `max_tokens` for /v1/completions."""
+
+_ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A rendered prompt with the facts needed to size the completion."""
+
+    prompt: str
+    prompt_tokens: int
+    context_length: int
+    stop: tuple[str, ...] = ()
+    """Stop strings the model's template adds (stock FastChat workers only)."""
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+def new_id(prefix: str) -> str:
+    """`chatcmpl-<32 hex>`, `cmpl-<32 hex>`."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# ---- request checks -------------------------------------------------------------------------------
+
+
+def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """OpenAI messages as `[{"role", "content": str}]`, the shape chat templates take.
+
+    `developer` becomes `system`; a content list must hold only text parts, which are joined with
+    newlines (as FastChat and vLLM do). Only an assistant message may have no content.
+    """
+    normalized: list[dict[str, str]] = []
+    for index, message in enumerate(messages):
+        role = _ROLE_ALIASES.get(message.role)
+        if role is None:
+            raise InvalidRequestError(
+                f"Invalid value for 'messages[{index}].role': {message.role!r} is not supported; "
+                "use 'system', 'developer', 'user' or 'assistant'.",
+                param=f"messages[{index}].role",
+            )
+        content = message.content
+        if content is None:
+            if role != "assistant":
+                raise InvalidRequestError(
+                    f"Missing required parameter: 'messages[{index}].content'.",
+                    param=f"messages[{index}].content",
+                )
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        else:
+            texts = []
+            for part_index, part in enumerate(content):
+                where = f"messages[{index}].content[{part_index}]"
+                if part.type != "text":
+                    raise InvalidRequestError(
+                        f"Invalid value for '{where}.type': content of type {part.type!r} is not "
+                        "supported; this server accepts text only.",
+                        param=f"{where}.type",
+                    )
+                if part.text is None:
+                    raise InvalidRequestError(f"Missing required parameter: '{where}.text'.", param=f"{where}.text")
+                texts.append(part.text)
+            text = "\n".join(texts)
+        normalized.append({"role": role, "content": text})
+    return normalized
+
+
+def check_chat_request(request: ChatCompletionRequest) -> None:
+    if request.top_logprobs is not None and not request.logprobs:
+        raise InvalidRequestError(
+            "Invalid value for 'top_logprobs': 'logprobs' must be set to true when "
+            "'top_logprobs' is used.",
+            param="top_logprobs",
+        )
+
+
+def completion_prompts(request: CompletionRequest) -> list[str]:
+    """The request's prompts (one string or several), after the completion-only checks."""
+    if request.suffix:
+        raise InvalidRequestError("Invalid value for 'suffix': suffix is not supported.", param="suffix")
+    n = request.n or 1
+    if request.best_of is not None and request.best_of != n:
+        raise InvalidRequestError(
+            "Invalid value for 'best_of': only best_of equal to n is supported.", param="best_of"
+        )
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise InvalidRequestError("Invalid value for 'prompt': the prompt list is empty.", param="prompt")
+    prompts = [p for p in prompt if isinstance(p, str)]
+    if len(prompts) != len(prompt):
+        raise InvalidRequestError(
+            "Invalid value for 'prompt': token-id prompts are not supported; send text.",
+            param="prompt",
+        )
+    return prompts
+
+
+# ---- sizing ----------------------------------------------------------------------------------------
+
+
+def resolve_max_new_tokens(
+    requested: int | None,
+    *,
+    prompt_tokens: int,
+    context_length: int,
+    default: int | None,
+    prompt_param: str,
+) -> int:
+    """How many tokens the worker may generate; ContextLengthExceededError if none fit.
+
+    `requested` None takes `default`, clamped to the room left; a `default` of None means "all
+    the room left" (chat). An explicit request that does not fit is an error, as in OpenAI's API.
+    """
+    room = context_length - prompt_tokens
+    what = "messages" if prompt_param == "messages" else "prompt"
+    if requested is None:
+        if room < 1:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {context_length} tokens. However, your "
+                f"{what} resulted in {prompt_tokens} tokens. Please reduce the length of the {what}.",
+                param=prompt_param,
+            )
+        return room if default is None else min(default, room)
+    if prompt_tokens + requested > context_length:
+        raise ContextLengthExceededError(
+            f"This model's maximum context length is {context_length} tokens. However, you "
+            f"requested {prompt_tokens + requested} tokens ({prompt_tokens} in the {what}, "
+            f"{requested} in the completion). Please reduce the length of the {what} or completion.",
+            param=prompt_param,
+        )
+    return requested
+
+
+# ---- params --------------------------------------------------------------------------------------
+
+
+def merge_stops(requested: str | list[str] | None, extra: Iterable[str] = ()) -> list[str] | None:
+    """The request's stop strings plus `extra`, without duplicates or empty strings."""
+    stops = [requested] if isinstance(requested, str) else list(requested or [])
+    merged: list[str] = []
+    for stop in [*stops, *extra]:
+        if stop and stop not in merged:
+            merged.append(stop)
+    return merged or None
+
+
+def _common(
+    request: ChatCompletionRequest | CompletionRequest,
+    *,
+    prompt: str,
+    max_new_tokens: int,
+    request_id: str,
+    choice_index: int,
+    extra_stop: Iterable[str],
+    extra_stop_token_ids: Iterable[int],
+) -> dict[str, object]:
+    top_k = request.top_k if request.top_k not in (None, 0) else -1
+    stop_token_ids = list(dict.fromkeys([*(request.stop_token_ids or []), *extra_stop_token_ids]))
+    return {
+        "model": request.model,
+        "prompt": prompt,
+        "temperature": 1.0 if request.temperature is None else request.temperature,
+        "top_p": 1.0 if request.top_p is None else request.top_p,
+        "top_k": top_k,
+        "min_p": request.min_p or 0.0,
+        "presence_penalty": request.presence_penalty or 0.0,
+        "frequency_penalty": request.frequency_penalty or 0.0,
+        "repetition_penalty": 1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        "max_new_tokens": max_new_tokens,
+        "stop": merge_stops(request.stop, extra_stop),
+        "stop_token_ids": stop_token_ids or None,
+        "ignore_eos": bool(request.ignore_eos),
+        "min_tokens": request.min_tokens or 0,
+        # Each choice samples on its own; with a seed, choice i uses seed + i so they differ.
+        "seed": None if request.seed is None else request.seed + choice_index,
+        "request_id": request_id,
+    }
+
+
+def chat_params(
+    request: ChatCompletionRequest,
+    prepared: PreparedPrompt,
+    *,
+    max_new_tokens: int,
+    request_id: str,
+    choice_index: int,
+) -> WorkerParams:
+    common = _common(
+        request,
+        prompt=prepared.prompt,
+        max_new_tokens=max_new_tokens,
+        request_id=request_id,
+        choice_index=choice_index,
+        extra_stop=prepared.stop,
+        extra_stop_token_ids=prepared.stop_token_ids,
+    )
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    return WorkerParams(**common, echo=False, logprobs=logprobs)
+
+
+def completion_params(
+    request: CompletionRequest,
+    prepared: PreparedPrompt,
+    *,
+    max_new_tokens: int,
+    request_id: str,
+    choice_index: int,
+) -> WorkerParams:
+    common = _common(
+        request,
+        prompt=prepared.prompt,
+        max_new_tokens=max_new_tokens,
+        request_id=request_id,
+        choice_index=choice_index,
+        extra_stop=prepared.stop,
+        extra_stop_token_ids=prepared.stop_token_ids,
+    )
+    echo = bool(request.echo)
+    prompt_logprobs = request.logprobs if (echo and request.logprobs is not None) else None
+    return WorkerParams(**common, echo=echo, logprobs=request.logprobs, prompt_logprobs=prompt_logprobs)
+
+
+def params_dict(params: WorkerParams) -> dict[str, object]:
+    """The wire form: unset optional fields left out, `echo` always present (a stock worker
+    treats a missing `echo` as true)."""
+    data = params.model_dump(exclude_none=True)
+    data["echo"] = params.echo
+    return data

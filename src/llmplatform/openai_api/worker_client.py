@@ -1,0 +1,262 @@
+"""The gateway's side of the worker protocol: the controller and the workers, over HTTP.
+
+One :class:`WorkerClient` per app, around the app's one `httpx.AsyncClient`. Every failure
+comes out typed: an unreachable peer is 503, a silent one 504, a worker's FastChat error code
+keeps its meaning (:func:`llmplatform.errors.error_from_code`).
+
+Chat prompts: our workers render them (`/worker_apply_chat_template`); a stock FastChat worker
+answers 404 there, and then the gateway renders FastChat's conversation template itself, as
+FastChat's own gateway does (`/worker_get_conv_template`, `/count_token`, `/model_details`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any
+
+import httpx
+from pydantic import ValidationError
+
+from llmplatform.conversation import ConvTemplate, render_chat_prompt
+from llmplatform.errors import (
+    ModelNotFoundError,
+    NoWorkerError,
+    WorkerTimeoutError,
+    error_from_code,
+)
+from llmplatform.openai_api.errors import UpstreamError, error_from_http
+from llmplatform.openai_api.settings import GatewaySettings
+from llmplatform.openai_api.translate import PreparedPrompt
+from llmplatform.protocol.controller import GetWorkerAddressResponse, ListModelsResponse
+from llmplatform.protocol.worker import NUL, ApplyChatTemplateResponse, WorkerChunk
+
+logger = logging.getLogger("llmplatform.openai_api")
+
+_MAX_CACHE_ENTRIES = 1024
+
+
+class NulFrameDecoder:
+    """Splits a byte stream into NUL-terminated frames, whatever the read boundaries."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buffer += data
+        *frames, rest = bytes(self._buffer).split(NUL)
+        self._buffer = bytearray(rest)
+        return [frame for frame in frames if frame.strip()]
+
+    def flush(self) -> bytes | None:
+        """An unterminated last frame, if the stream ended with one."""
+        rest, self._buffer = bytes(self._buffer), bytearray()
+        return rest if rest.strip() else None
+
+
+def parse_chunk(frame: bytes) -> WorkerChunk:
+    """One frame as a chunk; a FastChat error object raises its typed error."""
+    try:
+        data = json.loads(frame)
+        chunk = WorkerChunk.model_validate(data)
+    except (ValueError, ValidationError):
+        raise UpstreamError(f"the worker sent a malformed stream chunk: {frame[:200]!r}") from None
+    if chunk.error_code:
+        raise error_from_code(chunk.error_code, chunk.text or f"worker error {chunk.error_code}")
+    return chunk
+
+
+@contextlib.contextmanager
+def _transport_errors(peer: str, url: str, timeout: float) -> Iterator[None]:
+    try:
+        yield
+    except httpx.TimeoutException:
+        raise WorkerTimeoutError(f"The {peer} at {url} did not answer within {timeout:g} s.") from None
+    except httpx.HTTPError as exc:
+        raise NoWorkerError(f"The {peer} at {url} is unreachable ({type(exc).__name__}).") from None
+
+
+def _has_error_code(body: bytes) -> bool:
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(data, dict) and bool(data.get("error_code"))
+
+
+class WorkerClient:
+    def __init__(self, http: httpx.AsyncClient, settings: GatewaySettings) -> None:
+        self._http = http
+        self._settings = settings
+        self._controller_timeout = httpx.Timeout(settings.controller_timeout, connect=settings.connect_timeout)
+        self._worker_timeout = httpx.Timeout(settings.worker_timeout, connect=settings.connect_timeout)
+        # Every model name the controller has listed: an empty address for one of these means
+        # "no live worker now" (503), for any other name "no such model" (404).
+        self._known_models: set[str] = set()
+        # Per (worker address, model): FastChat caches these too; a worker's model is fixed.
+        self._context_lengths: dict[tuple[str, str], int] = {}
+        self._conv_templates: dict[tuple[str, str], ConvTemplate] = {}
+        self._background: set[asyncio.Task[None]] = set()
+
+    # ---- plumbing ----------------------------------------------------------------------------
+
+    async def _post(self, peer: str, url: str, payload: Any, timeout: httpx.Timeout) -> httpx.Response:
+        with _transport_errors(peer, url, timeout.read or 0.0):
+            return await self._http.post(url, json=payload, timeout=timeout)
+
+    async def _post_json(self, peer: str, url: str, payload: Any, timeout: httpx.Timeout) -> Any:
+        response = await self._post(peer, url, payload, timeout)
+        if response.status_code != 200:
+            if peer == "controller":
+                raise UpstreamError(f"The controller answered HTTP {response.status_code} to {url}.")
+            raise error_from_http(response.status_code, response.content, f"The worker at {url}")
+        try:
+            return response.json()
+        except ValueError:
+            raise UpstreamError(f"The {peer} at {url} answered with malformed JSON.") from None
+
+    @staticmethod
+    def _cache_put(cache: dict[Any, Any], key: Any, value: Any) -> None:
+        if len(cache) >= _MAX_CACHE_ENTRIES:
+            cache.clear()
+        cache[key] = value
+
+    # ---- controller --------------------------------------------------------------------------
+
+    async def list_models(self) -> list[str]:
+        url = f"{self._settings.controller_address}/list_models"
+        data = await self._post_json("controller", url, None, self._controller_timeout)
+        try:
+            models = ListModelsResponse.model_validate(data).models
+        except ValidationError:
+            raise UpstreamError(f"The controller's /list_models answer is malformed: {data!r:.200}") from None
+        self._known_models.update(models)
+        return models
+
+    async def worker_address(self, model: str) -> str:
+        """The base URL of a live worker serving `model`; ModelNotFoundError or NoWorkerError."""
+        url = f"{self._settings.controller_address}/get_worker_address"
+        data = await self._post_json("controller", url, {"model": model}, self._controller_timeout)
+        try:
+            address = GetWorkerAddressResponse.model_validate(data).address
+        except ValidationError:
+            raise UpstreamError(f"The controller's /get_worker_address answer is malformed: {data!r:.200}") from None
+        if address:
+            self._known_models.add(model)
+            return address.rstrip("/")
+        live = await self.list_models()
+        if model in live or model in self._known_models:
+            raise NoWorkerError(f"No worker is serving the model '{model}' right now; try again later.")
+        raise ModelNotFoundError(f"The model '{model}' does not exist.", param="model")
+
+    # ---- prompts -----------------------------------------------------------------------------
+
+    async def prepare_chat(
+        self, address: str, model: str, messages: Sequence[Mapping[str, str]]
+    ) -> PreparedPrompt:
+        url = f"{address}/worker_apply_chat_template"
+        payload = {"model": model, "messages": list(messages), "add_generation_prompt": True}
+        response = await self._post("worker", url, payload, self._worker_timeout)
+        if response.status_code == 200:
+            try:
+                rendered = ApplyChatTemplateResponse.model_validate_json(response.content)
+            except ValidationError:
+                raise UpstreamError(f"The worker at {url} answered with a malformed body.") from None
+            self._cache_put(self._context_lengths, (address, model), rendered.context_length)
+            return PreparedPrompt(rendered.prompt, rendered.prompt_tokens, rendered.context_length)
+        if response.status_code != 404 or _has_error_code(response.content):
+            raise error_from_http(response.status_code, response.content, f"The worker at {url}")
+        # A stock FastChat worker: render its conversation template here.
+        conv = await self._conv_template(address, model)
+        prompt = render_chat_prompt(conv, messages)
+        prompt_tokens, context_length = await asyncio.gather(
+            self.count_tokens(address, model, prompt), self.context_length(address, model)
+        )
+        return PreparedPrompt(
+            prompt,
+            prompt_tokens,
+            context_length,
+            stop=tuple(conv.stop_strings),
+            stop_token_ids=conv.stop_token_ids,
+        )
+
+    async def prepare_completion(self, address: str, model: str, prompt: str) -> PreparedPrompt:
+        prompt_tokens, context_length = await asyncio.gather(
+            self.count_tokens(address, model, prompt), self.context_length(address, model)
+        )
+        return PreparedPrompt(prompt, prompt_tokens, context_length)
+
+    async def count_tokens(self, address: str, model: str, prompt: str) -> int:
+        url = f"{address}/count_token"
+        data = await self._post_json("worker", url, {"model": model, "prompt": prompt}, self._worker_timeout)
+        if isinstance(data, dict) and data.get("error_code"):
+            raise error_from_code(int(data["error_code"]), str(data.get("text") or "count_token failed"))
+        if not isinstance(data, dict) or not isinstance(data.get("count"), int):
+            raise UpstreamError(f"The worker at {url} answered without a token count: {data!r:.200}")
+        return data["count"]
+
+    async def context_length(self, address: str, model: str) -> int:
+        cached = self._context_lengths.get((address, model))
+        if cached is not None:
+            return cached
+        url = f"{address}/model_details"
+        data = await self._post_json("worker", url, {"model": model}, self._worker_timeout)
+        if not isinstance(data, dict) or not isinstance(data.get("context_length"), int):
+            raise UpstreamError(f"The worker at {url} answered without a context length: {data!r:.200}")
+        self._cache_put(self._context_lengths, (address, model), data["context_length"])
+        return data["context_length"]
+
+    async def _conv_template(self, address: str, model: str) -> ConvTemplate:
+        cached = self._conv_templates.get((address, model))
+        if cached is not None:
+            return cached
+        url = f"{address}/worker_get_conv_template"
+        data = await self._post_json("worker", url, {"model": model}, self._worker_timeout)
+        if not isinstance(data, dict) or not isinstance(data.get("conv"), dict):
+            raise UpstreamError(f"The worker at {url} answered without a conversation template.")
+        conv = ConvTemplate.from_dict(data["conv"])
+        self._cache_put(self._conv_templates, (address, model), conv)
+        return conv
+
+    # ---- generation --------------------------------------------------------------------------
+
+    async def generate_stream(self, address: str, params: Mapping[str, Any]) -> AsyncIterator[WorkerChunk]:
+        """The worker's chunks, in order; errors (in-stream or transport) raise typed errors.
+
+        Closing this generator closes the HTTP stream, which tells the worker to abort.
+        """
+        url = f"{address}/worker_generate_stream"
+        with _transport_errors("worker", url, self._settings.worker_timeout):
+            async with self._http.stream("POST", url, json=dict(params), timeout=self._worker_timeout) as response:
+                if response.status_code != 200:
+                    body = await response.aread()
+                    raise error_from_http(response.status_code, body, f"The worker at {url}")
+                decoder = NulFrameDecoder()
+                async for data in response.aiter_bytes():
+                    for frame in decoder.feed(data):
+                        yield parse_chunk(frame)
+                tail = decoder.flush()
+                if tail is not None:
+                    yield parse_chunk(tail)
+
+    def abort_soon(self, address: str, request_id: str) -> None:
+        """Best-effort `POST /worker_abort` in the background (a stock worker lacks the route)."""
+        task = asyncio.get_running_loop().create_task(self._abort(address, request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort(self, address: str, request_id: str) -> None:
+        url = f"{address}/worker_abort"
+        try:
+            await self._http.post(url, json={"request_id": request_id}, timeout=self._settings.abort_timeout)
+        except httpx.HTTPError as exc:
+            logger.debug("abort of %s at %s failed: %s", request_id, url, exc)
+
+    async def aclose(self) -> None:
+        """Let pending aborts finish (bounded) before the HTTP client closes."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=self._settings.abort_timeout)
+

@@ -1,0 +1,212 @@
+"""OpenAI's HTTP API as the gateway speaks it: request and response models (contracts only).
+
+Requests are parsed strictly from JSON (a string is not a number, 1 is not a boolean), ignore
+unknown fields (clients send many we do not use), and accept ``null`` wherever OpenAI does, which
+means "the default". Range limits live in the field definitions so that a violation names the
+field. Fields marked *extension* are not OpenAI's; vLLM and FastChat accept the same names.
+
+Responses carry the fields OpenAI sends, ``null`` included; a chat delta carries only what
+changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+# ---- requests -------------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = None
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content list; only ``{"type": "text"}`` parts are served."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: str
+    """system, developer (treated as system), user or assistant."""
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="Default 1.0.")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="Default 1.0.")
+    n: int | None = Field(default=None, ge=1, le=128, description="Choices per prompt; default 1.")
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    seed: int | None = None
+    user: str | None = None
+    # ---- extensions ----
+    top_k: int | None = Field(default=None, ge=-1, description="-1 or 0: off.")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(default=None, ge=0)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, description="Takes precedence over max_tokens."
+    )
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class CompletionRequest(_SamplingRequest):
+    # Token-id prompts parse (so the error can say "not supported" rather than "wrong type").
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+
+# ---- responses ------------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """Only the fields that changed; the final chunk of a choice has an empty delta `{}`."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# A streamed text completion chunk has the same shape as the full response.
+CompletionChunk = CompletionResponse
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "llmplatform"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+    @classmethod
+    def of(cls, message: str, type: str, param: str | None = None, code: Any = None) -> ErrorResponse:
+        return cls(error=ErrorDetail(message=message, type=type, param=param, code=code))

@@ -1,0 +1,62 @@
+"""Running a real cluster in-process for tests: controller, workers and gateway, each a real
+uvicorn server on 127.0.0.1 with an ephemeral port."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import httpx
+
+from llmplatform.controller import ControllerConfig
+from llmplatform.controller import create_app as create_controller_app
+from llmplatform.llm.base import LLM
+from llmplatform.model_worker.app import WorkerSettings
+from llmplatform.model_worker.app import create_app as create_worker_app
+from llmplatform.openai_api.app import create_app as create_gateway_app
+from llmplatform.openai_api.settings import GatewaySettings
+from llmplatform.utils.server import serve_in_thread
+
+
+@dataclass
+class Cluster:
+    controller_url: str
+    gateway_url: str
+    worker_urls: dict[str, str] = field(default_factory=dict)  # first model name -> URL
+    stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+    def add_worker(self, llm: LLM, *, limit_worker_concurrency: int = 5,
+                   heartbeat_interval: float = 0.5) -> str:
+        app = create_worker_app(llm, WorkerSettings(
+            worker_address=None, controller_address=self.controller_url,
+            limit_worker_concurrency=limit_worker_concurrency,
+            heartbeat_interval=heartbeat_interval))
+        url = self.stack.enter_context(serve_in_thread(app))
+        app.state.worker_address = url  # registration starts once the address is known
+        self.worker_urls[llm.model_names[0]] = url
+        wait_for_models(self.controller_url, list(llm.model_names))
+        return url
+
+
+def wait_for_models(controller_url: str, names: list[str], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        models = httpx.post(f"{controller_url}/list_models", timeout=5).json()["models"]
+        if all(n in models for n in names):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"workers for {names} did not register within {timeout} s")
+
+
+@contextlib.contextmanager
+def running_cluster(*, api_keys: tuple[str, ...] = (), heartbeat_expiration: float = 10.0
+                    ) -> Iterator[Cluster]:
+    with contextlib.ExitStack() as stack:
+        controller_url = stack.enter_context(serve_in_thread(create_controller_app(
+            ControllerConfig(heartbeat_expiration=heartbeat_expiration))))
+        gateway_url = stack.enter_context(serve_in_thread(create_gateway_app(
+            GatewaySettings(controller_address=controller_url, api_keys=api_keys))))
+        # Workers are entered on the same stack after the gateway, so they stop first.
+        yield Cluster(controller_url, gateway_url, stack=stack)

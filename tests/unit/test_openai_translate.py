@@ -1,0 +1,380 @@
+"""The gateway's pure parts: request parsing, params translation, deltas, error mapping."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmplatform.errors import (
+    ContextLengthExceededError,
+    EngineOverloadedError,
+    ErrorCode,
+    InvalidRequestError,
+    LLMPlatformError,
+    ModelNotFoundError,
+    NoWorkerError,
+)
+from llmplatform.openai_api.deltas import (
+    DeltaTracker,
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    sum_usage,
+)
+from llmplatform.openai_api.errors import (
+    AuthenticationError,
+    UpstreamError,
+    error_from_http,
+    error_payload,
+    param_path,
+    parse_request,
+)
+from llmplatform.openai_api.translate import (
+    PreparedPrompt,
+    chat_messages,
+    chat_params,
+    check_chat_request,
+    completion_params,
+    completion_prompts,
+    merge_stops,
+    params_dict,
+    resolve_max_new_tokens,
+)
+from llmplatform.openai_api.worker_client import NulFrameDecoder, parse_chunk
+from llmplatform.protocol.openai import ChatCompletionRequest, CompletionRequest
+from llmplatform.protocol.worker import ChunkLogprobs, ChunkUsage, WorkerChunk, WorkerParams
+
+
+def chat(**fields: object) -> ChatCompletionRequest:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return parse_request(ChatCompletionRequest, json.dumps(body).encode())
+
+
+def completion(**fields: object) -> CompletionRequest:
+    body = {"model": "m", "prompt": "Once", **fields}
+    return parse_request(CompletionRequest, json.dumps(body).encode())
+
+
+PREPARED = PreparedPrompt("PROMPT", prompt_tokens=10, context_length=100)
+
+
+# ---- parsing -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b"{not json", None),
+        (b"", None),
+        (b"[1, 2]", None),
+        (b'{"messages": [{"role": "user", "content": "x"}]}', "model"),
+        (b'{"model": "m"}', "messages"),
+        (b'{"model": "m", "messages": []}', "messages"),
+        (b'{"model": 5, "messages": [{"role": "user", "content": "x"}]}', "model"),
+        (b'{"model": "m", "messages": "hi"}', "messages"),
+        (b'{"model": "m", "messages": [{"content": "x"}]}', "messages[0].role"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": 5}]}', "messages[0].content"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 2.5}', "temperature"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": -0.1}', "temperature"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 0}', "top_p"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 1.5}', "top_p"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', "max_tokens"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}', "max_tokens"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1.5}', "max_tokens"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}', "n"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 129}', "n"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": 1}', "stream"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 21}', "top_logprobs"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": 3}', "stop"),
+    ],
+)
+def test_bad_chat_bodies_are_400_with_param(raw: bytes, param: str | None) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_request(ChatCompletionRequest, raw)
+    assert info.value.http_status == 400
+    assert info.value.param == param
+
+
+def test_completion_logprobs_range() -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        completion(logprobs=21)
+    assert info.value.param == "logprobs"
+    assert completion(logprobs=5).logprobs == 5
+
+
+def test_nulls_mean_defaults_and_unknown_fields_are_ignored() -> None:
+    req = chat(temperature=None, top_p=None, n=None, stop=None, stream=None, user="u", tools=None)
+    params = chat_params(req, PREPARED, max_new_tokens=5, request_id="r", choice_index=0)
+    assert params.temperature == 1.0 and params.top_p == 1.0 and params.stop is None
+
+
+def test_param_path() -> None:
+    assert param_path(("messages", 0, "content", "str")) == "messages[0].content"
+    assert param_path(("prompt", "list[str]", 0)) == "prompt[0]"
+    assert param_path(()) == ""
+
+
+# ---- messages and prompts -----------------------------------------------------------------------
+
+
+def test_chat_messages_normalized() -> None:
+    req = chat(
+        messages=[
+            {"role": "developer", "content": "sys"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": None},
+        ]
+    )
+    assert chat_messages(req.messages) == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": ""},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "messages[0].content[0].type"),
+        ({"role": "tool", "content": "x"}, "messages[0].role"),
+        ({"role": "user", "content": None}, "messages[0].content"),
+        ({"role": "user", "content": [{"type": "text"}]}, "messages[0].content[0].text"),
+    ],
+)
+def test_bad_messages(message: dict, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        chat_messages(chat(messages=[message]).messages)
+    assert info.value.param == param
+
+
+def test_top_logprobs_needs_logprobs() -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        check_chat_request(chat(top_logprobs=2))
+    assert info.value.param == "top_logprobs"
+    check_chat_request(chat(logprobs=True, top_logprobs=2))
+
+
+def test_completion_prompts() -> None:
+    assert completion_prompts(completion(prompt="x")) == ["x"]
+    assert completion_prompts(completion(prompt=["a", "b"])) == ["a", "b"]
+    for bad in ([1, 2], [[1, 2]], []):
+        with pytest.raises(InvalidRequestError) as info:
+            completion_prompts(completion(prompt=bad))
+        assert info.value.param == "prompt"
+    with pytest.raises(InvalidRequestError):
+        completion_prompts(completion(suffix="tail"))
+    with pytest.raises(InvalidRequestError):
+        completion_prompts(completion(best_of=3, n=2))
+
+
+# ---- sizing --------------------------------------------------------------------------------------
+
+
+def test_max_new_tokens_defaults() -> None:
+    # chat: all the room left; completions: OpenAI's 16, clamped to the room left.
+    assert resolve_max_new_tokens(None, prompt_tokens=10, context_length=100, default=None, prompt_param="messages") == 90
+    assert resolve_max_new_tokens(None, prompt_tokens=10, context_length=100, default=16, prompt_param="prompt") == 16
+    assert resolve_max_new_tokens(None, prompt_tokens=95, context_length=100, default=16, prompt_param="prompt") == 5
+    assert resolve_max_new_tokens(90, prompt_tokens=10, context_length=100, default=None, prompt_param="messages") == 90
+
+
+def test_context_overflow() -> None:
+    with pytest.raises(ContextLengthExceededError) as info:
+        resolve_max_new_tokens(91, prompt_tokens=10, context_length=100, default=None, prompt_param="messages")
+    assert info.value.openai_code == "context_length_exceeded"
+    assert info.value.http_status == 400
+    assert "maximum context length is 100 tokens" in info.value.message
+    assert "you requested 101 tokens (10 in the messages, 91 in the completion)" in info.value.message
+    with pytest.raises(ContextLengthExceededError):
+        resolve_max_new_tokens(None, prompt_tokens=100, context_length=100, default=None, prompt_param="messages")
+
+
+# ---- params --------------------------------------------------------------------------------------
+
+
+def test_chat_params() -> None:
+    req = chat(
+        max_completion_tokens=7,
+        max_tokens=3,
+        stop="END",
+        seed=42,
+        logprobs=True,
+        top_logprobs=3,
+        top_k=5,
+        repetition_penalty=1.1,
+        ignore_eos=True,
+        min_tokens=2,
+        stop_token_ids=[9],
+    )
+    prepared = PreparedPrompt("P", 3, 50, stop=("<|im_end|>", "END"), stop_token_ids=(7,))
+    params = chat_params(req, prepared, max_new_tokens=7, request_id="chatcmpl-x-1", choice_index=1)
+    wire = params_dict(params)
+    assert wire["echo"] is False
+    assert wire["prompt"] == "P"
+    assert wire["max_new_tokens"] == 7
+    assert wire["stop"] == ["END", "<|im_end|>"]
+    assert wire["stop_token_ids"] == [9, 7]
+    assert wire["seed"] == 43
+    assert wire["logprobs"] == 3
+    assert wire["top_k"] == 5
+    assert wire["repetition_penalty"] == 1.1
+    assert wire["ignore_eos"] is True and wire["min_tokens"] == 2
+    assert wire["request_id"] == "chatcmpl-x-1"
+    assert "prompt_logprobs" not in wire
+    # The wire dict is what a worker parses: it round-trips.
+    assert WorkerParams.model_validate(wire) == params
+
+
+def test_chat_params_defaults_and_logprobs_zero() -> None:
+    wire = params_dict(chat_params(chat(logprobs=True), PREPARED, max_new_tokens=5, request_id="r", choice_index=0))
+    assert wire["logprobs"] == 0
+    assert wire["temperature"] == 1.0 and wire["top_k"] == -1 and "seed" not in wire
+    wire = params_dict(chat_params(chat(), PREPARED, max_new_tokens=5, request_id="r", choice_index=0))
+    assert "logprobs" not in wire and wire["echo"] is False
+
+
+def test_completion_params_echo_and_logprobs() -> None:
+    wire = params_dict(
+        completion_params(completion(echo=True, logprobs=2), PREPARED, max_new_tokens=4, request_id="r", choice_index=0)
+    )
+    assert wire["echo"] is True and wire["logprobs"] == 2 and wire["prompt_logprobs"] == 2
+    wire = params_dict(completion_params(completion(logprobs=2), PREPARED, max_new_tokens=4, request_id="r", choice_index=0))
+    assert wire["echo"] is False and wire["logprobs"] == 2 and "prompt_logprobs" not in wire
+
+
+def test_merge_stops() -> None:
+    assert merge_stops(None) is None
+    assert merge_stops("a", ["a", "b", ""]) == ["a", "b"]
+    assert merge_stops(["x", "y"]) == ["x", "y"]
+
+
+# ---- deltas --------------------------------------------------------------------------------------
+
+
+def test_deltas_from_cumulative_text() -> None:
+    tracker = DeltaTracker()
+    assert tracker.advance("Hel", None, final=False).text == "Hel"
+    assert tracker.advance("Hello", None, final=False).text == "lo"
+    assert tracker.advance("Hello", None, final=False).text == ""
+    assert tracker.advance("Hello!", None, final=True).text == "!"
+
+
+def test_replacement_char_held_back() -> None:
+    tracker = DeltaTracker()
+    assert tracker.advance("caf\ufffd", None, final=False).text == "caf"
+    assert tracker.advance("caf\ufffd\ufffd", None, final=False).text == ""
+    assert tracker.advance("café", None, final=False).text == "é"
+    # At the end a genuine U+FFFD is sent: nothing more will complete it.
+    assert tracker.advance("café\ufffd", None, final=True).text == "\ufffd"
+
+
+def _lp(tokens: list[str], offsets: list[int]) -> ChunkLogprobs:
+    return ChunkLogprobs(
+        text_offset=offsets,
+        tokens=tokens,
+        token_logprobs=[-0.5] * len(tokens),
+        top_logprobs=[{t: -0.5, "zz": -2.0} for t in tokens],
+    )
+
+
+def test_logprob_slicing_follows_text() -> None:
+    tracker = DeltaTracker()
+    d1 = tracker.advance("ab", _lp(["a", "b"], [0, 1]), final=False)
+    assert d1.text == "ab" and d1.logprobs.tokens == ["a", "b"]
+    # The third token is half a character: held back with its text.
+    d2 = tracker.advance("ab\ufffd", _lp(["a", "b", "\ufffd"], [0, 1, 2]), final=False)
+    assert d2.text == "" and d2.logprobs.tokens == [] and not d2.has_tokens
+    d3 = tracker.advance("abé", _lp(["a", "b", "\ufffd", "é"], [0, 1, 2, 2]), final=False)
+    assert d3.text == "é" and d3.logprobs.tokens == ["\ufffd", "é"]
+    d4 = tracker.advance("abé", _lp(["a", "b", "\ufffd", "é"], [0, 1, 2, 2]), final=True)
+    assert d4.text == "" and d4.logprobs.tokens == []
+
+
+def test_chat_logprobs_shape() -> None:
+    lp = ChunkLogprobs(
+        text_offset=[0, 1], tokens=["P", "é"], token_logprobs=[None, -0.25], top_logprobs=[None, {"é": -0.25, "e": -1.5}]
+    )
+    out = chat_logprobs(lp, num_top=1)
+    assert out is not None and out.content is not None
+    assert len(out.content) == 1  # the entry without a logprob (a prompt token) is skipped
+    entry = out.content[0]
+    assert entry.token == "é" and entry.logprob == -0.25 and entry.bytes == [0xC3, 0xA9]
+    assert [t.token for t in entry.top_logprobs] == ["é"]
+    assert chat_logprobs(None, 2) is None
+
+
+def test_completion_logprobs_shape() -> None:
+    lp = _lp(["a", "b"], [0, 1])
+    out = completion_logprobs(lp, num_top=1)
+    assert out.tokens == ["a", "b"] and out.text_offset == [0, 1]
+    assert out.top_logprobs == [{"a": -0.5}, {"b": -0.5}]
+
+
+def test_finish_reason_and_usage() -> None:
+    assert finish_reason("length") == "length"
+    assert finish_reason("stop") == finish_reason("abort") == finish_reason(None) == "stop"
+    chunks = [
+        WorkerChunk(text="x", usage=ChunkUsage(prompt_tokens=5, completion_tokens=2), finish_reason="stop"),
+        WorkerChunk(text="y", usage=ChunkUsage(prompt_tokens=5, completion_tokens=3), finish_reason="stop"),
+        WorkerChunk(text="z", usage=None, finish_reason="stop"),
+        WorkerChunk(text="w", usage=ChunkUsage(prompt_tokens=0, completion_tokens=1), finish_reason="length"),
+    ]
+    usage = sum_usage(chunks, [5, 7], n=2)  # 2 prompts x 2 choices; prompt 2's worker count missing
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (12, 6, 18)
+
+
+# ---- framing and errors --------------------------------------------------------------------------
+
+
+def test_nul_framing_across_reads() -> None:
+    frames = [json.dumps({"text": t, "error_code": 0}).encode() + b"\0" for t in ("a", "ab", "abc")]
+    stream = b"".join(frames)
+    for cut in range(1, len(stream)):
+        decoder = NulFrameDecoder()
+        got = decoder.feed(stream[:cut]) + decoder.feed(stream[cut:])
+        assert [parse_chunk(f).text for f in got] == ["a", "ab", "abc"]
+        assert decoder.flush() is None
+    decoder = NulFrameDecoder()
+    assert decoder.feed(b'{"text": "x"}\0{"text": "xy"') == [b'{"text": "x"}']
+    assert decoder.flush() == b'{"text": "xy"'
+
+
+def test_error_chunks_map_to_typed_errors() -> None:
+    cases = {
+        ErrorCode.CONTEXT_OVERFLOW: (ContextLengthExceededError, 400),
+        ErrorCode.PARAM_OUT_OF_RANGE: (InvalidRequestError, 400),
+        ErrorCode.INVALID_MODEL: (ModelNotFoundError, 404),
+        ErrorCode.ENGINE_OVERLOADED: (EngineOverloadedError, 429),
+        ErrorCode.CONTROLLER_NO_WORKER: (NoWorkerError, 503),
+        ErrorCode.INTERNAL_ERROR: (LLMPlatformError, 500),
+    }
+    for code, (cls, status) in cases.items():
+        with pytest.raises(cls) as info:
+            parse_chunk(json.dumps({"text": "boom", "error_code": code}).encode())
+        assert info.value.http_status == status and info.value.message == "boom"
+    with pytest.raises(UpstreamError):
+        parse_chunk(b"not json")
+
+
+def test_error_from_http() -> None:
+    err = error_from_http(400, json.dumps({"text": "too long", "error_code": 40303}).encode(), "w")
+    assert isinstance(err, ContextLengthExceededError)
+    assert isinstance(error_from_http(422, b'{"detail": "x"}', "w"), InvalidRequestError)
+    assert error_from_http(500, b"oops", "w").http_status == 502
+
+
+def test_error_envelope() -> None:
+    payload = error_payload(ContextLengthExceededError("too long", param="messages"))
+    assert payload == {
+        "error": {
+            "message": "too long",
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": "context_length_exceeded",
+        }
+    }
+    auth = error_payload(AuthenticationError("no key"))["error"]
+    assert (auth["type"], auth["code"]) == ("invalid_request_error", "invalid_api_key")
+    assert AuthenticationError("x").http_status == 401
