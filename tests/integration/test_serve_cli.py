@@ -1,0 +1,145 @@
+"""`llmplatform serve` as a user runs it: real processes, real ports, Ctrl-C stops everything."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+STARTUP_TIMEOUT_S = 180
+
+
+def free_ports(n: int) -> list[int]:
+    sockets, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+        ports.append(s.getsockname()[1])
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def start_serve(args: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "llmplatform.cli", "serve", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def wait_for_line(proc: subprocess.Popen, needle: str, lines: list[str]) -> None:
+    """Collects the process's output on a thread until ``needle`` shows up (bounded in time)."""
+    import threading
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if any(needle in line for line in lines):
+            return
+        if proc.poll() is not None:
+            time.sleep(0.2)
+            break
+        time.sleep(0.1)
+    output = "\n".join(lines)
+    raise AssertionError(f"{needle!r} not printed; output:\n{output}")
+
+
+def stop_and_check_no_orphans(proc: subprocess.Popen) -> None:
+    children = children_of(proc.pid)
+    assert children, "serve runs its services as child processes"
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+    try:
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 10
+    while any(alive(c) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(c) for c in children), "no orphan process is left behind"
+
+
+@pytest.mark.parametrize("mode", ["flags", "config"])
+def test_serve_two_workers_and_ctrl_c(tiny_model_dir, tmp_path, mode):
+    controller_port, api_port, w1, w2 = free_ports(4)
+    common = ["--controller-port", str(controller_port), "--api-port", str(api_port)]
+    if mode == "flags":
+        args = common + [
+            "--worker", f"--model-path {tiny_model_dir} --model-names tiny-a --port {w1} --dtype float32",
+            "--worker", f"--model-path {tiny_model_dir} --model-names tiny-b --port {w2} --backend hf",
+        ]
+    else:
+        config = tmp_path / "cluster.toml"
+        config.write_text(
+            f'[controller]\nport = {controller_port}\ndispatch_method = "lottery"\n'
+            f'[api]\nport = {api_port}\napi_keys = ["k1"]\n'
+            f'[[worker]]\nmodel_path = "{tiny_model_dir}"\nmodel_names = ["tiny-a"]\nport = {w1}\n'
+            f'[[worker]]\nmodel_path = "{tiny_model_dir}"\nmodel_names = ["tiny-b", "tiny-c"]\n'
+            f'port = {w2}\nbackend = "hf"\ndtype = "float32"\n')
+        args = ["--config", str(config)]
+    proc = start_serve(args)
+    lines: list[str] = []
+    try:
+        wait_for_line(proc, "OpenAI API at", lines)
+        assert any(f"127.0.0.1:{controller_port}" in line for line in lines)
+        assert any(f"127.0.0.1:{w1}" in line for line in lines)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{api_port}/v1",
+                               api_key="k1" if mode == "config" else "none", max_retries=0)
+        expected = ["tiny-a", "tiny-b"] + (["tiny-c"] if mode == "config" else [])
+        assert sorted(m.id for m in client.models.list()) == expected
+        for model in expected:
+            reply = client.completions.create(model=model, prompt="Hello", max_tokens=3)
+            assert reply.model == model and reply.choices[0].finish_reason
+        if mode == "config":
+            bad = httpx.get(f"http://127.0.0.1:{api_port}/v1/models",
+                            headers={"Authorization": "Bearer wrong"}, timeout=10)
+            assert bad.status_code == 401
+    finally:
+        stop_and_check_no_orphans(proc)
+
+
+def test_serve_reports_a_worker_that_cannot_start(tmp_path):
+    controller_port, api_port = free_ports(2)
+    proc = start_serve(["--controller-port", str(controller_port), "--api-port", str(api_port),
+                        "--worker", f"--model-path {tmp_path / 'missing'}"])
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "worker 0 exited" in out
