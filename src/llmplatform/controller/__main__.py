@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 from collections.abc import Sequence
 
 import uvicorn
@@ -14,6 +13,7 @@ import uvicorn
 from llmplatform.controller.app import ControllerConfig, create_app
 from llmplatform.controller.dispatch import DispatchMethod
 from llmplatform.controller.registry import DEFAULT_HEARTBEAT_EXPIRATION_S
+from llmplatform.utils.logs import configure_logging
 
 DEFAULT_PORT = 21001
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -53,9 +53,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level)
     try:
         config = ControllerConfig(
             dispatch_method=DispatchMethod(args.dispatch_method),

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import logging
 import sys
 from urllib.parse import urlparse
 
 from llmplatform.model_worker.backends import BACKENDS, BackendConfig, build_llm
+from llmplatform.utils.logs import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,8 +69,7 @@ def _bracket(host: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     if args.limit_worker_concurrency < 1:
         raise SystemExit("error: --limit-worker-concurrency must be at least 1")
     address = worker_address_from(args)

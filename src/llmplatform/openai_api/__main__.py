@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
 from collections.abc import Sequence
 
 import uvicorn
 
 from llmplatform.openai_api.app import create_app
 from llmplatform.openai_api.settings import GatewaySettings
+from llmplatform.utils.logs import configure_logging
 
 
 def _csv(value: str) -> list[str]:
@@ -54,7 +54,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     app = create_app(settings_from_args(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from llmplatform.utils.logs import configure_logging
 
 logger = logging.getLogger("llmplatform.serve")
 
@@ -212,13 +213,15 @@ class Cluster:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging("info")
     spec = spec_from_args(args)
     cluster = Cluster(services_for(spec), args.startup_timeout)
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
 
+    # SIGINT explicitly too: a shell starting us in the background leaves it ignored.
+    signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
     try:
