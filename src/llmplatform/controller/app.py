@@ -3,7 +3,7 @@
 `create_app(config)` builds everything; nothing runs at import time. State lives on
 `app.state` (`config`, `registry`, `dispatcher`, and, while the lifespan runs, `http_client`).
 The lifespan owns one `httpx.AsyncClient` (status polls, stream proxying) and the background
-task that expires workers whose heartbeats stopped.
+task that polls quiet workers and expires those that stopped answering.
 
 Client mistakes (malformed JSON, wrong types, an unusable worker URL) are 400 with
 `{"error": message}`, never 500. Routes that take no arguments ignore the body entirely,
@@ -55,7 +55,8 @@ class ControllerConfig:
 
     dispatch_method: DispatchMethod = DispatchMethod.SHORTEST_QUEUE
     heartbeat_expiration: float = DEFAULT_HEARTBEAT_EXPIRATION_S
-    """Seconds without a heartbeat after which a worker is dropped. Workers beat every ~3 s."""
+    """Seconds without a heartbeat after which a worker is dropped. Our workers beat every ~3 s;
+    quieter ones (stock FastChat workers beat every 45 s) are polled before they would expire."""
     expiry_interval: float | None = None
     """Seconds between expiry sweeps; None means heartbeat_expiration / 3."""
     status_timeout: float = 5.0
@@ -216,10 +217,39 @@ async def _relay_stream(
         )
 
 
-async def _expire_periodically(registry: WorkerRegistry, interval: float) -> None:
+async def _poll_quiet_workers(
+    registry: WorkerRegistry, client: httpx.AsyncClient, timeout: float
+) -> None:
+    """Ask workers silent for half the expiration for their status; an answer counts as a beat.
+
+    Stock FastChat workers beat only every 45 s (FastChat expires them after 90 s), far less
+    often than our expiration asks, so without this they would be dropped and re-register
+    between beats. Our workers beat every few seconds and are never polled. A worker that does
+    not answer is left to expire as usual.
+    """
+    quiet = registry.quiet_workers(registry.heartbeat_expiration / 2)
+    results = await asyncio.gather(
+        *(fetch_worker_status(client, w.worker_name, timeout) for w in quiet),
+        return_exceptions=True,
+    )
+    for worker, result in zip(quiet, results):
+        # Removed or re-registered meanwhile: the poll is no longer news.
+        if isinstance(result, WorkerStatus) and registry.get(worker.worker_name) is worker:
+            registry.register(
+                worker.worker_name,
+                result,
+                check_heart_beat=worker.check_heart_beat,
+                multimodal=worker.multimodal,
+            )
+
+
+async def _sweep_periodically(
+    registry: WorkerRegistry, client: httpx.AsyncClient, config: ControllerConfig
+) -> None:
     while True:
-        await asyncio.sleep(interval)
+        await asyncio.sleep(config.effective_expiry_interval)
         try:
+            await _poll_quiet_workers(registry, client, config.status_timeout)
             expiration = registry.heartbeat_expiration
             for name in registry.expire():
                 logger.info("expired worker %s (no heartbeat for %.1f s)", name, expiration)
@@ -247,8 +277,7 @@ def create_app(
         async with httpx.AsyncClient(timeout=timeout) as client:
             app.state.http_client = client
             sweeper = asyncio.create_task(
-                _expire_periodically(registry, config.effective_expiry_interval),
-                name="controller-expiry",
+                _sweep_periodically(registry, client, config), name="controller-expiry"
             )
             logger.info(
                 "controller up: dispatch=%s heartbeat_expiration=%.1fs",

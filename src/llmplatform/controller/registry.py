@@ -160,6 +160,15 @@ class WorkerRegistry:
             info for name, info in sorted(self._workers.items()) if self._is_live(info, now)
         ]
 
+    def quiet_workers(self, min_silence: float) -> list[WorkerInfo]:
+        """Live heartbeat-checked workers not heard from for more than `min_silence` seconds."""
+        now = self._clock()
+        return [
+            info
+            for info in self.live_workers()
+            if info.check_heart_beat and now - info.last_heartbeat > min_silence
+        ]
+
     def list_models(self, *, multimodal: bool | None = None) -> list[str]:
         """Sorted union of model names over live workers.
 
