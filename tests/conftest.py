@@ -38,6 +38,7 @@ TINY_LLAMA = dict(
     intermediate_size=128,
     max_position_embeddings=512,
     tie_word_embeddings=True,
+    initializer_range=0.2,
 )
 
 

@@ -27,11 +27,11 @@ class Cluster:
     worker_urls: dict[str, str] = field(default_factory=dict)  # first model name -> URL
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
-    def add_worker(self, llm: LLM, *, limit_worker_concurrency: int = 5,
+    def add_worker(self, llm: LLM, *, limit_worker_concurrency: int | None = None,
                    heartbeat_interval: float = 0.5) -> str:
         app = create_worker_app(llm, WorkerSettings(
             worker_address=None, controller_address=self.controller_url,
-            limit_worker_concurrency=limit_worker_concurrency,
+            limit_worker_concurrency=limit_worker_concurrency or llm.default_concurrency,
             heartbeat_interval=heartbeat_interval))
         url = self.stack.enter_context(serve_in_thread(app))
         app.state.worker_address = url  # registration starts once the address is known

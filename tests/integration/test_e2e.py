@@ -1,4 +1,4 @@
-"""End to end through controller + worker (HF backend, real weights) + gateway, with the official
+"""End to end through controller + worker (each backend, real weights) + gateway, with the official
 openai client."""
 
 from __future__ import annotations
@@ -9,15 +9,21 @@ import pytest
 from transformers import AutoTokenizer
 
 from llmplatform.llm.hf import HFTransformersLLM
+from llmplatform.llm.paged import PagedLLM
+from llmplatform.model_worker.backends import BackendConfig, build_llm
 from tests.integration.cluster import running_cluster
 
 CHAT = [{"role": "user", "content": "Tell me something about the sea."}]
 
 
-@pytest.fixture(scope="module")
-def tiny_llm(tiny_model_dir):
-    return HFTransformersLLM(str(tiny_model_dir), ("tiny",), device="cpu", dtype="float32",
-                             max_concurrency=4)
+@pytest.fixture(scope="module", params=["hf", "paged"])
+def tiny_llm(request, tiny_model_dir):
+    if request.param == "hf":
+        return HFTransformersLLM(str(tiny_model_dir), ("tiny",), device="cpu", dtype="float32",
+                                 max_concurrency=4)
+    return build_llm(BackendConfig(model_path=str(tiny_model_dir), model_names=("tiny",),
+                                   backend="paged", device="cpu", dtype="float32",
+                                   kv_cache_memory="64MiB"))
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +185,33 @@ def test_context_overflow_is_400(client):
     with pytest.raises(openai.BadRequestError):
         list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10_000,
                                             stream=True))
+
+
+def test_client_disconnect_aborts_and_frees_resources(cluster, tiny_llm):
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 400, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{cluster.gateway_url}/v1/chat/completions", json=body,
+                      timeout=60) as response:
+        assert response.status_code == 200
+        for i, _ in enumerate(response.iter_lines()):
+            if i >= 4:
+                break  # hang up mid-stream
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        load = tiny_llm.load()
+        if load.num_running == 0 and load.num_waiting == 0:
+            break
+        time.sleep(0.05)
+    assert tiny_llm.load().num_running == 0
+    if isinstance(tiny_llm, PagedLLM):
+        manager = tiny_llm.engine.block_manager
+        assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_worker_reports_engine_load(cluster, tiny_llm):
+    status = httpx.post(f"{cluster.worker_urls['tiny']}/worker_get_status", timeout=10).json()
+    assert status["queue_length"] == 0 and status["num_running"] == 0
+    if isinstance(tiny_llm, PagedLLM):
+        assert status["kv_cache_usage"] == 0.0

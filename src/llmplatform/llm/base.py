@@ -112,6 +112,9 @@ class LLM(abc.ABC):
     """A model that serves generation requests. One instance per worker."""
 
     tokenizer: Any
+    # Requests a worker should let through to this backend at once by default (the rest wait in
+    # the worker's queue): a batching engine wants them all, a one-at-a-time backend a few.
+    default_concurrency: int = 5
 
     @property
     @abc.abstractmethod

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator
 
 import torch
 
-from llmplatform.errors import ContextLengthExceededError, EngineDeadError
+from llmplatform.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError
 from llmplatform.llm.base import (LLM, FinishReason, GenerateChunk, GenerateRequest, LoadStats,
                                   ModelFacts, TokenLogprob)
 from llmplatform.llm.output import OutputProcessor, eos_token_ids_of, token_text
@@ -89,6 +89,9 @@ class HFTransformersLLM(LLM):
         if self._dead is not None:
             raise EngineDeadError(f"the backend has failed: {self._dead}")
         params = request.params
+        if params.n != 1:
+            raise InvalidRequestError("this backend generates one sequence per request (n=1)",
+                                      param="n")
         prompt_ids = (list(request.prompt_token_ids) if request.prompt_token_ids is not None
                       else await self.encode(request.prompt or ""))
         self._check_fits(len(prompt_ids), params.max_tokens)

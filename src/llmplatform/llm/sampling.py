@@ -16,6 +16,7 @@ GREEDY_TEMPERATURE = 1e-5
 # Most alternatives a request may ask for per token (OpenAI's limit for top_logprobs).
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_N = 128
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Parallel samples of one prompt (offline API / engine); the gateway fans ``n`` out itself.
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Normalise wire conventions first (frozen: go through object.__setattr__).
@@ -98,6 +101,8 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise bad("stop_token_ids", f"stop_token_ids must be non-negative integers, got {t!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"n must be between 1 and {MAX_N}, got {self.n!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)

@@ -29,8 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--controller-address", default="http://127.0.0.1:21001")
     parser.add_argument("--no-register", action="store_true",
                         help="do not register with a controller")
-    parser.add_argument("--limit-worker-concurrency", type=int, default=5,
-                        help="requests served at once; more wait in the worker's queue")
+    parser.add_argument("--limit-worker-concurrency", type=int, default=None,
+                        help="requests let through to the backend at once; more wait in the "
+                             "worker's queue (default: 5 for hf, 1024 for paged, which batches)")
     parser.add_argument("--heartbeat-interval", type=float, default=3.0,
                         help="seconds between heartbeats to the controller")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -38,6 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="weights and activations dtype (auto: bfloat16)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="cap on prompt + output tokens (default: the model's context length)")
+    engine = parser.add_argument_group("native engine (--backend paged)")
+    engine.add_argument("--max-num-seqs", type=int, default=64,
+                        help="sequences batched together at most")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="tokens computed per engine step (prefill chunks + decodes)")
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    engine.add_argument("--kv-cache-memory", default="2GiB",
+                        help="KV-cache size on CPU, e.g. 2GiB or 512MiB")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="fraction of GPU memory for weights, activations and KV cache (CUDA)")
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -70,7 +81,7 @@ def _bracket(host: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
-    if args.limit_worker_concurrency < 1:
+    if args.limit_worker_concurrency is not None and args.limit_worker_concurrency < 1:
         raise SystemExit("error: --limit-worker-concurrency must be at least 1")
     address = worker_address_from(args)
     import uvicorn
@@ -82,12 +93,18 @@ def main(argv: list[str] | None = None) -> None:
         llm = build_llm(BackendConfig(model_path=args.model_path, model_names=names,
                                       backend=args.backend, device=args.device, dtype=args.dtype,
                                       max_concurrency=args.limit_worker_concurrency,
-                                      max_model_len=args.max_model_len))
+                                      max_model_len=args.max_model_len,
+                                      max_num_seqs=args.max_num_seqs,
+                                      max_num_batched_tokens=args.max_num_batched_tokens,
+                                      block_size=args.block_size,
+                                      kv_cache_memory=args.kv_cache_memory,
+                                      gpu_memory_utilization=args.gpu_memory_utilization))
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from exc
     settings = WorkerSettings(worker_address=address, controller_address=args.controller_address,
                               register=not args.no_register,
-                              limit_worker_concurrency=args.limit_worker_concurrency,
+                              limit_worker_concurrency=(args.limit_worker_concurrency
+                                                        or llm.default_concurrency),
                               heartbeat_interval=args.heartbeat_interval)
     app = create_app(llm, settings)
     print(f"llmplatform worker: serving {', '.join(llm.model_names)} at {address}", file=sys.stderr,

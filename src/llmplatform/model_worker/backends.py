@@ -9,7 +9,7 @@ from llmplatform.llm.base import LLM
 
 logger = logging.getLogger("llmplatform.worker")
 
-BACKENDS = ("auto", "hf")
+BACKENDS = ("auto", "paged", "hf")
 
 
 @dataclass(frozen=True)
@@ -19,8 +19,14 @@ class BackendConfig:
     backend: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
-    max_concurrency: int = 5
+    max_concurrency: int | None = None  # hf: forward passes at once (default 5)
     max_model_len: int | None = None
+    # Native engine (paged backend) only.
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: str = "2GiB"
+    gpu_memory_utilization: float = 0.9
 
 
 def build_llm(config: BackendConfig) -> LLM:
@@ -30,12 +36,51 @@ def build_llm(config: BackendConfig) -> LLM:
     resolved = resolve_model(config.model_path)
     names = config.model_names or (resolved.name,)
     backend = config.backend
-    if backend == "auto":
-        backend = "hf"
+    if backend in ("auto", "paged"):
+        from transformers import AutoConfig
+
+        from llmplatform.models.registry import unsupported_reason
+
+        reason = unsupported_reason(AutoConfig.from_pretrained(str(resolved.path)))
+        if reason is None:
+            backend = "paged"
+        elif backend == "paged":
+            raise ValueError(f"the paged backend cannot serve {resolved.path}: {reason}")
+        else:
+            logger.info("using the hf backend: %s", reason)
+            backend = "hf"
+    if backend == "paged":
+        return _build_paged(config, str(resolved.path), names)
     if backend == "hf":
         from llmplatform.llm.hf import HFTransformersLLM
 
         return HFTransformersLLM(str(resolved.path), names, device=config.device,
-                                 dtype=config.dtype, max_concurrency=config.max_concurrency,
+                                 dtype=config.dtype, max_concurrency=config.max_concurrency or 5,
                                  max_model_len=config.max_model_len)
     raise ValueError(f"unknown backend {config.backend!r}; choose from {', '.join(BACKENDS)}")
+
+
+def _build_paged(config: BackendConfig, path: str, names: tuple[str, ...]) -> LLM:
+    from transformers import AutoConfig
+
+    from llmplatform.engine.config import (CacheConfig, EngineConfig, ModelConfig,
+                                           SchedulerConfig, parse_memory_size)
+    from llmplatform.llm.paged import PagedLLM
+    from llmplatform.models.registry import max_model_len
+
+    model_len = max_model_len(AutoConfig.from_pretrained(path))
+    if config.max_model_len is not None:
+        if config.max_model_len > model_len:
+            raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's context "
+                             f"length {model_len}")
+        model_len = config.max_model_len
+    engine_config = EngineConfig(
+        model=ModelConfig(model_path=path, model_names=names, device=config.device,
+                          dtype=config.dtype),
+        cache=CacheConfig(block_size=config.block_size,
+                          kv_cache_memory_bytes=parse_memory_size(config.kv_cache_memory),
+                          gpu_memory_utilization=config.gpu_memory_utilization),
+        scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_model_len=model_len))
+    return PagedLLM(engine_config)

@@ -1,0 +1,188 @@
+"""The synchronous engine: add requests, step, abort. The step loop is schedule -> execute ->
+update; everything else lives in the components.
+
+Each step returns, per sequence that changed, a :class:`SequenceUpdate` with the
+:class:`GenerateChunk` of what it added (the shared output processor decides stops, so the
+engine's own finishing rules are the same as every other backend's).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from llmplatform.engine.block_manager import BlockManager
+from llmplatform.engine.config import EngineConfig
+from llmplatform.engine.model_runner import ModelRunner
+from llmplatform.engine.outputs import ModelOutput, SchedulerOutput
+from llmplatform.engine.scheduler import Scheduler
+from llmplatform.engine.sequence import Sequence
+from llmplatform.errors import ContextLengthExceededError, InvalidRequestError
+from llmplatform.llm.base import FinishReason, GenerateChunk
+from llmplatform.llm.output import OutputProcessor, eos_token_ids_of
+from llmplatform.llm.sampler import SamplingRow, make_generator
+from llmplatform.llm.sampling import SamplingParams
+
+logger = logging.getLogger("llmplatform.engine")
+
+
+@dataclass(frozen=True)
+class SequenceUpdate:
+    request_id: str
+    index: int  # which of the request's n outputs
+    chunk: GenerateChunk
+
+
+@dataclass
+class SeqState:
+    """Per-sequence engine state the scheduler does not need: output processing, randomness."""
+
+    processor: OutputProcessor
+    generator: Any
+    stop_token_ids: tuple[int, ...]
+    pending_prompt_logprobs: list = field(default_factory=list)
+
+    def sampling_row(self, seq: Sequence) -> SamplingRow:
+        return SamplingRow(params=seq.params, prompt_token_ids=seq.prompt_token_ids,
+                           output_token_ids=seq.output_token_ids, generator=self.generator,
+                           stop_token_ids=self.stop_token_ids)
+
+
+@dataclass
+class StepStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    # Sum over steps of (tokens stored / token slots allocated) and how many steps were counted.
+    kv_efficiency_sum: float = 0.0
+    num_batched_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
+        from transformers import AutoTokenizer, GenerationConfig
+
+        self.config = config
+        path = config.model.model_path
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
+        try:
+            generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:
+            generation_config = None
+        self.eos_token_ids = eos_token_ids_of(self.tokenizer, generation_config)
+        sched = config.scheduler
+        self.max_model_len = sched.max_model_len
+        self.runner = ModelRunner(config.model, config.cache, self.tokenizer, sched.max_model_len,
+                                  sched.max_num_batched_tokens)
+        layout = self.runner.layout
+        if layout.num_tokens < sched.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {layout.num_tokens} tokens ({layout.num_blocks} blocks of "
+                f"{layout.block_size}), less than one sequence of --max-model-len "
+                f"{sched.max_model_len}; give it more memory (--kv-cache-memory / "
+                f"--gpu-memory-utilization) or lower --max-model-len")
+        self.block_manager = BlockManager(layout.num_blocks, layout.block_size)
+        self.scheduler = Scheduler(sched, self.block_manager)
+        self.stats = StepStats()
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s on %s); max concurrency at "
+            "full context (%d tokens): %.1f sequences",
+            layout.num_blocks, layout.block_size, layout.num_tokens,
+            layout.num_blocks * layout.bytes_per_block / 2**30, self.runner.dtype,
+            self.runner.device, sched.max_model_len, layout.num_tokens / sched.max_model_len)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises for a request that can never be served (before anything is allocated)."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {total} tokens ({len(prompt_token_ids)} in the prompt, "
+                f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens")
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise InvalidRequestError(
+                f"n={params.n} exceeds --max-num-seqs {self.config.scheduler.max_num_seqs}",
+                param="n")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> list[Sequence]:
+        self.validate(prompt_token_ids, params)
+        seqs = []
+        for index in range(params.n):
+            seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                           params=params, index=index)
+            # With a seed, output i draws from seed + i: reproducible, and the n outputs differ.
+            seed = None if params.seed is None else params.seed + index
+            seq.state = SeqState(
+                processor=OutputProcessor(request_id, self.tokenizer, params, prompt_token_ids,
+                                          self.eos_token_ids, self.max_model_len),
+                generator=make_generator(seed, self.runner.device),
+                stop_token_ids=tuple(self.eos_token_ids) + params.stop_token_ids)
+            seqs.append(seq)
+        self.scheduler.add_request(seqs)
+        return seqs
+
+    def abort(self, request_id: str) -> list[SequenceUpdate]:
+        """Stops the request's sequences and frees their blocks now."""
+        return [SequenceUpdate(seq.request_id, seq.index, seq.state.processor.finish(FinishReason.ABORT))
+                for seq in self.scheduler.abort_request(request_id)]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step loop -----------------------------------------------------------------------
+
+    def step(self) -> list[SequenceUpdate]:
+        scheduled = self.scheduler.schedule()
+        updates = self._reject(scheduled)
+        if scheduled.is_empty:
+            return updates
+        model_output = self.runner.execute(scheduled)
+        self.scheduler.update(scheduled, model_output)
+        self._record_stats(scheduled)
+        return updates + self._process(scheduled, model_output)
+
+    def _reject(self, scheduled: SchedulerOutput) -> list[SequenceUpdate]:
+        return [SequenceUpdate(seq.request_id, seq.index,
+                               seq.state.processor.finish(FinishReason.ERROR, error=reason))
+                for seq, reason in scheduled.rejected]
+
+    def _process(self, scheduled: SchedulerOutput, output: ModelOutput) -> list[SequenceUpdate]:
+        updates = []
+        by_seq = {item.seq.seq_id: item.seq for item in scheduled.scheduled}
+        prompt_records = output.prompt_logprobs
+        for seq_id, records in prompt_records.items():
+            by_seq[seq_id].state.pending_prompt_logprobs.extend(records)
+        for seq_id, token_id, logprob in zip(output.seq_ids, output.token_ids, output.logprobs):
+            seq = by_seq[seq_id]
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            state: SeqState = seq.state
+            chunk = state.processor.append([token_id], [logprob] if logprob is not None else None)
+            if state.pending_prompt_logprobs and seq.params.prompt_logprobs is not None:
+                chunk = replace(chunk, prompt_logprobs=tuple(state.pending_prompt_logprobs))
+                state.pending_prompt_logprobs = []
+            if chunk.finish_reason is not None:
+                self.scheduler.finish(seq)
+            updates.append(SequenceUpdate(seq.request_id, seq.index, chunk))
+        return updates
+
+    def _record_stats(self, scheduled: SchedulerOutput) -> None:
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_preemptions += len(scheduled.preempted)
+        stats.num_batched_tokens += scheduled.num_batched_tokens
+        running = self.scheduler.running
+        slots = sum(len(s.block_table) for s in running) * self.block_manager.block_size
+        stored = sum(s.num_computed_tokens for s in running)
+        if slots:
+            stats.kv_efficiency_sum += stored / slots
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.block_manager.usage

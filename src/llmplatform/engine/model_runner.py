@@ -1,0 +1,182 @@
+"""The model runner: a SchedulerOutput in, one sampled token per sampling sequence out.
+
+It owns the model weights and the paged KV cache tensors. Each step it
+1. copies KV blocks that the scheduler copied-on-write,
+2. flattens the scheduled chunks into one batch (no padding): input ids, positions, the slots
+   where the new K/V go, and the attention metadata,
+3. runs the model, computes logits only for the rows that sample (and for prompt positions when
+   prompt logprobs were asked), and samples with the shared batched sampler.
+
+Layout of one step's batch (three sequences: a prefill chunk, two decodes):
+
+    input_ids:  | seq A tokens [c_A, c_A + q_A) | seq B: 1 token | seq C: 1 token |
+    positions:  | c_A ... c_A + q_A - 1         | c_B           | c_C           |
+    sample row: the last token of each chunk that reaches its sequence's end
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llmplatform.engine.config import CacheConfig, ModelConfig
+from llmplatform.engine.outputs import ModelOutput, SchedulerOutput
+from llmplatform.kernels import AttentionMetadata
+from llmplatform.llm.base import TokenLogprob
+from llmplatform.llm.output import token_text
+from llmplatform.llm.sampler import Sampler, SamplingRow
+from llmplatform.llm.torch_utils import resolve_device, resolve_dtype
+from llmplatform.models.loader import load_model
+
+logger = logging.getLogger("llmplatform.engine")
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What the KV pool holds, for logs and admission."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, tokenizer: Any,
+                 max_model_len: int, max_num_batched_tokens: int) -> None:
+        self.device = resolve_device(model_config.device)
+        self.dtype = resolve_dtype(model_config.dtype, self.device)
+        self.block_size = cache_config.block_size
+        self.model = load_model(model_config.model_path, dtype=self.dtype, device=self.device,
+                                max_model_len=max_model_len)
+        self.sampler = Sampler(tokenizer)
+        self._tokenizer = tokenizer
+        bytes_per_block = self.model.kv_cache_bytes_per_block(self.block_size)
+        num_blocks = self._num_blocks(cache_config, bytes_per_block, max_num_batched_tokens)
+        self.layout = CacheLayout(num_blocks, self.block_size, bytes_per_block)
+        self.kv_caches = self.model.allocate_kv_caches(num_blocks, self.block_size, device=self.device)
+
+    def _num_blocks(self, cache_config: CacheConfig, bytes_per_block: int,
+                    max_num_batched_tokens: int) -> int:
+        if cache_config.num_blocks is not None:
+            return cache_config.num_blocks
+        if self.device.type == "cuda":
+            return self._profile_cuda_blocks(cache_config, bytes_per_block, max_num_batched_tokens)
+        return max(1, cache_config.kv_cache_memory_bytes // bytes_per_block)
+
+    @torch.inference_mode()
+    def _profile_cuda_blocks(self, cache_config: CacheConfig, bytes_per_block: int,
+                             max_num_batched_tokens: int) -> int:
+        """Runs the largest forward pass once (with a 1-block cache) to measure peak activation
+        memory; the pool gets what is left of ``gpu_memory_utilization`` of the card."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = max_num_batched_tokens
+        num_blocks = (num_tokens + self.block_size - 1) // self.block_size
+        caches = self.model.allocate_kv_caches(num_blocks, self.block_size, device=self.device)
+        metadata = AttentionMetadata.build(context_lens=[0], query_lens=[num_tokens],
+                                           block_tables=[list(range(num_blocks))],
+                                           block_size=self.block_size, device=self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % self.model.max_position
+        hidden = self.model(ids, positions, caches, metadata)
+        self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del caches, hidden
+        torch.cuda.empty_cache()
+        _, total = torch.cuda.mem_get_info(self.device)
+        available = total * cache_config.gpu_memory_utilization - peak
+        if available < bytes_per_block:
+            raise ValueError(
+                f"no GPU memory left for the KV cache: the weights and a forward pass of "
+                f"{num_tokens} tokens peak at {peak / 2**30:.2f} GiB of the "
+                f"{total * cache_config.gpu_memory_utilization / 2**30:.2f} GiB allowed; raise "
+                f"--gpu-memory-utilization or lower --max-num-batched-tokens")
+        return int(available // bytes_per_block)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
+        self._copy_blocks(scheduled.blocks_to_copy)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        context_lens: list[int] = []
+        query_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sampling: list[SamplingRow] = []
+        sample_seq_ids: list[int] = []
+        # (seq, its first row, its first position, its number of new tokens)
+        prompt_logprob_spans: list[tuple[Any, int, int, int]] = []
+        for item in scheduled.scheduled:
+            seq = item.seq
+            start = seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            first_row = len(input_ids)
+            if item.num_new_tokens == 1:  # decode: avoid copying the whole history
+                tokens = [seq.token_at(start)]
+            elif end <= seq.num_prompt_tokens:
+                tokens = seq.prompt_token_ids[start:end]
+            else:
+                tokens = seq.all_token_ids()[start:end]
+            input_ids.extend(tokens)
+            positions.extend(range(start, end))
+            context_lens.append(start)
+            query_lens.append(item.num_new_tokens)
+            block_tables.append(seq.block_table)
+            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens:
+                prompt_logprob_spans.append((seq, first_row, start, item.num_new_tokens))
+            if item.samples:
+                sample_rows.append(len(input_ids) - 1)
+                sampling.append(seq.state.sampling_row(seq))
+                sample_seq_ids.append(seq.seq_id)
+
+        metadata = AttentionMetadata.build(context_lens=context_lens, query_lens=query_lens,
+                                           block_tables=block_tables, block_size=self.block_size,
+                                           device=self.device)
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids_t, pos_t, self.kv_caches, metadata)  # [num_tokens, hidden]
+
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprob | None] = []
+        if sample_rows:
+            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden[rows])  # [num_sampling, vocab]
+            token_ids, logprobs = self.sampler(logits, sampling)
+        prompt_logprobs = {seq.seq_id: self._prompt_logprobs(seq, hidden, first_row, start, num_new)
+                           for seq, first_row, start, num_new in prompt_logprob_spans}
+        return ModelOutput(seq_ids=sample_seq_ids, token_ids=token_ids, logprobs=logprobs,
+                           prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, seq: Any, hidden: torch.Tensor, first_row: int, start: int,
+                         num_new: int) -> list[TokenLogprob]:
+        """Records for the prompt tokens this chunk scores. The row of position q scores the
+        token at q + 1, so a chunk [start, end) scores prompt tokens start+1 .. end (the last one
+        only if it is still a prompt token); position 0 has nothing before it (logprob None)."""
+        prompt = seq.prompt_token_ids
+        records: list[TokenLogprob] = []
+        if start == 0:
+            records.append(TokenLogprob(prompt[0], token_text(self._tokenizer, prompt[0]), None))
+        last_q = min(start + num_new, len(prompt) - 1)
+        if last_q > start:
+            rows = torch.arange(first_row, first_row + (last_q - start), device=self.device)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+            records.extend(self.sampler.logprob_records(logprobs, prompt[start + 1:last_q + 1],
+                                                        seq.params.prompt_logprobs or 0))
+        return records
+
+    def _copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
+        if not blocks_to_copy:
+            return
+        src = torch.tensor([s for s, _ in blocks_to_copy], device=self.device)
+        dst = torch.tensor([d for _, d in blocks_to_copy], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]

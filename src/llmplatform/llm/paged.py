@@ -1,0 +1,74 @@
+"""The native backend: our paged-attention engine behind the unified LLM interface."""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator
+
+from llmplatform.engine.async_engine import AsyncEngine
+from llmplatform.engine.config import EngineConfig
+from llmplatform.engine.llm_engine import LLMEngine
+from llmplatform.errors import EngineDeadError, InvalidRequestError
+from llmplatform.llm.base import LLM, GenerateChunk, GenerateRequest, LoadStats, ModelFacts
+
+logger = logging.getLogger("llmplatform.paged")
+
+
+class PagedLLM(LLM):
+    """Continuous batching on a paged KV cache (llmplatform.engine)."""
+
+    default_concurrency = 1024  # the engine queues and batches requests itself
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        model_config = self.engine.runner.model.config
+        self._facts = ModelFacts(names=config.model.model_names,
+                                 context_length=config.scheduler.max_model_len,
+                                 vocab_size=int(model_config.vocab_size),
+                                 eos_token_ids=self.engine.eos_token_ids)
+        self._async: AsyncEngine | None = None
+
+    @property
+    def facts(self) -> ModelFacts:
+        return self._facts
+
+    async def start(self) -> None:
+        if self._async is None:
+            self._async = AsyncEngine(self.engine)
+            self._async.start()
+
+    async def shutdown(self) -> None:
+        if self._async is not None:
+            await self._async.shutdown()
+            self._async = None
+
+    def is_healthy(self) -> bool:
+        return self._async is None or self._async.is_healthy
+
+    def load(self) -> LoadStats:
+        if self._async is None:
+            return LoadStats(0, 0, 0.0)
+        return LoadStats(num_running=self._async.num_running, num_waiting=self._async.num_waiting,
+                         kv_cache_usage=self.engine.kv_cache_usage)
+
+    async def abort(self, request_id: str) -> bool:
+        return self._async is not None and await self._async.abort(request_id)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        if self._async is None:
+            await self.start()
+        assert self._async is not None
+        if request.params.n != 1:
+            raise InvalidRequestError("one output per request through this interface (n=1)",
+                                      param="n")
+        if not self._async.is_healthy:
+            raise EngineDeadError(f"the engine has failed: {self._async.dead_reason}")
+        prompt_ids = (list(request.prompt_token_ids) if request.prompt_token_ids is not None
+                      else await self.encode(request.prompt or ""))
+        updates = self._async.generate(request.request_id, prompt_ids, request.params)
+        try:
+            async for update in updates:
+                yield update.chunk
+        finally:
+            await updates.aclose()

@@ -1,0 +1,236 @@
+"""The Llama family (Llama 1-3, Mistral, Qwen2) over a paged KV cache.
+
+Tokens of all sequences in a step are flattened into one batch without padding; attention
+metadata (``kernels.AttentionMetadata``) says which tokens belong to which sequence, where their
+K/V go in the cache and what each may attend to. One layer:
+
+    h ─┬─ RMSNorm ─ qkv_proj ─ rotary(q, k) ─ store k, v ─ paged_attention ─ o_proj ─(+)─> h'
+       └───────────────────────────── residual ────────────────────────────────────┘
+    h'─┬─ RMSNorm ─ gate_up_proj ─ silu(gate) * up ─ down_proj ─(+)─> next layer
+       └────────────────────── residual ─────────────────────────┘
+
+The residual add happens inside the next RMSNorm call. q/k/v and gate/up are fused projections
+(one matmul each instead of three and two); the loader stacks the checkpoint's matrices into them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmplatform.kernels import AttentionMetadata, paged_attention, store_kv_cache
+from llmplatform.models.layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    rope_max_position,
+    rope_parameters,
+)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+"""One layer's (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads_of(config: Any) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def _attention_biases(config: Any) -> tuple[bool, bool]:
+    """(bias on q/k/v, bias on o): Qwen2 always biases q/k/v only; Llama/Mistral follow
+    ``attention_bias`` for all four."""
+    if getattr(config, "model_type", None) == "qwen2":
+        return True, False
+    bias = bool(getattr(config, "attention_bias", False))
+    return bias, bias
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = num_kv_heads_of(config)
+        self.head_dim = head_dim_of(config)
+        self.scale = self.head_dim**-0.5
+        qkv_bias, o_bias = _attention_biases(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(
+            config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias, dtype=dtype, device=device
+        )
+        self.o_proj = Linear(q_size, [config.hidden_size], bias=o_bias, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, head_dim]
+        sin: torch.Tensor,  # [T, 1, head_dim]
+        rotary: RotaryEmbedding,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        num_tokens = x.shape[0]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [T, (H + 2 * Hkv) * D]
+        # q and k sit next to each other in qkv: rotate both with one set of ops.
+        qk = rotary(qkv[:, : (H + Hkv) * D].view(num_tokens, H + Hkv, D), cos, sin)  # [T, H + Hkv, D]
+        q = qk[:, :H]  # [T, H, D]
+        k = qk[:, H:]  # [T, Hkv, D]
+        v = qkv[:, (H + Hkv) * D :].view(num_tokens, Hkv, D)  # [T, Hkv, D]
+        k_cache, v_cache = kv_cache  # [num_blocks, block_size, Hkv, D] each
+        store_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+        out = paged_attention(q, k, v, k_cache, v_cache, attn_metadata, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, H * D))  # [T, hidden]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
+        bias = bool(getattr(config, "mlp_bias", False))
+        size = config.intermediate_size
+        self.intermediate_size = size
+        self.gate_up_proj = Linear(config.hidden_size, [size, size], bias=bias, dtype=dtype, device=device)
+        self.down_proj = Linear(size, [config.hidden_size], bias=bias, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        act = F.silu(gate_up[:, : self.intermediate_size])  # [T, intermediate]
+        act.mul_(gate_up[:, self.intermediate_size :])  # [T, intermediate] silu(gate) * up
+        return self.down_proj(act)  # [T, hidden]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.self_attn = LlamaAttention(config, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.mlp = LlamaMLP(config, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden] the previous layer's output (before its residual add)
+        residual: torch.Tensor | None,  # [T, hidden] the residual stream; None at layer 0
+        cos: torch.Tensor,  # [T, 1, head_dim]
+        sin: torch.Tensor,  # [T, 1, head_dim]
+        rotary: RotaryEmbedding,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (mlp output [T, hidden], residual [T, hidden])
+        x, residual = self.input_layernorm(x, residual)  # [T, hidden] each
+        x = self.self_attn(x, cos, sin, rotary, kv_cache, attn_metadata)  # [T, hidden]
+        x, residual = self.post_attention_layernorm(x, residual)  # [T, hidden] each
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, config: Any, *, dtype: torch.dtype, device: torch.device | str, max_position: int
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.rotary_emb = RotaryEmbedding(
+            head_dim_of(config), rope_parameters(config), max_position=max_position,
+            trained_max_position=config.max_position_embeddings, device=device,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],  # one per layer
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)  # [T, 1, head_dim] each, shared by all layers
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos, sin, self.rotary_emb, kv_cache, attn_metadata)
+        x, _ = self.norm(x, residual)  # [T, hidden]
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over a paged KV cache.
+
+    Parameters are created empty; ``models.loader.load_weights`` fills them from a checkpoint
+    (or use ``models.loader.load_model``). ``max_model_len`` bounds the rotary table (default:
+    what the config supports).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        max_model_len: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = num_kv_heads_of(config)
+        self.head_dim = head_dim_of(config)
+        max_position = rope_max_position(config)
+        if max_model_len is not None:
+            max_position = min(max_position, max_model_len)
+        self.max_position = max_position
+        self.model = LlamaModel(config, dtype=dtype, device=device, max_position=max_position)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = (
+            None if self.tie_word_embeddings
+            else Linear(config.hidden_size, [config.vocab_size], bias=False, dtype=dtype, device=device)
+        )
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]
+        """The output projection: the embedding matrix itself when the config ties them."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64, the new tokens of all sequences, flattened
+        positions: torch.Tensor,  # [T] int64, each token's position in its sequence
+        kv_caches: list[KVCache],  # one (k_cache, v_cache) per layer
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        """Logits (model dtype) of the rows the caller samples from."""
+        return F.linear(hidden, self.lm_head_weight)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        """Shape of each layer's k_cache and v_cache."""
+        return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def allocate_kv_caches(
+        self, num_blocks: int, block_size: int, *, device: torch.device | str | None = None
+    ) -> list[KVCache]:
+        """Zeroed caches for every layer (zeros, not empty: padding slots are read and masked,
+        and a NaN bit pattern would survive the mask)."""
+        device = device if device is not None else self.model.embed_tokens.weight.device
+        shape = self.kv_cache_shape(num_blocks, block_size)
+        return [
+            (torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
+            for _ in range(self.num_layers)
+        ]
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one block costs across all layers, K and V."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element

@@ -1,0 +1,122 @@
+"""Load HF safetensors checkpoints into our modules.
+
+Checkpoint names map onto ours one to one, except the fused projections: ``q_proj``/``k_proj``/
+``v_proj`` stack into ``qkv_proj`` and ``gate_proj``/``up_proj`` into ``gate_up_proj`` (shard i of
+a fused ``Linear`` starts at row ``sum(output_sizes[:i])``). With tied embeddings the output
+projection is the embedding matrix, so a stored ``lm_head.weight`` is only a fallback for a
+missing ``embed_tokens``. Every parameter (every shard of a fused one) must be filled exactly
+once, or loading fails naming what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from llmplatform.models.layers import Linear
+from llmplatform.models.registry import get_model_class
+
+# checkpoint module name -> (our fused module name, shard index)
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_EMBED = "model.embed_tokens.weight"
+
+
+def load_model(
+    model_dir: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    max_model_len: int | None = None,
+) -> nn.Module:
+    """Build the registered model class for ``model_dir``'s config.json and load its weights."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    model_class = get_model_class(config)
+    model = model_class(config, dtype=dtype, device=device, max_model_len=max_model_len)
+    load_weights(model, model_dir)
+    return model.eval()
+
+
+def load_weights(model: nn.Module, model_dir: str | Path) -> None:
+    """Fill ``model``'s parameters from the safetensors files in ``model_dir`` (dtype converted)."""
+    params = dict(model.named_parameters())
+    missing = {(name, shard) for name in params for shard in range(_num_shards(model, name))}
+    lm_head_fallback: torch.Tensor | None = None
+    tied = _EMBED in params and "lm_head.weight" not in params
+
+    for checkpoint_name, tensor in _iter_checkpoint(Path(model_dir)):
+        if checkpoint_name.endswith("rotary_emb.inv_freq"):
+            continue  # old checkpoints store the rotary table; we compute our own
+        if checkpoint_name == "lm_head.weight" and tied:
+            lm_head_fallback = tensor
+            continue
+        name, shard = _our_name(checkpoint_name)
+        if name not in params:
+            raise ValueError(f"checkpoint weight {checkpoint_name!r} has no place in {type(model).__name__}")
+        _copy_shard(model, params[name], name, shard, tensor, checkpoint_name)
+        missing.discard((name, shard))
+
+    if (_EMBED, 0) in missing and lm_head_fallback is not None:
+        _copy_shard(model, params[_EMBED], _EMBED, 0, lm_head_fallback, "lm_head.weight")
+        missing.discard((_EMBED, 0))
+    if missing:
+        names = sorted(f"{name}[shard {shard}]" for name, shard in missing)
+        raise ValueError(f"checkpoint in {model_dir} lacks {len(names)} weights: {', '.join(names[:8])}")
+
+
+def _our_name(checkpoint_name: str) -> tuple[str, int]:
+    """'model.layers.3.self_attn.k_proj.weight' -> ('model.layers.3.self_attn.qkv_proj.weight', 1)."""
+    parts = checkpoint_name.split(".")
+    if len(parts) >= 2 and parts[-2] in _FUSED_SHARDS:
+        fused, shard = _FUSED_SHARDS[parts[-2]]
+        return ".".join([*parts[:-2], fused, parts[-1]]), shard
+    return checkpoint_name, 0
+
+
+def _num_shards(model: nn.Module, param_name: str) -> int:
+    module = model.get_submodule(param_name.rsplit(".", 1)[0])
+    return len(module.output_sizes) if isinstance(module, Linear) else 1
+
+
+def _copy_shard(
+    model: nn.Module, param: torch.Tensor, name: str, shard: int, tensor: torch.Tensor, source: str
+) -> None:
+    module = model.get_submodule(name.rsplit(".", 1)[0])
+    target = param.data
+    if isinstance(module, Linear) and len(module.output_sizes) > 1:
+        start = sum(module.output_sizes[:shard])
+        target = target[start : start + module.output_sizes[shard]]
+    if target.shape != tensor.shape:
+        raise ValueError(f"{source}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
+    target.copy_(tensor)
+
+
+def _iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in _safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+    return files

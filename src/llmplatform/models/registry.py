@@ -1,0 +1,87 @@
+"""Which checkpoints the native engine can run: HF ``architectures`` name -> our model class.
+
+``unsupported_reason`` says why a config is refused (so the worker can fall back to the HF
+backend with a clear log line); ``max_model_len`` is the longest sequence our implementation
+computes exactly like the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from llmplatform.models.layers import SUPPORTED_ROPE_TYPES, rope_max_position, rope_parameters
+from llmplatform.models.llama import LlamaForCausalLM
+
+_ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The native engine cannot run this checkpoint (a configuration error, raised at load)."""
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_ARCHITECTURES)
+
+
+def _field(config: Any, key: str, default: Any = None) -> Any:
+    if isinstance(config, Mapping):
+        return config.get(key, default)
+    return getattr(config, key, default)
+
+
+def unsupported_reason(config: Any) -> str | None:
+    """None when the native engine can run ``config`` (an HF config object), else why not."""
+    architectures = _field(config, "architectures") or []
+    known = [name for name in architectures if name in _ARCHITECTURES]
+    if not known:
+        return f"architectures {architectures} are not among {supported_architectures()}"
+    if _field(config, "quantization_config") is not None:
+        return "quantized checkpoints are not supported"
+    if _field(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {_field(config, 'hidden_act')!r} is not supported (only silu)"
+    params = rope_parameters(config)
+    if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        return f"rope_type {params['rope_type']!r} is not supported (only {', '.join(SUPPORTED_ROPE_TYPES)})"
+    if (params.get("partial_rotary_factor") or 1.0) != 1.0:
+        return "partial rotary embeddings are not supported"
+    if _field(config, "num_attention_heads") % (_field(config, "num_key_value_heads") or 1):
+        return "num_attention_heads is not a multiple of num_key_value_heads"
+    return None
+
+
+def is_supported(config: Any) -> bool:
+    return unsupported_reason(config) is None
+
+
+def get_model_class(config: Any) -> type[nn.Module]:
+    reason = unsupported_reason(config)
+    if reason is not None:
+        raise UnsupportedModelError(reason)
+    name = next(name for name in _field(config, "architectures") if name in _ARCHITECTURES)
+    return _ARCHITECTURES[name]
+
+
+def sliding_window(config: Any) -> int | None:
+    """The attention window the config asks for, None for full attention.
+
+    We always attend to the full context, which equals windowed attention while a sequence is
+    no longer than the window: ``max_model_len`` caps sequences there.
+    """
+    if _field(config, "model_type") == "qwen2" and not _field(config, "use_sliding_window", False):
+        return None
+    window = _field(config, "sliding_window")
+    return window if isinstance(window, int) and window > 0 else None
+
+
+def max_model_len(config: Any) -> int:
+    """The longest sequence (prompt + output) the native model computes exactly."""
+    limit = rope_max_position(config)
+    window = sliding_window(config)
+    return min(limit, window) if window is not None else limit

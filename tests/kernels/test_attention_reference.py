@@ -1,0 +1,214 @@
+"""paged_attention and store_kv_cache against a naive dense attention, on randomized batches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import llmplatform.kernels.attention as attention_impl
+from llmplatform.kernels import AttentionMetadata, paged_attention, store_kv_cache
+from llmplatform.kernels.attention import _get_plan
+
+HEAD_DIM = 32
+
+
+def naive_attention(
+    query: torch.Tensor,  # [q_len, num_heads, D] the new tokens
+    keys: torch.Tensor,  # [seq_len, num_kv_heads, D] the whole sequence
+    values: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # [q_len, num_heads, D]
+    """Dense float32 attention of the last q_len positions over all seq_len, causal, GQA by repeat."""
+    q_len, num_heads, _ = query.shape
+    seq_len, num_kv_heads, _ = keys.shape
+    context_len = seq_len - q_len
+    group = num_heads // num_kv_heads
+    k = keys.float().repeat_interleave(group, dim=1)  # [seq_len, H, D]
+    v = values.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale  # [H, q_len, seq_len]
+    allowed = torch.ones(q_len, seq_len, dtype=torch.bool).tril(diagonal=context_len)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def run_case(
+    lens: list[tuple[int, int]],  # (context_len, query_len) per sequence
+    *,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    blocks_needed = [-(-(c + q) // block_size) for c, q in lens]
+    num_blocks = sum(blocks_needed) + 7
+    # Shuffled, non-contiguous tables; block 0 (the padding id) is in use too.
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in blocks_needed]
+
+    # Finite garbage everywhere, so a missing mask shows up as a wrong number.
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+    full_k = [torch.randn(c + q, num_kv_heads, HEAD_DIM, generator=gen).to(dtype) for c, q in lens]
+    full_v = [torch.randn(c + q, num_kv_heads, HEAD_DIM, generator=gen).to(dtype) for c, q in lens]
+    for (context_len, _), table, k, v in zip(lens, tables, full_k, full_v):
+        for pos in range(context_len):  # the cached prefix, written by hand
+            k_cache[table[pos // block_size], pos % block_size] = k[pos]
+            v_cache[table[pos // block_size], pos % block_size] = v[pos]
+
+    metadata = AttentionMetadata.build(
+        context_lens=[c for c, _ in lens], query_lens=[q for _, q in lens],
+        block_tables=tables, block_size=block_size,
+    )
+    key = torch.cat([k[c:] for (c, _), k in zip(lens, full_k)])  # [T, Hkv, D]
+    value = torch.cat([v[c:] for (c, _), v in zip(lens, full_v)])
+    query = torch.randn(key.shape[0], num_heads, HEAD_DIM, generator=gen).to(dtype)
+    scale = HEAD_DIM**-0.5
+
+    store_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+    out = paged_attention(query, key, value, k_cache, v_cache, metadata, scale)
+    assert out.shape == query.shape and out.dtype == dtype
+
+    starts = metadata.query_start_loc_cpu
+    expected = torch.cat([
+        naive_attention(query[starts[i]:starts[i + 1]], full_k[i], full_v[i], scale) for i in range(len(lens))
+    ])
+    return out, expected, metadata
+
+
+GQA = pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)], ids=["mha", "gqa3"])
+BLOCK = pytest.mark.parametrize("block_size", [16, 4])
+
+
+@pytest.fixture(params=["block_diagonal", "head_major"], autouse=True)
+def decode_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run every test through both decode layouts (normally chosen by the number of kv heads)
+    and both prefill paths (normally chosen by the size of the scores): block-diagonal decode
+    with matmul prefill, head-major decode with the fused-kernel prefill."""
+    block_diagonal = request.param == "block_diagonal"
+    monkeypatch.setattr(attention_impl, "_BLOCK_DIAGONAL_MAX_KV_HEADS", 1 << 30 if block_diagonal else 0)
+    monkeypatch.setattr(attention_impl, "_MATMUL_PREFILL_MAX_SCORES", 1 << 60 if block_diagonal else 0)
+    return request.param
+
+
+@GQA
+@BLOCK
+def test_decode_only(block_size: int, num_heads: int, num_kv_heads: int) -> None:
+    lens = [(0, 1), (15, 1), (16, 1), (17, 1), (40, 1), (3, 1), (63, 1)]
+    out, expected, metadata = run_case(lens, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    assert metadata.is_decode_only
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@GQA
+@BLOCK
+def test_prefill_without_prefix(block_size: int, num_heads: int, num_kv_heads: int) -> None:
+    lens = [(0, 5), (0, 16), (0, 33), (0, 2)]
+    out, expected, _ = run_case(lens, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@GQA
+@BLOCK
+def test_chunked_prefill_with_cached_prefix(block_size: int, num_heads: int, num_kv_heads: int) -> None:
+    lens = [(7, 9), (16, 16), (30, 5), (1, 2)]
+    out, expected, _ = run_case(lens, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@GQA
+@BLOCK
+def test_mixed_batch(block_size: int, num_heads: int, num_kv_heads: int) -> None:
+    lens = [(20, 1), (0, 12), (9, 1), (33, 7), (0, 1), (47, 1)]
+    out, expected, metadata = run_case(lens, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    assert not metadata.is_decode_only
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_randomized_batches(seed: int) -> None:
+    rng = random.Random(seed)
+    lens = [
+        (rng.choice([0, rng.randrange(1, 70)]), rng.choice([1, 1, 1, rng.randrange(1, 40)]))
+        for _ in range(rng.randrange(1, 12))
+    ]
+    num_kv_heads = rng.choice([1, 2, 3, 5])
+    out, expected, _ = run_case(
+        lens, block_size=rng.choice([4, 8, 16]), num_heads=num_kv_heads * rng.choice([1, 2, 3]),
+        num_kv_heads=num_kv_heads, seed=seed,
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_decode_lengths_far_apart_use_several_buckets(mixed: bool, decode_layout: str) -> None:
+    rng = random.Random(3)
+    lens = [(rng.randrange(1, 400), 1) for _ in range(40)] + [(5, 300)] * mixed
+    out, expected, metadata = run_case(lens, block_size=16, num_heads=6, num_kv_heads=2, seed=3)
+    plan = _get_plan(metadata, torch.empty(1, 16, 2, HEAD_DIM), 6, torch.float32)
+    assert len(plan.decode_buckets) > 1
+    assert sum(b.num_seqs for b in plan.decode_buckets) == 40
+    assert all(b.block_diagonal == (decode_layout == "block_diagonal") for b in plan.decode_buckets)
+    assert all((p.additive_mask is not None) == (decode_layout == "block_diagonal") for p in plan.prefills)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_close_to_float32_reference() -> None:
+    lens = [(30, 1), (0, 20), (17, 6), (64, 1)]
+    out, expected, _ = run_case(lens, block_size=16, num_heads=6, num_kv_heads=2, dtype=torch.bfloat16)
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_store_kv_cache_writes_exactly_the_slots() -> None:
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.zeros(6, 4, 2, 8)
+    v_cache = torch.zeros(6, 4, 2, 8)
+    slots = torch.tensor([13, 2, 23, 4], dtype=torch.int64)
+    key = torch.randn(4, 2, 8, generator=gen)
+    value = torch.randn(4, 2, 8, generator=gen)
+    store_kv_cache(key, value, k_cache, v_cache, slots)
+
+    flat_k, flat_v = k_cache.view(24, 2, 8), v_cache.view(24, 2, 8)
+    torch.testing.assert_close(flat_k[slots], key, atol=0, rtol=0)
+    torch.testing.assert_close(flat_v[slots], value, atol=0, rtol=0)
+    untouched = torch.ones(24, dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+    # block 3, offset 1 is slot 13
+    torch.testing.assert_close(k_cache[3, 1], key[0], atol=0, rtol=0)
+
+
+def test_store_kv_cache_rejects_mismatched_shapes() -> None:
+    k_cache = torch.zeros(2, 4, 2, 8)
+    with pytest.raises(ValueError):
+        store_kv_cache(torch.zeros(3, 2, 8), torch.zeros(3, 2, 8), k_cache, k_cache.clone(),
+                       torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(TypeError):
+        store_kv_cache(torch.zeros(2, 2, 8, dtype=torch.bfloat16), torch.zeros(2, 2, 8, dtype=torch.bfloat16),
+                       k_cache, k_cache.clone(), torch.zeros(2, dtype=torch.int64))
+
+
+def test_metadata_builder() -> None:
+    metadata = AttentionMetadata.build(
+        context_lens=[0, 5, 3], query_lens=[3, 1, 2], block_tables=[[7], [2, 9], [4, 1]], block_size=4,
+    )
+    assert metadata.query_start_loc_cpu == [0, 3, 4, 6]
+    assert metadata.seq_lens_cpu == [3, 6, 5] and metadata.context_lens_cpu == [0, 5, 3]
+    # seq 0: positions 0-2 in block 7; seq 1: position 5 = block 9 offset 1;
+    # seq 2: position 3 = block 4 offset 3, position 4 = block 1 offset 0
+    assert metadata.slot_mapping.tolist() == [28, 29, 30, 37, 19, 4]
+    assert metadata.block_tables.tolist() == [[7, 0], [2, 9], [4, 1]]
+    assert metadata.query_start_loc.dtype == torch.int32 and metadata.slot_mapping.dtype == torch.int64
+    assert metadata.max_query_len == 3 and metadata.max_seq_len == 6 and not metadata.is_decode_only
+    decode = AttentionMetadata.build(context_lens=[4, 0], query_lens=[1, 1], block_tables=[[3, 5], [2]], block_size=4)
+    assert decode.is_decode_only and decode.slot_mapping.tolist() == [20, 8]
+
+
+def test_metadata_builder_rejects_short_block_table() -> None:
+    with pytest.raises(ValueError):
+        AttentionMetadata.build(context_lens=[3], query_lens=[2], block_tables=[[4]], block_size=4)
