@@ -1,5 +1,5 @@
-"""The embedded default model (SmolLM2-135M-Instruct) through the whole stack, next to a second
-worker serving another model behind the same gateway."""
+"""The embedded default model (SmolLM2-135M-Instruct, native paged engine) through the whole stack,
+next to a second worker serving another model with the HF backend behind the same gateway."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ import openai
 import pytest
 
 from llmplatform.llm.hf import HFTransformersLLM
+from llmplatform.llm.paged import PagedLLM
 from llmplatform.model_worker.backends import BackendConfig, build_llm
 from tests.integration.cluster import running_cluster
 
 
 @pytest.fixture(scope="module")
 def two_model_cluster(tiny_model_dir):
-    smol = build_llm(BackendConfig(backend="hf", device="cpu"))  # the default model, bf16
+    smol = build_llm(BackendConfig(device="cpu", kv_cache_memory="256MiB"))  # default: paged, bf16
+    assert isinstance(smol, PagedLLM)
     tiny = HFTransformersLLM(str(tiny_model_dir), ("tiny",), device="cpu", dtype="float32")
     with running_cluster() as cluster:
         cluster.add_worker(smol)
