@@ -256,3 +256,26 @@ def test_greedy_parity_with_hf_on_the_default_model(default_model_dir):
     assert small.stats.num_preemptions > 0
     assert [got[str(i)] for i in range(len(prompts))] == expected
     assert_all_blocks_free(small)
+
+
+def test_worker_health_is_503_once_the_engine_died(tiny_model_dir, monkeypatch):
+    import httpx
+
+    from llmplatform.model_worker.app import WorkerSettings, create_app
+    from llmplatform.model_worker.backends import BackendConfig, build_llm
+    from llmplatform.utils.server import serve_in_thread
+
+    llm = build_llm(BackendConfig(model_path=str(tiny_model_dir), backend="paged", device="cpu",
+                                  dtype="float32", kv_cache_memory="32MiB"))
+
+    def broken(scheduled):
+        raise RuntimeError("simulated kernel crash")
+
+    monkeypatch.setattr(llm.engine.runner, "execute", broken)
+    with serve_in_thread(create_app(llm, WorkerSettings(register=False))) as url:
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        response = httpx.post(f"{url}/worker_generate_stream",
+                              json={"prompt": "Hello", "max_new_tokens": 4}, timeout=30)
+        chunk = response.content.split(b"\0")[0]
+        assert b"simulated kernel crash" in chunk and b'"error_code": 50001' in chunk
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 503
