@@ -1,14 +1,26 @@
 """Attention and KV-cache ops: the one dispatch point between the model and its kernels.
 
 Models call ``store_kv_cache`` and ``paged_attention`` from here and nothing else. Each op checks
-its arguments once, then runs the implementation registered for the tensors' device type; the
-torch reference serves any device that has none. A Triton implementation for CUDA is one entry
-in each table below.
+its arguments once, then runs one of two backends, chosen here and nowhere else:
+
+- ``triton``: the Triton kernels (``triton_store_kv``, ``triton_decode_attention``,
+  ``triton_prefill_attention``), the default for CUDA tensors when Triton is installed;
+- ``torch``: the torch reference (``cache_ops``, ``attention``), the default everywhere else.
+
+``LLMPLATFORM_ATTENTION_BACKEND=triton|torch`` forces either. It is read on every call, so a test
+can flip it with ``monkeypatch.setenv``. Forcing ``triton`` for CPU tensors only works under the
+Triton interpreter (``TRITON_INTERPRET=1``, which Triton reads when the kernel modules are
+imported); the launchers say so if it is missing.
+
+Triton is imported lazily: ``import llmplatform.kernels`` works without it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import enum
+import importlib.util
+import os
+from functools import cache
 
 import torch
 
@@ -16,9 +28,30 @@ from llmplatform.kernels.attention import check_paged_attention_args, paged_atte
 from llmplatform.kernels.cache_ops import check_store_kv_cache_args, store_kv_cache_torch
 from llmplatform.kernels.metadata import AttentionMetadata
 
-# device type ("cpu", "cuda", ...) -> implementation with the public op's signature
-_STORE_KV_CACHE: dict[str, Callable[..., None]] = {}
-_PAGED_ATTENTION: dict[str, Callable[..., torch.Tensor]] = {}
+BACKEND_ENV_VAR = "LLMPLATFORM_ATTENTION_BACKEND"
+
+
+class AttentionBackend(enum.Enum):
+    TRITON = "triton"
+    TORCH = "torch"
+
+
+@cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def attention_backend(device: torch.device) -> AttentionBackend:
+    """The backend for tensors on ``device``: the environment variable if set, else by device."""
+    forced = os.environ.get(BACKEND_ENV_VAR, "").strip().lower()
+    if forced:
+        try:
+            return AttentionBackend(forced)
+        except ValueError:
+            raise ValueError(f"{BACKEND_ENV_VAR}={forced!r}: expected 'triton' or 'torch'") from None
+    if device.type == "cuda" and _triton_installed():
+        return AttentionBackend.TRITON
+    return AttentionBackend.TORCH
 
 
 def store_kv_cache(
@@ -30,7 +63,12 @@ def store_kv_cache(
 ) -> None:
     """Write each token's K/V into ``slot = block_id * block_size + offset`` of the caches."""
     check_store_kv_cache_args(key, value, k_cache, v_cache, slot_mapping)
-    _STORE_KV_CACHE.get(key.device.type, store_kv_cache_torch)(key, value, k_cache, v_cache, slot_mapping)
+    if attention_backend(key.device) is AttentionBackend.TRITON:
+        from llmplatform.kernels.triton_store_kv import store_kv_cache_triton
+
+        store_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_cache_torch(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
@@ -44,8 +82,70 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of the new tokens over cached prefix + themselves (K/V already stored)."""
     check_paged_attention_args(query, key, value, k_cache, v_cache, metadata)
-    impl = _PAGED_ATTENTION.get(query.device.type, paged_attention_torch)
-    return impl(query, key, value, k_cache, v_cache, metadata, scale)
+    if attention_backend(query.device) is AttentionBackend.TRITON:
+        return paged_attention_triton(query, key, value, k_cache, v_cache, metadata, scale)
+    return paged_attention_torch(query, key, value, k_cache, v_cache, metadata, scale)
 
 
-__all__ = ["AttentionMetadata", "paged_attention", "store_kv_cache"]
+def paged_attention_triton(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] (already in the cache: unused)
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] (already in the cache: unused)
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """``paged_attention_torch``'s signature on the Triton kernels.
+
+    A decode-only batch (one query row per sequence, the common step) goes to the decode kernel,
+    with split-K for long contexts; any batch with a longer query goes whole to the prefill
+    kernel, which handles query length 1 like any other (mixed steps are rarer, and one launch
+    keeps the dispatch simple).
+    """
+    if metadata.is_decode_only:
+        from llmplatform.kernels.triton_decode_attention import paged_decode_attention_triton
+
+        return paged_decode_attention_triton(
+            query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.max_seq_len, scale
+        )
+    from llmplatform.kernels.triton_prefill_attention import paged_prefill_attention_triton
+
+    return paged_prefill_attention_triton(
+        query, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
+        metadata.max_query_len, scale,
+    )
+
+
+def check_triton_launch(kernel: object, **tensors: torch.Tensor) -> bool:
+    """Launcher check shared by the Triton kernel files: all ``tensors`` on one device that
+    ``kernel`` can run on. Returns whether the kernel runs in Triton's interpreter.
+
+    Compiled Triton kernels need CUDA tensors. The interpreter runs on CPU tensors; it is chosen
+    per kernel when its module is imported, from ``TRITON_INTERPRET``.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) != 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+    device = next(iter(devices.values()))
+    interpreted = isinstance(kernel, InterpretedFunction)
+    if device.type != "cuda" and not interpreted:
+        raise RuntimeError(
+            f"Triton kernels need CUDA tensors, got {device}: for CPU tensors set TRITON_INTERPRET=1 "
+            f"before the kernel modules are imported, or use {BACKEND_ENV_VAR}=torch"
+        )
+    return interpreted
+
+
+__all__ = [
+    "BACKEND_ENV_VAR",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "attention_backend",
+    "check_triton_launch",
+    "paged_attention",
+    "paged_attention_triton",
+    "store_kv_cache",
+]
