@@ -40,7 +40,7 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, block_size: int = 16,
                  kv_cache_memory: str = "2GiB", gpu_memory_utilization: float = 0.9,
-                 num_blocks: int | None = None) -> None:
+                 num_blocks: int | None = None, enable_prefix_caching: bool = True) -> None:
         from transformers import AutoConfig
 
         from llmplatform.engine.config import (CacheConfig, EngineConfig, ModelConfig,
@@ -55,7 +55,8 @@ class LLM:
             model=ModelConfig(str(resolved.path), (resolved.name,), device=device, dtype=dtype),
             cache=CacheConfig(block_size=block_size,
                               kv_cache_memory_bytes=parse_memory_size(kv_cache_memory),
-                              gpu_memory_utilization=gpu_memory_utilization, num_blocks=num_blocks),
+                              gpu_memory_utilization=gpu_memory_utilization, num_blocks=num_blocks,
+                              enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=min(limit, max_model_len or limit))))
@@ -99,3 +100,7 @@ class LLM:
                 if update.chunk.finish_reason is not None:
                     out.finish_reason = update.chunk.finish_reason
         return [results[r] for r in order]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (the next prompt is computed in full)."""
+        return self.engine.reset_prefix_cache()

@@ -22,10 +22,13 @@ _request_ids = itertools.count()
 
 
 def make_scheduler(*, num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-                   max_model_len=64) -> Scheduler:
+                   max_model_len=64, enable_prefix_caching=False) -> Scheduler:
+    # Every request here has the same prompt prefix: these tests pin batches and block ids without
+    # the prefix cache (tests/unit/test_prefix_caching.py covers the scheduler with it).
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len)
-    return Scheduler(config, BlockManager(num_blocks=num_blocks, block_size=block_size))
+    return Scheduler(config, BlockManager(num_blocks=num_blocks, block_size=block_size,
+                                          enable_prefix_caching=enable_prefix_caching))
 
 
 def add(sched: Scheduler, num_prompt_tokens: int, n: int = 1) -> list[Sequence]:
@@ -45,6 +48,11 @@ def check(sched: Scheduler, *, after_update: bool) -> None:
         if after_update:  # the table covers exactly the computed tokens, and there is work left
             assert len(seq.block_table) == bm.num_blocks_for(seq.num_computed_tokens)
             assert seq.num_uncomputed_tokens >= 1
+    if after_update:
+        # Decodes first: only the last running sequence may have an unfinished prefill (a parent
+        # before its fork point has one token left when its children fork).
+        for seq in sched.running[:-1]:
+            assert seq.num_uncomputed_tokens == 1, f"a prefill under way before {sched.running[-1]}"
     for seq in sched.waiting:
         assert seq.status is SequenceStatus.WAITING and not seq.block_table
         assert seq.num_computed_tokens == 0
@@ -146,6 +154,51 @@ def test_max_num_seqs_caps_the_running_set():
     sched.finish(a)
     assert batch(step(sched)) == [(b, 1, True), (c, 2, True)]
     finish_all(sched, b, c)
+
+
+# ---- chunked prefill: decodes first ---------------------------------------------------------------
+
+
+def test_a_long_prompt_fills_the_budget_the_running_decodes_leave():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    a, = add(sched, 3)
+    assert batch(step(sched)) == [(a, 3, True)]
+    long, = add(sched, 40)
+    # Every step: a's decode first, then a chunk of the long prompt in the 7 tokens left.
+    batches = [batch(step(sched)) for _ in range(7)]
+    assert batches == [[(a, 1, True), (long, 7, False)]] * 5 + [
+        [(a, 1, True), (long, 5, True)], [(a, 1, True), (long, 1, True)]]
+    assert a.output_token_ids == [SAMPLED] * 8 and long.output_token_ids == [SAMPLED] * 2
+    finish_all(sched, a, long)
+
+
+def test_several_decodes_go_before_a_long_prompt_admitted_earlier():
+    sched = make_scheduler(max_num_batched_tokens=8, num_blocks=32, max_model_len=128)
+    long, = add(sched, 30)
+    assert batch(step(sched)) == [(long, 8, False)]
+    a, = add(sched, 2)
+    b, = add(sched, 2)
+    # The long prompt keeps the whole budget while it prefills: a and b wait (FCFS admission).
+    assert batch(step(sched)) == [(long, 8, False)]
+    assert batch(step(sched)) == [(long, 8, False)]
+    # Its last chunk leaves room: a and b are admitted behind it, and decode before any chunk.
+    assert batch(step(sched)) == [(long, 6, True), (a, 2, True)]
+    assert batch(step(sched)) == [(long, 1, True), (a, 1, True), (b, 2, True)]
+    finish_all(sched, long, a, b)
+
+
+def test_children_forked_while_a_long_prompt_prefills_are_not_starved():
+    sched = make_scheduler(max_num_batched_tokens=8, num_blocks=32, max_model_len=128)
+    parent, child = add(sched, 5, n=2)
+    long, = add(sched, 30)
+    # The parent stops at its fork point (4 tokens); the long prompt takes the other 4.
+    assert batch(step(sched)) == [(parent, 4, False), (long, 4, False)]
+    # The child is placed right after its parent, so it decodes before the long prompt's chunk.
+    assert sched.running == [parent, child, long]
+    for _ in range(4):
+        assert batch(step(sched)) == [(parent, 1, True), (child, 1, True), (long, 6, False)]
+    assert batch(step(sched)) == [(parent, 1, True), (child, 1, True), (long, 2, True)]
+    finish_all(sched, parent, child, long)
 
 
 # ---- preemption ------------------------------------------------------------------------------
@@ -460,14 +513,16 @@ def test_a_preempted_child_recomputes_alone():
 # ---- randomized workloads with a fake model -----------------------------------------------------
 
 
+@pytest.mark.parametrize("enable_prefix_caching", [False, True])
 @pytest.mark.parametrize("seed", range(40))
-def test_random_workloads_keep_every_invariant_and_drain(seed):
+def test_random_workloads_keep_every_invariant_and_drain(seed, enable_prefix_caching):
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8])
     num_blocks = rng.randint(3, 24)
     sched = make_scheduler(num_blocks=num_blocks, block_size=block_size,
                            max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=rng.randint(1, 24),
-                           max_model_len=rng.randint(2, 2 * num_blocks * block_size))
+                           max_model_len=rng.randint(2, 2 * num_blocks * block_size),
+                           enable_prefix_caching=enable_prefix_caching)
     num_outputs: dict[int, int] = {}  # seq_id -> tokens to generate before the engine finishes it
     requests: list[list[Sequence]] = []
     rejected, aborted = set(), set()

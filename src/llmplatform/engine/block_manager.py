@@ -14,25 +14,44 @@ Blocks are reference counted. ``fork`` makes a child share its parent's blocks (
 into a shared block first gets a private copy (copy-on-write), and ``allocate_slots`` returns the
 ``(src, dst)`` pair so that the model runner copies the KV data before the forward pass.
 
-Free-pool order is deterministic so that tests can name exact block ids. The pool is a FIFO: it
-starts as ``0, 1, ..., num_blocks - 1``; allocation takes from the front; a block whose reference
-count drops to 0 is appended at the back. ``free(seq)`` releases a sequence's blocks tail first, so
-of one sequence's blocks the tail ones are reused first and its first blocks (the prompt prefix,
-the part a prefix cache would reuse) stay unreused in the pool longest.
+Free-pool order is deterministic so that tests can name exact block ids. The free pool is one
+queue ordered by eviction priority: it starts as ``0, 1, ..., num_blocks - 1``; allocation takes
+from the front; a block whose reference count drops to 0 is appended at the back. ``free(seq)``
+releases a sequence's blocks tail first, so of one sequence's blocks the tail ones are reused first
+and its first blocks (the prompt prefix, the part most worth keeping) stay in the pool longest.
+
+Prefix caching (``enable_prefix_caching``; :mod:`llmplatform.engine.prefix_cache` has the hashes).
+Once a full block of a sequence has been computed (``cache_full_blocks``, after each step), it is
+registered under its chained hash. A freed block keeps its hash and KV: it sits in the free pool,
+still cached, until allocation reaches it at the front of the queue, which *evicts* it (drops the
+hash) and hands it out. The queue's order is therefore the LRU order of eviction::
+
+    free pool (front = evicted first):  [ 9  4* 5* 6* ]     * = cached (has a hash)
+    a new sequence hits 4 and 5:        [ 9  6* ]           4 and 5 leave the pool, ref 1
+    it allocates one more block:        [ 6* ]              9 (no hash) is taken first
+    it finishes, tail first:            [ 6*  9  5* 4* ]    its prefix blocks are evicted last
+
+A sequence admitted with nothing computed takes the blocks of its longest cached prefix
+(``find_cached_prefix`` then ``take_cached_prefix``): each gets one more reference (shared by any
+number of sequences, like a fork) and leaves the free pool if it was there; those tokens count as
+computed. Cached blocks are full and never written again, so sharing them needs no copy-on-write.
 
 Pure Python, no torch: the model runner owns the KV tensors; this class owns only the ids.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Iterable
 
+from llmplatform.engine.prefix_cache import (BlockHash, PrefixCache, PrefixCacheStats,
+                                             hash_block_tokens)
 from llmplatform.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *,
+                 enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         if block_size < 1:
@@ -40,12 +59,17 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._ref_counts = [0] * num_blocks
-        self._free_block_ids: deque[int] = deque(range(num_blocks))
+        # The free pool in eviction order (front first); an ordered dict so that a cache hit can
+        # pull a block out of the middle in O(1).
+        self._free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.prefix_cache = PrefixCache(num_blocks) if enable_prefix_caching else None
+        self.prefix_cache_stats = PrefixCacheStats()
 
     # ---- pool facts ---------------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no sequence references (cached ones included: they are evictable)."""
         return len(self._free_block_ids)
 
     @property
@@ -60,11 +84,24 @@ class BlockManager:
 
     @property
     def free_block_ids(self) -> list[int]:
-        """The free pool, next to be allocated first."""
+        """The free pool, next to be allocated (and evicted) first."""
         return list(self._free_block_ids)
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.prefix_cache is not None
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a cached prefix block now (in use or free)."""
+        return len(self.prefix_cache) if self.prefix_cache is not None else 0
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
+
+    def block_hash(self, block_id: int) -> BlockHash | None:
+        """The hash ``block_id`` is cached under, if it is cached."""
+        return self.prefix_cache.hash_of(block_id) if self.prefix_cache is not None else None
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens."""
@@ -79,13 +116,21 @@ class BlockManager:
 
     # ---- per-sequence operations -------------------------------------------------------------
 
-    def blocks_needed(self, seq: Sequence, num_total_tokens: int) -> int:
+    def blocks_needed(self, seq: Sequence, num_total_tokens: int,
+                      cached_block_ids: list[int] | None = None) -> int:
         """Free blocks ``allocate_slots(seq, num_total_tokens)`` would take.
 
         That is: the blocks missing from ``seq.block_table`` for slots of tokens
         ``[0, num_total_tokens)``, plus one if the block that receives the next written token
-        (position ``seq.num_computed_tokens``) is shared and must be copied first.
+        (position ``seq.num_computed_tokens``) is shared and must be copied first. With
+        ``cached_block_ids`` (for a sequence holding nothing, before ``take_cached_prefix``): the
+        blocks missing after that prefix, plus the prefix's blocks that are now in the free pool
+        (taking them removes them from it).
         """
+        if cached_block_ids:
+            assert not seq.block_table and seq.num_computed_tokens == 0
+            num_missing = max(0, self.num_blocks_for(num_total_tokens) - len(cached_block_ids))
+            return num_missing + sum(1 for b in cached_block_ids if self._ref_counts[b] == 0)
         num_missing = max(0, self.num_blocks_for(num_total_tokens) - len(seq.block_table))
         num_copies = 0 if self._shared_write_index(seq, num_total_tokens) is None else 1
         return num_missing + num_copies
@@ -111,7 +156,7 @@ class BlockManager:
             seq.block_table[index] = dst
             blocks_to_copy.append((src, dst))
         # Only the block holding the first written token can be shared: the blocks after it were
-        # allocated for this sequence alone.
+        # allocated for this sequence alone (cached blocks are full: never written again).
         start = seq.num_computed_tokens // self.block_size
         assert all(self._ref_counts[b] == 1 for b in seq.block_table[start:]), "writing a shared block"
         while len(seq.block_table) < self.num_blocks_for(num_total_tokens):
@@ -119,43 +164,117 @@ class BlockManager:
         return blocks_to_copy
 
     def free(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references, tail first; blocks no one references return to the pool."""
+        """Drop ``seq``'s references, tail first; blocks no one references return to the pool
+        (cached ones keep their hash until they are evicted)."""
         for block_id in reversed(seq.block_table):
             self._ref_counts[block_id] -= 1
             assert self._ref_counts[block_id] >= 0, f"block {block_id} freed twice"
             if self._ref_counts[block_id] == 0:
-                self._free_block_ids.append(block_id)
+                self._free_block_ids[block_id] = None
         seq.block_table = []
+        seq.num_cached_blocks = 0
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Make ``child`` share every block of ``parent`` (one more reference each)."""
+        """Make ``child`` (whose tokens are a copy of ``parent``'s) share every block of
+        ``parent``, one more reference each, and its prefix-cache state."""
         assert not child.block_table, "forking into a sequence that holds blocks"
         for block_id in parent.block_table:
             self._ref_counts[block_id] += 1
         child.block_table = list(parent.block_table)
+        child.num_cached_blocks = parent.num_cached_blocks
+        child.block_hashes = parent.block_hashes[:child.num_tokens // self.block_size]
 
     def slot(self, seq: Sequence, position: int) -> int:
         """The KV slot of token ``position`` of ``seq``."""
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    # ---- prefix caching ----------------------------------------------------------------------
+
+    def find_cached_prefix(self, seq: Sequence, max_num_tokens: int) -> list[int]:
+        """Block ids of the longest cached prefix of ``seq``'s tokens that covers at most
+        ``max_num_tokens`` tokens (full blocks only). Changes nothing."""
+        if self.prefix_cache is None:
+            return []
+        num_blocks = min(max_num_tokens, seq.num_tokens) // self.block_size
+        return self.prefix_cache.longest_prefix(self._block_hashes(seq, num_blocks))
+
+    def take_cached_prefix(self, seq: Sequence, cached_block_ids: list[int]) -> None:
+        """``seq`` (holding nothing) takes the blocks ``find_cached_prefix`` found, one more
+        reference each; the tokens they hold count as computed. Records the lookup in
+        ``prefix_cache_stats`` (a miss is an empty list)."""
+        assert self.prefix_cache is not None and not seq.block_table and seq.num_computed_tokens == 0
+        for block_id in cached_block_ids:
+            if self._ref_counts[block_id] == 0:
+                del self._free_block_ids[block_id]
+            self._ref_counts[block_id] += 1
+        seq.block_table = list(cached_block_ids)
+        seq.num_cached_blocks = len(cached_block_ids)
+        seq.num_computed_tokens = len(cached_block_ids) * self.block_size
+        stats = self.prefix_cache_stats
+        stats.num_queries += 1
+        stats.num_queried_tokens += seq.num_tokens
+        stats.num_hit_tokens += seq.num_computed_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of ``seq`` that are full and computed but not offered yet (called
+        after a step advanced ``seq.num_computed_tokens``). A block whose prefix some other
+        block caches already stays uncached."""
+        if self.prefix_cache is None:
+            return
+        num_full_blocks = seq.num_computed_tokens // self.block_size
+        if num_full_blocks <= seq.num_cached_blocks:
+            return
+        hashes = self._block_hashes(seq, num_full_blocks)
+        for index in range(seq.num_cached_blocks, num_full_blocks):
+            self.prefix_cache.register(seq.block_table[index], hashes[index])
+        seq.num_cached_blocks = num_full_blocks
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block: the next lookup misses. Blocks in use keep their data (their
+        sequences run on); free ones become plain free blocks."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+            self.prefix_cache_stats.num_resets += 1
+
+    # ---- checks ------------------------------------------------------------------------------
 
     def check_invariants(self, live_seqs: Iterable[Sequence]) -> None:
         """Assert the pool matches the tables of ``live_seqs`` (every sequence holding blocks).
 
         Each block's reference count equals the number of tables listing it (so the counts sum to
         the tables' total length); the free pool holds, once each, exactly the unreferenced blocks
-        (so free + used == num_blocks).
+        (so free + used == num_blocks). With prefix caching, a cached block in a table sits at an
+        index where the table's sequence has that very hash.
         """
         expected = [0] * self.num_blocks
         for seq in live_seqs:
             assert len(set(seq.block_table)) == len(seq.block_table), f"repeated block in {seq.block_table}"
             for block_id in seq.block_table:
                 expected[block_id] += 1
+            if self.prefix_cache is not None:
+                for index, block_id in enumerate(seq.block_table):
+                    block_hash = self.prefix_cache.hash_of(block_id)
+                    if block_hash is not None:
+                        assert index < len(seq.block_hashes) and seq.block_hashes[index] == block_hash, \
+                            f"cached block {block_id} at index {index} of a sequence with other tokens"
         assert expected == self._ref_counts, f"ref counts {self._ref_counts}, tables say {expected}"
         free = set(self._free_block_ids)
-        assert len(free) == len(self._free_block_ids), f"duplicate in free pool {self.free_block_ids}"
         assert free == {b for b, count in enumerate(expected) if count == 0}, "free pool != unreferenced blocks"
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_invariants()
 
     # ---- internals ---------------------------------------------------------------------------
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        """The chained hashes of ``seq``'s first ``num_blocks`` full blocks (extends the
+        sequence's memo as needed)."""
+        hashes, size = seq.block_hashes, self.block_size
+        assert num_blocks * size <= seq.num_tokens
+        while len(hashes) < num_blocks:
+            start = len(hashes) * size
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None,
+                                            seq.token_ids_in(start, start + size)))
+        return hashes[:num_blocks]
 
     def _shared_write_index(self, seq: Sequence, num_total_tokens: int) -> int | None:
         """Table index of the shared block the next written token lands in, if there is one."""
@@ -167,7 +286,10 @@ class BlockManager:
         return None
 
     def _take_free_block(self) -> int:
-        block_id = self._free_block_ids.popleft()
+        """Allocate the front of the free pool, evicting its cached prefix block if it holds one."""
+        block_id, _ = self._free_block_ids.popitem(last=False)
         assert self._ref_counts[block_id] == 0
+        if self.prefix_cache is not None and self.prefix_cache.drop(block_id):
+            self.prefix_cache_stats.num_evicted_blocks += 1
         self._ref_counts[block_id] = 1
         return block_id

@@ -34,12 +34,16 @@ class CacheConfig:
     gpu_memory_utilization: fraction (0, 1] of GPU memory the worker may use on CUDA; the pool
         gets what is left after the weights and a profiled forward pass.
     num_blocks: an explicit block count (tests); overrides both of the above.
+    enable_prefix_caching: reuse the KV blocks of a cached prefix (full blocks, matched by a
+        chained hash of their tokens) instead of recomputing them; freed blocks stay cached until
+        the pool needs them, least recently used first (default on).
     """
 
     block_size: int = 16
     kv_cache_memory_bytes: int = 2 << 30
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

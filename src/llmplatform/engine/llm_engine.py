@@ -16,6 +16,7 @@ from llmplatform.engine.block_manager import BlockManager
 from llmplatform.engine.config import EngineConfig
 from llmplatform.engine.model_runner import ModelRunner
 from llmplatform.engine.outputs import ModelOutput, SchedulerOutput
+from llmplatform.engine.prefix_cache import PrefixCacheStats
 from llmplatform.engine.scheduler import Scheduler
 from llmplatform.engine.sequence import Sequence
 from llmplatform.errors import ContextLengthExceededError, InvalidRequestError
@@ -81,15 +82,18 @@ class LLMEngine:
                 f"{layout.block_size}), less than one sequence of --max-model-len "
                 f"{sched.max_model_len}; give it more memory (--kv-cache-memory / "
                 f"--gpu-memory-utilization) or lower --max-model-len")
-        self.block_manager = BlockManager(layout.num_blocks, layout.block_size)
+        self.block_manager = BlockManager(
+            layout.num_blocks, layout.block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.block_manager)
         self.stats = StepStats()
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s on %s); max concurrency at "
-            "full context (%d tokens): %.1f sequences",
+            "full context (%d tokens): %.1f sequences; prefix caching %s",
             layout.num_blocks, layout.block_size, layout.num_tokens,
             layout.num_blocks * layout.bytes_per_block / 2**30, self.runner.dtype,
-            self.runner.device, sched.max_model_len, layout.num_tokens / sched.max_model_len)
+            self.runner.device, sched.max_model_len, layout.num_tokens / sched.max_model_len,
+            "on" if config.cache.enable_prefix_caching else "off")
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -186,3 +190,14 @@ class LLMEngine:
     @property
     def kv_cache_usage(self) -> float:
         return self.block_manager.usage
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Cumulative prefix-cache lookups (queries) and tokens found (hits); zeros when off."""
+        return self.block_manager.prefix_cache_stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (the next request misses). Not concurrently with
+        ``step``. True: done (also when prefix caching is off and there is nothing to forget)."""
+        self.block_manager.reset_prefix_cache()
+        return True

@@ -22,6 +22,23 @@ tokens, and at most ``max_num_seqs`` sequences run at once:
 A chunk that reaches a sequence's last token ``samples``: the model appends one token, which
 leaves the sequence one uncomputed token (its next decode).
 
+Decodes first, then prefill chunks. A sequence left with its prefill unfinished by a step got the
+last of that step's budget, so nothing was admitted after it; while it stays unfinished, every step
+ends its budget at it again and admits nothing. Forked children are placed right after their
+parent. Hence at most one sequence has an unfinished prefill and it is the last in ``running``:
+step 1 serves every decode before any prefill chunk, and a long prompt arriving is computed in
+the budget the running decodes leave, over as many steps as it takes, without ever delaying them
+(with ``max_num_batched_tokens`` >= ``max_num_seqs``, every running decode runs every step).
+
+Prefix caching (when the block manager has it). A sequence being admitted with nothing computed
+(new, preempted, or a child that runs on its own) first takes the blocks of its longest cached
+prefix: those tokens count as computed and its first chunk starts after them. The hit is capped so
+that at least one token is left to compute (the model must produce logits to sample from; with
+a whole prompt cached, its last full block is recomputed) and, for a parent with children to fork,
+below the fork point. A request asking for prompt logprobs skips the lookup: it needs every prompt
+position computed. After each step the newly full blocks of each sequence are registered, generated
+tokens included, so a multi-turn conversation's next prompt finds the previous answer cached.
+
 Parallel sampling (``n`` > 1). A request's children share the parent's prompt KV. They wait,
 unschedulable, while the parent prefills ``P - 1`` of its ``P`` prompt tokens (its chunks stop
 there and sample nothing; while running, the parent reserves ``max_num_seqs`` slots for its
@@ -142,17 +159,23 @@ class Scheduler:
 
         # 2. Waiting sequences, strict FCFS, unless step 1 found the pool full.
         while self.waiting and budget > 0 and not preempted:
-            seq = self.waiting[0]
+            seq = self.waiting[0]  # holds no blocks, has nothing computed
             if self._num_seq_slots_used() + self._num_seq_slots(seq) > self.config.max_num_seqs:
                 break
-            num_new_tokens = self._num_new_tokens(seq, budget)
-            num_total_tokens = seq.num_computed_tokens + num_new_tokens
-            if not bm.can_allocate(bm.blocks_needed(seq, num_total_tokens)):
+            num_target_tokens = self._num_target_tokens(seq)
+            cached = self._cached_prefix(seq, num_target_tokens)
+            num_cached_tokens = len(cached or ()) * bm.block_size
+            num_total_tokens = min(num_target_tokens, num_cached_tokens + budget)
+            if not bm.can_allocate(bm.blocks_needed(seq, num_total_tokens, cached)):
                 break
-            blocks_to_copy += bm.allocate_slots(seq, num_total_tokens)  # holds no blocks: no copy
+            if cached is not None:
+                bm.take_cached_prefix(seq, cached)
+            # Writing starts in a new block (after full cached blocks, if any): no copy.
+            blocks_to_copy += bm.allocate_slots(seq, num_total_tokens)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            num_new_tokens = num_total_tokens - seq.num_computed_tokens
             scheduled.append(self._chunk(seq, num_new_tokens))
             budget -= num_new_tokens
 
@@ -167,6 +190,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # finished (aborted) since schedule()
             seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
             if item.samples:
                 seq.output_token_ids.append(sampled[seq.seq_id])
             if seq.seq_id in self._pending_children and seq.num_computed_tokens == seq.num_prompt_tokens - 1:
@@ -174,15 +198,24 @@ class Scheduler:
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        # A parent with children still to fork stops its prefill at the fork point, P - 1.
+    def _num_target_tokens(self, seq: Sequence) -> int:
+        """How far ``seq``'s computed tokens catch up: all its tokens, except that a parent with
+        children still to fork stops its prefill at the fork point, P - 1."""
         if seq.seq_id in self._pending_children:
-            num_target_tokens = seq.num_prompt_tokens - 1
-        else:
-            num_target_tokens = seq.num_tokens
-        num_new_tokens = min(num_target_tokens - seq.num_computed_tokens, budget)
+            return seq.num_prompt_tokens - 1
+        return seq.num_tokens
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        num_new_tokens = min(self._num_target_tokens(seq) - seq.num_computed_tokens, budget)
         assert num_new_tokens > 0, f"nothing to compute for seq {seq.seq_id}"
         return num_new_tokens
+
+    def _cached_prefix(self, seq: Sequence, num_target_tokens: int) -> list[int] | None:
+        """The cached blocks ``seq`` may start from, or None when it must not look (no prefix
+        caching, or prompt logprobs wanted). At least one target token is left to compute."""
+        if not self.block_manager.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return None
+        return self.block_manager.find_cached_prefix(seq, num_target_tokens - 1)
 
     def _chunk(self, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
         samples = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
@@ -214,11 +247,15 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _fork_children(self, parent: Sequence) -> None:
+        # Right after the parent: they were admitted with it (and this keeps every decode ahead of
+        # any unfinished prefill, see the module docstring).
+        index = self.running.index(parent) + 1
         for child in self._pending_children.pop(parent.seq_id):
             self.block_manager.fork(parent, child)
             child.num_computed_tokens = parent.num_computed_tokens
             child.status = SequenceStatus.RUNNING
-            self.running.append(child)
+            self.running.insert(index, child)
+            index += 1
 
     def _num_seq_slots(self, seq: Sequence) -> int:
         """``max_num_seqs`` slots ``seq`` takes when running: its own and its unforked children's."""

@@ -38,6 +38,12 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
+    # Prefix caching, owned by the block manager. block_hashes[i]: the chained hash of full
+    # block i of this sequence's tokens (computed lazily; tokens never change, so they stay valid
+    # across preemption). num_cached_blocks: the leading blocks of block_table already offered to
+    # the prefix cache (a cache hit's blocks count as offered).
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    num_cached_blocks: int = 0
     # Set by the engine: the per-sequence random generator, output processor, etc.
     state: Any = None
 
@@ -56,6 +62,15 @@ class Sequence:
     def token_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def token_ids_in(self, start: int, end: int) -> list[int]:
+        """Tokens at positions ``[start, end)`` (prompt and output alike)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

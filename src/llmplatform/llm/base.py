@@ -93,11 +93,15 @@ class GenerateChunk:
 
 @dataclass(frozen=True)
 class LoadStats:
-    """How busy a backend is, for /worker_get_status and heartbeats."""
+    """How busy a backend is, for /worker_get_status and heartbeats. ``None``: not reported."""
 
     num_running: int
     num_waiting: int
     kv_cache_usage: float | None = None
+    # Prefix caching, cumulative since start: prompt tokens looked up in the cache at admission
+    # (queries) and how many of them were found cached (hits).
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,11 @@ class LLM(abc.ABC):
     @abc.abstractmethod
     async def abort(self, request_id: str) -> bool:
         """Stop a request and free its resources. Returns False if it was not running."""
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix, so that the next request computes its whole
+        prompt. False when this backend has no prefix cache."""
+        return False
 
     # ---- tokenizer-side helpers, shared by every backend --------------------------------------
 

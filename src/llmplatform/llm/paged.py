@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import AsyncIterator
 
@@ -47,13 +48,30 @@ class PagedLLM(LLM):
         return self._async is None or self._async.is_healthy
 
     def load(self) -> LoadStats:
+        cache = self.engine.prefix_cache_stats
         if self._async is None:
-            return LoadStats(0, 0, 0.0)
-        return LoadStats(num_running=self._async.num_running, num_waiting=self._async.num_waiting,
-                         kv_cache_usage=self.engine.kv_cache_usage)
+            num_running = num_waiting = 0
+        else:
+            num_running, num_waiting = self._async.num_running, self._async.num_waiting
+        return LoadStats(num_running=num_running, num_waiting=num_waiting,
+                         kv_cache_usage=self.engine.kv_cache_usage,
+                         prefix_cache_queries=cache.num_queried_tokens,
+                         prefix_cache_hits=cache.num_hit_tokens)
 
     async def abort(self, request_id: str) -> bool:
         return self._async is not None and await self._async.abort(request_id)
+
+    async def reset_prefix_cache(self) -> bool:
+        if self._async is None:
+            return self.engine.reset_prefix_cache()
+        # Steps run one at a time on the async engine's single step thread; queued there, the
+        # reset runs between two steps, never during one (it must not race the scheduler's
+        # lookups and registrations). Adds and aborts, applied on the event loop between steps,
+        # touch reference counts and the free pool, never the hashes a reset clears.
+        # TODO(engine): AsyncEngine should offer this ("run between steps") as a public method.
+        step_thread = self._async._executor
+        return await asyncio.get_running_loop().run_in_executor(step_thread,
+                                                                self.engine.reset_prefix_cache)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         if self._async is None:

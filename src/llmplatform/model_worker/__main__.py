@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="KV-cache size on CPU, e.g. 2GiB or 512MiB")
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="fraction of GPU memory for weights, activations and KV cache (CUDA)")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="reuse the KV cache of prompt prefixes seen before (default: on; "
+                             "--no-enable-prefix-caching turns it off)")
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -98,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
                                       max_num_batched_tokens=args.max_num_batched_tokens,
                                       block_size=args.block_size,
                                       kv_cache_memory=args.kv_cache_memory,
-                                      gpu_memory_utilization=args.gpu_memory_utilization))
+                                      gpu_memory_utilization=args.gpu_memory_utilization,
+                                      enable_prefix_caching=args.enable_prefix_caching))
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from exc
     settings = WorkerSettings(worker_address=address, controller_address=args.controller_address,

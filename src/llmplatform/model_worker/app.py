@@ -101,6 +101,8 @@ def _status(app: FastAPI) -> dict[str, Any]:
         "num_running": load.num_running,
         "num_waiting": load.num_waiting + max(0, app.state.worker.num_accepted - load.num_running - load.num_waiting),
         "kv_cache_usage": load.kv_cache_usage,
+        "prefix_cache_queries": load.prefix_cache_queries,
+        "prefix_cache_hits": load.prefix_cache_hits,
     }
 
 
@@ -293,6 +295,15 @@ def _add_routes(app: FastAPI) -> None:
         except LLMPlatformError as exc:
             return _error_response(exc)
         return JSONResponse({"aborted": await llm.abort(body.request_id)})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, Any]:
+        """Forget the backend's cached prompt prefixes; ``success`` is False for a backend that
+        has no prefix cache (``hf``)."""
+        success = await llm.reset_prefix_cache()
+        if success:
+            logger.info("prefix cache reset")
+        return {"success": success, "model_names": list(llm.model_names)}
 
     @app.get("/health")
     async def health() -> Response:

@@ -27,6 +27,7 @@ class BackendConfig:
     block_size: int = 16
     kv_cache_memory: str = "2GiB"
     gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
 
 
 def build_llm(config: BackendConfig) -> LLM:
@@ -79,7 +80,8 @@ def _build_paged(config: BackendConfig, path: str, names: tuple[str, ...]) -> LL
                           dtype=config.dtype),
         cache=CacheConfig(block_size=config.block_size,
                           kv_cache_memory_bytes=parse_memory_size(config.kv_cache_memory),
-                          gpu_memory_utilization=config.gpu_memory_utilization),
+                          gpu_memory_utilization=config.gpu_memory_utilization,
+                          enable_prefix_caching=config.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_model_len=model_len))

@@ -26,6 +26,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument(
         "--api-keys", type=_csv, default=[], help="Comma-separated keys; when set, /v1 needs one."
     )
+    parser.add_argument(
+        "--admin-api-keys",
+        type=_csv,
+        default=[],
+        help="Comma-separated keys for /v1/admin (e.g. reset_prefix_cache); they also work for /v1. "
+        "Without them, every --api-keys key is an admin key.",
+    )
     parser.add_argument("--allowed-origins", type=_csv, default=["*"], help="Comma-separated CORS origins.")
     parser.add_argument("--allowed-methods", type=_csv, default=["*"])
     parser.add_argument("--allowed-headers", type=_csv, default=["*"])
@@ -44,6 +51,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     return GatewaySettings(
         controller_address=args.controller_address,
         api_keys=tuple(args.api_keys),
+        admin_api_keys=tuple(args.admin_api_keys),
         allowed_origins=tuple(args.allowed_origins),
         allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers),

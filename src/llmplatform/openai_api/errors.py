@@ -36,6 +36,15 @@ class AuthenticationError(LLMPlatformError):
     openai_code = "invalid_api_key"
 
 
+class PermissionDeniedError(LLMPlatformError):
+    """A valid API key without the right to this route (HTTP 403)."""
+
+    error_code = ErrorCode.INVALID_AUTH_KEY
+    http_status = 403
+    openai_type = "invalid_request_error"
+    openai_code = "insufficient_permissions"
+
+
 class ClientDisconnected(Exception):
     """The client went away before the answer was ready; nobody is left to answer."""
 

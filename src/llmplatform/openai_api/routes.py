@@ -1,4 +1,5 @@
-"""The gateway's routes: /v1 (behind the API-key check) and /health."""
+"""The gateway's routes: /v1 (behind the API-key check), /v1/admin (behind the admin-key check)
+and /health."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from llmplatform.errors import LLMPlatformError, ModelNotFoundError
-from llmplatform.openai_api.auth import require_api_key
+from llmplatform.openai_api.admin import reset_prefix_cache
+from llmplatform.openai_api.auth import require_admin_key, require_api_key
 from llmplatform.openai_api.chat import create_chat_completion
 from llmplatform.openai_api.completions import create_completion
 from llmplatform.openai_api.errors import EnvelopeRoute
@@ -46,7 +48,11 @@ def build_router() -> APIRouter:
     v1.add_api_route("/models/{model:path}", retrieve_model, methods=["GET"])
     v1.add_api_route("/chat/completions", create_chat_completion, methods=["POST"])
     v1.add_api_route("/completions", create_completion, methods=["POST"])
+    admin = APIRouter(prefix="/v1/admin", dependencies=[Depends(require_admin_key)],
+                      route_class=EnvelopeRoute)
+    admin.add_api_route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"])
     router = APIRouter(route_class=EnvelopeRoute)
+    router.include_router(admin)
     router.include_router(v1)
     router.add_api_route("/health", health, methods=["GET"])
     return router

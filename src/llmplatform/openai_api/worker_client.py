@@ -152,6 +152,36 @@ class WorkerClient:
             raise NoWorkerError(f"No worker is serving the model '{model}' right now; try again later.")
         raise ModelNotFoundError(f"The model '{model}' does not exist.", param="model")
 
+    async def worker_addresses(self, model: str) -> list[str]:
+        """The workers serving `model` that an admin action should reach.
+
+        FastChat's controller protocol only answers "which worker should serve the next
+        request" (`/get_worker_address`), so this is the one worker the controller picks; with
+        several workers per model, an admin has to call each worker's own route. (A controller
+        route listing a model's live workers would make this exact.) ModelNotFoundError or
+        NoWorkerError as for `worker_address`.
+        """
+        return [await self.worker_address(model)]
+
+    # ---- admin -------------------------------------------------------------------------------
+
+    async def reset_prefix_cache(self, address: str) -> bool:
+        """`POST /reset_prefix_cache` on one worker: True once its prefix cache is empty, False
+        when it has none (an `hf` backend, or a stock FastChat worker without the route)."""
+        url = f"{address}/reset_prefix_cache"
+        response = await self._post("worker", url, None, self._worker_timeout)
+        if response.status_code == 404 and not _has_error_code(response.content):
+            return False
+        if response.status_code != 200:
+            raise error_from_http(response.status_code, response.content, f"The worker at {url}")
+        try:
+            data = response.json()
+        except ValueError:
+            raise UpstreamError(f"The worker at {url} answered with malformed JSON.") from None
+        if not isinstance(data, dict) or not isinstance(data.get("success"), bool):
+            raise UpstreamError(f"The worker at {url} answered without a result: {data!r:.200}")
+        return data["success"]
+
     # ---- prompts -----------------------------------------------------------------------------
 
     async def prepare_chat(
