@@ -1,0 +1,599 @@
+"""Offline throughput: our paged engine against Hugging Face baselines and a linear-layer ceiling.
+
+One command, one run, every system on the same model (the packaged default, SmolLM2-135M-Instruct),
+bf16 on CPU, with the same requests:
+
+    python benchmarks/throughput.py [--num-requests 64] [--systems ours,hf-single,hf-static,hf-cb,ceiling]
+
+Workload (``--seed``, default 0): ``--num-requests`` requests; with ``random.Random(seed)`` each
+draws a prompt length uniformly in 32..512 and an output length in 32..256 (all lengths first,
+then the prompts), and each prompt is random token ids from the vocabulary without the special
+tokens. EOS is ignored: every request generates exactly its output length, and the benchmark
+checks that it did.
+
+Systems, each timed end to end (wall clock from the first submission to the last token; model
+loading and a short warm-up are not timed):
+
+- ``ours``: the native engine through the offline API (``llmplatform.LLM.generate``), all requests
+  at once. Afterwards ``llm.engine.stats`` gives the KV-cache efficiency (tokens stored / token
+  slots allocated, averaged over steps), preemptions and the average tokens per step; the
+  benchmark also wraps the model runner's ``execute`` (timing only) to split the wall time into
+  model runner vs. the rest of the step loop (scheduler, output processing, detokenization).
+- ``hf-single``: ``AutoModelForCausalLM.generate`` one request at a time (greedy,
+  ``min_new_tokens = max_new_tokens = n``, i.e. EOS ignored).
+- ``hf-static``: static batches of ``--static-batch-size`` (32) in arrival order, left-padded with
+  an attention mask, each batch generating ``max n`` of its requests. Only each request's own
+  ``n`` tokens count as output: the tokens a short request keeps generating while the batch waits
+  for its longest member are waste that static batching pays for (reported as ``generated``).
+- ``hf-cb``: transformers' own continuous batching (``model.init_continuous_batching`` and
+  ``add_request(..., max_new_tokens=n, eos_token_id=-1)`` per request), with the attention
+  implementation ``--cb-attn`` (``sdpa`` works on CPU; ``paged|eager`` too) and a KV cache sized
+  for the whole workload.
+- ``ceiling``: the model's linear layers alone (q, k, v, o, gate, up, down of every decoder layer,
+  plus the lm_head for the rows that sample), bf16 ``F.linear`` with the real weights at a given
+  number of tokens per forward; tokens/s = tokens per forward / time of those linears. Reported at
+  our engine's average tokens per step and at 64; ours' (prompt + output) tokens/s is given as a
+  fraction of the ceiling at its average batch.
+
+Prints one table (system, output tokens, wall seconds, output tokens/s, ratio ours/system), the
+ceiling, the fraction, KV-cache efficiency, average batch, preemptions, and a last line
+``RESULT_JSON {...}`` that is machine readable. The machine's load average is printed too: other
+processes on the cores skew every number here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ALL_SYSTEMS = ("ours", "hf-single", "hf-static", "hf-cb", "ceiling")
+PROMPT_LEN_RANGE = (32, 512)
+OUTPUT_LEN_RANGE = (32, 256)
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Result:
+    system: str
+    output_tokens: int  # useful output: each request's own n tokens
+    prompt_tokens: int
+    wall_s: float
+    generated_tokens: int | None = None  # tokens actually decoded (static batching pads)
+    extra: dict[str, Any] = field(default_factory=dict)
+    outputs: list[list[int]] | None = None  # per request, for the greedy agreement check
+    cpu: dict[str, float] | None = None  # CpuMonitor.stop() over the timed part
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def total_tps(self) -> float:
+        return (self.output_tokens + self.prompt_tokens) / self.wall_s
+
+    def cpu_normalized_tps(self, num_threads: int) -> float | None:
+        """Output tokens/s had the process had all its threads' cores: output tokens / (own CPU
+        seconds / threads). Only an estimate when other processes share the cores (a thread
+        spinning at a barrier burns CPU, one descheduled there does not), but comparable across
+        systems measured under different load."""
+        if self.cpu is None or self.cpu["own_cores"] <= 0:
+            return None
+        return self.output_tokens / (self.cpu["own_cores"] * self.wall_s / num_threads)
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+class CpuMonitor:
+    """Who used the cores during a timed section: this process (all its threads) and everything
+    else on the machine (``/proc/stat`` busy time minus ours; other tenants of a shared VM show up
+    here), in cores on average. On a shared machine the numbers of a section with ``others`` well
+    above 0 are slowed down, multi-threaded small ops most (every OpenMP region waits for its
+    slowest thread, which may have lost its time slice)."""
+
+    _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def _snapshot(self) -> tuple[float, float, float, float]:
+        busy = steal = 0.0
+        try:
+            with open("/proc/stat") as f:
+                values = [int(v) for v in f.readline().split()[1:]]
+            # user nice system idle iowait irq softirq steal ...
+            busy = (values[0] + values[1] + values[2] + values[5] + values[6]) / self._CLK_TCK
+            steal = values[7] / self._CLK_TCK if len(values) > 7 else 0.0
+        except (OSError, ValueError, IndexError):
+            pass
+        return time.perf_counter(), busy, steal, time.process_time()
+
+    def start(self) -> None:
+        self._start = self._snapshot()
+
+    def stop(self) -> dict[str, float]:
+        end = self._snapshot()
+        wall = max(1e-9, end[0] - self._start[0])
+        own = (end[3] - self._start[3]) / wall
+        busy = (end[1] - self._start[1]) / wall
+        return {"own_cores": round(own, 2), "other_cores": round(max(0.0, busy - own), 2),
+                "steal_cores": round((end[2] - self._start[2]) / wall, 2)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Workload
+
+
+def make_workload(num_requests: int, seed: int, tokenizer: Any, vocab_size: int) -> list[Request]:
+    rng = random.Random(seed)
+    lengths = [(rng.randint(*PROMPT_LEN_RANGE), rng.randint(*OUTPUT_LEN_RANGE)) for _ in range(num_requests)]
+    special = set(tokenizer.all_special_ids)
+    allowed = [t for t in range(vocab_size) if t not in special]
+    return [Request([rng.choice(allowed) for _ in range(p)], n) for p, n in lengths]
+
+
+def warmup_workload(tokenizer: Any, vocab_size: int) -> list[Request]:
+    """A few short requests of mixed lengths (prefill, chunked mixes, decode), not timed."""
+    rng = random.Random(12345)
+    special = set(tokenizer.all_special_ids)
+    allowed = [t for t in range(vocab_size) if t not in special]
+    return [Request([rng.choice(allowed) for _ in range(p)], n) for p, n in ((48, 8), (160, 12), (96, 6), (300, 4))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Systems
+
+
+class StepRecorder:
+    """Wraps the model runner's ``execute`` (timing and batch shape only; nothing else changes)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.inner = runner.execute
+        self.reset()
+        runner.execute = self  # instance attribute shadows the method
+
+    def detach(self) -> None:
+        """Removes the wrapper (and the reference cycle runner -> self -> runner)."""
+        del self.runner.execute
+
+    def reset(self) -> None:
+        self.num_steps = 0
+        self.execute_s = 0.0
+        self.num_tokens: list[int] = []
+        self.num_seqs: list[int] = []
+        self.num_sampled: list[int] = []
+
+    def __call__(self, scheduled: Any) -> Any:
+        start = time.perf_counter()
+        output = self.inner(scheduled)
+        self.execute_s += time.perf_counter() - start
+        self.num_steps += 1
+        self.num_tokens.append(scheduled.num_batched_tokens)
+        self.num_seqs.append(len(scheduled.scheduled))
+        self.num_sampled.append(len(output.token_ids))
+        return output
+
+
+def run_ours(path: str, requests: list[Request], warmup: list[Request], args: argparse.Namespace) -> Result:
+    from llmplatform import LLM, SamplingParams
+    from llmplatform.engine.llm_engine import StepStats
+
+    def params(reqs: list[Request]) -> list[Any]:
+        return [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+
+    llm = LLM(path, dtype="bfloat16", device="cpu", max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory)
+    engine = llm.engine
+    recorder = StepRecorder(engine.runner)
+    llm.generate([r.prompt_token_ids for r in warmup], params(warmup))
+    engine.stats = StepStats()
+    recorder.reset()
+
+    monitor = CpuMonitor()
+    monitor.start()
+    start = time.perf_counter()
+    outputs = llm.generate([r.prompt_token_ids for r in requests], params(requests))
+    wall = time.perf_counter() - start
+    cpu = monitor.stop()
+
+    recorder.detach()
+    for request, output in zip(requests, outputs, strict=True):
+        got = len(output.outputs[0].token_ids)
+        assert got == request.max_tokens, f"ours generated {got} tokens, wanted {request.max_tokens}"
+    stats = engine.stats
+    extra = {
+        "num_steps": stats.num_steps,
+        "num_preemptions": stats.num_preemptions,
+        "kv_efficiency": stats.kv_efficiency_sum / max(1, stats.num_steps),
+        "avg_tokens_per_step": stats.num_batched_tokens / max(1, stats.num_steps),
+        "avg_seqs_per_step": statistics.fmean(recorder.num_seqs) if recorder.num_seqs else 0.0,
+        "avg_sampled_per_step": statistics.fmean(recorder.num_sampled) if recorder.num_sampled else 0.0,
+        "num_decode_only_steps": sum(t == s for t, s in zip(recorder.num_tokens, recorder.num_seqs)),
+        "execute_s": recorder.execute_s,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "kv_cache_memory": args.kv_cache_memory,
+        "kv_cache_blocks": engine.runner.layout.num_blocks,
+    }
+    return Result("ours", sum(r.max_tokens for r in requests), sum(len(r.prompt_token_ids) for r in requests),
+                  wall, extra=extra, outputs=[list(o.outputs[0].token_ids) for o in outputs], cpu=cpu)
+
+
+def load_hf(path: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model.eval()
+    model.generation_config.pad_token_id = model.generation_config.pad_token_id or 2
+    return model
+
+
+@torch.inference_mode()
+def run_hf_single(model: Any, requests: list[Request], warmup: list[Request]) -> Result:
+    def one(request: Request) -> list[int]:
+        ids = torch.tensor([request.prompt_token_ids])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=request.max_tokens,
+                             min_new_tokens=request.max_tokens, do_sample=False)
+        return out[0, ids.shape[1]:].tolist()
+
+    for request in warmup[:2]:
+        one(request)
+    outputs = []
+    monitor = CpuMonitor()
+    monitor.start()
+    start = time.perf_counter()
+    for i, request in enumerate(requests):
+        outputs.append(one(request))
+        if (i + 1) % 16 == 0:
+            log(f"hf-single: {i + 1}/{len(requests)} requests, {time.perf_counter() - start:.0f}s")
+    wall = time.perf_counter() - start
+    cpu = monitor.stop()
+    for request, output in zip(requests, outputs, strict=True):
+        assert len(output) == request.max_tokens, (len(output), request.max_tokens)
+    return Result("hf-single", sum(r.max_tokens for r in requests), sum(len(r.prompt_token_ids) for r in requests),
+                  wall, outputs=outputs, cpu=cpu)
+
+
+@torch.inference_mode()
+def run_hf_static(model: Any, requests: list[Request], warmup: list[Request], batch_size: int) -> Result:
+    pad_id = model.generation_config.pad_token_id
+
+    def batch(reqs: list[Request]) -> list[list[int]]:
+        longest = max(len(r.prompt_token_ids) for r in reqs)
+        ids = torch.full((len(reqs), longest), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(reqs), longest), dtype=torch.long)
+        for i, r in enumerate(reqs):  # left padding: every prompt ends at the last column
+            ids[i, longest - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[i, longest - len(r.prompt_token_ids):] = 1
+        num_new = max(r.max_tokens for r in reqs)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=num_new, min_new_tokens=num_new,
+                             do_sample=False)
+        assert out.shape[1] == longest + num_new, (out.shape, longest, num_new)
+        return [out[i, longest:longest + r.max_tokens].tolist() for i, r in enumerate(reqs)]
+
+    batch(warmup)
+    outputs: list[list[int]] = []
+    generated = 0
+    monitor = CpuMonitor()
+    monitor.start()
+    start = time.perf_counter()
+    for first in range(0, len(requests), batch_size):
+        reqs = requests[first:first + batch_size]
+        outputs += batch(reqs)
+        generated += len(reqs) * max(r.max_tokens for r in reqs)
+        log(f"hf-static: batch {first // batch_size + 1} done, {time.perf_counter() - start:.0f}s")
+    wall = time.perf_counter() - start
+    cpu = monitor.stop()
+    return Result("hf-static", sum(r.max_tokens for r in requests), sum(len(r.prompt_token_ids) for r in requests),
+                  wall, generated_tokens=generated, extra={"batch_size": batch_size}, outputs=outputs, cpu=cpu)
+
+
+def run_hf_cb(model: Any, requests: list[Request], warmup: list[Request], args: argparse.Namespace) -> Result:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    page_size = args.cb_page_size
+    # Enough pages for every request at once (no preemption), like our 4 GiB pool.
+    num_blocks = sum(-(-(len(r.prompt_token_ids) + r.max_tokens) // page_size) for r in requests) + 8
+    model.set_attn_implementation(args.cb_attn)
+    generation_config = GenerationConfig(do_sample=False, max_new_tokens=OUTPUT_LEN_RANGE[1], eos_token_id=-1,
+                                         pad_token_id=model.generation_config.pad_token_id)
+    cb_config = ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks,
+                                         max_batch_tokens=args.max_num_batched_tokens,
+                                         max_requests_per_batch=args.max_num_seqs, allow_block_sharing=False)
+    with torch.inference_mode():  # the generation thread inherits the caller's inference mode
+        manager = model.init_continuous_batching(generation_config=generation_config,
+                                                 continuous_batching_config=cb_config)
+        manager.start()
+    try:
+        def run(reqs: list[Request], deadline_s: float) -> tuple[dict[str, Any], float]:
+            start = time.perf_counter()
+            ids = [manager.add_request(r.prompt_token_ids, max_new_tokens=r.max_tokens, eos_token_id=-1)
+                   for r in reqs]
+            assert all(i is not None for i in ids), "transformers CB refused a request"
+            results: dict[str, Any] = {}
+            while len(results) < len(reqs):
+                if time.perf_counter() - start > deadline_s:
+                    raise TimeoutError(f"transformers CB: {len(results)}/{len(reqs)} done after {deadline_s}s")
+                if not manager.is_running():
+                    raise RuntimeError("transformers CB: the generation thread died")
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    if result.error is not None:
+                        raise RuntimeError(f"transformers CB request failed: {result.error}")
+                    results[result.request_id] = result
+            wall = time.perf_counter() - start
+            return {i: results[i] for i in ids}, wall
+
+        run(warmup, deadline_s=600)
+        monitor = CpuMonitor()
+        monitor.start()
+        results, wall = run(requests, deadline_s=args.cb_timeout_s)
+        cpu = monitor.stop()
+    finally:
+        manager.stop(block=True, timeout=30)
+        manager.destroy()
+    outputs = [list(r.generated_tokens) for r in results.values()]
+    for request, output in zip(requests, outputs, strict=True):
+        assert len(output) == request.max_tokens, (len(output), request.max_tokens)
+    return Result("hf-cb", sum(r.max_tokens for r in requests), sum(len(r.prompt_token_ids) for r in requests),
+                  wall, outputs=outputs, cpu=cpu,
+                  extra={"attn_implementation": args.cb_attn, "page_size": page_size, "num_blocks": num_blocks})
+
+
+# ---------------------------------------------------------------------------------------------
+# Ceiling
+
+
+@torch.inference_mode()
+def linear_ceiling(model: Any, num_tokens: int, num_sampled: int, repeats: int) -> dict[str, float]:
+    """Tokens/s of the model's linears alone at ``num_tokens`` tokens per forward (``num_sampled``
+    of them through the lm_head), with the real bf16 weights, separate q/k/v and gate/up as in
+    the checkpoint (and, for reference, fused as our engine runs them)."""
+    layers = model.model.layers
+    hidden = model.config.hidden_size
+    inter = model.config.intermediate_size
+    x_h = torch.randn(num_tokens, hidden, dtype=torch.bfloat16)  # [T, hidden]
+    x_i = torch.randn(num_tokens, inter, dtype=torch.bfloat16)  # [T, intermediate]
+    x_s = torch.randn(num_sampled, hidden, dtype=torch.bfloat16)  # [S, hidden]
+    lm_head = model.lm_head.weight  # tied to the embedding
+    separate = [(l.self_attn.q_proj.weight, l.self_attn.k_proj.weight, l.self_attn.v_proj.weight,
+                 l.self_attn.o_proj.weight, l.mlp.gate_proj.weight, l.mlp.up_proj.weight, l.mlp.down_proj.weight)
+                for l in layers]
+    fused = [(torch.cat(w[:3]), w[3], torch.cat(w[4:6]), w[6]) for w in separate]
+
+    def forward_separate() -> None:
+        for q, k, v, o, gate, up, down in separate:
+            F.linear(x_h, q); F.linear(x_h, k); F.linear(x_h, v); F.linear(x_h, o)  # noqa: E702
+            F.linear(x_h, gate); F.linear(x_h, up); F.linear(x_i, down)  # noqa: E702
+        F.linear(x_s, lm_head)
+
+    def forward_fused() -> None:
+        for qkv, o, gate_up, down in fused:
+            F.linear(x_h, qkv); F.linear(x_h, o); F.linear(x_h, gate_up); F.linear(x_i, down)  # noqa: E702
+        F.linear(x_s, lm_head)
+
+    def timed(fn: Any) -> tuple[float, float]:
+        fn(); fn()  # noqa: E702  warm-up (oneDNN primitive creation)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times), min(times)
+
+    monitor = CpuMonitor()
+    monitor.start()
+    (t_sep, t_sep_min), (t_fused, _) = timed(forward_separate), timed(forward_fused)
+    cpu = monitor.stop()
+    return {"num_tokens": num_tokens, "num_sampled": num_sampled, "forward_s": t_sep,
+            "tokens_per_s": num_tokens / t_sep, "best_tokens_per_s": num_tokens / t_sep_min,
+            "fused_forward_s": t_fused, "fused_tokens_per_s": num_tokens / t_fused,
+            "other_cores": cpu["other_cores"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def greedy_agreement(reference: Result, other: Result, prefix: int = 8) -> float | None:
+    """Fraction of requests whose first ``prefix`` greedy tokens agree (bf16 results depend on
+    batch shape, so later divergence is expected; this is a sanity check, not a parity test)."""
+    if reference.outputs is None or other.outputs is None:
+        return None
+    same = sum(a[:prefix] == b[:prefix] for a, b in zip(reference.outputs, other.outputs))
+    return same / len(reference.outputs)
+
+
+def print_report(results: dict[str, Result], ceilings: list[dict[str, float]], failures: dict[str, str],
+                 meta: dict[str, Any]) -> None:
+    ours = results.get("ours")
+    print()
+    print(f"model {meta['model']} bf16 cpu | torch threads {meta['torch_threads']} | {meta['num_requests']} requests "
+          f"(seed {meta['seed']}): {meta['prompt_tokens']} prompt + {meta['output_tokens']} output tokens | "
+          f"loadavg before {meta['loadavg_before']} after {meta['loadavg_after']}")
+    print()
+    header = f"{'system':<12} {'output tok':>10} {'wall s':>9} {'output tok/s':>13} {'ours/system':>12}   notes"
+    print(header)
+    print("-" * len(header))
+    for name in ALL_SYSTEMS:
+        if name == "ceiling":
+            continue
+        if name in failures:
+            print(f"{name:<12} {'-':>10} {'-':>9} {'-':>13} {'-':>12}   did not run: {failures[name]}")
+            continue
+        r = results.get(name)
+        if r is None:
+            continue
+        ratio = f"{ours.output_tps / r.output_tps:.2f}x" if ours is not None else "-"
+        notes = f"(prompt+output) {r.total_tps:.0f} tok/s"
+        normalized = r.cpu_normalized_tps(meta["torch_threads"])
+        if r.cpu is not None:
+            notes += f"; cores: own {r.cpu['own_cores']:.2f}, other processes {r.cpu['other_cores']:.2f}"
+        if normalized is not None:
+            notes += f"; CPU-normalized {normalized:.1f} output tok/s"
+        if r.generated_tokens is not None:
+            notes += (f"; decoded {r.generated_tokens} tokens, {r.generated_tokens - r.output_tokens} of them "
+                      f"waste past a request's own length (not counted)")
+        if name == "hf-cb":
+            notes += f"; attn {r.extra['attn_implementation']}, page {r.extra['page_size']}"
+        print(f"{name:<12} {r.output_tokens:>10} {r.wall_s:>9.1f} {r.output_tps:>13.1f} {ratio:>12}   {notes}")
+    print()
+    for c in ceilings:
+        print(f"ceiling: linears alone at {c['num_tokens']:.0f} tokens/forward ({c['num_sampled']:.0f} through "
+              f"lm_head): {c['tokens_per_s']:.0f} tok/s ({c['forward_s'] * 1e3:.1f} ms/forward; fused qkv/gate_up "
+              f"as our engine runs them: {c['fused_tokens_per_s']:.0f} tok/s; best repeat {c['best_tokens_per_s']:.0f}; "
+              f"other processes {c['other_cores']:.2f} cores)")
+    if "ceiling" in failures:
+        print(f"ceiling: did not run: {failures['ceiling']}")
+    if ours is not None:
+        e = ours.extra
+        if ceilings:
+            at_avg = ceilings[0]
+            print(f"ours (prompt+output) {ours.total_tps:.0f} tok/s = {ours.total_tps / at_avg['tokens_per_s']:.1%} of "
+                  f"the ceiling at its average batch ({at_avg['num_tokens']:.0f} tokens/step)")
+        print(f"ours: KV-cache efficiency {e['kv_efficiency']:.1%} | average batch {e['avg_tokens_per_step']:.1f} "
+              f"tokens/step, {e['avg_seqs_per_step']:.1f} seqs/step, {e['avg_sampled_per_step']:.1f} sampled/step | "
+              f"{e['num_steps']} steps ({e['num_decode_only_steps']} decode-only) | preemptions {e['num_preemptions']}")
+        rest = ours.wall_s - e["execute_s"]
+        print(f"ours: model runner execute {e['execute_s']:.1f}s ({e['execute_s'] / ours.wall_s:.0%} of wall), "
+              f"scheduler + output processing + detokenizer {rest:.1f}s ({rest / ours.wall_s:.0%}); "
+              f"{ours.wall_s / max(1, e['num_steps']) * 1e3:.1f} ms/step | max_num_batched_tokens "
+              f"{e['max_num_batched_tokens']}, max_num_seqs {e['max_num_seqs']}, kv {e['kv_cache_memory']}")
+        for name, r in results.items():
+            if name != "ours":
+                agreement = greedy_agreement(ours, r)
+                if agreement is not None:
+                    print(f"greedy sanity: first 8 tokens of ours == {name} for {agreement:.0%} of requests")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--systems", default=",".join(ALL_SYSTEMS),
+                        help=f"comma list of {', '.join(ALL_SYSTEMS)} (default: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="ours' per-step token budget (also transformers CB's max_batch_tokens)")
+    parser.add_argument("--kv-cache-memory", default="4GiB")
+    parser.add_argument("--static-batch-size", type=int, default=32)
+    parser.add_argument("--cb-attn", default="sdpa", help="transformers CB attention implementation")
+    parser.add_argument("--cb-page-size", type=int, default=256, help="transformers CB page size (its default)")
+    parser.add_argument("--cb-timeout-s", type=float, default=3600.0)
+    parser.add_argument("--ceiling-repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (default: leave torch's default)")
+    parser.add_argument("--json-out", default=None, help="also write the result JSON to this file")
+    args = parser.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(systems) - set(ALL_SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(ALL_SYSTEMS)}")
+    if args.num_requests < 1:
+        parser.error("--num-requests must be at least 1")
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoConfig, AutoTokenizer
+
+    from llmplatform.llm.resolve import resolve_model
+
+    resolved = resolve_model(None)
+    path = str(resolved.path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    vocab_size = AutoConfig.from_pretrained(path).vocab_size
+    requests = make_workload(args.num_requests, args.seed, tokenizer, vocab_size)
+    warmup = warmup_workload(tokenizer, vocab_size)
+    meta = {
+        "model": resolved.name, "torch_threads": torch.get_num_threads(), "num_requests": args.num_requests,
+        "seed": args.seed, "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+        "output_tokens": sum(r.max_tokens for r in requests),
+        "loadavg_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+    log(f"{meta['num_requests']} requests, {meta['prompt_tokens']} prompt + {meta['output_tokens']} output tokens; "
+        f"torch threads {meta['torch_threads']}; systems {systems}")
+
+    results: dict[str, Result] = {}
+    failures: dict[str, str] = {}
+    if "ours" in systems:
+        log("ours: running")
+        results["ours"] = run_ours(path, requests, warmup, args)
+        gc.collect()  # release the engine's KV pool before the baselines run
+        log(f"ours: {results['ours'].wall_s:.1f}s, {results['ours'].output_tps:.1f} output tok/s, "
+            f"cores {results['ours'].cpu}")
+
+    hf_model = load_hf(path) if set(systems) & {"hf-single", "hf-static", "hf-cb", "ceiling"} else None
+    for name in ("hf-single", "hf-static", "hf-cb"):
+        if name not in systems:
+            continue
+        log(f"{name}: running")
+        try:
+            if name == "hf-single":
+                results[name] = run_hf_single(hf_model, requests, warmup)
+            elif name == "hf-static":
+                results[name] = run_hf_static(hf_model, requests, warmup, args.static_batch_size)
+            else:
+                results[name] = run_hf_cb(hf_model, requests, warmup, args)
+            log(f"{name}: {results[name].wall_s:.1f}s, {results[name].output_tps:.1f} output tok/s, "
+                f"cores {results[name].cpu}")
+        except Exception as exc:  # one baseline failing must not lose the others' numbers
+            failures[name] = f"{type(exc).__name__}: {exc}"
+            log(f"{name}: FAILED {failures[name]}")
+
+    ceilings: list[dict[str, float]] = []
+    if "ceiling" in systems:
+        log("ceiling: timing the linears")
+        hf_model.set_attn_implementation("sdpa")
+        points: list[tuple[int, int]] = []
+        if "ours" in results:
+            e = results["ours"].extra
+            points.append((max(1, round(e["avg_tokens_per_step"])), max(1, round(e["avg_sampled_per_step"]))))
+        points.append((64, 64))
+        for num_tokens, num_sampled in dict.fromkeys(points):
+            ceilings.append(linear_ceiling(hf_model, num_tokens, num_sampled, args.ceiling_repeats))
+
+    meta["loadavg_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print_report(results, ceilings, failures, meta)
+
+    ours = results.get("ours")
+    summary: dict[str, Any] = {"meta": meta, "failures": failures, "ceilings": ceilings, "systems": {}}
+    for name, r in results.items():
+        summary["systems"][name] = {
+            "output_tokens": r.output_tokens, "prompt_tokens": r.prompt_tokens, "wall_s": round(r.wall_s, 3),
+            "output_tokens_per_s": round(r.output_tps, 2), "total_tokens_per_s": round(r.total_tps, 2),
+            "generated_tokens": r.generated_tokens,
+            "ours_over_system": round(ours.output_tps / r.output_tps, 3) if ours else None,
+            **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.extra.items()},
+            **({f"cpu_{k}": v for k, v in r.cpu.items()} if r.cpu else {}),
+            "cpu_normalized_output_tokens_per_s": (round(r.cpu_normalized_tps(meta["torch_threads"]), 2)
+                                                   if r.cpu_normalized_tps(meta["torch_threads"]) else None),
+        }
+    if ours is not None and ceilings:
+        summary["ours_fraction_of_ceiling"] = round(ours.total_tps / ceilings[0]["tokens_per_s"], 4)
+    line = json.dumps(summary, sort_keys=True)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(line + "\n")
+    print("RESULT_JSON " + line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
