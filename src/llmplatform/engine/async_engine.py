@@ -14,7 +14,7 @@ import contextlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from llmplatform.engine.llm_engine import LLMEngine, SequenceUpdate
 from llmplatform.errors import EngineDeadError
@@ -35,6 +35,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._pending_adds: list[tuple[str, list[int], SamplingParams]] = []
         self._pending_aborts: list[str] = []
+        self._pending_calls: list[tuple[Callable[[], Any], asyncio.Future]] = []
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._task: asyncio.Task | None = None
@@ -100,6 +101,16 @@ class AsyncEngine:
         self._abort_soon(request_id)
         return True
 
+    async def call_between_steps(self, fn: Callable[[], Any]) -> Any:
+        """Runs ``fn`` on the engine between two steps (e.g. a prefix-cache reset) and returns its
+        result: it never races a step, an admission or an abort."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine has failed: {self.dead_reason}")
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending_calls.append((fn, future))
+        self._wakeup.set()
+        return await future
+
     def _abort_soon(self, request_id: str) -> None:
         self._pending_aborts.append(request_id)
         self._wakeup.set()
@@ -120,6 +131,14 @@ class AsyncEngine:
         for request_id in aborts:
             for update in self.engine.abort(request_id):
                 self._deliver(update)
+        calls, self._pending_calls = self._pending_calls, []
+        for fn, future in calls:
+            if future.cancelled():
+                continue
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
 
     def _deliver(self, update: SequenceUpdate) -> None:
         stream = self._streams.get(update.request_id)
@@ -133,7 +152,7 @@ class AsyncEngine:
                 self._apply_pending()
                 if not self.engine.has_unfinished():
                     self._wakeup.clear()
-                    if not self._pending_adds and not self._pending_aborts:
+                    if not (self._pending_adds or self._pending_aborts or self._pending_calls):
                         await self._wakeup.wait()
                     continue
                 updates = await loop.run_in_executor(self._executor, self.engine.step)
@@ -151,4 +170,8 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         for stream in list(self._streams.values()):
             stream.queue.put_nowait(error)
+        calls, self._pending_calls = self._pending_calls, []
+        for _, future in calls:
+            if not future.done():
+                future.set_exception(error)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import AsyncIterator
 
@@ -64,14 +63,8 @@ class PagedLLM(LLM):
     async def reset_prefix_cache(self) -> bool:
         if self._async is None:
             return self.engine.reset_prefix_cache()
-        # Steps run one at a time on the async engine's single step thread; queued there, the
-        # reset runs between two steps, never during one (it must not race the scheduler's
-        # lookups and registrations). Adds and aborts, applied on the event loop between steps,
-        # touch reference counts and the free pool, never the hashes a reset clears.
-        # TODO(engine): AsyncEngine should offer this ("run between steps") as a public method.
-        step_thread = self._async._executor
-        return await asyncio.get_running_loop().run_in_executor(step_thread,
-                                                                self.engine.reset_prefix_cache)
+        # Between two steps, like admissions and aborts: never during a step's lookups.
+        return await self._async.call_between_steps(self.engine.reset_prefix_cache)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         if self._async is None:
