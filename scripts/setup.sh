@@ -15,6 +15,17 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
 fi
 if [[ "${1:-}" == "--test" ]]; then
   pip_install -e ".[test]"
+  # The browser test drives Debian's Chromium through Playwright (never `playwright install`,
+  # whose downloads are not reachable here). Installed only as root with apt; else a note.
+  if [[ ! -x /usr/bin/chromium ]]; then
+    if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
+      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+        >/dev/null || echo "warning: installing chromium failed; tests/browser will be skipped" >&2
+    else
+      echo "note: /usr/bin/chromium is missing, so tests/browser will be skipped;" \
+           "install Debian's chromium package (apt-get install chromium) to run it" >&2
+    fi
+  fi
 else
   pip_install -e .
 fi

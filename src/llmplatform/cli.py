@@ -1,18 +1,22 @@
-"""The ``llmplatform`` command: ``serve`` (a whole cluster), ``controller``, ``worker``, ``api``."""
+"""The ``llmplatform`` command: ``serve`` (a whole cluster), ``controller``, ``worker``, ``api``,
+``webui``."""
 
 from __future__ import annotations
 
 import sys
 
 USAGE = """\
-usage: llmplatform {serve,controller,worker,api} [options]
+usage: llmplatform {serve,controller,worker,api,webui} [options]
 
-  serve       start a controller, model worker(s) and the OpenAI gateway in one command
+  serve       start a controller, model worker(s), the OpenAI gateway and the web UI
   controller  run the controller (worker registry)
   worker      run one model worker
   api         run the OpenAI-compatible gateway
+  webui       run the chat web UI (a client of the gateway)
 
-Run `llmplatform COMMAND --help` for a command's options.
+Run `llmplatform COMMAND --help` for a command's options. Every option can also be set in
+the environment as LLMPLATFORM_<OPTION> (--max-num-seqs: LLMPLATFORM_MAX_NUM_SEQS); a flag
+beats the environment, which beats `serve --config FILE`, which beats the default.
 """
 
 
@@ -30,6 +34,8 @@ def main(argv: list[str] | None = None) -> None:
         from llmplatform.model_worker.__main__ import main as run
     elif command == "api":
         from llmplatform.openai_api.__main__ import main as run
+    elif command == "webui":
+        from llmplatform.webui.__main__ import main as run
     else:
         print(f"llmplatform: unknown command {command!r}\n\n{USAGE}", file=sys.stderr, end="")
         raise SystemExit(2)

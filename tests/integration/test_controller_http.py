@@ -238,18 +238,20 @@ def test_bind_all_address_message_is_clear(controller: Controller) -> None:
     assert "0.0.0.0" in error and "bind" in error
 
 
-def test_reregistration_with_other_models_warns(
+def test_reregistration_with_other_models_is_refused(
     controller: Controller, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # A stock worker (no instance id) announcing a live worker's URL with other models is a
+    # second worker on one address: refused (409) and logged, never a silent replacement.
     worker = "http://127.0.0.1:39003"
     with caplog.at_level(logging.INFO, logger="llmplatform.controller"):
         controller.register(worker, ["a"])
         controller.register(worker, ["a"])  # a restart: normal, no warning
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-        controller.register(worker, ["b"])
+        assert controller.register(worker, ["b"]).status_code == 409
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and worker in warnings[0].getMessage()
-    assert controller.models() == ["b"]
+    assert controller.models() == ["a"]
 
 
 # ---- heartbeats and expiry ------------------------------------------------------------------------

@@ -602,12 +602,15 @@ def test_unexpected_error_is_a_500_envelope(http: httpx.Client, cluster: Cluster
 
 
 def test_cors_preflight(cluster: Cluster) -> None:
-    response = httpx.options(
-        f"{cluster.gateway}/v1/chat/completions",
-        headers={"Origin": "http://example.com", "Access-Control-Request-Method": "POST"},
-    )
+    # CORS is off by default (tests/security covers that); here it is configured.
+    settings = GatewaySettings(controller_address=cluster.controller, allowed_origins=("http://example.com",))
+    with serve_in_thread(create_app(settings)) as gateway:
+        response = httpx.options(
+            f"{gateway}/v1/chat/completions",
+            headers={"Origin": "http://example.com", "Access-Control-Request-Method": "POST"},
+        )
     assert response.status_code == 200
-    assert response.headers["access-control-allow-origin"] == "*"
+    assert response.headers["access-control-allow-origin"] == "http://example.com"
 
 
 def test_unknown_route_and_method_use_the_envelope(http: httpx.Client) -> None:

@@ -52,7 +52,9 @@ def alive(pid: int) -> bool:
 
 def start_serve(args: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "llmplatform.cli", "serve", *args],
+    # --no-webui: the web UI has its own serve test (tests/webui/test_serve_webui.py); here it would
+    # only add start-up time and a fixed port (7860) that another process might hold.
+    return subprocess.Popen([sys.executable, "-m", "llmplatform.cli", "serve", "--no-webui", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 

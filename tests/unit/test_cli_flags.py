@@ -32,7 +32,7 @@ def test_worker_refuses_to_announce_a_bind_all_address(argv):
 def test_serve_default_is_one_default_worker():
     spec = launcher.spec_from_args(launcher.build_parser().parse_args([]))
     services = launcher.services_for(spec)
-    assert [s.name for s in services] == ["controller", "worker 0", "api"]
+    assert [s.name for s in services] == ["controller", "worker 0", "api", "webui"]
     worker = services[1].argv
     assert "--model-path" not in worker  # the embedded default model
     assert worker[worker.index("--port") + 1] == "21002"
@@ -47,7 +47,7 @@ def test_serve_config_file(tmp_path):
                       '[[worker]]\nmodel_path = "/m"\nport = 3005\nbackend = "hf"\n')
     spec = launcher.spec_from_args(launcher.build_parser().parse_args(["--config", str(config)]))
     services = launcher.services_for(spec)
-    controller, w0, w1, api = (s.argv for s in services)
+    controller, w0, w1, api, _webui = (s.argv for s in services)
     assert controller[-2:] == ["--dispatch-method", "lottery"] and "3000" in controller
     assert w0[-2:] == ["--model-names", "x,y"] and w0[w0.index("--port") + 1] == "21002"
     assert w1[w1.index("--port") + 1] == "3005" and w1[-2:] == ["--backend", "hf"]

@@ -63,6 +63,10 @@ def queues(registry: WorkerRegistry, *names: str) -> tuple[int, ...]:
     return tuple(registry.get(name).queue_length for name in names)  # type: ignore[union-attr]
 
 
+def dispatched(registry: WorkerRegistry, *names: str) -> tuple[int, ...]:
+    return tuple(registry.get(name).num_dispatched for name in names)  # type: ignore[union-attr]
+
+
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
@@ -216,13 +220,6 @@ def test_aggregate_status(registry: WorkerRegistry) -> None:
     )
 
 
-def test_increment_queue(registry: WorkerRegistry) -> None:
-    registry.register(A, status("m", queue_length=2))
-    assert registry.increment_queue(A) is True
-    assert registry.increment_queue(B) is False
-    assert queues(registry, A) == (3,)
-
-
 def test_expiration_must_be_positive() -> None:
     with pytest.raises(ValueError):
         WorkerRegistry(heartbeat_expiration=0)
@@ -291,10 +288,11 @@ def test_dispatcher_shortest_queue_increments_and_spreads_a_burst(registry: Work
     dispatcher = Dispatcher(registry, DispatchMethod.SHORTEST_QUEUE, FixedRandom(0.9, 0.0))
     picks = [dispatcher.choose("m").worker_name for _ in range(3)]  # type: ignore[union-attr]
     assert picks == [B, A, A]
-    assert queues(registry, A, B) == (2, 1)
+    assert dispatched(registry, A, B) == (2, 1)
+    assert queues(registry, A, B) == (0, 0)  # the workers' own reports are left alone
     # The next heartbeat replaces the estimate with the worker's own count.
     registry.heartbeat(A, 0)
-    assert queues(registry, A) == (0,)
+    assert dispatched(registry, A) == (0,)
     assert dispatcher.choose("missing") is None
 
 

@@ -87,6 +87,13 @@ def test_top_k_keeps_exactly_k_tokens(sampler: Sampler) -> None:
     assert set(counts) == {0, 1}
 
 
+def test_huge_top_k_is_no_filter_and_does_not_overflow(sampler: Sampler) -> None:
+    # A top_k beyond int64 (valid on the wire: "a positive integer") must not crash the batch.
+    logits = logits_from_probs([0.4, 0.3, 0.2, 0.1])
+    counts = draw_counts(sampler, logits, 300, top_k=2**70, top_p=0.95)
+    assert set(counts) <= {0, 1, 2, 3} and len(counts) >= 3
+
+
 def test_tiny_top_p_keeps_only_the_top_token(sampler: Sampler) -> None:
     logits = logits_from_probs([0.2, 0.21, 0.19, 0.2, 0.2])
     counts = draw_counts(sampler, logits, 300, top_p=1e-6)

@@ -1,4 +1,4 @@
-"""`python -m llmplatform.controller`: parse flags, build the app, run uvicorn.
+"""`python -m llmplatform.controller`: parse flags, build the app, serve it (graceful SIGTERM).
 
 `build_parser()` and `main(argv)` are public so `llmplatform controller ...` can reuse them.
 """
@@ -6,17 +6,19 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Sequence
 
-import uvicorn
-
 from llmplatform.controller.app import ControllerConfig, create_app
-from llmplatform.controller.dispatch import DispatchMethod
+from llmplatform.controller.dispatch import DEFAULT_DISPATCH_METHOD, DispatchMethod
 from llmplatform.controller.registry import DEFAULT_HEARTBEAT_EXPIRATION_S
-from llmplatform.utils.logs import configure_logging
+from llmplatform.utils.cli import apply_env_defaults
+from llmplatform.utils.cluster_secret import SECRET_ENV, SECRET_HEADER, secret_from_env
+from llmplatform.utils.logs import add_logging_flags, configure_logging, log_summary
+from llmplatform.utils.startup import controller_summary, listen_url
+from llmplatform.utils.server import DEFAULT_SHUTDOWN_TIMEOUT_S, run_server
 
 DEFAULT_PORT = 21001
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -35,8 +37,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument(
         "--dispatch-method",
         choices=[m.value for m in DispatchMethod],
-        default=DispatchMethod.SHORTEST_QUEUE.value,
-        help="how to choose among workers serving a model (default: %(default)s)",
+        default=DEFAULT_DISPATCH_METHOD.value,
+        help="how to choose among workers serving a model: least_load (share of batch capacity "
+        "in use, avoiding full KV caches), shortest_queue (FastChat's queue_length/speed) or "
+        "lottery (random, weighted by speed) (default: %(default)s)",
     )
     parser.add_argument(
         "--heartbeat-expiration",
@@ -46,22 +50,54 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="drop a worker after this long without a heartbeat (default: %(default)s)",
     )
     parser.add_argument(
-        "--log-level", choices=LOG_LEVELS, default="info", help="(default: %(default)s)"
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="on SIGTERM: stop accepting, let in-flight requests (proxied streams) run this long, "
+        "then exit (default: %(default)s)",
     )
-    return parser
+    parser.add_argument(
+        "--cluster-secret",
+        default=None,
+        help=f"shared secret every worker and gateway must send ({SECRET_HEADER}); default: "
+        f"${SECRET_ENV} (prefer it: flags show in ps). Unset: no secret is required",
+    )
+    parser.add_argument(
+        "--allowed-worker-networks",
+        default="",
+        metavar="CIDRS",
+        help="comma-separated networks (e.g. 10.0.0.0/8,127.0.0.1/32) a worker's announced "
+        "address must lie in; host names must resolve into them (default: any address except "
+        "bind-all, multicast, link-local and broadcast)",
+    )
+    add_logging_flags(parser)
+    return apply_env_defaults(parser)  # every flag also from LLMPLATFORM_<FLAG>
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     try:
         config = ControllerConfig(
             dispatch_method=DispatchMethod(args.dispatch_method),
             heartbeat_expiration=args.heartbeat_expiration,
+            cluster_secret=secret_from_env(args.cluster_secret),
+            allowed_worker_networks=tuple(n for n in args.allowed_worker_networks.split(",") if n.strip()),
         )
     except ValueError as exc:
         build_parser().error(str(exc))
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
+    if not args.shutdown_timeout > 0:
+        build_parser().error("--shutdown-timeout must be > 0 seconds")
+    log_summary(logging.getLogger("llmplatform.controller"), "llmplatform controller",
+                controller_summary(config, listen_url(args.host, args.port)))
+    run_server(
+        create_app(config),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        shutdown_timeout=args.shutdown_timeout,
+    )
 
 
 if __name__ == "__main__":

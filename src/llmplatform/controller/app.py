@@ -21,30 +21,49 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from llmplatform.controller.dispatch import DispatchMethod, Dispatcher, RandomSource
+from llmplatform.controller.admission import (
+    RegistrationRefused,
+    Resolver,
+    check_not_taken,
+    check_worker_address,
+    parse_networks,
+    resolve_host,
+    split_worker_url,
+)
+from llmplatform.controller.dispatch import (
+    DEFAULT_DISPATCH_METHOD,
+    DispatchMethod,
+    Dispatcher,
+    RandomSource,
+)
 from llmplatform.controller.registry import DEFAULT_HEARTBEAT_EXPIRATION_S, WorkerRegistry
 from llmplatform.errors import ErrorCode
+from llmplatform.metrics.common import add_metrics_route
+from llmplatform.metrics.controller import ControllerMetrics
+from llmplatform.utils.request_id import RequestIdMiddleware
+from llmplatform.utils.cluster_secret import ClusterSecretMiddleware, secret_headers
 from llmplatform.protocol.controller import (
+    DeregisterWorkerRequest,
+    DeregisterWorkerResponse,
     GetWorkerAddressRequest,
     GetWorkerAddressResponse,
     HeartbeatRequest,
     HeartbeatResponse,
     ListModelsResponse,
+    ListWorkersResponse,
     RefreshAllWorkersResponse,
     RegisterWorkerRequest,
+    WorkerDescription,
     WorkerStatus,
 )
 
 logger = logging.getLogger("llmplatform.controller")
-
-_UNANNOUNCEABLE_HOSTS = frozenset({"0.0.0.0", "::"})
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -53,7 +72,7 @@ M = TypeVar("M", bound=BaseModel)
 class ControllerConfig:
     """Controller settings; validated at construction."""
 
-    dispatch_method: DispatchMethod = DispatchMethod.SHORTEST_QUEUE
+    dispatch_method: DispatchMethod = DEFAULT_DISPATCH_METHOD
     heartbeat_expiration: float = DEFAULT_HEARTBEAT_EXPIRATION_S
     """Seconds without a heartbeat after which a worker is dropped. Our workers beat every ~3 s;
     quieter ones (stock FastChat workers beat every 45 s) are polled before they would expire."""
@@ -65,9 +84,20 @@ class ControllerConfig:
     """Seconds allowed to connect to a worker."""
     stream_read_timeout: float = 100.0
     """Max seconds of silence inside a proxied stream (long prefills); FastChat uses 100."""
+    cluster_secret: str | None = None
+    """When set, every route but /health, /metrics and /test_connection needs it in the
+    X-LLMPlatform-Secret header, and the controller sends it to workers."""
+    allowed_worker_networks: tuple[Any, ...] = ()
+    """CIDR networks (strings or `ipaddress` networks) a worker's address must lie in; empty:
+    any address but bind-all, multicast, link-local and broadcast (see `admission`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dispatch_method", DispatchMethod(self.dispatch_method))
+        object.__setattr__(
+            self, "allowed_worker_networks", parse_networks(str(n) for n in self.allowed_worker_networks)
+        )
+        if self.cluster_secret is not None and not self.cluster_secret.strip():
+            raise ValueError("cluster_secret must not be empty (use None for no secret)")
         positive = {
             "heartbeat_expiration": self.heartbeat_expiration,
             "status_timeout": self.status_timeout,
@@ -144,23 +174,28 @@ def normalize_worker_name(worker_name: str) -> str:
 
 
 def validate_worker_url(worker_name: str) -> None:
-    """Refuse names that other processes could not use to reach the worker."""
+    """Refuse names that are not plain http(s) base URLs (the form only; addresses and the
+    allow-list are checked by `admission.check_worker_address`)."""
     try:
-        parts = urlsplit(worker_name)
-        parts.port  # noqa: B018 - raises ValueError on a malformed port
-    except ValueError as exc:
-        raise BadRequest(f"worker_name {worker_name!r} is not a valid URL: {exc}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise BadRequest(
-            f"worker_name {worker_name!r} must be the worker's http(s) base URL, "
-            "e.g. http://127.0.0.1:21002"
-        )
-    if parts.hostname in _UNANNOUNCEABLE_HOSTS:
-        raise BadRequest(
-            f"worker_name {worker_name!r} uses the bind-all address {parts.hostname}, which "
-            "nobody can connect to; announce an address the controller and gateway can reach "
-            "(e.g. --worker-address http://<this host's IP>:<port>)"
-        )
+        split_worker_url(worker_name)
+    except RegistrationRefused as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def _log_shared_models(
+    registry: WorkerRegistry, worker_name: str, model_names: list[str], was_live: bool
+) -> None:
+    """Log when a newly registering worker serves a model name other live workers serve.
+
+    Allowed (replicas share a name, and requests are spread over them), but worth a line: a
+    worker that claims a popular name receives that model's prompts.
+    """
+    if was_live:
+        return  # a re-registration: any sharing was logged when it first registered
+    for model in model_names:
+        others = [w.worker_name for w in registry.workers_for(model) if w.worker_name != worker_name]
+        if others:
+            logger.warning("model %r is now served by %s as well as %s", model, worker_name, others)
 
 
 # ---- talking to workers -------------------------------------------------------------------------
@@ -199,6 +234,8 @@ async def _relay_stream(
                 body = (await response.aread())[:500].decode("utf-8", "replace")
                 client_error = 400 <= response.status_code < 500
                 code = ErrorCode.VALIDATION_TYPE_ERROR if client_error else ErrorCode.INTERNAL_ERROR
+                if response.status_code == 429:  # a full worker queue: "try again later"
+                    code = ErrorCode.ENGINE_OVERLOADED
                 yield _error_chunk(f"worker answered HTTP {response.status_code}: {body}", code)
                 return
             async for data in response.aiter_bytes():
@@ -240,11 +277,13 @@ async def _poll_quiet_workers(
                 result,
                 check_heart_beat=worker.check_heart_beat,
                 multimodal=worker.multimodal,
+                instance_id=worker.instance_id,
             )
 
 
 async def _sweep_periodically(
-    registry: WorkerRegistry, client: httpx.AsyncClient, config: ControllerConfig
+    registry: WorkerRegistry, client: httpx.AsyncClient, config: ControllerConfig,
+    metrics: ControllerMetrics,
 ) -> None:
     while True:
         await asyncio.sleep(config.effective_expiry_interval)
@@ -252,6 +291,7 @@ async def _sweep_periodically(
             await _poll_quiet_workers(registry, client, config.status_timeout)
             expiration = registry.heartbeat_expiration
             for name in registry.expire():
+                metrics.expiries.inc()
                 logger.info("expired worker %s (no heartbeat for %.1f s)", name, expiration)
         except Exception:  # keep sweeping: a bug here must not leave dead workers listed
             logger.exception("expiry sweep failed")
@@ -265,8 +305,12 @@ def create_app(
     *,
     clock: Callable[[], float] = time.monotonic,
     rng: RandomSource | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    resolve: Resolver | None = None,
 ) -> FastAPI:
-    """Build a controller app. `clock` and `rng` are injectable for tests."""
+    """Build a controller app. `clock`, `rng`, the HTTP `transport` of every call to workers and
+    the host name `resolve`r (for --allowed-worker-networks) are injectable for tests."""
+    resolve = resolve or (lambda host: resolve_host(host, config.status_timeout))
     config = config or ControllerConfig()
     registry = WorkerRegistry(heartbeat_expiration=config.heartbeat_expiration, clock=clock)
     dispatcher = Dispatcher(registry, config.dispatch_method, rng or random.Random())
@@ -274,10 +318,12 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         timeout = httpx.Timeout(config.status_timeout, connect=config.connect_timeout)
-        async with httpx.AsyncClient(timeout=timeout) as client:
+        async with httpx.AsyncClient(
+            timeout=timeout, transport=transport, headers=secret_headers(config.cluster_secret)
+        ) as client:
             app.state.http_client = client
             sweeper = asyncio.create_task(
-                _sweep_periodically(registry, client, config), name="controller-expiry"
+                _sweep_periodically(registry, client, config, metrics), name="controller-expiry"
             )
             logger.info(
                 "controller up: dispatch=%s heartbeat_expiration=%.1fs",
@@ -295,10 +341,27 @@ def create_app(
     app.state.config = config
     app.state.registry = registry
     app.state.dispatcher = dispatcher
+    app.state.metrics = metrics = ControllerMetrics(registry)
+    add_metrics_route(app, metrics.registry)
+
+    if config.cluster_secret:
+        app.add_middleware(
+            ClusterSecretMiddleware,
+            secret=config.cluster_secret,
+            exempt_paths=("/health", "/metrics", "/test_connection"),
+        )
+
+    # A gateway's X-Request-Id tags the lines logged while answering it.
+    app.add_middleware(RequestIdMiddleware, generate=False)
 
     @app.exception_handler(BadRequest)
     async def _bad_request(request: Request, exc: BadRequest) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=400)
+
+    @app.exception_handler(RegistrationRefused)
+    async def _refused(request: Request, exc: RegistrationRefused) -> JSONResponse:
+        logger.warning("refused registration: %s", exc)
+        return JSONResponse({"error": str(exc)}, status_code=exc.status)
 
     def client_of(request: Request) -> httpx.AsyncClient:
         return request.app.state.http_client
@@ -307,25 +370,25 @@ def create_app(
     async def register_worker(request: Request) -> None:
         body = await _parse_body(request, RegisterWorkerRequest)
         name = normalize_worker_name(body.worker_name)
-        validate_worker_url(name)
+        # Both checks come before the controller dials the announced address (status poll).
+        await check_worker_address(name, config.allowed_worker_networks, resolve)
         status = body.worker_status
+        taken = dict(existing=registry.get(name), existing_is_live=registry.is_live(name),
+                     instance_id=body.instance_id)
+        check_not_taken(name, **taken, model_names=status.model_names if status else None)
         if status is None:
             try:
                 status = await fetch_worker_status(client_of(request), name, config.status_timeout)
             except WorkerUnreachable as exc:
                 raise BadRequest(f"cannot get status from worker {name}: {exc}") from None
+            check_not_taken(name, **taken, model_names=status.model_names)
         was_live = registry.is_live(name)
+        _log_shared_models(registry, name, status.model_names, was_live)
         previous = registry.register(
-            name, status, check_heart_beat=body.check_heart_beat, multimodal=body.multimodal
+            name, status, check_heart_beat=body.check_heart_beat, multimodal=body.multimodal,
+            instance_id=body.instance_id,
         )
-        if previous is not None and was_live and previous.model_names != tuple(status.model_names):
-            logger.warning(
-                "worker %s re-registered with different models %s (was %s): two workers may be "
-                "announcing the same URL",
-                name,
-                list(status.model_names),
-                list(previous.model_names),
-            )
+        metrics.registrations.inc()
         logger.info(
             "%s worker %s: models=%s speed=%d queue_length=%d",
             "re-registered" if previous is not None else "registered",
@@ -340,6 +403,13 @@ def create_app(
     async def receive_heart_beat(request: Request) -> HeartbeatResponse:
         body = await _parse_body(request, HeartbeatRequest)
         name = normalize_worker_name(body.worker_name)
+        known = registry.get(name)
+        if known is not None and body.instance_id is not None and known.instance_id is not None \
+                and body.instance_id != known.instance_id:
+            # Another process beating for this URL: not a beat of the registered worker. Told it
+            # is unknown, it will try to register, and be refused while the URL is taken.
+            logger.warning("heartbeat for %s from another worker instance; ignored", name)
+            return HeartbeatResponse(exist=False)
         exist = registry.heartbeat(
             name,
             body.queue_length,
@@ -350,6 +420,21 @@ def create_app(
         if not exist:
             logger.info("heartbeat from unknown worker %s; it will be told to register", name)
         return HeartbeatResponse(exist=exist)
+
+    @app.post("/deregister_worker")
+    async def deregister_worker(request: Request) -> DeregisterWorkerResponse:
+        # Ours: a worker leaving on purpose (shutdown, dead engine) stops being routed to at
+        # once instead of after heartbeat_expiration. Stock FastChat workers never call it.
+        body = await _parse_body(request, DeregisterWorkerRequest)
+        name = normalize_worker_name(body.worker_name)
+        known = registry.get(name)
+        if known is not None and known.instance_id is not None and body.instance_id != known.instance_id:
+            # Not the process that registered: it may not take the registered worker away.
+            logger.warning("deregistration of %s by another worker instance; ignored", name)
+            return DeregisterWorkerResponse(removed=False)
+        removed = registry.remove(name)
+        logger.info("worker %s deregistered%s", name, "" if removed else " (was not registered)")
+        return DeregisterWorkerResponse(removed=removed)
 
     @app.post("/refresh_all_workers")
     async def refresh_all_workers(request: Request) -> RefreshAllWorkersResponse:
@@ -367,12 +452,16 @@ def create_app(
                     result,
                     check_heart_beat=worker.check_heart_beat,
                     multimodal=worker.multimodal,
+                    instance_id=worker.instance_id,
                 )
             else:
                 registry.remove(worker.worker_name)
                 removed.append(worker.worker_name)
+                metrics.expiries.inc()
                 logger.info("removed unreachable worker %s: %s", worker.worker_name, result)
-        removed.extend(registry.expire())
+        expired = registry.expire()
+        metrics.expiries.inc(len(expired))
+        removed.extend(expired)
         return RefreshAllWorkersResponse(removed=sorted(removed))
 
     @app.post("/list_models")
@@ -387,10 +476,25 @@ def create_app(
     async def list_multimodal_models() -> ListModelsResponse:
         return ListModelsResponse(models=registry.list_models(multimodal=True))
 
+    @app.get("/list_workers")
+    async def list_workers() -> ListWorkersResponse:
+        # Read-only view for dashboards (the web UI's Cluster tab); ours only, hence GET.
+        now = clock()
+        return ListWorkersResponse(workers=[
+            WorkerDescription(
+                worker_name=w.worker_name, model_names=list(w.model_names), backend=w.backend,
+                speed=w.speed, queue_length=w.queue_length, num_running=w.num_running,
+                num_waiting=w.num_waiting, kv_cache_usage=w.kv_cache_usage,
+                last_heartbeat_age_s=max(0.0, now - w.last_heartbeat),
+            )
+            for w in registry.live_workers()
+        ])
+
     @app.post("/get_worker_address")
     async def get_worker_address(request: Request) -> GetWorkerAddressResponse:
         body = await _parse_body(request, GetWorkerAddressRequest)
-        picked = dispatcher.choose(body.model)
+        exclude = {normalize_worker_name(name) for name in body.exclude}
+        picked = dispatcher.choose(body.model, exclude=exclude)
         return GetWorkerAddressResponse(address=picked.worker_name if picked else "")
 
     @app.post("/worker_get_status")

@@ -3,6 +3,23 @@
 `pick_worker` is a pure function over candidate snapshots; `Dispatcher` ties it to the registry
 and records the pick. Randomness is injected (anything with `random() -> float`, e.g.
 `random.Random(seed)`) so tests can pin exact outcomes.
+
+least_load (the default) ranks each candidate by, in order:
+
+1. KV-cache pressure: a worker whose last report has `kv_cache_usage >= KV_CACHE_PRESSURE` would
+   have to preempt or queue a new sequence, so it is chosen only when every candidate is under
+   pressure.
+2. Load, the fraction of its batch capacity in use:
+   `(num_running + num_waiting + num_dispatched) / max_num_running`, where `num_dispatched`
+   counts the requests this controller sent it since its last heartbeat (a burst between two
+   heartbeats otherwise sees the same stale numbers and piles onto one worker). Above 1 means
+   requests wait. A worker that does not report running/waiting (stock FastChat) counts its
+   `queue_length` instead, and one without a capacity divides by `speed`: for a stock worker
+   that is exactly shortest_queue's `queue_length / speed`. Capacity 0 is infinite load.
+3. `kv_cache_usage` (unreported counts as 0): of two equally busy workers, the one with more
+   free KV blocks.
+
+Exact ties on all three are broken at random. Loads are exact fractions, so 1/4 and 2/8 tie.
 """
 
 from __future__ import annotations
@@ -10,7 +27,7 @@ from __future__ import annotations
 import enum
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from fractions import Fraction
 from typing import Protocol
 
@@ -22,6 +39,15 @@ class DispatchMethod(str, enum.Enum):
     """Random, weighted by `speed`."""
     SHORTEST_QUEUE = "shortest_queue"
     """Argmin of `queue_length / speed`, ties broken at random (FastChat's default)."""
+    LEAST_LOAD = "least_load"
+    """Lowest share of batch capacity in use, avoiding full KV caches (see the module doc)."""
+
+
+DEFAULT_DISPATCH_METHOD = DispatchMethod.LEAST_LOAD
+
+KV_CACHE_PRESSURE = 0.9
+"""KV-cache usage from which a worker is avoided: near full, the scheduler must preempt running
+sequences (recomputing them later) or leave new ones waiting."""
 
 
 class RandomSource(Protocol):
@@ -40,6 +66,8 @@ def pick_worker(
         return _lottery(candidates, rng)
     if method is DispatchMethod.SHORTEST_QUEUE:
         return _shortest_queue(candidates, rng)
+    if method is DispatchMethod.LEAST_LOAD:
+        return _least_load(candidates, rng)
     raise ValueError(f"unknown dispatch method {method!r}")
 
 
@@ -70,15 +98,44 @@ def _lottery(candidates: Sequence[WorkerInfo], rng: RandomSource) -> WorkerInfo:
 def _shortest_queue(candidates: Sequence[WorkerInfo], rng: RandomSource) -> WorkerInfo:
     """Lowest `queue_length / speed` wins; exact fractions so 1/2 and 2/4 tie.
 
-    A speed-0 worker has an infinite normalized queue: chosen only if all are speed 0.
+    The queue includes the requests dispatched since the worker's heartbeat (FastChat too
+    counts its own picks until the next heartbeat). A speed-0 worker has an infinite
+    normalized queue: chosen only if all are speed 0.
     """
 
     def load(c: WorkerInfo) -> Fraction | float:
-        return Fraction(c.queue_length, c.speed) if c.speed > 0 else math.inf
+        queue_length = c.queue_length + c.num_dispatched
+        return Fraction(queue_length, c.speed) if c.speed > 0 else math.inf
 
-    loads = [load(c) for c in candidates]
-    best = min(loads)
-    tied = [c for c, value in zip(candidates, loads) if value == best]
+    return _argmin([load(c) for c in candidates], candidates, rng)
+
+
+LeastLoadKey = tuple[bool, Fraction | float, float]
+
+
+def least_load_key(worker: WorkerInfo) -> LeastLoadKey:
+    """least_load's rank of one worker: lower is better (see the module doc)."""
+    kv_cache_usage = worker.kv_cache_usage if worker.kv_cache_usage is not None else 0.0
+    if worker.num_running is not None and worker.num_waiting is not None:
+        reported = worker.num_running + worker.num_waiting
+    else:
+        reported = worker.queue_length
+    outstanding = reported + worker.num_dispatched
+    capacity = worker.max_num_running if worker.max_num_running is not None else worker.speed
+    load: Fraction | float = Fraction(outstanding, capacity) if capacity > 0 else math.inf
+    return (kv_cache_usage >= KV_CACHE_PRESSURE, load, kv_cache_usage)
+
+
+def _least_load(candidates: Sequence[WorkerInfo], rng: RandomSource) -> WorkerInfo:
+    return _argmin([least_load_key(c) for c in candidates], candidates, rng)
+
+
+def _argmin(
+    keys: Sequence[object], candidates: Sequence[WorkerInfo], rng: RandomSource
+) -> WorkerInfo:
+    """The candidate with the lowest key; exact ties broken by one draw (none without a tie)."""
+    best = min(keys)  # type: ignore[type-var]
+    tied = [c for c, key in zip(candidates, keys) if key == best]
     return tied[_uniform_index(len(tied), rng)] if len(tied) > 1 else tied[0]
 
 
@@ -88,21 +145,26 @@ class Dispatcher:
     def __init__(
         self,
         registry: WorkerRegistry,
-        method: DispatchMethod = DispatchMethod.SHORTEST_QUEUE,
+        method: DispatchMethod = DEFAULT_DISPATCH_METHOD,
         rng: RandomSource | None = None,
     ) -> None:
         self.registry = registry
         self.method = DispatchMethod(method)
         self._rng: RandomSource = rng if rng is not None else random.Random()
 
-    def choose(self, model: str) -> WorkerInfo | None:
+    def choose(self, model: str, exclude: Collection[str] = ()) -> WorkerInfo | None:
         """The worker to send the next `model` request to, or None if no live worker has it.
 
-        With shortest_queue the chosen worker's recorded queue grows by one (as FastChat does),
-        so a burst between two heartbeats spreads across workers instead of piling onto the
-        one that looked idlest at the last heartbeat.
+        Workers named in `exclude` are not candidates: a gateway retrying a request that one
+        worker failed asks for a different one.
+
+        Every pick is counted in the worker's `num_dispatched` until its next heartbeat, and
+        least_load and shortest_queue add it to the reported load, so a burst between two
+        heartbeats spreads across workers instead of piling onto the one that looked idlest at
+        the last heartbeat.
         """
-        picked = pick_worker(self.registry.workers_for(model), self.method, self._rng)
-        if picked is not None and self.method is DispatchMethod.SHORTEST_QUEUE:
-            self.registry.increment_queue(picked.worker_name)
+        candidates = [w for w in self.registry.workers_for(model) if w.worker_name not in exclude]
+        picked = pick_worker(candidates, self.method, self._rng)
+        if picked is not None:
+            self.registry.record_dispatch(picked.worker_name)
         return picked

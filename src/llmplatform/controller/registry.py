@@ -37,6 +37,16 @@ class WorkerInfo:
     num_running: int | None = None
     num_waiting: int | None = None
     kv_cache_usage: float | None = None
+    max_num_running: int | None = None
+    """Batch capacity reported at registration (ours only); heartbeats leave it alone."""
+    backend: str | None = None
+    """The worker's inference backend, reported at registration (ours only)."""
+    num_dispatched: int = 0
+    """Requests the controller sent this worker since its last heartbeat or registration: the
+    load the worker's last report cannot show yet (least_load adds it)."""
+    instance_id: str | None = None
+    """The worker process's random id (ours only; None for stock FastChat workers): tells a
+    worker re-registering apart from a second worker announcing the same URL."""
 
 
 class WorkerRegistry:
@@ -62,6 +72,7 @@ class WorkerRegistry:
         *,
         check_heart_beat: bool = True,
         multimodal: bool = False,
+        instance_id: str | None = None,
     ) -> WorkerInfo | None:
         """Add or replace a worker; return the entry it replaced (None if new).
 
@@ -80,6 +91,9 @@ class WorkerRegistry:
             num_running=status.num_running,
             num_waiting=status.num_waiting,
             kv_cache_usage=status.kv_cache_usage,
+            max_num_running=status.max_num_running,
+            backend=status.backend,
+            instance_id=instance_id,
         )
         return previous
 
@@ -112,19 +126,23 @@ class WorkerRegistry:
             num_running=num_running,
             num_waiting=num_waiting,
             kv_cache_usage=kv_cache_usage,
+            num_dispatched=0,  # the fresh report already counts them (or they finished)
         )
         return True
 
-    def increment_queue(self, worker_name: str, by: int = 1) -> bool:
-        """Count requests sent to a worker since its last heartbeat (False if unknown).
+    def record_dispatch(self, worker_name: str) -> bool:
+        """Count one request sent to a worker since its last report (False if unknown).
 
-        Without this a burst of requests between two heartbeats all see the same queue
-        lengths and pile onto one worker; the next heartbeat overwrites the estimate.
+        Without this a burst of requests between two heartbeats all see the same reported
+        load and pile onto one worker. The worker's own numbers stay untouched (the estimate
+        is report + dispatches since); the next heartbeat or registration resets the count.
         """
         info = self._workers.get(worker_name)
         if info is None:
             return False
-        self._workers[worker_name] = dataclasses.replace(info, queue_length=info.queue_length + by)
+        self._workers[worker_name] = dataclasses.replace(
+            info, num_dispatched=info.num_dispatched + 1
+        )
         return True
 
     def remove(self, worker_name: str) -> bool:
@@ -187,8 +205,9 @@ class WorkerRegistry:
     def aggregate_status(self) -> WorkerStatus:
         """This controller seen as one big worker, so it can register with a parent controller.
 
-        Counts are summed; a load fact is summed over the workers that report it and stays None
-        when none does (stock FastChat workers).
+        Counts are summed (a queue counts the requests dispatched to it since its heartbeat);
+        a load fact is summed over the workers that report it and stays None when none does
+        (stock FastChat workers).
         """
         workers = self.live_workers()
         names: set[str] = set()
@@ -196,12 +215,14 @@ class WorkerRegistry:
             names.update(info.model_names)
         running = [w.num_running for w in workers if w.num_running is not None]
         waiting = [w.num_waiting for w in workers if w.num_waiting is not None]
+        capacity = [w.max_num_running for w in workers if w.max_num_running is not None]
         return WorkerStatus(
             model_names=sorted(names),
             speed=sum(w.speed for w in workers),
-            queue_length=sum(w.queue_length for w in workers),
+            queue_length=sum(w.queue_length + w.num_dispatched for w in workers),
             num_running=sum(running) if running else None,
             num_waiting=sum(waiting) if waiting else None,
+            max_num_running=sum(capacity) if capacity else None,
         )
 
     def __contains__(self, worker_name: object) -> bool:

@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Callable
 from llmplatform.engine.llm_engine import LLMEngine, SequenceUpdate
 from llmplatform.errors import EngineDeadError
 from llmplatform.llm.sampling import SamplingParams
+from llmplatform.utils.logs import request_context
 
 logger = logging.getLogger("llmplatform.engine")
 
@@ -123,13 +124,22 @@ class AsyncEngine:
         for request_id, prompt_token_ids, params in adds:
             if request_id not in self._streams:  # the client left before it was added
                 continue
-            try:
-                self.engine.add_request(request_id, prompt_token_ids, params)
-            except Exception as exc:  # validated already; anything here is a bad request too
-                self._streams[request_id].queue.put_nowait(exc)
+            with request_context(request_id):
+                try:
+                    self.engine.add_request(request_id, prompt_token_ids, params)
+                except Exception as exc:  # validated already; anything here is a bad request too
+                    self._streams[request_id].queue.put_nowait(exc)
+                    continue
+                logger.debug("queued: %d prompt tokens, max_tokens=%d, n=%d",
+                             len(prompt_token_ids), params.max_tokens, params.n)
         aborts, self._pending_aborts = self._pending_aborts, []
         for request_id in aborts:
-            for update in self.engine.abort(request_id):
+            updates = self.engine.abort(request_id)
+            if updates:
+                with request_context(request_id):
+                    logger.debug("aborted: %d unfinished outputs stopped, their blocks freed",
+                                 len(updates))
+            for update in updates:
                 self._deliver(update)
         calls, self._pending_calls = self._pending_calls, []
         for fn, future in calls:

@@ -9,6 +9,7 @@ engine's own finishing rules are the same as every other backend's).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,6 +25,7 @@ from llmplatform.llm.base import FinishReason, GenerateChunk
 from llmplatform.llm.output import OutputProcessor, eos_token_ids_of
 from llmplatform.llm.sampler import SamplingRow, make_generator
 from llmplatform.llm.sampling import SamplingParams
+from llmplatform.utils.logs import request_context
 
 logger = logging.getLogger("llmplatform.engine")
 
@@ -43,6 +45,10 @@ class SeqState:
     generator: Any
     stop_token_ids: tuple[int, ...]
     pending_prompt_logprobs: list = field(default_factory=list)
+    # When a step first scheduled the sequence (time.monotonic()), sent on its first chunk so the
+    # worker can tell queue time from compute time.
+    first_scheduled_time: float | None = None
+    first_scheduled_time_sent: bool = False
 
     def sampling_row(self, seq: Sequence) -> SamplingRow:
         return SamplingRow(params=seq.params, prompt_token_ids=seq.prompt_token_ids,
@@ -146,6 +152,7 @@ class LLMEngine:
         updates = self._reject(scheduled)
         if scheduled.is_empty:
             return updates
+        self._note_first_scheduled(scheduled)
         model_output = self.runner.execute(scheduled)
         self.scheduler.update(scheduled, model_output)
         self._record_stats(scheduled)
@@ -171,15 +178,28 @@ class LLMEngine:
             if state.pending_prompt_logprobs and seq.params.prompt_logprobs is not None:
                 chunk = replace(chunk, prompt_logprobs=tuple(state.pending_prompt_logprobs))
                 state.pending_prompt_logprobs = []
+            if not state.first_scheduled_time_sent:
+                chunk = replace(chunk, first_scheduled_time=state.first_scheduled_time)
+                state.first_scheduled_time_sent = True
             if chunk.finish_reason is not None:
                 self.scheduler.finish(seq)
             updates.append(SequenceUpdate(seq.request_id, seq.index, chunk))
         return updates
 
+    def _note_first_scheduled(self, scheduled: SchedulerOutput) -> None:
+        now = time.monotonic()
+        for item in scheduled.scheduled:
+            if item.seq.state.first_scheduled_time is None:
+                item.seq.state.first_scheduled_time = now
+
     def _record_stats(self, scheduled: SchedulerOutput) -> None:
         stats = self.stats
         stats.num_steps += 1
         stats.num_preemptions += len(scheduled.preempted)
+        for seq in scheduled.preempted:
+            with request_context(seq.request_id):
+                logger.debug("preempted output %d at %d tokens (KV cache full); it will be "
+                             "recomputed", seq.index, seq.num_tokens)
         stats.num_batched_tokens += scheduled.num_batched_tokens
         running = self.scheduler.running
         slots = sum(len(s.block_table) for s in running) * self.block_manager.block_size

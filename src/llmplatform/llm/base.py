@@ -89,6 +89,9 @@ class GenerateChunk:
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     # Only on a chunk with finish_reason ERROR.
     error: str | None = None
+    # time.monotonic() at which the backend first scheduled the request (left its own waiting
+    # queue), on the request's first chunk only; None when the backend does not report it.
+    first_scheduled_time: float | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,29 @@ class LoadStats:
     # (queries) and how many of them were found cached (hits).
     prefix_cache_queries: int | None = None
     prefix_cache_hits: int | None = None
+    # The paged KV cache's pool: blocks no sequence holds (cached ones included: evictable) and
+    # all blocks. With nothing running, free == total: a leaked block shows as a shortfall.
+    num_free_kv_blocks: int | None = None
+    num_kv_blocks: int | None = None
+    # Sequences preempted (KV cache freed, recomputed later), cumulative since start.
+    num_preemptions: int | None = None
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What a backend runs on, for the worker's startup summary. ``None``: not applicable."""
+
+    backend: str
+    dtype: str
+    device: str
+    num_kv_blocks: int | None = None
+    kv_block_size: int | None = None  # tokens per block
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        if self.num_kv_blocks is None or self.kv_block_size is None:
+            return None
+        return self.num_kv_blocks * self.kv_block_size
 
 
 @dataclass(frozen=True)
@@ -119,6 +145,16 @@ class LLM(abc.ABC):
     # Requests a worker should let through to this backend at once by default (the rest wait in
     # the worker's queue): a batching engine wants them all, a one-at-a-time backend a few.
     default_concurrency: int = 5
+    # Which implementation this is, as workers report it (the web UI's Cluster tab shows it).
+    backend_name: str = "custom"
+
+    @property
+    def max_num_running(self) -> int | None:
+        """Requests this backend runs at once at most (its batch capacity); None: no fixed cap.
+
+        Workers report it to the controller, whose least_load dispatch divides load by it.
+        """
+        return None
 
     @property
     @abc.abstractmethod
@@ -144,6 +180,10 @@ class LLM(abc.ABC):
 
     @abc.abstractmethod
     def load(self) -> LoadStats: ...
+
+    def backend_info(self) -> BackendInfo:
+        """Backend name, dtype, device and KV-cache size (startup summary)."""
+        return BackendInfo(backend=self.backend_name, dtype="unknown", device="unknown")
 
     @abc.abstractmethod
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:

@@ -17,8 +17,8 @@ from typing import Any, AsyncIterator
 import torch
 
 from llmplatform.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError
-from llmplatform.llm.base import (LLM, FinishReason, GenerateChunk, GenerateRequest, LoadStats,
-                                  ModelFacts, TokenLogprob)
+from llmplatform.llm.base import (LLM, BackendInfo, FinishReason, GenerateChunk, GenerateRequest,
+                                  LoadStats, ModelFacts, TokenLogprob)
 from llmplatform.llm.output import OutputProcessor, eos_token_ids_of, token_text
 from llmplatform.llm.sampler import Sampler, SamplingRow, make_generator
 from llmplatform.llm.torch_utils import resolve_device, resolve_dtype
@@ -29,17 +29,22 @@ logger = logging.getLogger("llmplatform.hf")
 class HFTransformersLLM(LLM):
     """Serves a model with plain transformers forward passes (no batching across requests)."""
 
+    backend_name = "hf"
+
     def __init__(self, model_path: str, model_names: tuple[str, ...], *, device: str = "auto",
                  dtype: str = "auto", max_concurrency: int = 4,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, trust_remote_code: bool = False) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         from llmplatform.llm.resolve import context_length
 
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        # Python files shipped with a checkpoint run only when the operator asked for it, and
+        # weights load from safetensors only: a pickled .bin checkpoint can run code on load.
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=self.dtype, trust_remote_code=trust_remote_code, use_safetensors=True)
         self.model.to(self.device).eval()
         try:
             generation_config = GenerationConfig.from_pretrained(model_path)
@@ -69,8 +74,16 @@ class HFTransformersLLM(LLM):
     def facts(self) -> ModelFacts:
         return self._facts
 
+    @property
+    def max_num_running(self) -> int:
+        return self._max_concurrency
+
     def is_healthy(self) -> bool:
         return self._dead is None
+
+    def backend_info(self) -> BackendInfo:
+        return BackendInfo(backend=self.backend_name, dtype=str(self.dtype).removeprefix("torch."),
+                           device=str(self.device))
 
     def load(self) -> LoadStats:
         running = min(self._num_running, self._max_concurrency)

@@ -9,7 +9,8 @@ from llmplatform.engine.async_engine import AsyncEngine
 from llmplatform.engine.config import EngineConfig
 from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.errors import EngineDeadError, InvalidRequestError
-from llmplatform.llm.base import LLM, GenerateChunk, GenerateRequest, LoadStats, ModelFacts
+from llmplatform.llm.base import (LLM, BackendInfo, GenerateChunk, GenerateRequest, LoadStats,
+                                  ModelFacts)
 
 logger = logging.getLogger("llmplatform.paged")
 
@@ -18,6 +19,7 @@ class PagedLLM(LLM):
     """Continuous batching on a paged KV cache (llmplatform.engine)."""
 
     default_concurrency = 1024  # the engine queues and batches requests itself
+    backend_name = "paged"
 
     def __init__(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
@@ -32,6 +34,10 @@ class PagedLLM(LLM):
     @property
     def facts(self) -> ModelFacts:
         return self._facts
+
+    @property
+    def max_num_running(self) -> int:
+        return self.engine.config.scheduler.max_num_seqs
 
     async def start(self) -> None:
         if self._async is None:
@@ -55,7 +61,16 @@ class PagedLLM(LLM):
         return LoadStats(num_running=num_running, num_waiting=num_waiting,
                          kv_cache_usage=self.engine.kv_cache_usage,
                          prefix_cache_queries=cache.num_queried_tokens,
-                         prefix_cache_hits=cache.num_hit_tokens)
+                         prefix_cache_hits=cache.num_hit_tokens,
+                         num_free_kv_blocks=self.engine.block_manager.num_free_blocks,
+                         num_kv_blocks=self.engine.block_manager.num_blocks,
+                         num_preemptions=self.engine.stats.num_preemptions)
+
+    def backend_info(self) -> BackendInfo:
+        layout = self.engine.runner.layout
+        return BackendInfo(backend=self.backend_name, dtype=_dtype_name(self.engine.runner.dtype),
+                           device=str(self.engine.runner.device), num_kv_blocks=layout.num_blocks,
+                           kv_block_size=layout.block_size)
 
     async def abort(self, request_id: str) -> bool:
         return self._async is not None and await self._async.abort(request_id)
@@ -83,3 +98,7 @@ class PagedLLM(LLM):
                 yield update.chunk
         finally:
             await updates.aclose()
+
+
+def _dtype_name(dtype: object) -> str:
+    return str(dtype).removeprefix("torch.")

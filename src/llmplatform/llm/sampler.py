@@ -152,7 +152,9 @@ def _token_counts(histories: Sequence[Sequence[int]], vocab_size: int, device: t
 def _top_k_top_p_min_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     device = logits.device
     vocab_size = logits.shape[1]
-    top_k = [r.params.top_k or vocab_size for r in rows]
+    # A top_k at or above the vocabulary is no filter; clamping also keeps huge wire values
+    # (up to 2**63 and beyond) out of the int64 tensor below.
+    top_k = [min(r.params.top_k or vocab_size, vocab_size) for r in rows]
     top_p = [r.params.top_p for r in rows]
     min_p = [r.params.min_p for r in rows]
     if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import sys
+import logging
 from urllib.parse import urlparse
 
 from llmplatform.model_worker.backends import BACKENDS, BackendConfig, build_llm
-from llmplatform.utils.logs import configure_logging
+from llmplatform.utils.cli import apply_env_defaults
+from llmplatform.utils.cluster_secret import SECRET_ENV, SECRET_HEADER, secret_from_env
+from llmplatform.utils.logs import add_logging_flags, configure_logging, log_summary
+from llmplatform.utils.server import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +37,24 @@ def build_parser() -> argparse.ArgumentParser:
                              "worker's queue (default: 5 for hf, 1024 for paged, which batches)")
     parser.add_argument("--heartbeat-interval", type=float, default=3.0,
                         help="seconds between heartbeats to the controller")
+    parser.add_argument("--max-queue-len", type=int, default=512,
+                        help="requests that may wait (for a concurrency slot or in the engine's "
+                             "queue) before new ones are refused at once with HTTP 429 and "
+                             "Retry-After (default: %(default)s)")
+    parser.add_argument("--overload-retry-after", type=int, default=1, metavar="SECONDS",
+                        help="the Retry-After a refused (429) request is given (default: %(default)s)")
+    parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                        metavar="SECONDS",
+                        help="on SIGTERM: deregister at once, then let in-flight requests run this "
+                             "long before cancelling them (default: %(default)s)")
+    parser.add_argument("--cluster-secret", default=None,
+                        help=f"the cluster's shared secret: sent to the controller, and required "
+                             f"({SECRET_HEADER}) on every route but /health and /metrics; default: "
+                             f"${SECRET_ENV} (prefer it: flags show in ps)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run Python code shipped with the checkpoint (transformers' "
+                             "trust_remote_code; hf backend). Off by default: only for models "
+                             "whose code you have read")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                         help="weights and activations dtype (auto: bfloat16)")
@@ -53,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                         default=True,
                         help="reuse the KV cache of prompt prefixes seen before (default: on; "
                              "--no-enable-prefix-caching turns it off)")
-    parser.add_argument("--log-level", default="info")
-    return parser
+    add_logging_flags(parser)
+    return apply_env_defaults(parser)  # every flag also from LLMPLATFORM_<FLAG>
 
 
 def worker_address_from(args: argparse.Namespace) -> str:
@@ -84,13 +105,18 @@ def _bracket(host: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     if args.limit_worker_concurrency is not None and args.limit_worker_concurrency < 1:
         raise SystemExit("error: --limit-worker-concurrency must be at least 1")
+    if args.max_queue_len < 0:
+        raise SystemExit("error: --max-queue-len must be at least 0")
+    if args.overload_retry_after < 0:
+        raise SystemExit("error: --overload-retry-after must be at least 0")
+    if not args.shutdown_timeout > 0:
+        raise SystemExit("error: --shutdown-timeout must be > 0")
     address = worker_address_from(args)
-    import uvicorn
-
-    from llmplatform.model_worker.app import WorkerSettings, create_app
+    from llmplatform.model_worker.app import WorkerSettings, create_app, drain
+    from llmplatform.utils.server import run_server
 
     names = tuple(n.strip() for n in args.model_names.split(",") if n.strip()) if args.model_names else None
     try:
@@ -103,18 +129,25 @@ def main(argv: list[str] | None = None) -> None:
                                       block_size=args.block_size,
                                       kv_cache_memory=args.kv_cache_memory,
                                       gpu_memory_utilization=args.gpu_memory_utilization,
-                                      enable_prefix_caching=args.enable_prefix_caching))
+                                      enable_prefix_caching=args.enable_prefix_caching,
+                                      trust_remote_code=args.trust_remote_code))
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from exc
     settings = WorkerSettings(worker_address=address, controller_address=args.controller_address,
                               register=not args.no_register,
                               limit_worker_concurrency=(args.limit_worker_concurrency
                                                         or llm.default_concurrency),
-                              heartbeat_interval=args.heartbeat_interval)
+                              heartbeat_interval=args.heartbeat_interval,
+                              max_queue_len=args.max_queue_len,
+                              retry_after=args.overload_retry_after,
+                              cluster_secret=secret_from_env(args.cluster_secret))
     app = create_app(llm, settings)
-    print(f"llmplatform worker: serving {', '.join(llm.model_names)} at {address}", file=sys.stderr,
-          flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    from llmplatform.utils.startup import listen_url, worker_summary
+
+    log_summary(logging.getLogger("llmplatform.worker"), "llmplatform worker",
+                worker_summary(llm, settings, listen_url(args.host, args.port)))
+    run_server(app, host=args.host, port=args.port, log_level=args.log_level,
+               shutdown_timeout=args.shutdown_timeout, on_drain=lambda: drain(app))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
 The same app serves every backend. The params dict is parsed once here into typed objects;
 errors travel inside the stream as FastChat error objects (HTTP 200), and a closed connection
 aborts the request down to the backend (its generator is closed in ``finally``).
+
+Refusals happen before any work, with an HTTP status (:mod:`.admission`): 429 + Retry-After when
+the queue is full, 503 when the engine is dead or the worker is draining. Draining (:func:`drain`,
+run when SIGTERM arrives) deregisters from the controller while in-flight requests finish.
 """
 
 from __future__ import annotations
@@ -17,19 +21,26 @@ from typing import Any, AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from llmplatform.errors import (ErrorCode, InvalidRequestError, LLMPlatformError,
                                 ModelNotFoundError)
 from llmplatform.llm.base import LLM, GenerateChunk, GenerateRequest
 from llmplatform.llm.sampling import SamplingParams
+from llmplatform.metrics.common import add_metrics_route
+from llmplatform.metrics.worker import RequestObserver, WorkerLoad, WorkerMetrics
+from llmplatform.model_worker.admission import (Ticket, TicketedStreamingResponse, WorkerState,
+                                               refusal_response)
 from llmplatform.model_worker.conv import conv_template_for
 from llmplatform.model_worker.registration import ControllerLink
 from llmplatform.protocol.worker import (AbortRequest, ApplyChatTemplateRequest,
                                          ApplyChatTemplateResponse, ChunkLogprobs, ChunkUsage,
                                          CountTokenRequest, ModelDetailsRequest, WorkerChunk,
                                          WorkerParams, error_chunk)
+from llmplatform.utils.logs import REQUEST_ID, request_context
+from llmplatform.utils.cluster_secret import ClusterSecretMiddleware, secret_headers
+from llmplatform.utils.request_id import RequestIdMiddleware
 
 logger = logging.getLogger("llmplatform.worker")
 
@@ -49,35 +60,32 @@ class WorkerSettings:
     heartbeat_interval: float = 3.0
     speed: int = 1
     controller_timeout: float = 5.0
-
-
-class WorkerState:
-    """Requests this worker has accepted: waiting for a concurrency slot, or running."""
-
-    def __init__(self, limit: int) -> None:
-        self.semaphore = asyncio.Semaphore(limit)
-        self.num_accepted = 0
+    max_queue_len: int = 512
+    """Requests that may wait (for a slot or in the backend's queue) before new ones get 429."""
+    retry_after: int = 1
+    """Seconds a refused (429) client is told to wait, in the Retry-After header."""
+    cluster_secret: str | None = None
+    """When set, every route but /health and /metrics needs it (X-LLMPlatform-Secret), and the
+    worker sends it to the controller."""
 
 
 def create_app(llm: LLM, settings: WorkerSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await llm.start()
-        client = httpx.AsyncClient(timeout=httpx.Timeout(settings.controller_timeout))
-        task = None
+        client = httpx.AsyncClient(timeout=httpx.Timeout(settings.controller_timeout),
+                                   headers=secret_headers(settings.cluster_secret))
         if settings.register and settings.controller_address:
             link = ControllerLink(client, settings.controller_address,
                                   lambda: app.state.worker_address,
-                                  lambda: _status(app), heartbeat_interval=settings.heartbeat_interval)
+                                  lambda: _status(app), heartbeat_interval=settings.heartbeat_interval,
+                                  is_healthy=llm.is_healthy)
             app.state.controller_link = link
-            task = asyncio.create_task(link.run(), name="controller-link")
+            link.start()
         try:
             yield
         finally:
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await drain(app)  # usually begun already, when the shutdown signal came
             await client.aclose()
             await llm.shutdown()
 
@@ -85,8 +93,17 @@ def create_app(llm: LLM, settings: WorkerSettings) -> FastAPI:
     app.state.llm = llm
     app.state.settings = settings
     app.state.worker_address = settings.worker_address
-    app.state.worker = WorkerState(settings.limit_worker_concurrency)
+    app.state.worker = WorkerState(settings.limit_worker_concurrency, settings.max_queue_len,
+                                   settings.retry_after)
     app.state.controller_link = None
+    app.state.generation_ids = set()  # ids of generations in progress (duplicates are refused)
+    app.state.metrics = WorkerMetrics(llm.model_names[0], lambda: WorkerLoad(
+        llm.load(), app.state.worker.num_accepted))
+    add_metrics_route(app, app.state.metrics.registry)
+    app.add_middleware(RequestIdMiddleware, generate=False)
+    if settings.cluster_secret:  # outermost: refused before anything else runs
+        app.add_middleware(ClusterSecretMiddleware, secret=settings.cluster_secret,
+                           exempt_paths=("/health", "/metrics"))
     _add_routes(app)
     return app
 
@@ -101,9 +118,30 @@ def _status(app: FastAPI) -> dict[str, Any]:
         "num_running": load.num_running,
         "num_waiting": load.num_waiting + max(0, app.state.worker.num_accepted - load.num_running - load.num_waiting),
         "kv_cache_usage": load.kv_cache_usage,
+        "backend": llm.backend_name,
+        # Batch capacity for least_load: the backend's, unless the worker lets fewer through.
+        "max_num_running": min(app.state.settings.limit_worker_concurrency,
+                               llm.max_num_running or app.state.settings.limit_worker_concurrency),
         "prefix_cache_queries": load.prefix_cache_queries,
         "prefix_cache_hits": load.prefix_cache_hits,
+        # Ours, so that tests and operators can see every request's resources come back:
+        # accepted requests, concurrency slots held, free KV blocks (paged backend).
+        "num_accepted": app.state.worker.num_accepted,
+        "num_slots_in_use": app.state.worker.num_in_slot,
+        "limit_worker_concurrency": app.state.worker.limit,
+        "num_free_kv_blocks": load.num_free_kv_blocks,
+        "num_kv_blocks": load.num_kv_blocks,
     }
+
+
+async def drain(app: FastAPI) -> None:
+    """Begin a graceful shutdown: new generations get 503, /health answers 503, and the worker
+    leaves its controller so no more work is routed here. In-flight requests carry on.
+    Idempotent (the shutdown signal and the lifespan's end both call it)."""
+    app.state.worker.draining = True
+    link: ControllerLink | None = app.state.controller_link
+    if link is not None:
+        await link.leave()
 
 
 async def _json_body(request: Request, model: type[BaseModel]) -> Any:
@@ -184,26 +222,43 @@ class _CumulativeStream:
             logprobs=self._logprobs.model_copy(deep=True) if self._logprobs is not None else None)
 
 
-async def _generate_chunks(app: FastAPI, params: WorkerParams) -> AsyncIterator[bytes]:
+async def _generate_chunks(app: FastAPI, params: WorkerParams, ticket: Ticket) -> AsyncIterator[bytes]:
     """The worker's stream: JSON objects each followed by NUL; errors in-band."""
     llm: LLM = app.state.llm
     state: WorkerState = app.state.worker
-    state.num_accepted += 1
+    request_id = params.request_id or uuid.uuid4().hex
+    # Every line logged while serving this stream carries its id (the engine's too). Set, not
+    # scoped: a generator cannot reset a context variable across yields; the context is this
+    # response's own and ends with it.
+    REQUEST_ID.set(request_id)
+    observer: RequestObserver = app.state.metrics.observe_request()
+    running_ids: set[str] = app.state.generation_ids
+    owns_id = False
     try:
         try:
             _check_model(llm, params.model)
+            if request_id in running_ids:
+                # Ids name requests for /worker_abort and inside the engine: they must be unique.
+                raise InvalidRequestError(f"request id {request_id!r} is already in use by a "
+                                          "running request", param="request_id")
             sampling = sampling_params_from(params)
-            request = GenerateRequest(request_id=params.request_id or uuid.uuid4().hex,
-                                      params=sampling, prompt=params.prompt)
+            request = GenerateRequest(request_id=request_id, params=sampling, prompt=params.prompt)
         except LLMPlatformError as exc:
+            logger.info("refused: %s", exc.message)
             yield error_chunk(exc.message, exc.error_code)
             return
-        async with state.semaphore:
+        running_ids.add(request_id)
+        owns_id = True
+        logger.debug("received: max_new_tokens=%s temperature=%s", params.max_new_tokens,
+                     params.temperature)
+        async with state.slot():
+            observer.started()
             stream = _CumulativeStream(params)
             generator = llm.generate(request)
             try:
                 first = True
                 async for chunk in generator:
+                    observer.on_chunk(chunk)
                     out = stream.update(chunk)
                     if chunk.finish_reason is not None and chunk.error:
                         yield error_chunk(chunk.error, ErrorCode.INTERNAL_ERROR)
@@ -212,8 +267,11 @@ async def _generate_chunks(app: FastAPI, params: WorkerParams) -> AsyncIterator[
                         yield out.encode()
                     first = False
             except LLMPlatformError as exc:
+                observer.failed()
+                logger.info("failed: %s", exc.message)
                 yield error_chunk(exc.message, exc.error_code)
             except Exception as exc:  # a backend bug must not take the worker down
+                observer.failed()
                 logger.exception("generation %s failed", request.request_id)
                 yield error_chunk(f"internal error: {type(exc).__name__}: {exc}",
                                   ErrorCode.INTERNAL_ERROR)
@@ -222,7 +280,13 @@ async def _generate_chunks(app: FastAPI, params: WorkerParams) -> AsyncIterator[
                 # closing the backend's generator aborts the request and frees its resources.
                 await generator.aclose()
     finally:
-        state.num_accepted -= 1
+        ticket.release()
+        if owns_id:
+            running_ids.discard(request_id)
+        # Scoped here: after a disconnect this runs from whoever closed the stream.
+        if observer.close() is not None:
+            with request_context(request_id):
+                logger.info("finished: %s", observer.describe())
 
 
 def _add_routes(app: FastAPI) -> None:
@@ -234,7 +298,11 @@ def _add_routes(app: FastAPI) -> None:
             params = await _json_body(request, WorkerParams)
         except LLMPlatformError as exc:
             return Response(error_chunk(exc.message, ErrorCode.VALIDATION_TYPE_ERROR))
-        return StreamingResponse(_generate_chunks(app, params))
+        try:
+            ticket = app.state.worker.admit(llm)
+        except LLMPlatformError as exc:
+            return refusal_response(exc)
+        return TicketedStreamingResponse(_generate_chunks(app, params, ticket), ticket)
 
     @app.post("/worker_generate")
     async def worker_generate(request: Request) -> Response:
@@ -242,9 +310,18 @@ def _add_routes(app: FastAPI) -> None:
             params = await _json_body(request, WorkerParams)
         except LLMPlatformError as exc:
             return JSONResponse({"text": exc.message, "error_code": ErrorCode.VALIDATION_TYPE_ERROR})
+        try:
+            ticket = app.state.worker.admit(llm)
+        except LLMPlatformError as exc:
+            return refusal_response(exc)
         last = b""
-        async for item in _generate_chunks(app, params):
-            last = item
+        chunks = _generate_chunks(app, params, ticket)
+        try:
+            async for item in chunks:
+                last = item
+        finally:
+            await chunks.aclose()
+            ticket.release()
         return Response(last.rstrip(b"\0"), media_type="application/json")
 
     @app.post("/worker_get_status")
@@ -307,6 +384,8 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/health")
     async def health() -> Response:
+        if app.state.worker.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         if llm.is_healthy():
             return JSONResponse({"status": "ok", "models": list(llm.model_names)})
         return JSONResponse({"status": "dead"}, status_code=503)

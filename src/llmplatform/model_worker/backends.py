@@ -28,6 +28,9 @@ class BackendConfig:
     kv_cache_memory: str = "2GiB"
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # Run Python code shipped with a checkpoint (HF `trust_remote_code`); hf backend only, since
+    # the paged backend serves only its own built-in architectures.
+    trust_remote_code: bool = False
 
 
 def build_llm(config: BackendConfig) -> LLM:
@@ -42,7 +45,8 @@ def build_llm(config: BackendConfig) -> LLM:
 
         from llmplatform.models.registry import unsupported_reason
 
-        reason = unsupported_reason(AutoConfig.from_pretrained(str(resolved.path)))
+        reason = unsupported_reason(AutoConfig.from_pretrained(
+            str(resolved.path), trust_remote_code=config.trust_remote_code))
         if reason is None:
             backend = "paged"
         elif backend == "paged":
@@ -57,7 +61,8 @@ def build_llm(config: BackendConfig) -> LLM:
 
         return HFTransformersLLM(str(resolved.path), names, device=config.device,
                                  dtype=config.dtype, max_concurrency=config.max_concurrency or 5,
-                                 max_model_len=config.max_model_len)
+                                 max_model_len=config.max_model_len,
+                                 trust_remote_code=config.trust_remote_code)
     raise ValueError(f"unknown backend {config.backend!r}; choose from {', '.join(BACKENDS)}")
 
 

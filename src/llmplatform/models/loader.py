@@ -20,6 +20,7 @@ from torch import nn
 
 from llmplatform.models.layers import Linear
 from llmplatform.models.registry import get_model_class
+from llmplatform.utils.logs import progress
 
 # checkpoint module name -> (our fused module name, shard index)
 _FUSED_SHARDS = {
@@ -56,7 +57,10 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     lm_head_fallback: torch.Tensor | None = None
     tied = _EMBED in params and "lm_head.weight" not in params
 
-    for checkpoint_name, tensor in _iter_checkpoint(Path(model_dir)):
+    # A big checkpoint takes a while: show it moving (on a terminal; see utils.logs.progress).
+    tensors = progress(_iter_checkpoint(Path(model_dir)), total=_num_tensors(Path(model_dir)),
+                       desc="Loading weights", unit="tensor")
+    for checkpoint_name, tensor in tensors:
         if checkpoint_name.endswith("rotary_emb.inv_freq"):
             continue  # old checkpoints store the rotary table; we compute our own
         if checkpoint_name == "lm_head.weight" and tied:
@@ -108,6 +112,14 @@ def _iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def _num_tensors(model_dir: Path) -> int:
+    total = 0
+    for path in _safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:  # reads the header only
+            total += len(f.keys())
+    return total
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:

@@ -16,10 +16,16 @@ import httpx
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from llmplatform.metrics.common import add_metrics_route
+from llmplatform.metrics.gateway import GatewayMetrics, GatewayMetricsMiddleware
+from llmplatform.openai_api.auth import ApiKeyMiddleware
 from llmplatform.openai_api.errors import install_exception_handlers
+from llmplatform.openai_api.limits import RequestBodyMiddleware
 from llmplatform.openai_api.routes import build_router
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.openai_api.worker_client import WorkerClient
+from llmplatform.utils.cluster_secret import secret_headers
+from llmplatform.utils.request_id import RequestIdMiddleware, tag_outgoing_request
 
 logger = logging.getLogger("llmplatform.openai_api")
 
@@ -37,10 +43,15 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         limits = httpx.Limits(
             max_connections=_MAX_CONNECTIONS, max_keepalive_connections=_MAX_KEEPALIVE_CONNECTIONS
         )
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        # Every call to the controller and to workers carries the cluster secret, if any.
+        headers = secret_headers(settings.cluster_secret)
+        # ...and the id of the request it serves (X-Request-Id), for the workers' logs.
+        hooks = {"request": [tag_outgoing_request]}
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers,
+                                     event_hooks=hooks) as http:
             client = WorkerClient(http, settings)
             app.state.worker_client = client
-            logger.info("gateway up: controller=%s auth=%s", settings.controller_address, bool(settings.api_keys))
+            logger.debug("gateway up: controller=%s auth=%s", settings.controller_address, bool(settings.api_keys))
             try:
                 yield
             finally:
@@ -50,6 +61,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.created = int(time.time())
     install_exception_handlers(app)
+    # Added innermost first: CORS (preflights answered before any key check), then the API key
+    # check, then the body guard, so an unauthenticated body is never read.
+    app.add_middleware(RequestBodyMiddleware, max_bytes=settings.limits.max_request_bytes)
+    if settings.api_keys:
+        app.add_middleware(ApiKeyMiddleware, keys=settings.api_keys + settings.admin_api_keys)
     if settings.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -58,5 +74,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             allow_headers=list(settings.allowed_headers),
             allow_credentials=settings.allow_credentials,
         )
+    # Outermost: every answer (a refusal by the middlewares above included) is counted, and
+    # carries its request id in the header and in every log line about it.
+    app.state.metrics = GatewayMetrics()
+    app.add_middleware(GatewayMetricsMiddleware, metrics=app.state.metrics)
+    app.add_middleware(RequestIdMiddleware, generate=True)
+    add_metrics_route(app, app.state.metrics.registry)
     app.include_router(build_router())
     return app

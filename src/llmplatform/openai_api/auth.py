@@ -1,43 +1,106 @@
-"""API-key checks: `require_api_key` for the /v1 routes, `require_admin_key` for /v1/admin."""
+"""API keys: `ApiKeyMiddleware` guards every path, `require_admin_key` the /v1/admin routes.
+
+The middleware decides on the request's own path (`scope["path"]`, what the router will match),
+never on a URL rebuilt from headers, and denies by default: with keys configured, every path but
+the public ones (`/health`, `/metrics`) needs a key, including paths no route serves. So
+`//v1/models`, `/V1/models` or `/v1/%2e%2e/v1/models` cannot reach a route without a key, and an
+unknown path without a key is a 401, not a 404 that confirms what exists.
+
+Keys are compared as SHA-256 digests with `hmac.compare_digest`, against every configured key
+without stopping at a match: the time taken says nothing about which key matched or how much of
+one (vLLM's timing-leak advisory).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import json
 
 from fastapi import Request
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from llmplatform.openai_api.errors import AuthenticationError, PermissionDeniedError
+from llmplatform.openai_api.errors import AuthenticationError, PermissionDeniedError, error_payload
 from llmplatform.openai_api.settings import GatewaySettings
 
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+"""Paths answered without a key: liveness for load balancers and scrapes for monitoring."""
 
-def _presented_key(request: Request) -> str:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+_MISSING_KEY = (
+    "You didn't provide an API key. You need to provide your API key in an Authorization "
+    "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+)
+
+
+def _digest(value: str) -> bytes:
+    return hashlib.sha256(value.encode("utf-8", "surrogateescape")).digest()
+
+
+class KeySet:
+    """Digests of the configured keys; `matches` compares a presented key with all of them."""
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self._digests = tuple(_digest(key) for key in keys)
+
+    def __bool__(self) -> bool:
+        return bool(self._digests)
+
+    def matches(self, token: str) -> bool:
+        presented = _digest(token)
+        matched = False
+        for key in self._digests:
+            matched |= hmac.compare_digest(presented, key)
+        return matched
+
+
+def presented_key(headers: Headers) -> str:
+    """The bearer token of `Authorization: Bearer <key>` (the scheme is case-insensitive, as
+    RFC 7235 says; the key is not). Any other scheme, or none, is a missing key."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
-        raise AuthenticationError(
-            "You didn't provide an API key. You need to provide your API key in an Authorization "
-            "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
-        )
+        raise AuthenticationError(_MISSING_KEY)
     return token
 
 
-def _matches(token: str, keys: tuple[str, ...]) -> bool:
-    """Every key is compared, in constant time, so the answer's timing says nothing about which
-    key (or how much of one) matched."""
-    presented = token.encode()
-    matched = False
-    for key in keys:
-        matched |= hmac.compare_digest(presented, key.encode())
-    return matched
+class ApiKeyMiddleware:
+    """Refuses (401, OpenAI's envelope) every HTTP request outside `PUBLIC_PATHS` whose bearer
+    key is not one of `keys`, before any route (or body read) runs."""
+
+    def __init__(self, app: ASGIApp, *, keys: tuple[str, ...]) -> None:
+        self.app = app
+        self._keys = KeySet(keys)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self._keys or scope["path"] in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        try:
+            if not self._keys.matches(presented_key(Headers(scope=scope))):
+                raise AuthenticationError("Incorrect API key provided.")
+        except AuthenticationError as exc:
+            await _send_401(send, exc)
+            return
+        await self.app(scope, receive, send)
+
+
+async def _send_401(send: Send, exc: AuthenticationError) -> None:
+    body = json.dumps(error_payload(exc)).encode()
+    await send({"type": "http.response.start", "status": 401,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"www-authenticate", b"Bearer")]})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def require_api_key(request: Request) -> None:
-    """A FastAPI dependency: with `api_keys` configured, `Authorization: Bearer <key>` must match
-    one of them or of the admin keys."""
+    """A FastAPI dependency on /v1 (behind the middleware too, so a route mounted elsewhere by
+    mistake is still guarded): the key must be an API key or an admin key."""
     settings: GatewaySettings = request.app.state.settings
     if not settings.api_keys:
         return
-    if not _matches(_presented_key(request), settings.api_keys + settings.admin_api_keys):
+    if not KeySet(settings.api_keys + settings.admin_api_keys).matches(presented_key(request.headers)):
         raise AuthenticationError("Incorrect API key provided.")
 
 
@@ -49,9 +112,9 @@ async def require_admin_key(request: Request) -> None:
     admin_keys = settings.admin_api_keys or settings.api_keys
     if not admin_keys:
         return
-    token = _presented_key(request)
-    if _matches(token, admin_keys):
+    token = presented_key(request.headers)
+    if KeySet(admin_keys).matches(token):
         return
-    if _matches(token, settings.api_keys):
+    if KeySet(settings.api_keys).matches(token):
         raise PermissionDeniedError("This API key may not use the admin routes.")
     raise AuthenticationError("Incorrect API key provided.")

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from llmplatform.errors import LLMPlatformError
+from llmplatform.metrics.gateway import note_model
 from llmplatform.openai_api.deltas import (
     DeltaTracker,
     chat_logprobs,
@@ -20,14 +21,16 @@ from llmplatform.openai_api.errors import error_payload, parse_request
 from llmplatform.openai_api.sse import DONE, EventStreamResponse, sse_event
 from llmplatform.openai_api.streams import ChoiceStreams, until_disconnected
 from llmplatform.openai_api.translate import (
+    PreparedPrompt,
     chat_messages,
     chat_params,
     check_chat_request,
+    check_limits,
     new_id,
     params_dict,
     resolve_max_new_tokens,
 )
-from llmplatform.openai_api.worker_client import WorkerClient
+from llmplatform.openai_api.worker_client import WorkerClient, with_failover
 from llmplatform.protocol.openai import (
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -39,6 +42,7 @@ from llmplatform.protocol.openai import (
     Usage,
 )
 from llmplatform.protocol.worker import WorkerChunk
+from llmplatform.utils.request_id import worker_request_id_prefix
 
 logger = logging.getLogger("llmplatform.openai_api")
 
@@ -47,30 +51,39 @@ async def create_chat_completion(request: Request) -> Response:
     body = parse_request(ChatCompletionRequest, await request.body())
     messages = chat_messages(body.messages)
     check_chat_request(body)
+    check_limits(body, request.app.state.settings.limits)
     client: WorkerClient = request.app.state.worker_client
 
     address = await client.worker_address(body.model)
-    prepared = await client.prepare_chat(address, body.model, messages)
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_new_tokens = resolve_max_new_tokens(
-        requested,
-        prompt_tokens=prepared.prompt_tokens,
-        context_length=prepared.context_length,
-        default=None,
-        prompt_param="messages",
-    )
+    note_model(request, body.model)
+    trace_id = worker_request_id_prefix(request)
     response_id = new_id("chatcmpl")
-    params = [
-        params_dict(
-            chat_params(
-                body, prepared, max_new_tokens=max_new_tokens, request_id=f"{response_id}-{i}", choice_index=i
-            )
+
+    async def start_on(address: str) -> tuple[PreparedPrompt, ChoiceStreams]:
+        prepared = await client.prepare_chat(address, body.model, messages)
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_new_tokens = resolve_max_new_tokens(
+            requested,
+            prompt_tokens=prepared.prompt_tokens,
+            context_length=prepared.context_length,
+            default=None,
+            prompt_param="messages",
         )
-        for i in range(body.n or 1)
-    ]
-    streams = ChoiceStreams(client, address, params)
-    # Read every choice's first chunk before answering, so early errors get a proper status.
-    await streams.start()
+        params = [
+            params_dict(
+                chat_params(
+                    body, prepared, max_new_tokens=max_new_tokens, request_id=f"{trace_id}-{i}", choice_index=i
+                )
+            )
+            for i in range(body.n or 1)
+        ]
+        streams = ChoiceStreams(client, address, params)
+        # Read every choice's first chunk before answering, so early errors get a proper status
+        # and a worker that cannot take the request is replaced by another (with_failover).
+        await streams.start()
+        return prepared, streams
+
+    prepared, streams = await with_failover(client, body.model, start_on, address=address)
     stream = _ChatStream(body, response_id, prompt_tokens=prepared.prompt_tokens)
     if body.stream:
         return EventStreamResponse(stream.events(streams), on_close=streams.aclose)

@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from llmplatform.errors import LLMPlatformError
+from llmplatform.metrics.gateway import note_model
 from llmplatform.openai_api.deltas import (
     DeltaTracker,
     completion_logprobs,
@@ -22,13 +23,15 @@ from llmplatform.openai_api.sse import DONE, EventStreamResponse, sse_event
 from llmplatform.openai_api.streams import ChoiceStreams, until_disconnected
 from llmplatform.openai_api.translate import (
     DEFAULT_COMPLETION_MAX_TOKENS,
+    PreparedPrompt,
+    check_limits,
     completion_params,
     completion_prompts,
     new_id,
     params_dict,
     resolve_max_new_tokens,
 )
-from llmplatform.openai_api.worker_client import WorkerClient
+from llmplatform.openai_api.worker_client import WorkerClient, with_failover
 from llmplatform.protocol.openai import (
     CompletionChoice,
     CompletionChunk,
@@ -37,6 +40,7 @@ from llmplatform.protocol.openai import (
     Usage,
 )
 from llmplatform.protocol.worker import WorkerChunk
+from llmplatform.utils.request_id import worker_request_id_prefix
 
 logger = logging.getLogger("llmplatform.openai_api")
 
@@ -44,29 +48,39 @@ logger = logging.getLogger("llmplatform.openai_api")
 async def create_completion(request: Request) -> Response:
     body = parse_request(CompletionRequest, await request.body())
     prompts = completion_prompts(body)
+    check_limits(body, request.app.state.settings.limits, num_prompts=len(prompts))
     client: WorkerClient = request.app.state.worker_client
 
     address = await client.worker_address(body.model)
-    prepared = await asyncio.gather(*(client.prepare_completion(address, body.model, p) for p in prompts))
+    note_model(request, body.model)
+    trace_id = worker_request_id_prefix(request)
     n = body.n or 1
     response_id = new_id("cmpl")
-    params = []
-    for p, prompt in enumerate(prepared):
-        max_new_tokens = resolve_max_new_tokens(
-            body.max_tokens,
-            prompt_tokens=prompt.prompt_tokens,
-            context_length=prompt.context_length,
-            default=DEFAULT_COMPLETION_MAX_TOKENS,
-            prompt_param="prompt",
-        )
-        for i in range(n):
-            # Choices are numbered prompt by prompt, as OpenAI does: index = p * n + i.
-            worker_params = completion_params(
-                body, prompt, max_new_tokens=max_new_tokens, request_id=f"{response_id}-{p * n + i}", choice_index=i
+
+    async def start_on(address: str) -> tuple[list[PreparedPrompt], ChoiceStreams]:
+        prepared = await asyncio.gather(*(client.prepare_completion(address, body.model, p) for p in prompts))
+        params = []
+        for p, prompt in enumerate(prepared):
+            max_new_tokens = resolve_max_new_tokens(
+                body.max_tokens,
+                prompt_tokens=prompt.prompt_tokens,
+                context_length=prompt.context_length,
+                default=DEFAULT_COMPLETION_MAX_TOKENS,
+                prompt_param="prompt",
             )
-            params.append(params_dict(worker_params))
-    streams = ChoiceStreams(client, address, params)
-    await streams.start()
+            for i in range(n):
+                # Choices are numbered prompt by prompt, as OpenAI does: index = p * n + i.
+                worker_params = completion_params(
+                    body, prompt, max_new_tokens=max_new_tokens, request_id=f"{trace_id}-{p * n + i}", choice_index=i
+                )
+                params.append(params_dict(worker_params))
+        streams = ChoiceStreams(client, address, params)
+        # The first chunk of every choice before answering: early errors get a proper status and
+        # a worker that cannot take the request is replaced by another (with_failover).
+        await streams.start()
+        return list(prepared), streams
+
+    prepared, streams = await with_failover(client, body.model, start_on, address=address)
     stream = _CompletionStream(body, response_id, n=n, prompt_tokens=[p.prompt_tokens for p in prepared])
     if body.stream:
         return EventStreamResponse(stream.events(streams), on_close=streams.aclose)

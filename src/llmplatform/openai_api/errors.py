@@ -45,6 +45,15 @@ class PermissionDeniedError(LLMPlatformError):
     openai_code = "insufficient_permissions"
 
 
+class PayloadTooLargeError(LLMPlatformError):
+    """The request body is over the gateway's size cap (HTTP 413)."""
+
+    error_code = ErrorCode.PARAM_OUT_OF_RANGE
+    http_status = 413
+    openai_type = "invalid_request_error"
+    openai_code = "request_too_large"
+
+
 class ClientDisconnected(Exception):
     """The client went away before the answer was ready; nobody is left to answer."""
 
@@ -55,6 +64,7 @@ _STATUS_TYPES = {
     403: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
     504: "timeout",
@@ -76,7 +86,10 @@ def error_payload(exc: LLMPlatformError) -> dict[str, Any]:
 
 
 def error_response(exc: LLMPlatformError) -> JSONResponse:
-    return JSONResponse(error_payload(exc), status_code=exc.http_status)
+    # A worker's 429 carries Retry-After (`retry_after`, seconds); the client gets it too.
+    retry_after = getattr(exc, "retry_after", None)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(error_payload(exc), status_code=exc.http_status, headers=headers)
 
 
 def error_from_http(status_code: int, body: bytes, what: str) -> LLMPlatformError:

@@ -4,23 +4,67 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# What the worker itself accepts at most (llmplatform.llm.sampling): a cap above it would only
+# move the refusal from the gateway to the worker.
+_WORKER_MAX_LOGPROBS = 20
+_WORKER_MAX_STOP_STRINGS = 16
+_OPENAI_MAX_N = 128
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Caps on what one request may ask for. Each bounds work a single request can create (vLLM's
+    DoS advisories: unbounded `n`, logprobs and stop lists); a request over a cap is a 400."""
+
+    max_n: int = 16
+    """Most choices one request may create: `n` times the number of prompts (each choice is a
+    separate generation on a worker)."""
+    max_logprobs: int = 20
+    """Most alternatives per token: chat `top_logprobs`, completions `logprobs` (OpenAI: 20)."""
+    max_stop_sequences: int = 4
+    """Most stop strings in `stop` (OpenAI: 4)."""
+    max_stop_length: int = 256
+    """Longest stop string, in characters (the detokenizer holds back this much text)."""
+    max_request_bytes: int = 4 * 1024 * 1024
+    """Largest request body; a bigger one is refused with 413 before it is read whole."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_n", "max_stop_sequences", "max_stop_length", "max_request_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0 <= self.max_logprobs <= _WORKER_MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {_WORKER_MAX_LOGPROBS}], got {self.max_logprobs}")
+        if self.max_n > _OPENAI_MAX_N:
+            raise ValueError(f"max_n must be at most {_OPENAI_MAX_N} (OpenAI's own ceiling), got {self.max_n}")
+        if self.max_stop_sequences > _WORKER_MAX_STOP_STRINGS:
+            raise ValueError(
+                f"max_stop_sequences must be at most {_WORKER_MAX_STOP_STRINGS} (the worker's own "
+                f"limit), got {self.max_stop_sequences}"
+            )
+
 
 @dataclass(frozen=True)
 class GatewaySettings:
     controller_address: str = "http://127.0.0.1:21001"
     """Base URL of the controller that knows which worker serves which model."""
     api_keys: tuple[str, ...] = ()
-    """When non-empty, every /v1 route needs `Authorization: Bearer <one of these>` (or of
-    `admin_api_keys`)."""
+    """When non-empty, every route but /health and /metrics needs `Authorization: Bearer <one
+    of these>` (or of `admin_api_keys`)."""
     admin_api_keys: tuple[str, ...] = ()
     """Keys for the /v1/admin routes (and, like `api_keys`, for every other /v1 route). Empty:
     with `api_keys` set, every API key is an admin key; with no keys at all, /v1/admin is open
     like the rest of /v1."""
-    allowed_origins: tuple[str, ...] = ("*",)
-    """CORS origins; empty: no CORS middleware at all."""
+    allowed_origins: tuple[str, ...] = ()
+    """CORS origins; empty (the default): no CORS middleware at all, so browsers on other origins
+    cannot call the API."""
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    """CORS credentials (cookies, HTTP auth); never together with the `*` origin."""
+    cluster_secret: str | None = None
+    """The cluster's shared secret, sent on every call to the controller and to workers."""
+    limits: RequestLimits = RequestLimits()
     worker_timeout: float = 600.0
     """Seconds a worker may stay silent (inside a stream, or before answering) before a 504."""
     controller_timeout: float = 10.0
@@ -29,6 +73,10 @@ class GatewaySettings:
     """Seconds allowed to open a connection to the controller or a worker."""
     abort_timeout: float = 5.0
     """Seconds allowed for the best-effort `/worker_abort` call after a client disconnect."""
+    max_worker_attempts: int = 3
+    """Workers one request may be tried on: when a worker cannot take it before generating
+    anything (unreachable, died, dead engine, draining, 429), the next is asked for, up to this
+    many in all."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "controller_address", self.controller_address.strip().rstrip("/"))
@@ -37,8 +85,20 @@ class GatewaySettings:
         for name in ("api_keys", "admin_api_keys", "allowed_origins", "allowed_methods",
                      "allowed_headers"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
-        if any(not key for key in self.api_keys + self.admin_api_keys):
-            raise ValueError("api_keys and admin_api_keys must not contain empty keys")
+        if any(not key or key != key.strip() for key in self.api_keys + self.admin_api_keys):
+            raise ValueError("api_keys and admin_api_keys must not contain empty keys or keys "
+                             "with surrounding whitespace")
+        if self.allow_credentials and "*" in self.allowed_origins:
+            # Starlette would echo any Origin back with credentials allowed: every web page could
+            # then call the API with the user's cookies. List the origins instead.
+            raise ValueError("allow_credentials cannot be combined with the '*' origin; list the "
+                             "allowed origins explicitly")
+        if self.cluster_secret is not None and not self.cluster_secret.strip():
+            raise ValueError("cluster_secret must not be empty (use None for no secret)")
+        if isinstance(self.max_worker_attempts, bool) or not (
+            isinstance(self.max_worker_attempts, int) and self.max_worker_attempts >= 1
+        ):
+            raise ValueError(f"max_worker_attempts must be an integer >= 1, got {self.max_worker_attempts!r}")
         for name in ("worker_timeout", "controller_timeout", "connect_timeout", "abort_timeout"):
             value = getattr(self, name)
             if not value > 0:

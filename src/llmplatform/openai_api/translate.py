@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from llmplatform.errors import ContextLengthExceededError, InvalidRequestError
+from llmplatform.openai_api.settings import RequestLimits
 from llmplatform.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 from llmplatform.protocol.worker import WorkerParams
 
@@ -86,6 +87,13 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
 
 
 def check_chat_request(request: ChatCompletionRequest) -> None:
+    for name in ("chat_template", "chat_template_kwargs"):
+        if getattr(request, name) is not None:
+            raise InvalidRequestError(
+                f"Invalid value for '{name}': a request may not supply or configure a chat "
+                "template; prompts are rendered with the model's own template.",
+                param=name,
+            )
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequestError(
             "Invalid value for 'top_logprobs': 'logprobs' must be set to true when "
@@ -115,6 +123,50 @@ def completion_prompts(request: CompletionRequest) -> list[str]:
             param="prompt",
         )
     return prompts
+
+
+def check_limits(
+    request: ChatCompletionRequest | CompletionRequest, limits: RequestLimits, *, num_prompts: int = 1
+) -> None:
+    """The request against the gateway's caps: each bounds the work one request can create."""
+    n = request.n or 1
+    if n > limits.max_n:
+        raise InvalidRequestError(
+            f"Invalid value for 'n': {n} is more than this server's limit of {limits.max_n}.", param="n"
+        )
+    if n * num_prompts > limits.max_n:
+        raise InvalidRequestError(
+            f"Invalid value for 'prompt': {num_prompts} prompts with n={n} make {n * num_prompts} "
+            f"choices, more than this server's limit of {limits.max_n}.",
+            param="prompt",
+        )
+    name, alternatives = (
+        ("top_logprobs", request.top_logprobs)
+        if isinstance(request, ChatCompletionRequest)
+        else ("logprobs", request.logprobs)
+    )
+    if alternatives is not None and alternatives > limits.max_logprobs:
+        raise InvalidRequestError(
+            f"Invalid value for '{name}': {alternatives} is more than this server's limit of "
+            f"{limits.max_logprobs}.",
+            param=name,
+        )
+    stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    if len(stops) > limits.max_stop_sequences:
+        raise InvalidRequestError(
+            f"Invalid value for 'stop': {len(stops)} stop sequences are more than this server's "
+            f"limit of {limits.max_stop_sequences}.",
+            param="stop",
+        )
+    for stop in stops:
+        if not stop:
+            raise InvalidRequestError("Invalid value for 'stop': stop sequences must not be empty.", param="stop")
+        if len(stop) > limits.max_stop_length:
+            raise InvalidRequestError(
+                f"Invalid value for 'stop': a stop sequence of {len(stop)} characters is longer than "
+                f"this server's limit of {limits.max_stop_length}.",
+                param="stop",
+            )
 
 
 # ---- sizing ----------------------------------------------------------------------------------------

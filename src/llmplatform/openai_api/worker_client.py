@@ -7,6 +7,13 @@ keeps its meaning (:func:`llmplatform.errors.error_from_code`).
 Chat prompts: our workers render them (`/worker_apply_chat_template`); a stock FastChat worker
 answers 404 there, and then the gateway renders FastChat's conversation template itself, as
 FastChat's own gateway does (`/worker_get_conv_template`, `/count_token`, `/model_details`).
+
+Failures are typed by what they allow (:func:`with_failover` builds on it): a worker that could
+not take the request before generating anything (unreachable, closed the connection before
+answering, 503 from a dead or draining worker: :class:`WorkerUnavailableError`; 429 from a full
+queue: ``EngineOverloadedError`` with ``retry_after``) may be replaced by another worker serving
+the model; a worker that fails after the first chunk cannot (the client already has part of the
+answer) and the stream ends with an :class:`UpstreamError` (502).
 """
 
 from __future__ import annotations
@@ -15,14 +22,16 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import httpx
 from pydantic import ValidationError
 
 from llmplatform.conversation import ConvTemplate, render_chat_prompt
 from llmplatform.errors import (
+    EngineOverloadedError,
+    LLMPlatformError,
     ModelNotFoundError,
     NoWorkerError,
     WorkerTimeoutError,
@@ -37,6 +46,14 @@ from llmplatform.protocol.worker import NUL, ApplyChatTemplateResponse, WorkerCh
 logger = logging.getLogger("llmplatform.openai_api")
 
 _MAX_CACHE_ENTRIES = 1024
+_MAX_RETRY_AFTER_S = 3600
+
+T = TypeVar("T")
+
+
+class WorkerUnavailableError(NoWorkerError):
+    """A worker could not take the request and generated nothing for it (unreachable, closed
+    the connection before answering, dead engine, shutting down): another worker may (503)."""
 
 
 class NulFrameDecoder:
@@ -71,12 +88,42 @@ def parse_chunk(frame: bytes) -> WorkerChunk:
 
 @contextlib.contextmanager
 def _transport_errors(peer: str, url: str, timeout: float) -> Iterator[None]:
+    unavailable = WorkerUnavailableError if peer == "worker" else NoWorkerError
     try:
         yield
+    except httpx.ConnectTimeout:
+        raise unavailable(f"The {peer} at {url} did not accept a connection in time.") from None
     except httpx.TimeoutException:
         raise WorkerTimeoutError(f"The {peer} at {url} did not answer within {timeout:g} s.") from None
     except httpx.HTTPError as exc:
-        raise NoWorkerError(f"The {peer} at {url} is unreachable ({type(exc).__name__}).") from None
+        # Refused, reset, or closed before any answer: the peer is gone (or going).
+        raise unavailable(f"The {peer} at {url} is unreachable ({type(exc).__name__}).") from None
+
+
+def _retry_after(value: str | None) -> int | None:
+    """Retry-After in seconds (the HTTP-date form is not used by workers), capped."""
+    try:
+        seconds = int(value) if value is not None else None
+    except ValueError:
+        return None
+    return None if seconds is None or seconds < 0 else min(seconds, _MAX_RETRY_AFTER_S)
+
+
+def worker_http_error(response: httpx.Response, body: bytes, what: str) -> LLMPlatformError:
+    """A typed error for a worker's non-200 answer; 503 and 429 keep the meaning retries need."""
+    error = error_from_http(response.status_code, body, what)
+    if response.status_code == 503:
+        return WorkerUnavailableError(error.message)
+    if response.status_code == 429:
+        if not isinstance(error, EngineOverloadedError):
+            error = EngineOverloadedError(error.message)
+        error.retry_after = _retry_after(response.headers.get("retry-after"))  # type: ignore[attr-defined]
+    return error
+
+
+def may_try_another_worker(error: LLMPlatformError) -> bool:
+    """True for failures that leave the request undone and another worker able to do it."""
+    return isinstance(error, (WorkerUnavailableError, EngineOverloadedError))
 
 
 def _has_error_code(body: bytes) -> bool:
@@ -112,7 +159,7 @@ class WorkerClient:
         if response.status_code != 200:
             if peer == "controller":
                 raise UpstreamError(f"The controller answered HTTP {response.status_code} to {url}.")
-            raise error_from_http(response.status_code, response.content, f"The worker at {url}")
+            raise worker_http_error(response, response.content, f"The worker at {url}")
         try:
             return response.json()
         except ValueError:
@@ -136,10 +183,14 @@ class WorkerClient:
         self._known_models.update(models)
         return models
 
-    async def worker_address(self, model: str) -> str:
-        """The base URL of a live worker serving `model`; ModelNotFoundError or NoWorkerError."""
+    async def worker_address(self, model: str, exclude: Sequence[str] = ()) -> str:
+        """The base URL of a live worker serving `model`, other than those in `exclude` (which a
+        stock controller ignores); ModelNotFoundError or NoWorkerError."""
         url = f"{self._settings.controller_address}/get_worker_address"
-        data = await self._post_json("controller", url, {"model": model}, self._controller_timeout)
+        payload: dict[str, Any] = {"model": model}
+        if exclude:
+            payload["exclude"] = list(exclude)
+        data = await self._post_json("controller", url, payload, self._controller_timeout)
         try:
             address = GetWorkerAddressResponse.model_validate(data).address
         except ValidationError:
@@ -198,7 +249,7 @@ class WorkerClient:
             self._cache_put(self._context_lengths, (address, model), rendered.context_length)
             return PreparedPrompt(rendered.prompt, rendered.prompt_tokens, rendered.context_length)
         if response.status_code != 404 or _has_error_code(response.content):
-            raise error_from_http(response.status_code, response.content, f"The worker at {url}")
+            raise worker_http_error(response, response.content, f"The worker at {url}")
         # A stock FastChat worker: render its conversation template here.
         conv = await self._conv_template(address, model)
         prompt = render_chat_prompt(conv, messages)
@@ -256,21 +307,34 @@ class WorkerClient:
     async def generate_stream(self, address: str, params: Mapping[str, Any]) -> AsyncIterator[WorkerChunk]:
         """The worker's chunks, in order; errors (in-stream or transport) raise typed errors.
 
-        Closing this generator closes the HTTP stream, which tells the worker to abort.
+        Before the first chunk a lost worker is a :class:`WorkerUnavailableError` (another may
+        be tried); after it, an :class:`UpstreamError`: the answer is incomplete and cannot be
+        resumed elsewhere. Closing this generator closes the HTTP stream, which tells the
+        worker to abort.
         """
         url = f"{address}/worker_generate_stream"
-        with _transport_errors("worker", url, self._settings.worker_timeout):
-            async with self._http.stream("POST", url, json=dict(params), timeout=self._worker_timeout) as response:
-                if response.status_code != 200:
-                    body = await response.aread()
-                    raise error_from_http(response.status_code, body, f"The worker at {url}")
-                decoder = NulFrameDecoder()
-                async for data in response.aiter_bytes():
-                    for frame in decoder.feed(data):
-                        yield parse_chunk(frame)
-                tail = decoder.flush()
-                if tail is not None:
-                    yield parse_chunk(tail)
+        started = False
+        try:
+            with _transport_errors("worker", url, self._settings.worker_timeout):
+                async with self._http.stream("POST", url, json=dict(params), timeout=self._worker_timeout) as response:
+                    if response.status_code != 200:
+                        body = await response.aread()
+                        raise worker_http_error(response, body, f"The worker at {url}")
+                    decoder = NulFrameDecoder()
+                    async for data in response.aiter_bytes():
+                        for frame in decoder.feed(data):
+                            started = True
+                            yield parse_chunk(frame)
+                    tail = decoder.flush()
+                    if tail is not None:
+                        started = True
+                        yield parse_chunk(tail)
+        except WorkerUnavailableError as exc:
+            if not started:
+                raise
+            raise UpstreamError(
+                f"The worker at {address} stopped in the middle of the response ({exc.message})"
+            ) from None
 
     def abort_soon(self, address: str, request_id: str) -> None:
         """Best-effort `POST /worker_abort` in the background (a stock worker lacks the route)."""
@@ -285,8 +349,46 @@ class WorkerClient:
         except httpx.HTTPError as exc:
             logger.debug("abort of %s at %s failed: %s", request_id, url, exc)
 
+    @property
+    def max_worker_attempts(self) -> int:
+        return self._settings.max_worker_attempts
+
     async def aclose(self) -> None:
         """Let pending aborts finish (bounded) before the HTTP client closes."""
         if self._background:
             await asyncio.wait(set(self._background), timeout=self._settings.abort_timeout)
 
+
+async def with_failover(
+    client: WorkerClient, model: str, attempt: Callable[[str], Awaitable[T]], *, address: str | None = None
+) -> T:
+    """``attempt(address)`` on a worker serving `model` (`address` if already picked); when that
+    worker cannot take the request (:func:`may_try_another_worker`) ask the controller for
+    another one, excluding those tried, up to ``max_worker_attempts`` workers in all. When none
+    is left, the last worker's error is raised (a 429 keeps its Retry-After). `attempt` must not
+    have sent the client anything: it is all or nothing.
+    """
+    excluded: list[str] = []
+    last: LLMPlatformError | None = None
+    for _ in range(client.max_worker_attempts):
+        if address is None:
+            try:
+                address = await client.worker_address(model, exclude=excluded)
+            except NoWorkerError:
+                if last is None:
+                    raise
+                break
+        if address in excluded:  # a stock controller ignores `exclude`: nobody else to ask
+            break
+        try:
+            return await attempt(address)
+        except LLMPlatformError as exc:
+            if not may_try_another_worker(exc):
+                raise
+            logger.warning("worker %s could not take a request for %s (%s: %s); trying another",
+                           address, model, type(exc).__name__, exc.message)
+            excluded.append(address)
+            address = None
+            last = exc
+    assert last is not None
+    raise last

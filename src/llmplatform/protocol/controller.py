@@ -38,6 +38,13 @@ class WorkerStatus(LoadFacts):
     # why 0 is allowed; dispatch treats a speed-0 worker as the last resort.
     speed: int = Field(default=1, ge=0, description="Relative throughput weight.")
     queue_length: int = Field(default=0, ge=0, description="Requests running or waiting.")
+    # Ours only, sent at registration (it does not change while a worker runs): how many requests
+    # the worker runs at once at most; least_load divides the load by it. None: not reported.
+    max_num_running: int | None = Field(
+        default=None, ge=1, description="Requests the worker runs at once at most (batch capacity)."
+    )
+    # Ours only, sent at registration: which LLM implementation serves ("paged", "hf").
+    backend: str | None = Field(default=None, description="The worker's inference backend.")
 
 
 class RegisterWorkerRequest(_Message):
@@ -48,6 +55,9 @@ class RegisterWorkerRequest(_Message):
     # None: the controller asks the worker's /worker_get_status itself.
     worker_status: WorkerStatus | None = None
     multimodal: bool = False
+    # Ours only: a random id per worker process. A live entry at the same URL with another id is
+    # a second worker announcing that URL, and is refused (409) rather than replaced.
+    instance_id: str | None = Field(default=None, max_length=128)
 
 
 class HeartbeatRequest(LoadFacts):
@@ -55,6 +65,8 @@ class HeartbeatRequest(LoadFacts):
 
     worker_name: str
     queue_length: int = Field(ge=0)
+    # Ours only: the id the worker registered with; a beat with another id is not its beat.
+    instance_id: str | None = Field(default=None, max_length=128)
 
 
 class HeartbeatResponse(_Message):
@@ -73,6 +85,23 @@ class GetWorkerAddressRequest(_Message):
     """Body of `POST /get_worker_address`."""
 
     model: str
+    # Ours: workers not to pick (a gateway retrying elsewhere after one failed). A stock
+    # controller ignores the field; the gateway then notices a repeated address and stops.
+    exclude: list[str] = Field(default_factory=list, max_length=64)
+
+
+class DeregisterWorkerRequest(_Message):
+    """Body of `POST /deregister_worker` (ours): a worker leaving (shutting down, engine dead)."""
+
+    worker_name: str
+    # The id the worker registered with: only the worker itself may take its entry away.
+    instance_id: str | None = Field(default=None, max_length=128)
+
+
+class DeregisterWorkerResponse(_Message):
+    """`removed` is False when the controller did not know the worker."""
+
+    removed: bool
 
 
 class GetWorkerAddressResponse(_Message):
@@ -85,6 +114,26 @@ class RefreshAllWorkersResponse(_Message):
     """Response of `POST /refresh_all_workers` (a stock client ignores the body)."""
 
     removed: list[str] = Field(default_factory=list, description="Workers dropped as unreachable.")
+
+
+class WorkerDescription(_Message):
+    """One live worker as `GET /list_workers` shows it (read-only; ours only)."""
+
+    worker_name: str
+    model_names: list[str]
+    backend: str | None = None
+    speed: int
+    queue_length: int
+    num_running: int | None = None
+    num_waiting: int | None = None
+    kv_cache_usage: float | None = None
+    last_heartbeat_age_s: float = Field(ge=0.0, description="Seconds since its last heartbeat.")
+
+
+class ListWorkersResponse(_Message):
+    """Response of `GET /list_workers`: live workers sorted by name."""
+
+    workers: list[WorkerDescription]
 
 
 class ErrorResponse(_Message):

@@ -11,11 +11,18 @@ changed.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 # ---- requests -------------------------------------------------------------------------------------
+
+
+_INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
+_INT32_MAX = 2**31 - 1
+# Token ids and top_k travel on to tensors: bounded here so a huge integer is a 400, not an
+# overflow inside the engine.
+TokenId = Annotated[int, Field(ge=0, le=_INT32_MAX)]
 
 
 class _Request(BaseModel):
@@ -48,20 +55,23 @@ class _SamplingRequest(_Request):
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="Default 1.0.")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="Default 1.0.")
-    n: int | None = Field(default=None, ge=1, le=128, description="Choices per prompt; default 1.")
+    n: int | None = Field(
+        default=None, ge=1, le=128, description="Choices per prompt; default 1. OpenAI's ceiling; the "
+        "gateway's --max-n is usually lower.",
+    )
     max_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=_INT64_MIN, le=_UINT64_MAX)
     user: str | None = None
     # ---- extensions ----
-    top_k: int | None = Field(default=None, ge=-1, description="-1 or 0: off.")
+    top_k: int | None = Field(default=None, ge=-1, le=_INT32_MAX, description="-1 or 0: off.")
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = Field(default=None, ge=0)
 
@@ -73,6 +83,10 @@ class ChatCompletionRequest(_SamplingRequest):
     )
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Parsed only to be refused: the prompt is always rendered with the worker's own template. A
+    # request-supplied Jinja template would run client code in the worker's template engine.
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
 
 
 class CompletionRequest(_SamplingRequest):

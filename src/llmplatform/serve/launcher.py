@@ -2,7 +2,9 @@
 
 Each service runs in its own process (as in a real deployment, and so one model's crash cannot
 take the others down). The launcher starts them in dependency order, waits until each answers,
-prints where each listens, and on Ctrl-C/SIGTERM, or when any service dies, stops them all.
+prints where each listens, and on Ctrl-C/SIGTERM, or when any service dies, stops them all:
+each gets SIGTERM and its `--shutdown-timeout` to finish in-flight requests (workers deregister
+at once), and whatever is still running after that (plus a small margin) is killed.
 Children also get SIGTERM if the launcher itself is killed (Linux parent-death signal), so no
 orphan keeps a port or a model in memory.
 """
@@ -21,11 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from llmplatform.utils.logs import configure_logging
+from llmplatform.utils.cli import apply_env_defaults, argv_from_mapping, env_var_for, find_action
+from llmplatform.utils.cluster_secret import SECRET_ENV, secret_from_env
+from llmplatform.utils.logs import add_logging_flags, configure_logging
 
 logger = logging.getLogger("llmplatform.serve")
 
-STOP_GRACE_S = 10.0
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+"""Passed on to every service as its --shutdown-timeout (in-flight requests' grace period)."""
+STOP_MARGIN_S = 5.0
+"""Beyond a service's shutdown timeout: time for its lifespan shutdown before it is killed."""
 
 
 @dataclass
@@ -45,6 +52,11 @@ class ClusterSpec:
     workers: list[list[str]] = field(default_factory=lambda: [[]])
     controller_args: list[str] = field(default_factory=list)
     api_args: list[str] = field(default_factory=list)
+    webui: bool = True
+    webui_port: int = 7860
+    webui_args: list[str] = field(default_factory=list)
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    log_args: list[str] = field(default_factory=list)  # --log-level/--log-format for every service
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,52 +75,110 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", type=Path, default=None,
                         help="a cluster TOML file (see README: [controller], [api], [[worker]])")
     parser.add_argument("--api-keys", default=None, help="comma-separated API keys for the gateway")
+    parser.add_argument("--no-webui", dest="webui", action="store_false",
+                        help="do not start the web UI (started by default, after the gateway)")
+    parser.add_argument("--webui-port", type=int, default=7860,
+                        help="port of the web UI (default: %(default)s)")
+    parser.add_argument("--cluster-secret", default=None,
+                        help="a shared secret for the controller, workers and gateway (registration, "
+                             "heartbeats and every call between them carry it); passed to them in "
+                             f"${SECRET_ENV}, never on a command line. Default: ${SECRET_ENV}")
+    parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                        metavar="SECONDS",
+                        help="on Ctrl-C/SIGTERM, how long every service may let in-flight requests "
+                             "run before it exits (passed on as each one's --shutdown-timeout); "
+                             "a service still running after that is killed (default: %(default)s)")
     parser.add_argument("--startup-timeout", type=float, default=900.0,
                         help="seconds to wait for each service (the first start converts the "
                              "default model once)")
-    return parser
+    add_logging_flags(parser)  # serve's own, passed on to every service
+    # flag > env > file > default: the file's top-level keys and [controller]/[api] ports are
+    # this parser's file layer; its service tables become the services' flags (spec_from_args).
+    return apply_env_defaults(parser, config_flag="--config", load_config=_serve_settings_from_file)
 
 
-def _flags_from_table(table: dict) -> list[str]:
-    """TOML keys mirror the command-line flags: model_path = "x" -> --model-path x."""
-    argv: list[str] = []
-    for key, value in table.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value is False or value is None:
-            continue
-        elif isinstance(value, list):
-            argv += [flag, ",".join(str(v) for v in value)]
-        else:
-            argv += [flag, str(value)]
-    return argv
+MANAGED_KEYS = frozenset({"host", "port", "controller_address", "worker_address"})
+"""Service settings serve always passes on itself: their variables (LLMPLATFORM_PORT, ...) are
+meant for a service run alone and never override a cluster file's value, nor serve's own."""
+
+
+def _read_cluster_file(path: Path) -> dict:
+    import tomllib
+
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SystemExit(f"error: cannot read {path}: {exc}") from exc
+
+
+def _serve_settings_from_file(path: Path) -> dict:
+    """The cluster file's settings for serve itself: top-level keys (`host`, `worker_port_base`,
+    ...) and each service table's `port` as serve's `--<table>-port` (`[api] port = 8000`)."""
+    data = _read_cluster_file(path)
+    settings = {key: value for key, value in data.items() if not _is_table(value)}
+    for table, value in data.items():
+        if isinstance(value, dict) and "port" in value:
+            settings[f"{table}_port"] = value["port"]
+    return settings
+
+
+def _is_table(value: object) -> bool:
+    return isinstance(value, dict) or (
+        isinstance(value, list) and any(isinstance(v, dict) for v in value))
+
+
+def service_flags(table: dict, parser: argparse.ArgumentParser, *, source: str,
+                  environ: dict[str, str] | None = None) -> list[str]:
+    """A service table of the cluster file as that service's flags, minus what the environment
+    sets: the child inherits serve's environment, and env beats file (flag > env > file)."""
+    env = os.environ if environ is None else environ
+
+    def overridden(key: str) -> bool:
+        action = find_action(parser, key)
+        name = env_var_for(action) if action is not None else None
+        if key in MANAGED_KEYS or name is None or not env.get(name, "").strip():
+            return False
+        logger.info("%s: %s from the file is overridden by $%s", source, key, name)
+        return True
+
+    return argv_from_mapping(parser, table, source=source, skip=overridden)
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
+    if not args.shutdown_timeout > 0:
+        raise SystemExit("error: --shutdown-timeout must be > 0")
     spec = ClusterSpec(host=args.host, controller_port=args.controller_port,
-                       api_port=args.api_port, worker_port_base=args.worker_port_base)
+                       api_port=args.api_port, worker_port_base=args.worker_port_base,
+                       webui=args.webui, webui_port=args.webui_port,
+                       shutdown_timeout=args.shutdown_timeout,
+                       log_args=["--log-level", args.log_level, "--log-format", args.log_format])
     if args.config is not None:
-        import tomllib
+        from llmplatform.controller.__main__ import build_parser as controller_parser
+        from llmplatform.model_worker.__main__ import build_parser as worker_parser
+        from llmplatform.openai_api.__main__ import build_parser as api_parser
 
-        try:
-            data = tomllib.loads(args.config.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise SystemExit(f"error: cannot read {args.config}: {exc}") from exc
-        controller = dict(data.get("controller", {}))
-        api = dict(data.get("api", {}))
-        spec.host = str(data.get("host", spec.host))
-        spec.controller_port = int(controller.pop("port", spec.controller_port))
-        spec.api_port = int(api.pop("port", spec.api_port))
-        spec.controller_args = _flags_from_table(controller)
-        spec.api_args = _flags_from_table(api)
+        data = _read_cluster_file(args.config)
+        # Ports (and the top-level keys) are already in args: file < env < flag.
+        controller = {k: v for k, v in data.get("controller", {}).items() if k != "port"}
+        api = {k: v for k, v in data.get("api", {}).items() if k != "port"}
+        spec.controller_args = service_flags(controller, controller_parser(),
+                                             source=f"{args.config} [controller]")
+        spec.api_args = service_flags(api, api_parser(), source=f"{args.config} [api]")
+        from llmplatform.webui.__main__ import build_parser as webui_parser
+
+        webui = {k: v for k, v in data.get("webui", {}).items() if k != "port"}
+        spec.webui_args = service_flags(webui, webui_parser(), source=f"{args.config} [webui]")
         workers = data.get("worker", data.get("workers", []))
         if not isinstance(workers, list) or not workers:
             raise SystemExit(f"error: {args.config} has no [[worker]] tables")
-        spec.workers = [_flags_from_table(dict(w)) for w in workers]
+        spec.workers = [service_flags(dict(w), worker_parser(),
+                                      source=f"{args.config} [[worker]] {i}")
+                        for i, w in enumerate(workers)]
     if args.worker:
         spec.workers = ([] if args.config is None else spec.workers) + [shlex.split(w) for w in args.worker]
-    if args.api_keys:
+    # Keys that came from LLMPLATFORM_API_KEYS reach the gateway by inheritance (and stay out of
+    # `ps`); only a flag's keys need passing on.
+    if args.api_keys and args.api_keys != os.environ.get("LLMPLATFORM_API_KEYS", "").strip():
         spec.api_args += ["--api-keys", args.api_keys]
     return spec
 
@@ -116,14 +186,16 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
 def services_for(spec: ClusterSpec) -> list[ServiceSpec]:
     py = [sys.executable, "-m"]
     host = spec.host
+    # Before each service's own flags, so that a per-service value (config file) wins.
+    grace = ["--shutdown-timeout", f"{spec.shutdown_timeout:g}"] + spec.log_args
     reach = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     controller_url = f"http://{reach}:{spec.controller_port}"
     services = [ServiceSpec("controller",
                             py + ["llmplatform.controller", "--host", host,
-                                  "--port", str(spec.controller_port)] + spec.controller_args,
+                                  "--port", str(spec.controller_port)] + grace + spec.controller_args,
                             f"{controller_url}/health", controller_url)]
     next_port = spec.worker_port_base
-    used_ports = {spec.controller_port, spec.api_port}
+    used_ports = {spec.controller_port, spec.api_port} | ({spec.webui_port} if spec.webui else set())
     for i, worker_args in enumerate(spec.workers):
         if "--port" in worker_args:
             port = int(worker_args[worker_args.index("--port") + 1])
@@ -139,14 +211,29 @@ def services_for(spec: ClusterSpec) -> list[ServiceSpec]:
             extra += ["--worker-address", url]
         services.append(ServiceSpec(
             f"worker {i}", py + ["llmplatform.model_worker", "--host", host,
-                                 "--controller-address", controller_url] + extra + worker_args,
+                                 "--controller-address", controller_url] + grace + extra + worker_args,
             f"{url}/health", url))
     api_url = f"http://{reach}:{spec.api_port}"
     services.append(ServiceSpec("api", py + ["llmplatform.openai_api", "--host", host,
                                              "--port", str(spec.api_port), "--controller-address",
-                                             controller_url] + spec.api_args,
+                                             controller_url] + grace + spec.api_args,
                                 f"{api_url}/health", api_url))
+    if spec.webui:
+        # Last: it needs the gateway. No --shutdown-timeout: a UI holds no work worth draining.
+        webui_url = f"http://{reach}:{spec.webui_port}"
+        services.append(ServiceSpec("webui", py + [
+            "llmplatform.webui", "--host", host, "--port", str(spec.webui_port),
+            "--api-base", f"{api_url}/v1", "--controller-address", controller_url,
+        ] + spec.log_args + spec.webui_args, f"{webui_url}/health", webui_url))
     return services
+
+
+def _gateway_key(spec: ClusterSpec) -> str | None:
+    """One of the gateway's API keys (from its flags or LLMPLATFORM_API_KEYS), for the web UI."""
+    args = spec.api_args
+    keys = args[args.index("--api-keys") + 1] if "--api-keys" in args else os.environ.get(
+        "LLMPLATFORM_API_KEYS", "")
+    return next((k.strip() for k in keys.split(",") if k.strip()), None)
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -160,9 +247,11 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class Cluster:
-    def __init__(self, services: list[ServiceSpec], startup_timeout: float) -> None:
+    def __init__(self, services: list[ServiceSpec], startup_timeout: float,
+                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
         self.services = services
         self.startup_timeout = startup_timeout
+        self.shutdown_timeout = shutdown_timeout
         self.procs: list[tuple[ServiceSpec, subprocess.Popen]] = []
 
     def start(self) -> None:
@@ -198,10 +287,12 @@ class Cluster:
             time.sleep(0.5)
 
     def stop(self) -> None:
+        # All at once: each drains its own in-flight requests (the gateway's streams come from
+        # workers that are draining too), so the whole cluster is down within one timeout.
         for _, proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.terminate()
-        deadline = time.monotonic() + STOP_GRACE_S
+        deadline = time.monotonic() + self.shutdown_timeout + STOP_MARGIN_S
         for service, proc in reversed(self.procs):
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -213,9 +304,17 @@ class Cluster:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    configure_logging("info")
+    configure_logging(args.log_level, args.log_format)
+    secret = secret_from_env(args.cluster_secret)
+    if secret is not None:
+        # Children inherit the environment: the secret reaches every service without showing
+        # in any process's command line (ps, /proc/PID/cmdline).
+        os.environ[SECRET_ENV] = secret
     spec = spec_from_args(args)
-    cluster = Cluster(services_for(spec), args.startup_timeout)
+    key = _gateway_key(spec) if spec.webui else None
+    if key is not None and not os.environ.get("LLMPLATFORM_API_KEY"):
+        os.environ["LLMPLATFORM_API_KEY"] = key  # the web UI's --api-key, kept out of `ps`
+    cluster = Cluster(services_for(spec), args.startup_timeout, spec.shutdown_timeout)
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -226,8 +325,15 @@ def main(argv: list[str] | None = None) -> None:
     code = 0
     try:
         cluster.start()
-        api = cluster.services[-1].url
-        print(f"llmplatform serve: OpenAI API at {api}/v1  (Ctrl-C stops everything)", flush=True)
+        urls = {service.name: service.url for service in cluster.services}
+        print(f"llmplatform serve: OpenAI API at {urls['api']}/v1  (Ctrl-C stops everything)",
+              flush=True)
+        if "webui" in urls:
+            print(f"llmplatform serve: web UI at {urls['webui']}  (open it in a browser)",
+                  flush=True)
+        metrics = " ".join(f"{service.url}/metrics" for service in cluster.services
+                           if "llmplatform.webui" not in service.argv)  # the UI has none
+        print(f"llmplatform serve: Prometheus metrics at {metrics}", flush=True)
         code = cluster.wait()
     except KeyboardInterrupt:
         print("llmplatform serve: stopping", file=sys.stderr, flush=True)

@@ -1,16 +1,25 @@
-"""Run an ASGI app on a real uvicorn server in a background thread (tests, embedded use).
+"""Running an ASGI app on a real uvicorn server: as a service's main loop, or in a thread.
 
-Tests talk to real servers on ephemeral ports (house style), and several services sometimes
-share one process (e.g. `llmplatform serve`); this is the one place that knows how to start such
-a server, learn its port, and stop it without leaking threads or sockets.
+`run_server` is how every service's `__main__` serves: SIGTERM or SIGINT starts a graceful
+shutdown (stop accepting, let in-flight requests finish for up to `shutdown_timeout` seconds,
+cancel what is left, run the app's lifespan shutdown, exit); an `on_drain` hook runs on the event
+loop the moment the signal arrives, before in-flight requests finish (a worker deregisters from
+its controller there, so no new work is routed to it while it drains).
+
+`serve_in_thread` serves tests and embedded use: real servers on ephemeral ports (house style);
+this is the one place that knows how to start such a server, learn its port, and stop it without
+leaking threads or sockets.
 """
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -21,6 +30,70 @@ GRACEFUL_SHUTDOWN_S = 3.0
 """How long open connections (e.g. a hung stream) may delay shutdown before being cancelled."""
 JOIN_TIMEOUT_S = 10.0
 """How long to wait for the server thread after asking it to exit, before forcing it."""
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+"""Services' default `--shutdown-timeout`: how long in-flight requests may run after SIGTERM
+(Kubernetes' default grace period is 30 s too, after which it sends SIGKILL)."""
+
+DrainHook = Callable[[], Awaitable[None]]
+
+
+class _DrainingServer(uvicorn.Server):
+    """A uvicorn server that also runs `on_drain` on its loop when the first exit signal arrives.
+
+    uvicorn itself only notices the signal on its next tick (every 0.1 s) and then stops
+    listening and waits for in-flight requests; the app's lifespan shutdown runs only after
+    that. A hook that must run *before* the wait (deregistering, failing health checks) goes
+    here.
+    """
+
+    def __init__(self, config: uvicorn.Config, on_drain: DrainHook | None) -> None:
+        super().__init__(config)
+        self._on_drain = on_drain
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler: it may interrupt the loop anywhere, so only hand the hook over.
+        if self._on_drain is not None and self._loop is not None and not self.should_exit:
+            self._loop.call_soon_threadsafe(self._start_drain)
+        super().handle_exit(sig, frame)
+
+    def _start_drain(self) -> None:
+        if self._drain_task is None and self._on_drain is not None:
+            self._drain_task = asyncio.get_running_loop().create_task(self._on_drain(), name="drain")
+
+
+def run_server(
+    app: Any,
+    *,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    on_drain: DrainHook | None = None,
+) -> None:
+    """Serve `app` until SIGTERM/SIGINT, then shut down gracefully (see the module doc).
+
+    After a signal-initiated shutdown uvicorn re-raises the signal with its default handler,
+    so a parent sees the process end by SIGTERM (exit status -15), as for any service stopped
+    that way. Exits with status 3 if the server cannot start (bind or lifespan failure).
+    """
+    if not shutdown_timeout > 0:
+        raise ValueError(f"shutdown_timeout must be > 0 seconds, got {shutdown_timeout}")
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=shutdown_timeout,
+        # The service configured logging (utils.logs.configure_logging): uvicorn's records go to
+        # that handler, in that format (text or JSON), instead of uvicorn's own.
+        log_config=None,
+    )
+    server = _DrainingServer(config, on_drain)
+    server.run()
+    if not server.started:
+        sys.exit(3)  # uvicorn's own STARTUP_FAILURE status
 
 
 def _url_host(host: str) -> str:
@@ -38,8 +111,9 @@ def _stop(server: uvicorn.Server, thread: threading.Thread) -> None:
 
 
 @contextmanager
-def serve_in_thread(app: Any, host: str = "127.0.0.1") -> Iterator[str]:
-    """Serve `app` on `host` at a free port the OS picks; yield the base URL (http://HOST:PORT).
+def serve_in_thread(app: Any, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """Serve `app` on `host` at `port` (0: a free port the OS picks); yield the base URL
+    (http://HOST:PORT). A fixed port lets a test restart a service at the same address.
 
     The app's lifespan runs (startup before the URL is yielded, shutdown on exit). Raises
     RuntimeError if the server cannot start (bind failure, failing lifespan startup) or does
@@ -49,7 +123,7 @@ def serve_in_thread(app: Any, host: str = "127.0.0.1") -> Iterator[str]:
     config = uvicorn.Config(
         app,
         host=host,
-        port=0,
+        port=port,
         log_level="warning",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )

@@ -1,0 +1,356 @@
+"""Online serving benchmark: streaming requests at fixed concurrencies or a Poisson request rate.
+
+Drive any OpenAI-compatible server that is already running:
+
+    python benchmarks/serve.py --base-url http://127.0.0.1:8000/v1 --model NAME [--concurrency 1,8,32,64]
+
+or start, in turn, each system this project compares, on the same model (the packaged default,
+SmolLM2-135M-Instruct, bfloat16, CPU), and run the same workload against each:
+
+    python benchmarks/serve.py --all                 # = --systems paged,direct,hf,tserve
+
+- ``paged``: ``llmplatform serve`` with one paged-backend worker; requests go through the gateway.
+- ``direct``: the same cluster's worker called directly (``/worker_generate_stream``, FastChat's
+  protocol); the difference to ``paged`` is what the gateway and the controller add per request.
+- ``hf``: ``llmplatform serve`` with one hf-backend worker, through the gateway.
+- ``tserve``: ``transformers serve --continuous-batching`` (transformers' own OpenAI-compatible
+  server) on the same local model directory, offline.
+
+Each system is started, warmed up, run at every level, and stopped before the next starts, so no
+two share the CPU. Workload (``--seed``): at each level its own requests, drawn with
+``random.Random("serve/{seed}/{level}")`` (the same for every system; distinct across levels so no
+level hits a prefix cache filled by an earlier one): per request a prompt length in
+``--prompt-len`` and an output length in ``--output-len``, then random tokens decoded to text.
+Requests are greedy, streaming ``/v1/completions`` with ``max_tokens`` = the output length and EOS
+ignored (``ignore_eos`` for llmplatform and other vLLM-style servers; for ``transformers serve``, a
+``generation_config`` with ``eos_token_id: -1``); every report counts the tokens each server says
+it generated (``usage``) and flags requests that stopped short.
+
+Reported per system and level: requests completed, request throughput, output tokens/s, TTFT,
+ITL and end-to-end latency (p50, p99), and the cores used by the server, this client and other
+processes (on a shared machine, rows with other processes above 0 are slowed down). Then the
+ratios the project targets: output tokens/s at ``--compare-at`` of paged over tserve and over hf,
+and the gateway's added latency at the first level. Written to ``--out-dir`` as markdown, a PNG
+plot and JSON; the last line printed is ``RESULT_JSON {...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from serve_client import Target, allowed_token_ids, make_requests, run_requests, summarize
+from serve_report import compute_ratios, markdown, plot
+from serve_systems import CoresMonitor, ManagedProcess, SystemStartError, start_llmplatform, start_transformers_serve
+
+ALL_SYSTEMS = ("paged", "direct", "hf", "tserve")
+SLOW_SYSTEMS = ("hf", "tserve")  # about 10x slower: fewer requests per level by default
+DEFAULT_TSERVE_ARGS = ("--continuous-batching --device cpu --dtype bfloat16 --attn-implementation sdpa "
+                       "--cb-max-batch-tokens 2048")
+TSERVE_PAGE_SIZE = 256  # transformers CB's default page size (tokens per block)
+WARMUP_OUTPUT_LEN = (8, 16)
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    values = (int(low), int(high or low))
+    if values[0] < 1 or values[1] < values[0]:
+        raise argparse.ArgumentTypeError(f"{text!r}: want LOW:HIGH with 1 <= LOW <= HIGH")
+    return values
+
+
+def parse_list(kind: type) -> Any:
+    def parse(text: str) -> list:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+        if not values or any(v <= 0 for v in values):
+            raise argparse.ArgumentTypeError(f"{text!r}: want a comma list of positive numbers")
+        return values
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    what = parser.add_argument_group("what to benchmark (one of)")
+    what.add_argument("--all", action="store_true", help="start and run every system: paged, direct, hf, tserve")
+    what.add_argument("--systems", default=None, help=f"comma list of systems to start and run ({', '.join(ALL_SYSTEMS)})")
+    what.add_argument("--base-url", default=None, help="a running server: OpenAI base URL (http://host:port/v1), "
+                      "or a FastChat worker's URL with --api worker")
+    url = parser.add_argument_group("with --base-url")
+    url.add_argument("--model", default=None, help="model name to send (required with --base-url)")
+    url.add_argument("--api", choices=("openai", "worker"), default="openai",
+                     help="openai: /completions; worker: FastChat's /worker_generate_stream")
+    url.add_argument("--extra-body", default=None,
+                     help='JSON merged into every request body (default with --api openai: {"ignore_eos": true})')
+    load = parser.add_argument_group("workload")
+    load.add_argument("--concurrency", type=parse_list(int), default=[1, 8, 32, 64],
+                      help="requests kept in flight, one run per value (default 1,8,32,64)")
+    load.add_argument("--request-rate", type=parse_list(float), default=None,
+                      help="instead of --concurrency: Poisson arrivals at these rates (requests/s), one run each")
+    load.add_argument("--max-concurrency", type=int, default=None, help="with --request-rate: cap on requests in flight")
+    load.add_argument("--num-prompts", type=int, default=None,
+                      help="requests per run (default: per system and level: max(16, 2*concurrency) for paged, "
+                           "direct and --base-url; max(8, concurrency) for hf and tserve; with --request-rate "
+                           "32 and 16)")
+    load.add_argument("--prompt-len", type=parse_range, default=(32, 512), help="prompt tokens LOW:HIGH (32:512)")
+    load.add_argument("--output-len", type=parse_range, default=(32, 192), help="output tokens LOW:HIGH (32:192)")
+    load.add_argument("--seed", type=int, default=0, help="seed of the workload and of the Poisson arrivals (0)")
+    load.add_argument("--warmup-requests", type=int, default=4,
+                      help="untimed requests per system first (prompts from --prompt-len, 8-16 tokens out; 4)")
+    load.add_argument("--tokenizer", default=None, help="tokenizer for the prompts (default: the model's)")
+    systems = parser.add_argument_group("systems started by --all / --systems")
+    systems.add_argument("--model-path", default=None, help="model directory (default: the packaged default model, "
+                         "converted to safetensors in ~/.cache/llmplatform)")
+    systems.add_argument("--dtype", default="bfloat16", help="dtype of every system (default bfloat16)")
+    systems.add_argument("--device", default="cpu", help="device of every system (default cpu)")
+    systems.add_argument("--paged-worker-args", default="",
+                         help="extra flags for the paged worker, one string: --paged-worker-args='--max-num-seqs 32'")
+    systems.add_argument("--hf-worker-args", default="",
+                         help="extra flags for the hf worker, one string: --hf-worker-args='--limit-worker-concurrency 8'")
+    systems.add_argument("--tserve-args", default=DEFAULT_TSERVE_ARGS,
+                         help=f"flags for transformers serve, one string with '=' (--tserve-args='...'; default: "
+                              f"{DEFAULT_TSERVE_ARGS!r}); --cb-num-blocks is added, sized for the largest level's "
+                              "requests all at once, unless given")
+    systems.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for a system to start")
+    report = parser.add_argument_group("report")
+    report.add_argument("--compare-at", type=float, default=32, help="level of the throughput ratios (default 32)")
+    report.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results",
+                        help="where NAME.md, NAME.png and NAME.json go (default benchmarks/results)")
+    report.add_argument("--name", default="serve", help="file name stem of the results (default serve)")
+    report.add_argument("--log-dir", type=Path, default=None,
+                        help="server logs (default: a new directory under /tmp)")
+    report.add_argument("--request-timeout", type=float, default=1800.0, help="seconds per request")
+    report.add_argument("--run-timeout", type=float, default=3600.0, help="seconds per run; the rest fail")
+    return parser
+
+
+def num_prompts_for(system: str, mode: str, value: float, args: argparse.Namespace) -> int:
+    if args.num_prompts is not None:
+        return args.num_prompts
+    slow = system in SLOW_SYSTEMS
+    if mode == "rate":
+        return 16 if slow else 32
+    return max(8, int(value)) if slow else max(16, 2 * int(value))
+
+
+class Bench:
+    """Runs the levels of one system and keeps every result."""
+
+    def __init__(self, args: argparse.Namespace, mode: str, levels: list[float], tokenizer: Any) -> None:
+        self.args, self.mode, self.levels, self.tokenizer = args, mode, levels, tokenizer
+        self.allowed = allowed_token_ids(tokenizer)
+        self.runs: dict[str, dict[float, dict[str, Any]]] = {}
+        self.failures: dict[str, str] = {}
+        self._workloads: dict[float, list] = {}
+
+    def workload(self, value: float, count: int) -> list:
+        have = self._workloads.get(value, [])
+        if len(have) < count:  # drawn request by request: a longer list extends a shorter one
+            have = make_requests(self.tokenizer, self.allowed, count, f"serve/{self.args.seed}/{value:g}",
+                                 self.args.prompt_len, self.args.output_len)
+            self._workloads[value] = have
+        return have[:count]
+
+    def run_system(self, system: str, target: Target, server: ManagedProcess | None,
+                   before_run: Callable[[], None] | None = None) -> None:
+        """Warm-up, then one run per level; ``before_run`` is called before each run."""
+        args = self.args
+        if args.warmup_requests > 0:
+            # Prompts over the whole range (first prefill shapes cost extra in some servers), short outputs.
+            warmup = make_requests(self.tokenizer, self.allowed, args.warmup_requests, f"warmup/{args.seed}",
+                                   args.prompt_len, WARMUP_OUTPUT_LEN)
+            result = asyncio.run(run_requests(target, warmup, concurrency=min(4, len(warmup)),
+                                              request_timeout_s=args.request_timeout))
+            bad = [r.error for r in result.results if not r.ok]
+            if bad:
+                raise RuntimeError(f"warm-up failed: {bad[0]}")
+        self.runs[system] = {}
+        for value in self.levels:
+            requests = self.workload(value, num_prompts_for(system, self.mode, value, args))
+            if before_run is not None:
+                before_run()
+            monitor = CoresMonitor(server)
+            monitor.start()
+            run = asyncio.run(run_requests(
+                target, requests, seed=args.seed,
+                concurrency=int(value) if self.mode == "concurrency" else None,
+                request_rate=value if self.mode == "rate" else None, max_concurrency=args.max_concurrency,
+                request_timeout_s=args.request_timeout, run_timeout_s=args.run_timeout))
+            cores = monitor.stop()
+            summary = summarize(run)
+            per_request = [{"ok": r.ok, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+                            "expected_output_tokens": r.expected_output_tokens, "start": round(r.start_s, 4),
+                            "ttft": None if r.ttft_s is None else round(r.ttft_s, 5), "e2e": round(r.e2e_s, 5)}
+                           for r in run.results]
+            self.runs[system][value] = {"summary": summary, "cores": cores, "requests": per_request}
+            log(f"{system} @ {value:g}: {summary['num_completed']}/{summary['num_requests']} ok, "
+                f"{summary['output_throughput']:.1f} output tok/s, TTFT p50 {summary['ttft_ms_p50']} ms, "
+                f"ITL p50 {summary['itl_ms_p50']} ms, E2E p50 {summary['e2e_ms_p50']} ms, cores {cores}")
+
+
+def tserve_args(args: argparse.Namespace, levels: list[float], mode: str) -> str:
+    """transformers serve's flags, with a KV cache for the largest level's requests all at once
+    (no preemption, as our default 2 GiB cache allows) unless the flags size it already."""
+    if "--cb-num-blocks" in args.tserve_args:
+        return args.tserve_args
+    in_flight = int(max(levels)) if mode == "concurrency" else (args.max_concurrency or 64)
+    pages_per_request = -(-(args.prompt_len[1] + args.output_len[1]) // TSERVE_PAGE_SIZE)
+    return f"{args.tserve_args} --cb-num-blocks {in_flight * pages_per_request + 8}"
+
+
+def run_all(bench: Bench, systems: list[str], model_path: str, model_name: str, log_dir: Path) -> None:
+    args = bench.args
+    common = f"--dtype {args.dtype} --device {args.device}"
+    for backend, group in (("paged", [s for s in ("paged", "direct") if s in systems]),
+                           ("hf", [s for s in ("hf",) if s in systems])):
+        if not group:
+            continue
+        worker_args = f"--backend {backend} {common} " + (args.paged_worker_args if backend == "paged"
+                                                           else args.hf_worker_args)
+        log(f"starting llmplatform ({backend} backend): worker flags {worker_args.strip()!r}")
+        try:
+            cluster = start_llmplatform(model_path, model_name, worker_args, log_dir / f"llmplatform-{backend}.log",
+                                        args.startup_timeout)
+        except SystemStartError as exc:
+            for system in group:
+                bench.failures[system] = str(exc)
+            log(f"llmplatform ({backend}) did not start: {exc}")
+            continue
+
+        def reset_prefix_cache(worker_url: str = cluster.worker_url) -> None:
+            # paged and direct send the same prompts to the same worker: each run starts cold.
+            response = httpx.post(f"{worker_url}/reset_prefix_cache", timeout=60.0, trust_env=False)
+            response.raise_for_status()
+
+        try:
+            for system in group:
+                target = (Target(cluster.worker_url, model_name, "worker") if system == "direct" else
+                          Target(cluster.gateway_url, model_name, "openai", {"ignore_eos": True}))
+                _guarded(bench, system, target, cluster.process, reset_prefix_cache)
+        finally:
+            cluster.stop()
+    if "tserve" in systems:
+        flags = tserve_args(args, bench.levels, bench.mode)
+        log(f"starting transformers serve {model_path} {flags}")
+        try:
+            server = start_transformers_serve(model_path, flags, log_dir / "transformers-serve.log",
+                                              args.startup_timeout)
+        except SystemStartError as exc:
+            bench.failures["tserve"] = str(exc)
+            log(f"transformers serve did not start: {exc}")
+            return
+        try:
+            # transformers serve rejects unknown body fields (HTTP 422), so no ignore_eos; its
+            # per-request generation_config replaces the model's, and eos -1 matches no token.
+            generation = {"do_sample": False, "eos_token_id": -1,
+                          "pad_token_id": bench.tokenizer.pad_token_id or 0}
+            target = Target(server.base_url, model_path, "openai", {"generation_config": json.dumps(generation)})
+            _guarded(bench, "tserve", target, server.process)
+        finally:
+            server.stop()
+
+
+def _guarded(bench: Bench, system: str, target: Target, server: ManagedProcess,
+             before_run: Callable[[], None] | None = None) -> None:
+    """One system failing (a crash, a refused flag) must not lose the others' numbers."""
+    log(f"{system}: running {target.url}")
+    try:
+        bench.run_system(system, target, server, before_run)
+    except Exception as exc:
+        bench.failures[system] = f"{type(exc).__name__}: {exc}" + (
+            f" (server log {server.log_path}:\n{server.log_tail()})" if server.proc.poll() is not None else "")
+        bench.runs.pop(system, None)
+        log(f"{system}: FAILED {bench.failures[system]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if sum(bool(x) for x in (args.all, args.systems, args.base_url)) != 1:
+        parser.error("give exactly one of --all, --systems, --base-url")
+    if args.base_url and not args.model:
+        parser.error("--base-url needs --model")
+    systems = list(ALL_SYSTEMS) if args.all else (
+        [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else [])
+    unknown = set(systems) - set(ALL_SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(ALL_SYSTEMS)}")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        parser.error("--num-prompts must be at least 1")
+    mode = "rate" if args.request_rate else "concurrency"
+    levels = sorted(set(args.request_rate or args.concurrency))
+
+    from transformers import AutoTokenizer
+
+    model_path, model_name = args.model_path, args.model
+    if not args.base_url:
+        from llmplatform.llm.resolve import resolve_model
+
+        resolved = resolve_model(args.model_path)
+        model_path, model_name = str(resolved.path), resolved.name
+    if args.tokenizer is None and model_path is None:
+        from llmplatform.llm.resolve import resolve_model
+
+        args.tokenizer = str(resolve_model(None).path)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_path)
+    log_dir = args.log_dir or Path(f"/tmp/serve-bench-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    meta: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": shlex.join(["python", *sys.argv]),
+        "model": model_name, "model_path": model_path, "dtype": args.dtype, "device": args.device,
+        "cpu_count": os.cpu_count(), "mode": mode, "levels": levels, "seed": args.seed,
+        "prompt_len": list(args.prompt_len), "output_len": list(args.output_len),
+        "loadavg_before": " ".join(f"{x:.2f}" for x in os.getloadavg()), "log_dir": str(log_dir),
+    }
+    bench = Bench(args, mode, levels, tokenizer)
+    started = time.perf_counter()
+    if args.base_url:
+        extra = json.loads(args.extra_body) if args.extra_body else (
+            {"ignore_eos": True} if args.api == "openai" else {})
+        bench.run_system("url", Target(args.base_url.rstrip("/"), args.model, args.api, extra), None)
+    else:
+        log(f"systems {systems}, {mode} {levels}, logs in {log_dir}")
+        run_all(bench, systems, model_path, model_name, log_dir)
+    meta["loadavg_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    meta["duration_s"] = round(time.perf_counter() - started, 1)
+
+    compare_at = args.compare_at if args.compare_at in levels else levels[-1]
+    ratios = compute_ratios(bench.runs, mode, compare_at, levels[0])
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    plot_path = args.out_dir / f"{args.name}.png"
+    plot_name: str | None = plot_path.name
+    try:
+        plot(bench.runs, mode, plot_path)
+    except Exception as exc:  # the numbers matter more than the picture
+        log(f"plot failed: {type(exc).__name__}: {exc}")
+        plot_name = None
+    report = markdown(meta, bench.runs, bench.failures, ratios, plot_name)
+    (args.out_dir / f"{args.name}.md").write_text(report)
+    result = {"meta": meta, "ratios": ratios, "failures": bench.failures,
+              "runs": {system: {f"{value:g}": run for value, run in levels_.items()}
+                       for system, levels_ in bench.runs.items()}}
+    (args.out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    print(report)
+    log(f"done in {meta['duration_s']:.0f} s; results in {args.out_dir}/{args.name}.{{md,png,json}}")
+    summary = {"meta": meta, "ratios": ratios, "failures": bench.failures,
+               "summaries": {system: {f"{value:g}": run["summary"] for value, run in levels_.items()}
+                             for system, levels_ in bench.runs.items()}}
+    print("RESULT_JSON " + json.dumps(summary, sort_keys=True))
+    return 0 if not bench.failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

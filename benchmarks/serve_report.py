@@ -1,0 +1,172 @@
+"""The serving benchmark's report: the markdown table, the ratios against the targets, the plot."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+LABELS = {
+    "paged": "llmplatform, paged backend, through the gateway",
+    "direct": "llmplatform paged worker, called directly",
+    "hf": "llmplatform, hf backend, through the gateway",
+    "tserve": "transformers serve --continuous-batching",
+    "url": "the given server",
+}
+TARGET_OVER_TSERVE = 1.5
+TARGET_OVER_HF = 8.0
+TARGET_GATEWAY_MS = 2.0
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def level_name(mode: str, value: float) -> str:
+    return f"{value:g}" if mode == "concurrency" else f"{value:g}/s"
+
+
+def compute_ratios(runs: dict[str, dict[float, dict[str, Any]]], mode: str, compare_at: float,
+                   gateway_at: float) -> dict[str, Any]:
+    """The issue's three numbers: output tokens/s of ours (paged, through the gateway) over
+    transformers serve and over our HF backend at ``compare_at``, and what the gateway and the
+    controller add per request at ``gateway_at`` (paged through the gateway minus the same
+    worker called directly, same requests in the same order)."""
+    ratios: dict[str, Any] = {"mode": mode, "compare_at": compare_at, "gateway_at": gateway_at}
+    paged = runs.get("paged", {}).get(compare_at)
+    for other, key, target in (("tserve", "paged_over_tserve", TARGET_OVER_TSERVE),
+                               ("hf", "paged_over_hf", TARGET_OVER_HF)):
+        base = runs.get(other, {}).get(compare_at)
+        if paged and base and base["summary"]["output_throughput"] > 0:
+            value = paged["summary"]["output_throughput"] / base["summary"]["output_throughput"]
+            ratios[key] = {"value": round(value, 3), "target": target, "met": value >= target}
+    via, direct = runs.get("paged", {}).get(gateway_at), runs.get("direct", {}).get(gateway_at)
+    if via and direct:
+        gateway: dict[str, Any] = {"target_ms": TARGET_GATEWAY_MS}
+        for metric in ("ttft", "e2e"):
+            a, b = via["summary"][f"{metric}_ms_p50"], direct["summary"][f"{metric}_ms_p50"]
+            gateway[f"{metric}_p50_diff_ms"] = round(a - b, 2) if a is not None and b is not None else None
+            # Paired: the same request through both paths (request i is the same in both runs).
+            pairs = [(x[metric], y[metric]) for x, y in zip(via["requests"], direct["requests"])
+                     if x["ok"] and y["ok"] and x[metric] is not None and y[metric] is not None]
+            gateway[f"{metric}_paired_median_diff_ms"] = (
+                round(statistics.median((x - y) * 1e3 for x, y in pairs), 2) if pairs else None)
+        added = gateway["ttft_p50_diff_ms"]
+        gateway["met"] = added is not None and added <= TARGET_GATEWAY_MS
+        ratios["gateway_added_latency"] = gateway
+    return ratios
+
+
+def markdown(meta: dict[str, Any], runs: dict[str, dict[float, dict[str, Any]]], failures: dict[str, str],
+             ratios: dict[str, Any], plot_name: str | None) -> str:
+    mode = meta["mode"]
+    column = "concurrency" if mode == "concurrency" else "request rate"
+    lines = [
+        f"# Serving benchmark ({meta['started']})",
+        "",
+        f"Model {meta['model']} ({meta['dtype']}, {meta['device']}); {meta['cpu_count']} CPUs; "
+        f"prompts {meta['prompt_len'][0]}-{meta['prompt_len'][1]} tokens, outputs "
+        f"{meta['output_len'][0]}-{meta['output_len'][1]} tokens (EOS ignored), seed {meta['seed']}; "
+        f"streaming `/v1/completions` (the direct worker: `/worker_generate_stream`). Load average "
+        f"before {meta['loadavg_before']}, after {meta['loadavg_after']}.",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"| system | {column} | requests ok/sent | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms "
+        "| ITL p50 ms | ITL p99 ms | E2E p50 ms | E2E p99 ms | cores: server / client / other |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    notes: list[str] = []
+    for system, levels in runs.items():
+        for value, run in levels.items():
+            s, cores = run["summary"], run["cores"]
+            lines.append(
+                f"| {system} | {level_name(mode, value)} | {s['num_completed']}/{s['num_requests']} "
+                f"| {_fmt(s['request_throughput'], 3)} | {_fmt(s['output_throughput'])} "
+                f"| {_fmt(s['ttft_ms_p50'])} | {_fmt(s['ttft_ms_p99'])} | {_fmt(s['itl_ms_p50'])} "
+                f"| {_fmt(s['itl_ms_p99'])} | {_fmt(s['e2e_ms_p50'], 0)} | {_fmt(s['e2e_ms_p99'], 0)} "
+                f"| {cores['server_cores']:.2f} / {cores['client_cores']:.2f} / {cores['other_cores']:.2f} |")
+            if s["num_short"]:
+                notes.append(f"{system} at {level_name(mode, value)}: {s['num_short']} requests stopped before "
+                             f"their max_tokens ({s['output_tokens']} of {s['expected_output_tokens']} tokens)")
+            if s["tokens_counted_from"] not in (None, "usage"):
+                notes.append(f"{system} at {level_name(mode, value)}: output tokens counted from "
+                             f"{s['tokens_counted_from']} (no usage in the stream)")
+            if s["errors"]:
+                notes.append(f"{system} at {level_name(mode, value)}: {s['num_failed']} failed: "
+                             + "; ".join(s["errors"]))
+    lines.append("")
+    lines += ["Systems: " + "; ".join(f"`{name}`: {LABELS.get(name, name)}" for name in
+                                      dict.fromkeys([*runs, *failures])), ""]
+    lines += _ratio_lines(ratios)
+    if failures:
+        lines += ["", "Did not run:"] + [f"- `{name}`: {reason}" for name, reason in failures.items()]
+    if notes:
+        lines += ["", "Notes:"] + [f"- {note}" for note in notes]
+    if plot_name:
+        lines += ["", f"![serving benchmark]({plot_name})"]
+    return "\n".join(lines) + "\n"
+
+
+def _ratio_lines(ratios: dict[str, Any]) -> list[str]:
+    at = level_name(ratios["mode"], ratios["compare_at"])
+    lines = []
+    for key, what in (("paged_over_tserve", "transformers serve"), ("paged_over_hf", "our hf backend")):
+        r = ratios.get(key)
+        if r:
+            lines.append(f"- Output tokens/s at {at}, paged over {what}: **{r['value']:.2f}x** "
+                         f"(target >= {r['target']:g}x: {'met' if r['met'] else 'missed'})")
+    g = ratios.get("gateway_added_latency")
+    if g:
+        at_g = level_name(ratios["mode"], ratios["gateway_at"])
+        lines.append(
+            f"- Gateway + controller added latency at {at_g} (through the gateway minus the worker "
+            f"directly): TTFT p50 **{_fmt(g['ttft_p50_diff_ms'], 2)} ms** (target <= {g['target_ms']:g} ms: "
+            f"{'met' if g['met'] else 'missed'}); E2E p50 {_fmt(g['e2e_p50_diff_ms'], 2)} ms; per request "
+            f"(median of paired differences): TTFT {_fmt(g['ttft_paired_median_diff_ms'], 2)} ms, "
+            f"E2E {_fmt(g['e2e_paired_median_diff_ms'], 2)} ms")
+    return lines
+
+
+def plot(runs: dict[str, dict[float, dict[str, Any]]], mode: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator, ScalarFormatter
+
+    panels = (("output_throughput", None, "output tokens/s"), ("ttft_ms", "log", "TTFT ms (p50 solid, p99 dotted)"),
+              ("itl_ms", None, "ITL ms (p50 solid, p99 dotted)"), ("e2e_ms", None, "E2E latency ms (p50, p99)"))
+    all_levels = sorted({x for by_level in runs.values() for x in by_level})
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    for ax, (metric, yscale, title) in zip(axes.flat, panels):
+        for system, levels in runs.items():
+            xs = list(levels)
+
+            def ys(key: str) -> list[float]:  # a run without samples has None: a gap, not a crash
+                values = [levels[x]["summary"][key] for x in xs]
+                return [float("nan") if v is None else v for v in values]
+
+            if metric == "output_throughput":
+                ax.plot(xs, ys(metric), marker="o", label=system)
+                continue
+            line, = ax.plot(xs, ys(f"{metric}_p50"), marker="o", label=system)
+            ax.plot(xs, ys(f"{metric}_p99"), linestyle=":", color=line.get_color())
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("concurrency" if mode == "concurrency" else "request rate (req/s)")
+        if mode == "concurrency":
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(all_levels, [f"{x:g}" for x in all_levels])
+            ax.xaxis.set_minor_locator(NullLocator())
+        if yscale:
+            ax.set_yscale(yscale)
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.grid(True, alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

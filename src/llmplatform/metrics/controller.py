@@ -1,0 +1,45 @@
+"""The controller's metrics: live workers per model (read from the registry at scrape time, so
+an expired worker disappears from the gauge the moment it stops counting as live), and counters
+of registrations and of workers dropped for silence."""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from llmplatform.metrics.common import PREFIX, new_registry
+
+if TYPE_CHECKING:
+    from llmplatform.controller.registry import WorkerRegistry
+
+
+class _WorkersCollector(Collector):
+    def __init__(self, workers: WorkerRegistry) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        per_model: Tally[str] = Tally()
+        for worker in self._workers.live_workers():
+            per_model.update(set(worker.model_names))
+        family = GaugeMetricFamily(PREFIX + "controller_workers",
+                                   "Live workers serving each model.", labels=["model_name"])
+        for model, count in sorted(per_model.items()):
+            family.add_metric([model], count)
+        yield family
+
+
+class ControllerMetrics:
+    def __init__(self, workers: WorkerRegistry, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or new_registry()
+        self.registrations = Counter(PREFIX + "controller_registrations",
+                                     "Worker registrations accepted (re-registrations included).",
+                                     registry=self.registry)
+        self.expiries = Counter(PREFIX + "controller_worker_expiries",
+                                "Workers dropped for missing heartbeats or failing a status poll.",
+                                registry=self.registry)
+        self.registry.register(_WorkersCollector(workers))

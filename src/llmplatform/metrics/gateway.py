@@ -1,0 +1,77 @@
+"""The gateway's metrics and its one log line per request.
+
+``llmplatform:gateway_requests_total{route,model,status}`` counts every HTTP request by the route
+template it matched (``/v1/chat/completions``, ``/v1/models/{model:path}``; ``unmatched`` for
+unknown paths, so random URLs cannot grow the label set), the model it was for (set by a handler
+through :func:`note_model` once the model is known to exist: an unknown name never becomes a
+label) and the HTTP status. ``llmplatform:gateway_request_duration_seconds{route,model}`` times
+the whole exchange, to the last byte of a stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from fastapi import Request
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from llmplatform.metrics.common import PREFIX, REQUEST_BUCKETS, new_registry
+
+logger = logging.getLogger("llmplatform.openai_api.access")
+
+_MODEL_KEY = "metrics_model"
+
+
+def note_model(request: Request, model: str) -> None:
+    """Label this request's metrics with ``model`` (call once the model is known to be served)."""
+    request.scope.setdefault("state", {})[_MODEL_KEY] = model
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or new_registry()
+        self.requests = Counter(PREFIX + "gateway_requests", "HTTP requests answered, by route, "
+                                "model and status.", ["route", "model", "status"],
+                                registry=self.registry)
+        self.duration = Histogram(PREFIX + "gateway_request_duration_seconds",
+                                  "From a request's arrival to the last byte of its response.",
+                                  ["route", "model"], buckets=REQUEST_BUCKETS,
+                                  registry=self.registry)
+
+
+class GatewayMetricsMiddleware:
+    """Counts and times every HTTP exchange and logs one line when it ends."""
+
+    def __init__(self, app: ASGIApp, *, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.monotonic()
+        status = 500  # if the app raises before answering, the server answers 500
+
+        async def send_and_watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        finally:
+            self._record(scope, status, time.monotonic() - started)
+
+    def _record(self, scope: Scope, status: int, duration: float) -> None:
+        route = getattr(scope.get("route"), "path", None) or "unmatched"
+        model = scope.get("state", {}).get(_MODEL_KEY, "")
+        self.metrics.requests.labels(route, model, str(status)).inc()
+        self.metrics.duration.labels(route, model).observe(duration)
+        if route in ("/health", "/metrics"):
+            return  # polled every few seconds: not news
+        logger.info("%s %s -> %d in %.3fs%s", scope.get("method", ""), scope.get("path", ""),
+                    status, duration, f" model={model}" if model else "")

@@ -1,0 +1,211 @@
+"""A model worker's metrics, named after vLLM's where vLLM has one (``vllm:`` -> ``llmplatform:``).
+
+Two sources:
+
+* **Load, read at scrape time** (:class:`_LoadCollector`): running and waiting requests, KV-cache
+  usage, and the counters the engine keeps itself (prefix-cache queries and hits, preemptions).
+  Read when scraped, they are never stale and need no bookkeeping on the hot path.
+* **Per-request timings, observed by the worker** (:class:`RequestObserver`): time to first
+  token, inter-token latency, end-to-end latency, queue time, token counters and finished
+  requests by reason. The worker sees every backend's chunks the same way, so these mean the same
+  for ``paged`` and ``hf``.
+
+A backend without a paged KV cache (``hf``) reports no KV usage, prefix cache or preemptions; those
+series are then absent rather than 0, so a dashboard never shows an idle cache that does not exist.
+Every series is labelled ``model_name`` (the worker's first model name).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from llmplatform.llm.base import GenerateChunk, LoadStats
+from llmplatform.metrics.common import (INTER_TOKEN_BUCKETS, PREFIX, REQUEST_BUCKETS, TTFT_BUCKETS,
+                                        new_registry)
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """What the collector reads at scrape time: the backend's load and the worker's own queue."""
+
+    stats: LoadStats
+    num_accepted: int  # requests inside the worker: waiting for a concurrency slot or running
+
+
+class _LoadCollector(Collector):
+    def __init__(self, model_name: str, read: Callable[[], WorkerLoad]) -> None:
+        self._model_name = model_name
+        self._read = read
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([self._model_name], value)
+        return family
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([self._model_name], value)
+        return family
+
+    def collect(self) -> Iterator[Metric]:
+        load = self._read()
+        stats = load.stats
+        # Requests held in the worker's own queue (past its concurrency limit) wait too.
+        waiting = max(stats.num_waiting, load.num_accepted - stats.num_running)
+        yield self._gauge("num_requests_running", "Requests being computed by the backend.",
+                          stats.num_running)
+        yield self._gauge("num_requests_waiting", "Requests accepted but not yet running.",
+                          waiting)
+        if stats.kv_cache_usage is not None:
+            yield self._gauge("kv_cache_usage_perc",
+                              "Fraction of KV-cache blocks in use (1 = full).",
+                              stats.kv_cache_usage)
+        if stats.prefix_cache_queries is not None:
+            yield self._counter("prefix_cache_queries",
+                                "Prompt tokens looked up in the prefix cache.",
+                                stats.prefix_cache_queries)
+        if stats.prefix_cache_hits is not None:
+            yield self._counter("prefix_cache_hits",
+                                "Prompt tokens found in the prefix cache.",
+                                stats.prefix_cache_hits)
+        if stats.num_preemptions is not None:
+            yield self._counter("num_preemptions",
+                                "Sequences preempted (their KV cache freed, recomputed later).",
+                                stats.num_preemptions)
+
+
+class WorkerMetrics:
+    """The worker's registry and the instruments its requests update."""
+
+    def __init__(self, model_name: str, read_load: Callable[[], WorkerLoad],
+                 registry: CollectorRegistry | None = None) -> None:
+        self.model_name = model_name
+        self.registry = registry or new_registry()
+        labels = ["model_name"]
+        r = self.registry
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.",
+                                     labels, registry=r).labels(model_name)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.",
+                                         labels, registry=r).labels(model_name)
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Requests finished, by finished_reason (stop, length, abort, error).",
+            [*labels, "finished_reason"], registry=r)
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "From the worker accepting a request to its first generated token.",
+            labels, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.inter_token_latency = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between two consecutive generated tokens of a request.",
+            labels, buckets=INTER_TOKEN_BUCKETS, registry=r).labels(model_name)
+        self.e2e_request_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "From the worker accepting a request to its last token.",
+            labels, buckets=REQUEST_BUCKETS, registry=r).labels(model_name)
+        self.request_queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "From the worker accepting a request to the backend first scheduling it.",
+            labels, buckets=REQUEST_BUCKETS, registry=r).labels(model_name)
+        r.register(_LoadCollector(model_name, read_load))
+
+    def observe_request(self) -> RequestObserver:
+        """Start timing one request, now (its arrival at the worker)."""
+        return RequestObserver(self)
+
+
+class RequestObserver:
+    """One request's timings. Call :meth:`started` when the backend gets it, :meth:`on_chunk` for
+    every chunk it yields, :meth:`close` once at the end (in ``finally``)."""
+
+    def __init__(self, metrics: WorkerMetrics, clock: Callable[[], float] = time.monotonic) -> None:
+        self._metrics = metrics
+        self._clock = clock
+        self.arrival = clock()
+        self._handed_over: float | None = None
+        self._last_token_time: float | None = None
+        self._num_generated = 0
+        self._num_chunks = 0
+        self._failed = False
+        self.finish_reason: str | None = None
+        self.prompt_tokens = 0
+        self.first_token_latency: float | None = None
+        self.queue_time: float | None = None
+        self.e2e_latency: float | None = None
+
+    def started(self) -> None:
+        """The request passed the worker's concurrency limit and goes to the backend."""
+        self._handed_over = self._clock()
+
+    def on_chunk(self, chunk: GenerateChunk) -> None:
+        now = self._clock()
+        m = self._metrics
+        self._num_chunks += 1
+        if self.queue_time is None and self._handed_over is not None:
+            # The backend's own scheduling time when it reports one (the engine's waiting
+            # queue); otherwise the request ran as soon as the worker let it through.
+            scheduled = chunk.first_scheduled_time or self._handed_over
+            self.queue_time = max(0.0, scheduled - self.arrival)
+            m.request_queue_time.observe(self.queue_time)
+        if not self.prompt_tokens and chunk.usage.prompt_tokens:
+            self.prompt_tokens = chunk.usage.prompt_tokens
+            m.prompt_tokens.inc(self.prompt_tokens)
+        new_tokens = chunk.usage.completion_tokens - self._num_generated
+        if new_tokens > 0:
+            self._num_generated = chunk.usage.completion_tokens
+            m.generation_tokens.inc(new_tokens)
+            if self._last_token_time is None:
+                self.first_token_latency = now - self.arrival
+                m.time_to_first_token.observe(self.first_token_latency)
+                new_tokens -= 1  # the first token has no predecessor
+            # Several tokens in one chunk share the gap since the previous chunk.
+            if new_tokens > 0 and self._last_token_time is not None:
+                gap = (now - self._last_token_time) / new_tokens
+                for _ in range(new_tokens):
+                    m.inter_token_latency.observe(gap)
+            self._last_token_time = now
+        if chunk.finish_reason is not None:
+            self.finish_reason = str(chunk.finish_reason)
+
+    @property
+    def num_generated(self) -> int:
+        return self._num_generated
+
+    def failed(self) -> None:
+        """The backend raised instead of finishing the request."""
+        self._failed = True
+
+    def close(self) -> float | None:
+        """Count the request as finished; returns its end-to-end latency (None: not counted).
+
+        Not counted: a request the backend never got, or one it refused before its first chunk
+        (a prompt that does not fit): neither was served. One that ended without a finish reason
+        and without an error counts as ``abort`` (its client went away).
+        """
+        if self._handed_over is None:
+            return None
+        reason = self.finish_reason
+        if reason is None:
+            if self._failed and self._num_chunks == 0:
+                return None
+            reason = self.finish_reason = "error" if self._failed else "abort"
+        latency = self.e2e_latency = self._clock() - self.arrival
+        self._metrics.request_success.labels(self._metrics.model_name, reason).inc()
+        self._metrics.e2e_request_latency.observe(latency)
+        return latency
+
+    def describe(self) -> str:
+        """The request's numbers for its log line (after :meth:`close`)."""
+
+        def seconds(value: float | None) -> str:
+            return "-" if value is None else f"{value:.3f}s"
+
+        return (f"reason={self.finish_reason} prompt_tokens={self.prompt_tokens} "
+                f"completion_tokens={self._num_generated} queue={seconds(self.queue_time)} "
+                f"ttft={seconds(self.first_token_latency)} e2e={seconds(self.e2e_latency)}")

@@ -1,0 +1,273 @@
+"""The web UI's app factory: a Gradio Blocks page mounted on a FastAPI app.
+
+`create_app(settings) -> FastAPI` builds everything (nothing runs at import time): `GET /health`
+for `llmplatform serve`, and the Gradio page at `/`. Uvicorn runs it like every other service,
+so tests serve it with `serve_in_thread`. Gradio's analytics are off (nothing outside this
+machine may be reached) and it is never shared through Gradio's tunnel; the page serves no files
+from disk except Gradio's own assets (no upload component, uploads refused, no `allowed_paths`),
+and the votes log is explicitly blocked.
+
+The page is wiring only: the handlers live in `chat`, `arena` and `cluster`, free of Gradio.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+# Before Gradio is imported: it reads this at import time (version checks, telemetry).
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import gradio as gr  # noqa: E402
+import pandas as pd  # noqa: E402  (a Gradio dependency; Dataframe values)
+from fastapi import FastAPI  # noqa: E402
+
+from llmplatform.webui.arena import VOTES, ArenaHandlers, VoteLog  # noqa: E402
+from llmplatform.webui.chat import ChatHandlers  # noqa: E402
+from llmplatform.webui.cluster import COLUMNS, ClusterView  # noqa: E402
+from llmplatform.webui.gateway import GatewayClient  # noqa: E402
+from llmplatform.webui.messages import drop_last_answer, last_exchange  # noqa: E402
+from llmplatform.webui.settings import WebUISettings  # noqa: E402
+
+TITLE = "llmplatform"
+
+
+class Handlers:
+    """Everything the page calls, built from the settings (tests build their own)."""
+
+    def __init__(self, settings: WebUISettings) -> None:
+        self.settings = settings
+        self.client = GatewayClient(settings)
+        self.chat = ChatHandlers(self.client)
+        self.arena = ArenaHandlers(self.client, VoteLog(settings.votes_path))
+        self.cluster = ClusterView(settings)
+
+    async def close(self) -> None:
+        await self.client.close()
+        await self.cluster.close()
+
+
+def _pick(models: list[str], current: str | None, fallback_index: int = 0) -> str | None:
+    if current in models:
+        return current
+    if not models:
+        return None
+    return models[min(fallback_index, len(models) - 1)]
+
+
+def _model_dropdown(label: str, elem_id: str) -> gr.Dropdown:
+    # Choices arrive per page load from /v1/models. A custom value is allowed so that a model the
+    # list has not caught up with can still be typed in (the gateway judges it, and any error
+    # shows in the chat), and so API callers, who never load the list, can name one.
+    return gr.Dropdown(label=label, choices=[], allow_custom_value=True, elem_id=elem_id)
+
+
+def _sampling_controls(
+    settings: WebUISettings, prefix: str
+) -> tuple[gr.Slider, gr.Slider, gr.Slider]:
+    with gr.Accordion("Parameters", open=False):
+        temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="Temperature",
+                                elem_id=f"{prefix}-temperature")
+        top_p = gr.Slider(0.0, 1.0, value=1.0, step=0.05, label="Top p", elem_id=f"{prefix}-top-p")
+        max_tokens = gr.Slider(1, settings.max_tokens_limit, value=settings.default_max_tokens,
+                               step=1, label="Max new tokens", elem_id=f"{prefix}-max-tokens")
+    return temperature, top_p, max_tokens
+
+
+def build_blocks(handlers: Handlers) -> gr.Blocks:
+    settings = handlers.settings
+    chat, arena, cluster = handlers.chat, handlers.arena, handlers.cluster
+
+    with gr.Blocks(title=TITLE, analytics_enabled=False) as demo:
+        gr.Markdown(f"## {TITLE}  \nChat with the models served by the gateway at "
+                    f"`{settings.api_base}`.")
+        with gr.Row():
+            refresh_models = gr.Button("Refresh models", size="sm", scale=0,
+                                       elem_id="refresh-models")
+            models_status = gr.Markdown(elem_id="models-status")
+
+        # ---- Chat -------------------------------------------------------------------------------
+        with gr.Tab("Chat", id="chat", elem_id="tab-chat") as chat_tab:
+            chat_model = _model_dropdown("Model", "chat-model")
+            system_prompt = gr.Textbox(label="System prompt (optional)", lines=1,
+                                       elem_id="chat-system")
+            chatbot = gr.Chatbot(label="Chat", height=420, elem_id="chat-chatbot",
+                                 buttons=["copy"])
+            with gr.Row():
+                chat_input = gr.Textbox(show_label=False, scale=8, elem_id="chat-input",
+                                        placeholder="Type a message and press Enter")
+                chat_send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
+            with gr.Row():
+                chat_stop = gr.Button("Stop", variant="stop", elem_id="chat-stop")
+                chat_regenerate = gr.Button("Regenerate", elem_id="chat-regenerate")
+                chat_clear = gr.Button("Clear", elem_id="chat-clear")
+            chat_temperature, chat_top_p, chat_max_tokens = _sampling_controls(settings, "chat")
+
+        # ---- Arena ------------------------------------------------------------------------------
+        with gr.Tab("Arena", id="arena", elem_id="tab-arena") as arena_tab:
+            gr.Markdown("Two models answer the same prompt side by side. Vote for the better one; "
+                        f"votes are logged to `{settings.votes_path}`.")
+            with gr.Row():
+                arena_model_a = _model_dropdown("Model A", "arena-model-a")
+                arena_model_b = _model_dropdown("Model B", "arena-model-b")
+            with gr.Row():
+                chatbot_a = gr.Chatbot(label="Model A", height=360, elem_id="arena-chatbot-a")
+                chatbot_b = gr.Chatbot(label="Model B", height=360, elem_id="arena-chatbot-b")
+            with gr.Row():
+                vote_buttons = {
+                    kind: gr.Button(label, interactive=False, elem_id=f"vote-{kind}")
+                    for kind, label in VOTES.items()
+                }
+            vote_status = gr.Markdown(elem_id="arena-vote-status")
+            with gr.Row():
+                arena_input = gr.Textbox(show_label=False, scale=8, elem_id="arena-input",
+                                         placeholder="Type a prompt for both models")
+                arena_send = gr.Button("Send", variant="primary", scale=1, elem_id="arena-send")
+            with gr.Row():
+                arena_stop = gr.Button("Stop", variant="stop", elem_id="arena-stop")
+                arena_regenerate = gr.Button("Regenerate", elem_id="arena-regenerate")
+                arena_clear = gr.Button("Clear", elem_id="arena-clear")
+            arena_temperature, arena_top_p, arena_max_tokens = _sampling_controls(settings, "arena")
+
+        # ---- Cluster ----------------------------------------------------------------------------
+        with gr.Tab("Cluster", id="cluster", elem_id="tab-cluster") as cluster_tab:
+            cluster_summary = gr.Markdown(elem_id="cluster-summary")
+            cluster_table = gr.Dataframe(value=pd.DataFrame([], columns=COLUMNS),
+                                         interactive=False, wrap=True, elem_id="cluster-table")
+            cluster_refresh = gr.Button("Refresh now", size="sm", elem_id="cluster-refresh")
+            # Ticks only while the tab is shown: an open page polls the controller for nothing
+            # otherwise.
+            cluster_timer = gr.Timer(settings.cluster_refresh_s, active=False)
+
+        # ---- Events: models ---------------------------------------------------------------------
+        async def update_models(
+            current: str | None, current_a: str | None, current_b: str | None
+        ) -> tuple[Any, Any, Any, str]:
+            models, status = await chat.list_models()
+            return (gr.update(choices=models, value=_pick(models, current)),
+                    gr.update(choices=models, value=_pick(models, current_a)),
+                    gr.update(choices=models, value=_pick(models, current_b, 1)),
+                    status)
+
+        model_io = dict(fn=update_models, inputs=[chat_model, arena_model_a, arena_model_b],
+                        outputs=[chat_model, arena_model_a, arena_model_b, models_status])
+        demo.load(**model_io)
+        refresh_models.click(**model_io)
+
+        # ---- Events: chat -----------------------------------------------------------------------
+        chat_args = [chat_model, system_prompt, chat_temperature, chat_top_p, chat_max_tokens,
+                     chatbot]
+        chat_runs = [
+            trigger(chat.add_user_message, [chat_input, chatbot], [chat_input, chatbot],
+                    queue=False).then(chat.respond, chat_args, chatbot)
+            for trigger in (chat_input.submit, chat_send.click)
+        ]
+        chat_runs.append(chat_regenerate.click(drop_last_answer, chatbot, chatbot, queue=False)
+                         .then(chat.respond, chat_args, chatbot))
+        # Cancelling the generator closes the gateway stream, which aborts the request.
+        chat_stop.click(None, cancels=chat_runs)
+        chat_clear.click(lambda: ([], ""), None, [chatbot, chat_input], queue=False,
+                         cancels=chat_runs)
+
+        # ---- Events: arena ----------------------------------------------------------------------
+        votes_out = list(vote_buttons.values())
+
+        def votes_enabled(history_a: Any, history_b: Any) -> list[Any]:
+            ready = last_exchange(history_a) is not None and last_exchange(history_b) is not None
+            return [gr.update(interactive=ready) for _ in votes_out]
+
+        def votes_disabled() -> list[Any]:
+            return [gr.update(interactive=False) for _ in votes_out]
+
+        def new_answers() -> list[Any]:  # the last vote's line goes; no vote until both answered
+            return [""] + votes_disabled()
+
+        arena_args = [arena_model_a, arena_model_b, arena_temperature, arena_top_p,
+                      arena_max_tokens, chatbot_a, chatbot_b]
+        arena_runs = [
+            trigger(arena.add_user_message, [arena_input, chatbot_a, chatbot_b],
+                    [arena_input, chatbot_a, chatbot_b], queue=False)
+            .then(new_answers, None, [vote_status] + votes_out, queue=False)
+            .then(arena.respond, arena_args, [chatbot_a, chatbot_b])
+            for trigger in (arena_input.submit, arena_send.click)
+        ]
+
+        def drop_both(history_a: Any, history_b: Any) -> tuple[Any, Any]:
+            return drop_last_answer(history_a), drop_last_answer(history_b)
+
+        arena_runs.append(
+            arena_regenerate.click(drop_both, [chatbot_a, chatbot_b], [chatbot_a, chatbot_b],
+                                   queue=False)
+            .then(new_answers, None, [vote_status] + votes_out, queue=False)
+            .then(arena.respond, arena_args, [chatbot_a, chatbot_b]))
+        for run in arena_runs:
+            run.then(votes_enabled, [chatbot_a, chatbot_b], votes_out, queue=False)
+        arena_stop.click(votes_enabled, [chatbot_a, chatbot_b], votes_out, cancels=arena_runs,
+                         queue=False)
+        arena_clear.click(lambda: ([], [], "", ""), None,
+                          [chatbot_a, chatbot_b, arena_input, vote_status], queue=False,
+                          cancels=arena_runs).then(votes_disabled, None, votes_out, queue=False)
+
+        def vote_handler(kind: str) -> Callable[..., Coroutine[Any, Any, list[Any]]]:
+            async def record(model_a: str | None, model_b: str | None, history_a: Any,
+                             history_b: Any) -> list[Any]:
+                status = await arena.vote(kind, model_a, model_b, history_a, history_b)
+                return [status] + votes_disabled()  # one vote per answer pair
+            return record
+
+        for kind, button in vote_buttons.items():
+            button.click(vote_handler(kind), [arena_model_a, arena_model_b, chatbot_a, chatbot_b],
+                         [vote_status] + votes_out)
+
+        # ---- Events: cluster --------------------------------------------------------------------
+        async def update_cluster() -> tuple[str, pd.DataFrame]:
+            snapshot = await cluster.snapshot()
+            return snapshot.summary, pd.DataFrame(snapshot.rows, columns=COLUMNS)
+
+        cluster_io = dict(fn=update_cluster, inputs=None, outputs=[cluster_summary, cluster_table],
+                          show_progress="hidden")
+        cluster_tab.select(lambda: gr.Timer(active=True), None, cluster_timer, queue=False).then(
+            **cluster_io)
+        for other_tab in (chat_tab, arena_tab):
+            other_tab.select(lambda: gr.Timer(active=False), None, cluster_timer, queue=False)
+        cluster_refresh.click(**cluster_io)
+        cluster_timer.tick(**cluster_io)
+    return demo
+
+
+def create_app(settings: WebUISettings, handlers: Handlers | None = None) -> FastAPI:
+    """The web UI as an ASGI app: `GET /health` plus the Gradio page at `/`."""
+    handlers = handlers or Handlers(settings)
+    blocks = build_blocks(handlers)
+    blocks.queue(default_concurrency_limit=settings.concurrency_limit)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await handlers.close()
+
+    app = FastAPI(title="llmplatform web UI", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.handlers = handlers
+    app.state.blocks = blocks
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return gr.mount_gradio_app(
+        app, blocks, path="",
+        footer_links=[],            # no links to the API page or gradio.app
+        allowed_paths=[],           # serve no file from disk beyond Gradio's own assets
+        blocked_paths=[str(settings.log_dir.resolve())],
+        max_file_size=1,            # bytes: Gradio's upload route stays open, but nothing fits
+        show_error=True,            # a handler bug shows its message instead of a blank "Error"
+        ssr_mode=False,             # no Node.js server
+        mcp_server=False,
+        pwa=False,
+        enable_monitoring=False,
+    )

@@ -1,0 +1,104 @@
+"""The Cluster tab: a read-only view of the workers the controller knows.
+
+Reads `GET /list_workers` (ours). A stock FastChat controller has no such route; then the view
+falls back to `POST /list_models` and shows the models without per-worker facts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import httpx
+
+from llmplatform.protocol.controller import (
+    ListModelsResponse,
+    ListWorkersResponse,
+    WorkerDescription,
+)
+from llmplatform.utils.cluster_secret import secret_headers
+from llmplatform.webui.settings import WebUISettings
+
+logger = logging.getLogger("llmplatform.webui")
+
+COLUMNS = [
+    "worker", "models", "backend", "queue length", "running", "waiting", "KV-cache usage",
+    "last heartbeat",
+]
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    rows: list[list[str]]
+    """One row per worker, in COLUMNS order, formatted for display."""
+    summary: str
+    """One Markdown line above the table: counts, or why there is nothing to show."""
+
+
+def _dash(value: object | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def worker_row(worker: WorkerDescription) -> list[str]:
+    usage = "-" if worker.kv_cache_usage is None else f"{worker.kv_cache_usage:.1%}"
+    return [
+        worker.worker_name,
+        ", ".join(worker.model_names),
+        _dash(worker.backend),
+        str(worker.queue_length),
+        _dash(worker.num_running),
+        _dash(worker.num_waiting),
+        usage,
+        f"{worker.last_heartbeat_age_s:.1f} s ago",
+    ]
+
+
+class ClusterView:
+    """Fetches and formats the controller's view; one shared httpx client."""
+
+    def __init__(self, settings: WebUISettings) -> None:
+        self.controller_address = settings.controller_address
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.controller_timeout),
+            headers=secret_headers(settings.cluster_secret),
+        )
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def snapshot(self) -> ClusterSnapshot:
+        if self.controller_address is None:
+            return ClusterSnapshot([], "No controller address configured (`--controller-address`).")
+        base = self.controller_address
+        try:
+            response = await self._client.get(base + "/list_workers")
+            if response.status_code in (404, 405):  # a stock FastChat controller
+                return await self._models_only()
+            response.raise_for_status()
+            workers = ListWorkersResponse.model_validate(response.json()).workers
+        except (httpx.HTTPError, ValueError) as exc:
+            logger.info("cluster view: %s: %s", type(exc).__name__, exc)
+            return ClusterSnapshot([], f"Cannot read the controller at {base}: {_reason(exc)}")
+        models = sorted({name for w in workers for name in w.model_names})
+        summary = (
+            f"**{len(workers)}** live worker(s) at controller {base}; "
+            f"models: {', '.join(models) if models else 'none'}."
+        )
+        return ClusterSnapshot([worker_row(w) for w in workers], summary)
+
+    async def _models_only(self) -> ClusterSnapshot:
+        base = self.controller_address
+        response = await self._client.post(f"{base}/list_models")
+        response.raise_for_status()
+        models = ListModelsResponse.model_validate(response.json()).models
+        return ClusterSnapshot(
+            [],
+            f"The controller at {base} does not list workers (no `/list_workers`); "
+            f"models: {', '.join(models) if models else 'none'}.",
+        )
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, httpx.HTTPStatusError):
+        return f"HTTP {exc.response.status_code}: {exc.response.text[:200]}"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -1,0 +1,435 @@
+"""Bad input at the gateway: each gets OpenAI's error envelope with its status (never a 500), a
+refused request never reaches a worker, and the server keeps serving.
+
+A real controller, a fake worker (validating as the real one does) and the gateway, as uvicorn
+servers on 127.0.0.1. Cases that need a real tokenizer and model are in test_real_model.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.badinput.fake_worker import CONTEXT_LENGTH, MODEL, FakeCluster, assert_envelope, fake_cluster
+
+USER = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[FakeCluster]:
+    with fake_cluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def http(cluster: FakeCluster) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=cluster.gateway, timeout=30) as client:
+        yield client
+
+
+@pytest.fixture(autouse=True)
+def still_serving(http: httpx.Client) -> Iterator[None]:
+    """After every bad request, a good one is still answered."""
+    yield
+    response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": USER, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "alpha beta"
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": USER, **fields}
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "once upon", **fields}
+
+
+def post_refused(cluster: FakeCluster, http: httpx.Client, path: str, status: int, **kwargs: Any) -> dict[str, Any]:
+    """POST that must be refused with `status` before any worker generates."""
+    before = cluster.worker.received()
+    error = assert_envelope(http.post(path, **kwargs), status)
+    assert cluster.worker.received() == before, "a refused request reached the worker"
+    return error
+
+
+# ---- the body itself --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"{not json",
+        b'{"model": "fake-model", "messages": [',
+        b"",
+        b"   ",
+        b"[]",
+        b'"a string"',
+        b"42",
+        b"null",
+        b'[{"model": "fake-model"}]',
+    ],
+    ids=["malformed", "truncated", "empty", "blank", "list", "string", "number", "null", "list-of-objects"],
+)
+def test_malformed_or_non_object_body_is_400(cluster: FakeCluster, http: httpx.Client, path: str, raw: bytes) -> None:
+    error = post_refused(cluster, http, path, 400, content=raw, headers={"Content-Type": "application/json"})
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "application/xml"],
+)
+def test_wrong_content_type_is_400(cluster: FakeCluster, http: httpx.Client, content_type: str) -> None:
+    raw = json.dumps(chat()).encode()  # valid JSON, declared as something else
+    error = post_refused(cluster, http, "/v1/chat/completions", 400, content=raw, headers={"Content-Type": content_type})
+    assert "Content-Type" in error["message"]
+
+
+@pytest.mark.parametrize("content_type", [None, "application/json", "application/json; charset=utf-8", "APPLICATION/JSON"])
+def test_json_content_types_are_accepted(http: httpx.Client, content_type: str | None) -> None:
+    headers = {"Content-Type": content_type} if content_type else {}
+    raw = json.dumps(chat(max_tokens=1)).encode()
+    request = http.build_request("POST", "/v1/chat/completions", content=raw, headers=headers)
+    assert request.headers.get("Content-Type") == content_type  # httpx adds none for raw content
+    assert http.send(request).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "fake-model", "messages": [{"role": "user", "content": "caf\xe9"}]}',  # latin-1
+        b'{"model": "fake-model", "messages": [{"role": "user", "content": "\xc3"}]}',  # half a char
+        b'{"model": "fake-model", "messages": [{"role": "user", "content": "\xed\xa0\x80"}]}',  # CESU
+        b'{"model": "fake-model\xff", "messages": [{"role": "user", "content": "x"}]}',
+    ],
+    ids=["latin1", "truncated", "encoded-surrogate", "in-model"],
+)
+def test_invalid_utf8_is_400(cluster: FakeCluster, http: httpx.Client, raw: bytes) -> None:
+    post_refused(cluster, http, "/v1/chat/completions", 400, content=raw, headers={"Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("escape", ["\\ud800", "\\udfff", "\\ud800x", "\\udc00\\ud800", "\\ud83d"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_lone_surrogate_escapes_are_400(cluster: FakeCluster, http: httpx.Client, escape: str, path: str) -> None:
+    if path == "/v1/completions":
+        raw = '{"model": "fake-model", "prompt": "a %s b"}' % escape
+    else:
+        raw = '{"model": "fake-model", "messages": [{"role": "user", "content": "a %s b"}]}' % escape
+    post_refused(cluster, http, path, 400, content=raw.encode(), headers={"Content-Type": "application/json"})
+
+
+def test_a_valid_surrogate_pair_is_fine(http: httpx.Client) -> None:
+    raw = b'{"model": "fake-model", "max_tokens": 1, "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}'
+    assert http.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}).status_code == 200
+
+
+# ---- fields -------------------------------------------------------------------------------------------
+
+CHAT_CASES: list[tuple[str, dict[str, Any], str | None]] = [
+    # wrong types name the field
+    ("model-number", {"model": 5}, "model"),
+    ("missing-model", {"model": None}, "model"),
+    ("temperature-string", {"temperature": "hot"}, "temperature"),
+    ("n-float", {"n": 1.5}, "n"),
+    ("stream-int", {"stream": 1}, "stream"),
+    ("stop-int", {"stop": 3}, "stop"),
+    ("messages-object", {"messages": {"role": "user"}}, "messages"),
+    ("content-number", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("content-object", {"messages": [{"role": "user", "content": {"text": "x"}}]}, "messages[0].content"),
+    ("content-image", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
+     "messages[0].content[0].type"),
+    ("content-part-no-text", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    ("role-missing", {"messages": [{"content": "x"}]}, "messages[0].role"),
+    ("role-unknown", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ("role-tool", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ("user-without-content", {"messages": [{"role": "user"}]}, "messages[0].content"),
+    ("messages-empty", {"messages": []}, "messages"),
+    # ranges
+    ("max-tokens-0", {"max_tokens": 0}, "max_tokens"),
+    ("max-tokens-negative", {"max_tokens": -5}, "max_tokens"),
+    ("max-completion-tokens-0", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("temperature-negative", {"temperature": -0.1}, "temperature"),
+    ("temperature-above-2", {"temperature": 2.01}, "temperature"),
+    ("top-p-0", {"top_p": 0}, "top_p"),
+    ("top-p-above-1", {"top_p": 1.01}, "top_p"),
+    ("top-k-below-minus-1", {"top_k": -2}, "top_k"),
+    ("top-k-huge", {"top_k": 2**70}, "top_k"),
+    ("presence-penalty-low", {"presence_penalty": -2.5}, "presence_penalty"),
+    ("frequency-penalty-high", {"frequency_penalty": 2.5}, "frequency_penalty"),
+    ("repetition-penalty-0", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("repetition-penalty-high", {"repetition_penalty": 2.5}, "repetition_penalty"),
+    ("min-p-above-1", {"min_p": 1.5}, "min_p"),
+    ("min-tokens-negative", {"min_tokens": -1}, "min_tokens"),
+    ("seed-huge", {"seed": 2**70}, "seed"),
+    ("seed-very-negative", {"seed": -(2**70)}, "seed"),
+    ("stop-token-id-negative", {"stop_token_ids": [-1]}, "stop_token_ids[0]"),
+    ("stop-token-id-huge", {"stop_token_ids": [2**40]}, "stop_token_ids[0]"),
+    ("n-0", {"n": 0}, "n"),
+    ("top-logprobs-21", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("top-logprobs-without-logprobs", {"top_logprobs": 2}, "top_logprobs"),
+    # caps (defaults: n 16, 4 stop sequences of at most 256 characters)
+    ("n-above-cap", {"n": 17}, "n"),
+    ("stop-list-above-cap", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("stop-string-too-long", {"stop": "x" * 257}, "stop"),
+    ("stop-list-string-too-long", {"stop": ["ok", "y" * 1000]}, "stop"),
+    ("stop-empty-string", {"stop": ""}, "stop"),
+    ("stop-list-with-empty-string", {"stop": ["ok", ""]}, "stop"),
+    # a request may not bring its own chat template
+    ("chat-template", {"chat_template": "{{ messages }}"}, "chat_template"),
+    ("chat-template-empty", {"chat_template": ""}, "chat_template"),
+    ("chat-template-kwargs", {"chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}, "chat_template_kwargs"),
+    ("chat-template-kwargs-other", {"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("fields", "param"), [c[1:] for c in CHAT_CASES], ids=[c[0] for c in CHAT_CASES])
+def test_bad_chat_fields_are_400_with_param(
+    cluster: FakeCluster, http: httpx.Client, fields: dict[str, Any], param: str | None, stream: bool
+) -> None:
+    error = post_refused(cluster, http, "/v1/chat/completions", 400, json=chat(**{"stream": stream, **fields}))
+    assert error["param"] == param, error
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "literal", ["NaN", "Infinity", "-Infinity", "1e999", "-1e999"], ids=["nan", "inf", "-inf", "overflow", "-overflow"]
+)
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"])
+def test_non_finite_numbers_are_400(cluster: FakeCluster, http: httpx.Client, field: str, literal: str) -> None:
+    raw = '{"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "%s": %s}' % (field, literal)
+    error = post_refused(cluster, http, "/v1/chat/completions", 400, content=raw.encode(),
+                         headers={"Content-Type": "application/json"})
+    assert error["param"] in (field, None), error
+
+
+COMPLETION_CASES: list[tuple[str, dict[str, Any], str | None]] = [
+    ("prompt-missing", {"prompt": None}, "prompt"),
+    ("prompt-number", {"prompt": 5}, "prompt"),
+    ("prompt-empty-list", {"prompt": []}, "prompt"),
+    ("prompt-mixed", {"prompt": ["a", 1]}, "prompt"),
+    ("logprobs-21", {"logprobs": 21}, "logprobs"),
+    ("logprobs-negative", {"logprobs": -1}, "logprobs"),
+    ("max-tokens-0", {"max_tokens": 0}, "max_tokens"),
+    ("best-of-not-n", {"best_of": 3}, "best_of"),
+    ("suffix", {"suffix": "the end"}, "suffix"),
+    ("n-above-cap", {"n": 17}, "n"),
+    ("choices-above-cap", {"prompt": ["a"] * 5, "n": 4}, "prompt"),
+    ("prompts-above-cap", {"prompt": ["a"] * 17}, "prompt"),
+    ("stop-list-above-cap", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("stop-empty", {"stop": [""]}, "stop"),
+    ("echo-string", {"echo": "yes"}, "echo"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), [c[1:] for c in COMPLETION_CASES], ids=[c[0] for c in COMPLETION_CASES])
+def test_bad_completion_fields_are_400_with_param(
+    cluster: FakeCluster, http: httpx.Client, fields: dict[str, Any], param: str | None
+) -> None:
+    error = post_refused(cluster, http, "/v1/completions", 400, json=completion(**fields))
+    assert error["param"] == param, error
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [[1, 2, 3], [[1, 2], [3]], [49152], [10**12], [-1], [[2**40]], [[]]],
+    ids=["ids", "id-lists", "vocab-size", "huge", "negative", "huge-in-list", "empty-id-list"],
+)
+def test_token_id_prompts_are_refused_clearly(cluster: FakeCluster, http: httpx.Client, prompt: Any) -> None:
+    # Decided: the worker protocol carries text prompts, so token ids (in the vocabulary or not)
+    # are refused with one clear message rather than detokenized and re-tokenized.
+    error = post_refused(cluster, http, "/v1/completions", 400, json=completion(prompt=prompt))
+    assert error["param"] == "prompt"
+    assert "token" in error["message"] or "Input should be" in error["message"], error
+
+
+def test_caps_at_the_boundary_are_accepted(cluster: FakeCluster, http: httpx.Client) -> None:
+    body = chat(n=16, max_tokens=1, logprobs=True, top_logprobs=20, stop=["a" * 256, "b", "c", "d"])
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 16
+    response = http.post("/v1/completions", json=completion(prompt=["a"] * 4, n=4, max_tokens=1, logprobs=20))
+    assert response.status_code == 200, response.text
+
+
+def test_caps_are_configurable() -> None:
+    from llmplatform.openai_api.settings import RequestLimits
+
+    limits = RequestLimits(max_n=2, max_logprobs=3, max_stop_sequences=1, max_stop_length=5)
+    with fake_cluster(limits=limits) as cluster, httpx.Client(base_url=cluster.gateway, timeout=30) as http:
+        for fields, param in [({"n": 3}, "n"), ({"logprobs": True, "top_logprobs": 4}, "top_logprobs"),
+                              ({"stop": ["a", "b"]}, "stop"), ({"stop": "abcdef"}, "stop")]:
+            assert post_refused(cluster, http, "/v1/chat/completions", 400, json=chat(**fields))["param"] == param
+        assert post_refused(cluster, http, "/v1/completions", 400, json=completion(logprobs=4))["param"] == "logprobs"
+        ok = chat(n=2, logprobs=True, top_logprobs=3, stop="abcde", max_tokens=1)
+        assert http.post("/v1/chat/completions", json=ok).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"max_n": 0}, "max_n"), ({"max_n": 129}, "max_n"), ({"max_logprobs": 21}, "max_logprobs"),
+     ({"max_stop_sequences": 17}, "max_stop_sequences"), ({"max_request_bytes": 0}, "max_request_bytes")],
+)
+def test_cap_settings_are_validated(kwargs: dict[str, int], message: str) -> None:
+    from llmplatform.openai_api.settings import RequestLimits
+
+    with pytest.raises(ValueError, match=message):
+        RequestLimits(**kwargs)
+
+
+def test_cap_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmplatform.openai_api.__main__ import build_parser, settings_from_args
+
+    defaults = settings_from_args(build_parser().parse_args([])).limits
+    assert (defaults.max_n, defaults.max_logprobs, defaults.max_stop_sequences) == (16, 20, 4)
+    assert defaults.max_stop_length == 256 and defaults.max_request_bytes == 4 * 1024 * 1024
+    args = build_parser().parse_args(["--max-n", "3", "--max-logprobs", "5", "--max-stop-sequences", "2",
+                                      "--max-stop-length", "9", "--max-request-bytes", "1000"])
+    limits = settings_from_args(args).limits
+    assert (limits.max_n, limits.max_logprobs, limits.max_stop_sequences, limits.max_stop_length,
+            limits.max_request_bytes) == (3, 5, 2, 9, 1000)
+
+
+# ---- models and the context ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_unknown_model_is_404(cluster: FakeCluster, http: httpx.Client, path: str) -> None:
+    body = chat(model="no-such-model") if "chat" in path else completion(model="no-such-model")
+    error = post_refused(cluster, http, path, 404, json=body)
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+
+
+def test_unknown_model_with_the_openai_client(cluster: FakeCluster) -> None:
+    client = openai.OpenAI(base_url=f"{cluster.gateway}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="no-such-model", messages=USER)
+    assert info.value.code == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        # The fake prompt "<user> hello there\n<assistant>" is 3 tokens: 3 + 62 > 64.
+        ("/v1/chat/completions", chat(max_tokens=CONTEXT_LENGTH - 2)),
+        ("/v1/chat/completions", chat(max_completion_tokens=10**9)),
+        ("/v1/completions", completion(max_tokens=CONTEXT_LENGTH - 1)),  # 2 + 63 > 64
+        ("/v1/completions", completion(max_tokens=2**62)),
+        # A prompt that alone fills or overflows the context.
+        ("/v1/completions", completion(prompt="w " * CONTEXT_LENGTH)),
+        ("/v1/completions", completion(prompt="w " * (CONTEXT_LENGTH * 10), max_tokens=1)),
+        ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "w " * CONTEXT_LENGTH}])),
+        ("/v1/completions", completion(prompt=["short", "w " * CONTEXT_LENGTH])),
+    ],
+    ids=["chat-max-tokens", "chat-max-completion-tokens", "completion-max-tokens", "completion-huge",
+         "prompt-fills", "prompt-overflows", "chat-prompt-overflows", "one-of-batch-overflows"],
+)
+def test_beyond_the_context_is_context_length_exceeded(
+    cluster: FakeCluster, http: httpx.Client, path: str, body: dict[str, Any]
+) -> None:
+    error = post_refused(cluster, http, path, 400, json=body)
+    assert error["code"] == "context_length_exceeded", error
+    assert str(CONTEXT_LENGTH) in error["message"]
+
+
+def test_exactly_the_context_fits(http: httpx.Client) -> None:
+    response = http.post("/v1/completions", json=completion(max_tokens=CONTEXT_LENGTH - 2))
+    assert response.status_code == 200, response.text
+
+
+# ---- the body size cap --------------------------------------------------------------------------------
+
+
+def test_body_over_the_cap_is_413(cluster: FakeCluster, http: httpx.Client) -> None:
+    big = "w " * (3 * 1024 * 1024)  # 6 MiB of prompt, over the 4 MiB default
+    error = post_refused(cluster, http, "/v1/completions", 413, json=completion(prompt=big))
+    assert error["code"] == "request_too_large"
+    assert "4194304" in error["message"]
+
+
+def _raw_exchange(base_url: str, head: bytes, body_parts: list[bytes], timeout: float = 10.0) -> tuple[int, bytes, int]:
+    """Send a request head and then body parts over a plain socket, stopping as soon as the
+    server has answered. Returns (status, response bytes, body parts sent before the answer)."""
+    import select
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(base_url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=timeout) as sock:
+        sock.sendall(head)
+        sent = 0
+        for part in body_parts:
+            readable, _, _ = select.select([sock], [], [], 0.05)
+            if readable:
+                break  # the server answered before the body was complete
+            try:
+                sock.sendall(part)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sent += 1
+        response = b""
+        while not _complete(response):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            response += chunk
+    status = int(response.split(b" ", 2)[1]) if response else 0
+    return status, response, sent
+
+
+def _complete(response: bytes) -> bool:
+    head, sep, body = response.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return len(body) >= int(line.split(b":", 1)[1])
+    return False  # read until the server closes
+
+
+@pytest.fixture(scope="module")
+def small_cap_gateway() -> Iterator[FakeCluster]:
+    from llmplatform.openai_api.settings import RequestLimits
+
+    with fake_cluster(limits=RequestLimits(max_request_bytes=64 * 1024)) as cluster:
+        yield cluster
+
+
+def test_declared_length_over_the_cap_is_refused_before_the_body(small_cap_gateway: FakeCluster) -> None:
+    # Declares 100 MB and sends none of it: the answer comes at once, from the header alone.
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000000\r\n\r\n")
+    status, response, _ = _raw_exchange(small_cap_gateway.gateway, head, [])
+    assert status == 413, response
+    assert b"request_too_large" in response
+    assert small_cap_gateway.worker.received() == 0
+
+
+def test_chunked_body_over_the_cap_is_refused_while_it_streams(small_cap_gateway: FakeCluster) -> None:
+    # 64 KiB cap; the body comes in 8 KiB chunks, 200 of them (1.6 MB) if nobody stops it. The
+    # server must answer 413 once it has read past the cap, long before the body ends.
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    chunk = b"2000\r\n" + b"w" * 0x2000 + b"\r\n"
+    status, response, sent = _raw_exchange(small_cap_gateway.gateway, head, [chunk] * 200)
+    assert status == 413, response
+    assert sent < 200, "the server read the whole oversized body before refusing it"
+    assert small_cap_gateway.worker.received() == 0
+
+
+def test_body_under_the_cap_streams_through(small_cap_gateway: FakeCluster) -> None:
+    body = json.dumps(completion(prompt="w " * 20, max_tokens=1)).encode()
+    pieces = [body[i:i + 7] for i in range(0, len(body), 7)]
+    chunks = [b"%x\r\n%s\r\n" % (len(p), p) for p in pieces] + [b"0\r\n\r\n"]
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+    status, response, _ = _raw_exchange(small_cap_gateway.gateway, head, chunks)
+    assert status == 200, response
+    with httpx.Client(base_url=small_cap_gateway.gateway) as http:  # and the server keeps serving
+        assert http.post("/v1/completions", json=completion(max_tokens=1)).status_code == 200

@@ -1,0 +1,157 @@
+"""benchmarks/serve.py, smoke-sized: its client against a real tiny-model stack (gateway,
+controller, paged worker, each a real uvicorn server), and ``--systems`` starting each system
+itself. Checks the report's structure and that its counts add up; never its timings."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmplatform.model_worker.backends import BackendConfig, build_llm
+from tests.integration.cluster import running_cluster
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+WORKLOAD = ["--prompt-len", "8:40", "--output-len", "3:9", "--warmup-requests", "1", "--seed", "3"]
+
+
+def load_bench():
+    """benchmarks/ is scripts, not a package: serve.py imports its siblings by plain name."""
+    if str(BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(BENCH_DIR))
+    spec = importlib.util.spec_from_file_location("bench_serve", BENCH_DIR / "serve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_bench()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir):
+    llm = build_llm(BackendConfig(model_path=str(tiny_model_dir), model_names=("tiny",), backend="paged",
+                                  device="cpu", dtype="float32", kv_cache_memory="64MiB"))
+    with running_cluster() as cluster:
+        cluster.add_worker(llm)
+        yield cluster
+
+
+def run_bench(bench, tmp_path: Path, name: str, argv: list[str]) -> tuple[int, dict, str]:
+    code = bench.main([*argv, *WORKLOAD, "--out-dir", str(tmp_path), "--name", name])
+    result = json.loads((tmp_path / f"{name}.json").read_text())
+    report = (tmp_path / f"{name}.md").read_text()
+    assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return code, result, report
+
+
+def check_counts(run: dict, num_requests: int, expected: list[tuple[int, int]]) -> None:
+    """Every request completed with exactly its output length (EOS ignored), the prompt token
+    counts the server reported equal the benchmark's own, and the summary's sums add up."""
+    summary, requests = run["summary"], run["requests"]
+    assert summary["num_requests"] == summary["num_completed"] == len(requests) == num_requests
+    assert summary["num_failed"] == summary["num_short"] == 0 and summary["errors"] == []
+    assert summary["tokens_counted_from"] == "usage"
+    assert [(r["prompt_tokens"], r["output_tokens"]) for r in requests] == expected
+    assert all(r["expected_output_tokens"] == r["output_tokens"] for r in requests)
+    assert summary["output_tokens"] == summary["expected_output_tokens"] == sum(n for _, n in expected)
+    assert summary["prompt_tokens"] == sum(p for p, _ in expected)
+    assert summary["request_throughput"] == pytest.approx(num_requests / summary["wall_s"], rel=1e-2)
+    for r in requests:
+        assert 0 < r["ttft"] <= r["e2e"]
+        assert r["start"] + r["e2e"] <= summary["wall_s"] + 1e-3
+    for key in ("ttft", "itl", "e2e"):
+        assert summary[f"{key}_ms_p50"] <= summary[f"{key}_ms_p99"]
+
+
+@functools.lru_cache(maxsize=2)
+def tokenizer_and_ids(tokenizer_dir: Path):
+    from transformers import AutoTokenizer
+
+    from serve_client import allowed_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return tokenizer, allowed_token_ids(tokenizer)
+
+
+def expected_workload(bench, tokenizer_dir: Path, level: float, count: int) -> list[tuple[int, int]]:
+    """The requests the benchmark draws at a level, drawn again here: (prompt, output) tokens."""
+    from serve_client import make_requests
+
+    tokenizer, allowed = tokenizer_and_ids(tokenizer_dir)
+    requests = make_requests(tokenizer, allowed, count, f"serve/3/{level:g}", (8, 40), (3, 9))
+    return [(r.prompt_len, r.output_len) for r in requests]
+
+
+def test_gateway_and_direct_worker_runs_add_up(bench, cluster, tiny_model_dir, tmp_path):
+    common = ["--model", "tiny", "--tokenizer", str(tiny_model_dir), "--concurrency", "1,3", "--num-prompts", "5"]
+    code, via_gateway, report = run_bench(bench, tmp_path, "gateway",
+                                          ["--base-url", f"{cluster.gateway_url}/v1", *common])
+    assert code == 0 and via_gateway["failures"] == {}
+    assert set(via_gateway["runs"]["url"]) == {"1", "3"}
+    for level in ("1", "3"):
+        check_counts(via_gateway["runs"]["url"][level], 5, expected_workload(bench, tiny_model_dir, float(level), 5))
+    rows = [line for line in report.splitlines() if line.startswith("| url |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["1", "3"]
+    assert all(row.split("|")[3].strip() == "5/5" for row in rows)
+
+    # The same requests straight to the worker over FastChat's NUL-delimited stream.
+    code, direct, _ = run_bench(bench, tmp_path, "direct",
+                                ["--base-url", cluster.worker_urls["tiny"], "--api", "worker", *common])
+    assert code == 0
+    for level in ("1", "3"):
+        assert ([(r["prompt_tokens"], r["output_tokens"]) for r in direct["runs"]["url"][level]["requests"]]
+                == [(r["prompt_tokens"], r["output_tokens"]) for r in via_gateway["runs"]["url"][level]["requests"]])
+
+
+def test_poisson_rate_run(bench, cluster, tiny_model_dir, tmp_path):
+    code, result, report = run_bench(bench, tmp_path, "rate", [
+        "--base-url", f"{cluster.gateway_url}/v1", "--model", "tiny", "--tokenizer", str(tiny_model_dir),
+        "--request-rate", "50", "--num-prompts", "6"])
+    assert code == 0
+    run = result["runs"]["url"]["50"]
+    check_counts(run, 6, expected_workload(bench, tiny_model_dir, 50.0, 6))
+    starts = [r["start"] for r in run["requests"]]
+    assert starts == sorted(starts) and starts[-1] > 0  # sent in order, spread over time
+    assert "| url | 50/s | 6/6 |" in report
+
+
+def test_bad_server_is_reported_as_failed_requests(bench, cluster, tiny_model_dir, tmp_path):
+    """A model the gateway does not serve: every request fails with the server's error message,
+    nothing is counted as output, and the run still writes its report."""
+    code = bench.main(["--base-url", f"{cluster.gateway_url}/v1", "--model", "no-such-model", "--tokenizer",
+                       str(tiny_model_dir), "--concurrency", "2", "--num-prompts", "3", "--warmup-requests", "0",
+                       "--prompt-len", "8:12", "--output-len", "2:3", "--out-dir", str(tmp_path), "--name", "bad"])
+    assert code == 0  # nothing failed to start; the requests failed and the report says so
+    summary = json.loads((tmp_path / "bad.json").read_text())["runs"]["url"]["2"]["summary"]
+    assert summary["num_failed"] == 3 and summary["num_completed"] == 0 and summary["output_tokens"] == 0
+    assert summary["errors"] and "404" in summary["errors"][0]
+    assert "3 failed" in (tmp_path / "bad.md").read_text()
+
+
+@pytest.mark.slow
+def test_systems_started_by_the_benchmark(bench, tiny_model_dir, tmp_path):
+    """The --all path on the tiny model: llmplatform serve (paged, then hf) and transformers
+    serve started as subprocesses, one at a time, and the ratios computed from their runs."""
+    code, result, report = run_bench(bench, tmp_path, "systems", [
+        "--systems", "paged,direct,hf,tserve", "--model-path", str(tiny_model_dir), "--concurrency", "1,2",
+        "--num-prompts", "2", "--compare-at", "2", "--log-dir", str(tmp_path / "logs")])
+    assert result["failures"] == {}, result["failures"]
+    assert code == 0
+    assert set(result["runs"]) == {"paged", "direct", "hf", "tserve"}
+    rows = [line.split("|") for line in report.splitlines() if line.startswith("| ") and "| system |" not in line]
+    assert [(row[1].strip(), row[2].strip(), row[3].strip()) for row in rows] == [
+        (system, level, "2/2") for system in ("paged", "direct", "hf", "tserve") for level in ("1", "2")]
+    for system, levels in result["runs"].items():
+        for level, run in levels.items():
+            check_counts(run, 2, expected_workload(bench, tiny_model_dir, float(level), 2))
+    ratios = result["ratios"]
+    assert set(ratios) >= {"paged_over_tserve", "paged_over_hf", "gateway_added_latency"}
+    assert ratios["gateway_added_latency"]["ttft_p50_diff_ms"] is not None
+    assert "paged over transformers serve" in report and "Gateway + controller added latency" in report

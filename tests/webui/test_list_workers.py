@@ -1,0 +1,51 @@
+"""The controller's read-only `GET /list_workers` (what the web UI's Cluster tab shows)."""
+
+from __future__ import annotations
+
+import httpx
+
+from llmplatform.controller import ControllerConfig
+from llmplatform.controller import create_app as create_controller_app
+from llmplatform.utils.server import serve_in_thread
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_list_workers_shows_each_live_workers_facts():
+    clock = Clock()
+    app = create_controller_app(ControllerConfig(heartbeat_expiration=30.0), clock=clock)
+    with serve_in_thread(app) as url:
+        assert httpx.get(f"{url}/list_workers", timeout=5).json() == {"workers": []}
+        ours = {"model_names": ["a", "b"], "speed": 2, "queue_length": 3, "num_running": 2,
+                "num_waiting": 1, "kv_cache_usage": 0.25, "backend": "paged"}
+        stock = {"model_names": ["c"], "speed": 1, "queue_length": 0}  # a FastChat worker
+        for name, status in (("http://127.0.0.1:1", ours), ("http://127.0.0.1:2", stock)):
+            response = httpx.post(f"{url}/register_worker", timeout=5, json={
+                "worker_name": name, "check_heart_beat": True, "worker_status": status})
+            assert response.status_code == 200
+        clock.now += 4.5
+        # A heartbeat updates the load facts and the age; the backend stays as registered.
+        beat = httpx.post(f"{url}/receive_heart_beat", timeout=5, json={
+            "worker_name": "http://127.0.0.1:2", "queue_length": 5})
+        assert beat.json() == {"exist": True}
+        clock.now += 1.0
+        workers = httpx.get(f"{url}/list_workers", timeout=5).json()["workers"]
+        assert workers == [
+            {"worker_name": "http://127.0.0.1:1", "model_names": ["a", "b"], "backend": "paged",
+             "speed": 2, "queue_length": 3, "num_running": 2, "num_waiting": 1,
+             "kv_cache_usage": 0.25, "last_heartbeat_age_s": 5.5},
+            {"worker_name": "http://127.0.0.1:2", "model_names": ["c"], "backend": None,
+             "speed": 1, "queue_length": 5, "num_running": None, "num_waiting": None,
+             "kv_cache_usage": None, "last_heartbeat_age_s": 1.0},
+        ]
+        # Only live workers are listed: the first is now stale (30.5 s > 30 s), the second not.
+        clock.now += 25.0
+        listed = httpx.get(f"{url}/list_workers", timeout=5).json()["workers"]
+        names = [w["worker_name"] for w in listed]
+        assert names == ["http://127.0.0.1:2"]
