@@ -52,9 +52,11 @@ def alive(pid: int) -> bool:
 
 def start_serve(args: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # --no-webui: the web UI has its own serve test (tests/webui/test_serve_webui.py); here it would
-    # only add start-up time and a fixed port (7860) that another process might hold.
-    return subprocess.Popen([sys.executable, "-m", "llmplatform.cli", "serve", "--no-webui", *args],
+    # Without --webui-port, --no-webui: the web UI has its own serve test (tests/webui/
+    # test_serve_webui.py); here it would only add start-up time and a fixed port (7860) that
+    # another process might hold.
+    webui = [] if any(arg.startswith("--webui") for arg in args) else ["--no-webui"]
+    return subprocess.Popen([sys.executable, "-m", "llmplatform.cli", "serve", *webui, *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 

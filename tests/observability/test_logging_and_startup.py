@@ -182,6 +182,7 @@ def test_controller_logs_json_lines_with_its_summary_and_request_ids(json_servic
     # uvicorn's own access line, in our format, tagged with the caller's id.
     access = json.loads(lines.until(lambda line: "/list_models" in line))
     assert access["logger"] == "uvicorn.access" and access["request_id"] == "ctl-1"
+    assert not any("color_message" in line for line in lines.seen)  # uvicorn's ANSI copy
     assert all(_is_json(line) for line in lines.seen), [l for l in lines.seen if not _is_json(l)]
 
 

@@ -246,7 +246,11 @@ def test_serve_passes_the_secret_in_the_environment_not_on_command_lines(monkeyp
             pass
 
     monkeypatch.setattr(launcher, "Cluster", RecordingCluster)
-    monkeypatch.delenv(SECRET_ENV, raising=False)
+    # launcher.main sets the variable in this process: setenv first so that monkeypatch records
+    # the variable's original state and restores it (a delenv of an absent variable records
+    # nothing, and the secret would leak into every later test).
+    monkeypatch.setenv(SECRET_ENV, "placeholder")
+    monkeypatch.delenv(SECRET_ENV)
     import signal
 
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}

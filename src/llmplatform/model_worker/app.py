@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 from llmplatform.errors import (ErrorCode, InvalidRequestError, LLMPlatformError,
                                 ModelNotFoundError)
 from llmplatform.llm.base import LLM, GenerateChunk, GenerateRequest
+from llmplatform.llm.context import resolve_max_new_tokens
 from llmplatform.llm.sampling import SamplingParams
 from llmplatform.metrics.common import add_metrics_route
 from llmplatform.metrics.worker import RequestObserver, WorkerLoad, WorkerMetrics
@@ -170,7 +171,31 @@ def _check_model(llm: LLM, model: str | None) -> None:
                                  param="model")
 
 
-def sampling_params_from(params: WorkerParams) -> SamplingParams:
+WORKER_PARAM_EXTENSIONS = ("messages", "openai_max_tokens")
+
+
+async def _render_prompt(llm: LLM, params: WorkerParams) -> tuple[str, list[int] | None, int]:
+    """The prompt text, its token ids when the worker must count them here (``openai_max_tokens``;
+    otherwise the backend tokenizes), and ``max_new_tokens``. One thread hop for the template and
+    the tokenizer together: both take a while on long conversations."""
+    budget = params.openai_max_tokens
+
+    def render() -> tuple[str, list[int] | None]:
+        text = params.prompt if params.prompt is not None else llm.apply_chat_template_sync(params.messages or [])
+        return text, (llm.encode_sync(text) if budget is not None else None)
+
+    if params.prompt is not None and budget is None:
+        return params.prompt, None, params.max_new_tokens
+    text, ids = await asyncio.to_thread(render)
+    if budget is None or ids is None:
+        return text, ids, params.max_new_tokens
+    max_new_tokens = resolve_max_new_tokens(budget.requested, prompt_tokens=len(ids),
+                                            context_length=llm.context_length,
+                                            default=budget.default, prompt_param=budget.param)
+    return text, ids, max_new_tokens
+
+
+def sampling_params_from(params: WorkerParams, max_new_tokens: int | None = None) -> SamplingParams:
     if params.images:
         raise InvalidRequestError("this worker serves a text-only model; images are not supported",
                                   param="images")
@@ -181,7 +206,8 @@ def sampling_params_from(params: WorkerParams) -> SamplingParams:
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         min_p=params.min_p, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
-        seed=params.seed, max_tokens=params.max_new_tokens, min_tokens=params.min_tokens,
+        seed=params.seed, min_tokens=params.min_tokens,
+        max_tokens=params.max_new_tokens if max_new_tokens is None else max_new_tokens,
         stop=(stop,) if isinstance(stop, str) else tuple(stop),
         stop_token_ids=tuple(params.stop_token_ids or ()), ignore_eos=params.ignore_eos,
         logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
@@ -191,8 +217,8 @@ def sampling_params_from(params: WorkerParams) -> SamplingParams:
 class _CumulativeStream:
     """Turns the backend's delta chunks into FastChat's cumulative chunks."""
 
-    def __init__(self, params: WorkerParams) -> None:
-        self._text = params.prompt if params.echo else ""
+    def __init__(self, params: WorkerParams, prompt: str) -> None:
+        self._text = prompt if params.echo else ""
         self._want_logprobs = params.logprobs is not None
         self._logprobs = ChunkLogprobs() if self._want_logprobs else None
         self._offset = 0
@@ -241,8 +267,10 @@ async def _generate_chunks(app: FastAPI, params: WorkerParams, ticket: Ticket) -
                 # Ids name requests for /worker_abort and inside the engine: they must be unique.
                 raise InvalidRequestError(f"request id {request_id!r} is already in use by a "
                                           "running request", param="request_id")
-            sampling = sampling_params_from(params)
-            request = GenerateRequest(request_id=request_id, params=sampling, prompt=params.prompt)
+            prompt, prompt_ids, max_new_tokens = await _render_prompt(llm, params)
+            sampling = sampling_params_from(params, max_new_tokens)
+            request = GenerateRequest(request_id=request_id, params=sampling, prompt=prompt,
+                                      prompt_token_ids=tuple(prompt_ids) if prompt_ids is not None else None)
         except LLMPlatformError as exc:
             logger.info("refused: %s", exc.message)
             yield error_chunk(exc.message, exc.error_code)
@@ -253,7 +281,7 @@ async def _generate_chunks(app: FastAPI, params: WorkerParams, ticket: Ticket) -
                      params.temperature)
         async with state.slot():
             observer.started()
-            stream = _CumulativeStream(params)
+            stream = _CumulativeStream(params, prompt)
             generator = llm.generate(request)
             try:
                 first = True
@@ -343,7 +371,9 @@ def _add_routes(app: FastAPI) -> None:
             _check_model(llm, body.model)
         except LLMPlatformError as exc:
             return _error_response(exc)
-        return JSONResponse({"context_length": llm.context_length})
+        # `params`: the params-dict additions this worker understands beyond FastChat's, so a
+        # gateway can send one request where a stock worker needs a count or a render first.
+        return JSONResponse({"context_length": llm.context_length, "params": list(WORKER_PARAM_EXTENSIONS)})
 
     @app.post("/worker_get_conv_template")
     async def worker_get_conv_template() -> dict[str, Any]:

@@ -19,7 +19,7 @@ from llmplatform.openai_api.deltas import (
 )
 from llmplatform.openai_api.errors import error_payload, parse_request
 from llmplatform.openai_api.sse import DONE, EventStreamResponse, sse_event
-from llmplatform.openai_api.streams import ChoiceStreams, until_disconnected
+from llmplatform.openai_api.streams import ChoiceStreams, start_naming, until_disconnected
 from llmplatform.openai_api.translate import (
     PreparedPrompt,
     chat_messages,
@@ -28,7 +28,7 @@ from llmplatform.openai_api.translate import (
     check_limits,
     new_id,
     params_dict,
-    resolve_max_new_tokens,
+    max_new_tokens_for,
 )
 from llmplatform.openai_api.worker_client import WorkerClient, with_failover
 from llmplatform.protocol.openai import (
@@ -60,15 +60,9 @@ async def create_chat_completion(request: Request) -> Response:
     response_id = new_id("chatcmpl")
 
     async def start_on(address: str) -> tuple[PreparedPrompt, ChoiceStreams]:
-        prepared = await client.prepare_chat(address, body.model, messages)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_new_tokens = resolve_max_new_tokens(
-            requested,
-            prompt_tokens=prepared.prompt_tokens,
-            context_length=prepared.context_length,
-            default=None,
-            prompt_param="messages",
-        )
+        prepared = await client.prepare_chat(address, body.model, messages, requested=requested)
+        max_new_tokens = max_new_tokens_for(prepared, requested, default=None, prompt_param="messages")
         params = [
             params_dict(
                 chat_params(
@@ -80,7 +74,7 @@ async def create_chat_completion(request: Request) -> Response:
         streams = ChoiceStreams(client, address, params)
         # Read every choice's first chunk before answering, so early errors get a proper status
         # and a worker that cannot take the request is replaced by another (with_failover).
-        await streams.start()
+        await start_naming(streams, "messages")
         return prepared, streams
 
     prepared, streams = await with_failover(client, body.model, start_on, address=address)

@@ -20,7 +20,7 @@ from llmplatform.openai_api.deltas import (
 )
 from llmplatform.openai_api.errors import error_payload, parse_request
 from llmplatform.openai_api.sse import DONE, EventStreamResponse, sse_event
-from llmplatform.openai_api.streams import ChoiceStreams, until_disconnected
+from llmplatform.openai_api.streams import ChoiceStreams, start_naming, until_disconnected
 from llmplatform.openai_api.translate import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     PreparedPrompt,
@@ -29,7 +29,7 @@ from llmplatform.openai_api.translate import (
     completion_prompts,
     new_id,
     params_dict,
-    resolve_max_new_tokens,
+    max_new_tokens_for,
 )
 from llmplatform.openai_api.worker_client import WorkerClient, with_failover
 from llmplatform.protocol.openai import (
@@ -58,16 +58,14 @@ async def create_completion(request: Request) -> Response:
     response_id = new_id("cmpl")
 
     async def start_on(address: str) -> tuple[list[PreparedPrompt], ChoiceStreams]:
-        prepared = await asyncio.gather(*(client.prepare_completion(address, body.model, p) for p in prompts))
+        prepared = await asyncio.gather(*(
+            client.prepare_completion(address, body.model, p, requested=body.max_tokens,
+                                      default=DEFAULT_COMPLETION_MAX_TOKENS)
+            for p in prompts))
         params = []
         for p, prompt in enumerate(prepared):
-            max_new_tokens = resolve_max_new_tokens(
-                body.max_tokens,
-                prompt_tokens=prompt.prompt_tokens,
-                context_length=prompt.context_length,
-                default=DEFAULT_COMPLETION_MAX_TOKENS,
-                prompt_param="prompt",
-            )
+            max_new_tokens = max_new_tokens_for(prompt, body.max_tokens, default=DEFAULT_COMPLETION_MAX_TOKENS,
+                                                prompt_param="prompt")
             for i in range(n):
                 # Choices are numbered prompt by prompt, as OpenAI does: index = p * n + i.
                 worker_params = completion_params(
@@ -77,7 +75,7 @@ async def create_completion(request: Request) -> Response:
         streams = ChoiceStreams(client, address, params)
         # The first chunk of every choice before answering: early errors get a proper status and
         # a worker that cannot take the request is replaced by another (with_failover).
-        await streams.start()
+        await start_naming(streams, "prompt")
         return list(prepared), streams
 
     prepared, streams = await with_failover(client, body.model, start_on, address=address)

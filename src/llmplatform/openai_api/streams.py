@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from llmplatform.errors import LLMPlatformError
+from llmplatform.errors import ContextLengthExceededError, LLMPlatformError
 from llmplatform.openai_api.errors import ClientDisconnected, UpstreamError
 from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.protocol.worker import WorkerChunk
@@ -141,6 +141,17 @@ class ChoiceStreams:
             logger.exception("worker stream %d failed unexpectedly", index)
             self._finished[index] = True
             await self._queue.put((index, LLMPlatformError(f"internal error: {type(exc).__name__}")))
+
+
+async def start_naming(streams: ChoiceStreams, prompt_param: str) -> None:
+    """`streams.start()`, with a worker's context-overflow refusal naming the request's prompt
+    field (the worker's in-stream error carries a code and a message, not the OpenAI param)."""
+    try:
+        await streams.start()
+    except ContextLengthExceededError as exc:
+        if exc.param is None:
+            exc.param = prompt_param
+        raise
 
 
 async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from llmplatform.errors import ContextLengthExceededError, InvalidRequestError
+from llmplatform.errors import InvalidRequestError
+from llmplatform.llm.context import resolve_max_new_tokens
 from llmplatform.openai_api.settings import RequestLimits
 from llmplatform.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
-from llmplatform.protocol.worker import WorkerParams
+from llmplatform.protocol.worker import OpenAIMaxTokens, WorkerParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's default `max_tokens` for /v1/completions."""
@@ -25,14 +27,19 @@ _ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "ass
 
 @dataclass(frozen=True)
 class PreparedPrompt:
-    """A rendered prompt with the facts needed to size the completion."""
+    """A rendered prompt with the facts needed to size the completion, or, for a worker that
+    renders and sizes requests itself (our workers), the messages and the sizing rule to send."""
 
-    prompt: str
+    prompt: str | None
     prompt_tokens: int
-    context_length: int
+    """0 when the worker counts (it reports the count in every chunk's usage)."""
+    context_length: int | None
     stop: tuple[str, ...] = ()
     """Stop strings the model's template adds (stock FastChat workers only)."""
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    messages: list[dict[str, Any]] | None = None
+    budget: OpenAIMaxTokens | None = None
+    """Set when the worker sizes the completion (``openai_max_tokens``)."""
 
 
 def new_id(prefix: str) -> str:
@@ -172,37 +179,16 @@ def check_limits(
 # ---- sizing ----------------------------------------------------------------------------------------
 
 
-def resolve_max_new_tokens(
-    requested: int | None,
-    *,
-    prompt_tokens: int,
-    context_length: int,
-    default: int | None,
-    prompt_param: str,
-) -> int:
-    """How many tokens the worker may generate; ContextLengthExceededError if none fit.
-
-    `requested` None takes `default`, clamped to the room left; a `default` of None means "all
-    the room left" (chat). An explicit request that does not fit is an error, as in OpenAI's API.
-    """
-    room = context_length - prompt_tokens
-    what = "messages" if prompt_param == "messages" else "prompt"
-    if requested is None:
-        if room < 1:
-            raise ContextLengthExceededError(
-                f"This model's maximum context length is {context_length} tokens. However, your "
-                f"{what} resulted in {prompt_tokens} tokens. Please reduce the length of the {what}.",
-                param=prompt_param,
-            )
-        return room if default is None else min(default, room)
-    if prompt_tokens + requested > context_length:
-        raise ContextLengthExceededError(
-            f"This model's maximum context length is {context_length} tokens. However, you "
-            f"requested {prompt_tokens + requested} tokens ({prompt_tokens} in the {what}, "
-            f"{requested} in the completion). Please reduce the length of the {what} or completion.",
-            param=prompt_param,
-        )
-    return requested
+def max_new_tokens_for(prepared: PreparedPrompt, requested: int | None, *, default: int | None,
+                       prompt_param: str) -> int:
+    """`max_new_tokens` for the params dict. A worker that sizes requests itself (``budget``)
+    ignores it; the value sent is only what a reader of the params would expect."""
+    if prepared.budget is not None:
+        return requested or default or 256
+    assert prepared.context_length is not None
+    return resolve_max_new_tokens(requested, prompt_tokens=prepared.prompt_tokens,
+                                  context_length=prepared.context_length, default=default,
+                                  prompt_param=prompt_param)
 
 
 # ---- params --------------------------------------------------------------------------------------
@@ -221,18 +207,18 @@ def merge_stops(requested: str | list[str] | None, extra: Iterable[str] = ()) ->
 def _common(
     request: ChatCompletionRequest | CompletionRequest,
     *,
-    prompt: str,
+    prepared: PreparedPrompt,
     max_new_tokens: int,
     request_id: str,
     choice_index: int,
-    extra_stop: Iterable[str],
-    extra_stop_token_ids: Iterable[int],
 ) -> dict[str, object]:
     top_k = request.top_k if request.top_k not in (None, 0) else -1
-    stop_token_ids = list(dict.fromkeys([*(request.stop_token_ids or []), *extra_stop_token_ids]))
+    stop_token_ids = list(dict.fromkeys([*(request.stop_token_ids or []), *prepared.stop_token_ids]))
     return {
         "model": request.model,
-        "prompt": prompt,
+        "prompt": prepared.prompt,
+        "messages": prepared.messages,
+        "openai_max_tokens": prepared.budget,
         "temperature": 1.0 if request.temperature is None else request.temperature,
         "top_p": 1.0 if request.top_p is None else request.top_p,
         "top_k": top_k,
@@ -241,7 +227,7 @@ def _common(
         "frequency_penalty": request.frequency_penalty or 0.0,
         "repetition_penalty": 1.0 if request.repetition_penalty is None else request.repetition_penalty,
         "max_new_tokens": max_new_tokens,
-        "stop": merge_stops(request.stop, extra_stop),
+        "stop": merge_stops(request.stop, prepared.stop),
         "stop_token_ids": stop_token_ids or None,
         "ignore_eos": bool(request.ignore_eos),
         "min_tokens": request.min_tokens or 0,
@@ -261,12 +247,10 @@ def chat_params(
 ) -> WorkerParams:
     common = _common(
         request,
-        prompt=prepared.prompt,
+        prepared=prepared,
         max_new_tokens=max_new_tokens,
         request_id=request_id,
         choice_index=choice_index,
-        extra_stop=prepared.stop,
-        extra_stop_token_ids=prepared.stop_token_ids,
     )
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     return WorkerParams(**common, echo=False, logprobs=logprobs)
@@ -282,12 +266,10 @@ def completion_params(
 ) -> WorkerParams:
     common = _common(
         request,
-        prompt=prepared.prompt,
+        prepared=prepared,
         max_new_tokens=max_new_tokens,
         request_id=request_id,
         choice_index=choice_index,
-        extra_stop=prepared.stop,
-        extra_stop_token_ids=prepared.stop_token_ids,
     )
     echo = bool(request.echo)
     prompt_logprobs = request.logprobs if (echo and request.logprobs is not None) else None

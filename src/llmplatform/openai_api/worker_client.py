@@ -41,7 +41,7 @@ from llmplatform.openai_api.errors import UpstreamError, error_from_http
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.openai_api.translate import PreparedPrompt
 from llmplatform.protocol.controller import GetWorkerAddressResponse, ListModelsResponse
-from llmplatform.protocol.worker import NUL, ApplyChatTemplateResponse, WorkerChunk
+from llmplatform.protocol.worker import NUL, ApplyChatTemplateResponse, OpenAIMaxTokens, WorkerChunk
 
 logger = logging.getLogger("llmplatform.openai_api")
 
@@ -134,6 +134,10 @@ def _has_error_code(body: bytes) -> bool:
     return isinstance(data, dict) and bool(data.get("error_code"))
 
 
+_SINGLE_CALL = frozenset({"messages", "openai_max_tokens"})
+"""Params additions that let the gateway send a request in one call (see prepare_chat)."""
+
+
 class WorkerClient:
     def __init__(self, http: httpx.AsyncClient, settings: GatewaySettings) -> None:
         self._http = http
@@ -146,6 +150,9 @@ class WorkerClient:
         # Per (worker address, model): FastChat caches these too; a worker's model is fixed.
         self._context_lengths: dict[tuple[str, str], int] = {}
         self._conv_templates: dict[tuple[str, str], ConvTemplate] = {}
+        # Which params-dict additions (our protocol's `messages`, `openai_max_tokens`) a worker
+        # understands, from its /model_details: a stock FastChat worker lists none.
+        self._extensions: dict[tuple[str, str], frozenset[str]] = {}
         self._background: set[asyncio.Task[None]] = set()
 
     # ---- plumbing ----------------------------------------------------------------------------
@@ -236,8 +243,13 @@ class WorkerClient:
     # ---- prompts -----------------------------------------------------------------------------
 
     async def prepare_chat(
-        self, address: str, model: str, messages: Sequence[Mapping[str, str]]
+        self, address: str, model: str, messages: Sequence[Mapping[str, str]], *, requested: int | None
     ) -> PreparedPrompt:
+        """What to send for a chat request. A worker of ours renders, counts and sizes it itself
+        (one round trip: the generate call); a stock one needs the render and the count first."""
+        budget = OpenAIMaxTokens(requested=requested, default=None, param="messages")
+        if _SINGLE_CALL <= await self._worker_extensions(address, model):
+            return PreparedPrompt(None, 0, None, messages=[dict(m) for m in messages], budget=budget)
         url = f"{address}/worker_apply_chat_template"
         payload = {"model": model, "messages": list(messages), "add_generation_prompt": True}
         response = await self._post("worker", url, payload, self._worker_timeout)
@@ -246,7 +258,6 @@ class WorkerClient:
                 rendered = ApplyChatTemplateResponse.model_validate_json(response.content)
             except ValidationError:
                 raise UpstreamError(f"The worker at {url} answered with a malformed body.") from None
-            self._cache_put(self._context_lengths, (address, model), rendered.context_length)
             return PreparedPrompt(rendered.prompt, rendered.prompt_tokens, rendered.context_length)
         if response.status_code != 404 or _has_error_code(response.content):
             raise worker_http_error(response, response.content, f"The worker at {url}")
@@ -264,7 +275,12 @@ class WorkerClient:
             stop_token_ids=conv.stop_token_ids,
         )
 
-    async def prepare_completion(self, address: str, model: str, prompt: str) -> PreparedPrompt:
+    async def prepare_completion(
+        self, address: str, model: str, prompt: str, *, requested: int | None, default: int
+    ) -> PreparedPrompt:
+        if _SINGLE_CALL <= await self._worker_extensions(address, model):
+            budget = OpenAIMaxTokens(requested=requested, default=default, param="prompt")
+            return PreparedPrompt(prompt, 0, None, budget=budget)
         prompt_tokens, context_length = await asyncio.gather(
             self.count_tokens(address, model, prompt), self.context_length(address, model)
         )
@@ -281,14 +297,29 @@ class WorkerClient:
 
     async def context_length(self, address: str, model: str) -> int:
         cached = self._context_lengths.get((address, model))
-        if cached is not None:
-            return cached
+        if cached is None:
+            await self._model_details(address, model)
+            cached = self._context_lengths[(address, model)]
+        return cached
+
+    async def _worker_extensions(self, address: str, model: str) -> frozenset[str]:
+        cached = self._extensions.get((address, model))
+        if cached is None:
+            await self._model_details(address, model)
+            cached = self._extensions[(address, model)]
+        return cached
+
+    async def _model_details(self, address: str, model: str) -> None:
+        """One /model_details call, cached per (address, model): the context length and the
+        params additions the worker understands."""
         url = f"{address}/model_details"
         data = await self._post_json("worker", url, {"model": model}, self._worker_timeout)
         if not isinstance(data, dict) or not isinstance(data.get("context_length"), int):
             raise UpstreamError(f"The worker at {url} answered without a context length: {data!r:.200}")
+        extensions = data.get("params")
         self._cache_put(self._context_lengths, (address, model), data["context_length"])
-        return data["context_length"]
+        self._cache_put(self._extensions, (address, model), frozenset(
+            e for e in extensions if isinstance(e, str)) if isinstance(extensions, list) else frozenset())
 
     async def _conv_template(self, address: str, model: str) -> ConvTemplate:
         cached = self._conv_templates.get((address, model))

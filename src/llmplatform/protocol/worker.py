@@ -8,11 +8,27 @@ serialised as JSON followed by one NUL byte. ``text`` is cumulative (all text so
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 NUL = b"\0"
+
+
+class OpenAIMaxTokens(BaseModel):
+    """Our addition: size the completion by OpenAI's rules once the worker has counted the prompt
+    (so the gateway needs no /count_token or /worker_apply_chat_template round trip first).
+
+    ``requested`` is the client's max_tokens (None: not given); ``default`` what "not given"
+    means (None: all the room the context leaves); ``param`` names the prompt in errors. When
+    present, ``max_new_tokens`` is ignored.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    requested: int | None = Field(default=None, ge=1)
+    default: int | None = Field(default=None, ge=1)
+    param: Literal["messages", "prompt"] = "prompt"
 
 
 class WorkerParams(BaseModel):
@@ -25,7 +41,8 @@ class WorkerParams(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    prompt: str
+    prompt: str | None = None
+    """Required unless ``messages`` is given (a stock worker always needs it)."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -48,6 +65,16 @@ class WorkerParams(BaseModel):
     ignore_eos: bool = False
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    messages: list[dict[str, Any]] | None = None
+    """Chat messages the worker renders with its model's own chat template (instead of ``prompt``,
+    which then must be absent): one round trip where a stock worker needs two."""
+    openai_max_tokens: OpenAIMaxTokens | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "WorkerParams":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of 'prompt' and 'messages' is required")
+        return self
 
     @field_validator("logprobs", mode="before")
     @classmethod

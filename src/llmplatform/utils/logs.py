@@ -32,7 +32,8 @@ REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("llmplat
 
 # Attributes every LogRecord has; anything else on a record came from ``extra=`` and is data.
 _STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
-    "message", "asctime", "request_id", "taskName"}
+    "message", "asctime", "request_id", "taskName",
+    "color_message"}  # uvicorn's ANSI-coloured copy of the message
 
 T = TypeVar("T")
 
