@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up (scripts/setup.sh) and starts the platform: controller, one worker with the embedded
-# default model, and the OpenAI-compatible gateway on http://127.0.0.1:8000/v1.
+# default model, the OpenAI-compatible gateway on http://127.0.0.1:8000/v1 and the chat web UI on
+# http://127.0.0.1:7860.
 # Extra arguments go to `llmplatform serve` (see `llmplatform serve --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
