@@ -12,7 +12,7 @@ from fractions import Fraction
 import pytest
 
 from llmplatform.controller.__main__ import build_parser
-from llmplatform.controller.app import ControllerConfig
+from llmplatform.controller.config import ControllerConfig
 from llmplatform.controller.dispatch import (
     KV_CACHE_PRESSURE,
     DispatchMethod,

@@ -9,7 +9,8 @@ import argparse
 import logging
 from collections.abc import Sequence
 
-from llmplatform.controller.app import ControllerConfig, create_app
+from llmplatform.controller.app import create_app
+from llmplatform.controller.config import ControllerConfig
 from llmplatform.controller.dispatch import DEFAULT_DISPATCH_METHOD, DispatchMethod
 from llmplatform.controller.registry import DEFAULT_HEARTBEAT_EXPIRATION_S
 from llmplatform.utils.cli import apply_env_defaults

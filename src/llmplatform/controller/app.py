@@ -19,7 +19,6 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
@@ -32,17 +31,20 @@ from llmplatform.controller.admission import (
     Resolver,
     check_not_taken,
     check_worker_address,
-    parse_networks,
     resolve_host,
     split_worker_url,
 )
-from llmplatform.controller.dispatch import (
-    DEFAULT_DISPATCH_METHOD,
-    DispatchMethod,
-    Dispatcher,
-    RandomSource,
+from llmplatform.controller.dispatch import Dispatcher, RandomSource
+from llmplatform.controller.config import ControllerConfig
+from llmplatform.controller.registry import WorkerRegistry
+from llmplatform.controller.workers import (
+    WorkerUnreachable,
+    error_chunk,
+    fetch_worker_status,
+    relay_stream,
+    single_chunk,
+    sweep_periodically,
 )
-from llmplatform.controller.registry import DEFAULT_HEARTBEAT_EXPIRATION_S, WorkerRegistry
 from llmplatform.errors import ErrorCode
 from llmplatform.metrics.common import add_metrics_route
 from llmplatform.metrics.controller import ControllerMetrics
@@ -68,64 +70,8 @@ logger = logging.getLogger("llmplatform.controller")
 M = TypeVar("M", bound=BaseModel)
 
 
-@dataclass(frozen=True)
-class ControllerConfig:
-    """Controller settings; validated at construction."""
-
-    dispatch_method: DispatchMethod = DEFAULT_DISPATCH_METHOD
-    heartbeat_expiration: float = DEFAULT_HEARTBEAT_EXPIRATION_S
-    """Seconds without a heartbeat after which a worker is dropped. Our workers beat every ~3 s;
-    quieter ones (stock FastChat workers beat every 45 s) are polled before they would expire."""
-    expiry_interval: float | None = None
-    """Seconds between expiry sweeps; None means heartbeat_expiration / 3."""
-    status_timeout: float = 5.0
-    """Seconds allowed for one `/worker_get_status` poll of a worker."""
-    connect_timeout: float = 5.0
-    """Seconds allowed to connect to a worker."""
-    stream_read_timeout: float = 100.0
-    """Max seconds of silence inside a proxied stream (long prefills); FastChat uses 100."""
-    cluster_secret: str | None = None
-    """When set, every route but /health, /metrics and /test_connection needs it in the
-    X-LLMPlatform-Secret header, and the controller sends it to workers."""
-    allowed_worker_networks: tuple[Any, ...] = ()
-    """CIDR networks (strings or `ipaddress` networks) a worker's address must lie in; empty:
-    any address but bind-all, multicast, link-local and broadcast (see `admission`)."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "dispatch_method", DispatchMethod(self.dispatch_method))
-        object.__setattr__(
-            self, "allowed_worker_networks", parse_networks(str(n) for n in self.allowed_worker_networks)
-        )
-        if self.cluster_secret is not None and not self.cluster_secret.strip():
-            raise ValueError("cluster_secret must not be empty (use None for no secret)")
-        positive = {
-            "heartbeat_expiration": self.heartbeat_expiration,
-            "status_timeout": self.status_timeout,
-            "connect_timeout": self.connect_timeout,
-            "stream_read_timeout": self.stream_read_timeout,
-        }
-        if self.expiry_interval is not None:
-            positive["expiry_interval"] = self.expiry_interval
-        for name, value in positive.items():
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {value}")
-
-    @property
-    def effective_expiry_interval(self) -> float:
-        if self.expiry_interval is not None:
-            return self.expiry_interval
-        return self.heartbeat_expiration / 3
-
-
 class BadRequest(Exception):
     """A client mistake; answered with 400 and `{"error": message}`."""
-
-
-class WorkerUnreachable(Exception):
-    """A worker's `/worker_get_status` failed or returned something unusable."""
-
-
-# ---- request parsing ----------------------------------------------------------------------------
 
 
 async def _read_json(request: Request) -> Any:
@@ -198,105 +144,6 @@ def _log_shared_models(
             logger.warning("model %r is now served by %s as well as %s", model, worker_name, others)
 
 
-# ---- talking to workers -------------------------------------------------------------------------
-
-
-async def fetch_worker_status(
-    client: httpx.AsyncClient, worker_name: str, timeout: float
-) -> WorkerStatus:
-    """POST {worker}/worker_get_status; raise WorkerUnreachable on any failure."""
-    try:
-        response = await client.post(worker_name + "/worker_get_status", timeout=timeout)
-        response.raise_for_status()
-        return WorkerStatus.model_validate(response.json())
-    except (httpx.HTTPError, ValueError) as exc:  # ValueError: bad JSON or ValidationError
-        raise WorkerUnreachable(f"{type(exc).__name__}: {exc}") from None
-
-
-def _error_chunk(text: str, error_code: int) -> bytes:
-    return json.dumps({"text": text, "error_code": error_code}).encode() + b"\0"
-
-
-async def _relay_stream(
-    client: httpx.AsyncClient, url: str, params: dict[str, Any], timeout: httpx.Timeout
-) -> AsyncIterator[bytes]:
-    """Yield the worker's NUL-delimited stream unchanged, regrouped at NUL boundaries.
-
-    Yielding whole frames means a worker dying mid-stream never leaves the consumer holding
-    half a JSON object: the partial tail is dropped and one error frame follows instead.
-    Closing this generator (client disconnect) closes the upstream request, which is how the
-    worker learns to abort.
-    """
-    pending = b""
-    try:
-        async with client.stream("POST", url, json=params, timeout=timeout) as response:
-            if response.status_code != 200:
-                body = (await response.aread())[:500].decode("utf-8", "replace")
-                client_error = 400 <= response.status_code < 500
-                code = ErrorCode.VALIDATION_TYPE_ERROR if client_error else ErrorCode.INTERNAL_ERROR
-                if response.status_code == 429:  # a full worker queue: "try again later"
-                    code = ErrorCode.ENGINE_OVERLOADED
-                yield _error_chunk(f"worker answered HTTP {response.status_code}: {body}", code)
-                return
-            async for data in response.aiter_bytes():
-                pending += data
-                end = pending.rfind(b"\0")
-                if end >= 0:
-                    yield pending[: end + 1]
-                    pending = pending[end + 1 :]
-        if pending:
-            yield pending  # an unterminated last object: pass it on as the worker sent it
-    except httpx.HTTPError as exc:
-        logger.warning("stream from %s failed: %s: %s", url, type(exc).__name__, exc)
-        yield _error_chunk(
-            f"worker {url} failed or timed out: {type(exc).__name__}",
-            ErrorCode.CONTROLLER_WORKER_TIMEOUT,
-        )
-
-
-async def _poll_quiet_workers(
-    registry: WorkerRegistry, client: httpx.AsyncClient, timeout: float
-) -> None:
-    """Ask workers silent for half the expiration for their status; an answer counts as a beat.
-
-    Stock FastChat workers beat only every 45 s (FastChat expires them after 90 s), far less
-    often than our expiration asks, so without this they would be dropped and re-register
-    between beats. Our workers beat every few seconds and are never polled. A worker that does
-    not answer is left to expire as usual.
-    """
-    quiet = registry.quiet_workers(registry.heartbeat_expiration / 2)
-    results = await asyncio.gather(
-        *(fetch_worker_status(client, w.worker_name, timeout) for w in quiet),
-        return_exceptions=True,
-    )
-    for worker, result in zip(quiet, results):
-        # Removed or re-registered meanwhile: the poll is no longer news.
-        if isinstance(result, WorkerStatus) and registry.get(worker.worker_name) is worker:
-            registry.register(
-                worker.worker_name,
-                result,
-                check_heart_beat=worker.check_heart_beat,
-                multimodal=worker.multimodal,
-                instance_id=worker.instance_id,
-            )
-
-
-async def _sweep_periodically(
-    registry: WorkerRegistry, client: httpx.AsyncClient, config: ControllerConfig,
-    metrics: ControllerMetrics,
-) -> None:
-    while True:
-        await asyncio.sleep(config.effective_expiry_interval)
-        try:
-            await _poll_quiet_workers(registry, client, config.status_timeout)
-            expiration = registry.heartbeat_expiration
-            for name in registry.expire():
-                metrics.expiries.inc()
-                logger.info("expired worker %s (no heartbeat for %.1f s)", name, expiration)
-        except Exception:  # keep sweeping: a bug here must not leave dead workers listed
-            logger.exception("expiry sweep failed")
-
-
 # ---- the app ------------------------------------------------------------------------------------
 
 
@@ -323,7 +170,7 @@ def create_app(
         ) as client:
             app.state.http_client = client
             sweeper = asyncio.create_task(
-                _sweep_periodically(registry, client, config, metrics), name="controller-expiry"
+                sweep_periodically(registry, client, config, metrics), name="controller-expiry"
             )
             logger.info(
                 "controller up: dispatch=%s heartbeat_expiration=%.1fs",
@@ -509,8 +356,8 @@ def create_app(
         params = _validate(_ParamsEnvelope, raw_params)
         picked = dispatcher.choose(params.model)
         if picked is None:
-            chunks: AsyncIterator[bytes] = _single(
-                _error_chunk(
+            chunks: AsyncIterator[bytes] = single_chunk(
+                error_chunk(
                     f"no worker is serving model {params.model!r}",
                     ErrorCode.CONTROLLER_NO_WORKER,
                 )
@@ -518,7 +365,7 @@ def create_app(
         else:
             url = picked.worker_name + "/worker_generate_stream"
             timeout = httpx.Timeout(config.stream_read_timeout, connect=config.connect_timeout)
-            chunks = _relay_stream(client_of(request), url, raw_params, timeout)
+            chunks = relay_stream(client_of(request), url, raw_params, timeout)
         return StreamingResponse(chunks, media_type="application/octet-stream")
 
     @app.get("/test_connection")
@@ -530,7 +377,3 @@ def create_app(
         return {"status": "ok"}
 
     return app
-
-
-async def _single(chunk: bytes) -> AsyncIterator[bytes]:
-    yield chunk

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from llmplatform.controller.app import ControllerConfig
+    from llmplatform.controller.config import ControllerConfig
     from llmplatform.llm.base import LLM
     from llmplatform.model_worker.app import WorkerSettings
     from llmplatform.openai_api.settings import GatewaySettings
