@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,10 +25,11 @@ from llmplatform.controller import create_app as create_controller_app
 from llmplatform.llm.base import LLM
 from llmplatform.model_worker.app import WorkerSettings
 from llmplatform.model_worker.app import create_app as create_worker_app
-from llmplatform.model_worker.backends import BackendConfig, build_llm
 from llmplatform.openai_api.app import create_app as create_gateway_app
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.utils.server import serve_in_thread
+
+from tests.processes import free_port
 
 MODEL = "tiny"
 SUBPROCESS_START_TIMEOUT_S = 120.0
@@ -39,10 +39,6 @@ loaded 2-core CI machine."""
 T = TypeVar("T")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate: Callable[[], T], *, timeout: float, interval: float = 0.05,
@@ -56,13 +52,6 @@ def wait_until(predicate: Callable[[], T], *, timeout: float, interval: float = 
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} not reached within {timeout} s")
         time.sleep(interval)
-
-
-def paged_tiny_llm(model_dir: Path, **overrides: Any) -> LLM:
-    config = dict(model_path=str(model_dir), model_names=(MODEL,), backend="paged", device="cpu",
-                  dtype="float32", kv_cache_memory="64MiB")
-    config.update(overrides)
-    return build_llm(BackendConfig(**config))
 
 
 def list_models(controller_url: str) -> list[str]:
@@ -208,30 +197,6 @@ def start_worker(model_dir: Path, controller_url: str, log_dir: Path, *, name: s
                          f"{url}/health", url, env)
 
 
-def alive(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
 
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for {pid}")

@@ -18,9 +18,10 @@ import openai
 import pytest
 
 from llmplatform.utils.server import serve_in_thread
-from tests.faults.harness import (MODEL, controller_app, gateway_app, idle, paged_tiny_llm,
-                                  serve_worker, worker_app)
-from tests.integration.cluster import wait_for_models
+from tests.faults.harness import (
+    MODEL, controller_app, gateway_app, idle, serve_worker, worker_app,
+)
+from tests.integration.cluster import paged_tiny_llm, wait_for_models
 
 STEP_DELAY_S = 0.03
 LONG = 480  # tokens: with the delay, >= 14 s of generation if nobody aborts it

@@ -20,9 +20,10 @@ import openai
 import pytest
 
 from llmplatform.utils.server import serve_in_thread
-from tests.faults.harness import (MODEL, controller_app, gateway_app, list_models, paged_tiny_llm,
-                                  serve_worker, wait_until, worker_app)
-from tests.integration.cluster import wait_for_models
+from tests.faults.harness import (
+    MODEL, controller_app, gateway_app, list_models, serve_worker, wait_until, worker_app,
+)
+from tests.integration.cluster import paged_tiny_llm, wait_for_models
 
 STEP_DELAY_S = 0.02
 

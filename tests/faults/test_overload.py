@@ -23,9 +23,10 @@ from llmplatform.controller import ControllerConfig
 from llmplatform.controller import create_app as create_controller_app
 from llmplatform.controller.dispatch import DispatchMethod
 from llmplatform.utils.server import serve_in_thread
-from tests.faults.harness import (MODEL, FirstCandidate, gateway_app, paged_tiny_llm, serve_worker,
-                                  wait_until, worker_app, worker_status)
-from tests.integration.cluster import wait_for_models
+from tests.faults.harness import (
+    MODEL, FirstCandidate, gateway_app, serve_worker, wait_until, worker_app, worker_status,
+)
+from tests.integration.cluster import paged_tiny_llm, wait_for_models
 
 STEP_DELAY_S = 0.03
 RETRY_AFTER_S = 7

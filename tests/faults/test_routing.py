@@ -12,10 +12,12 @@ import openai
 import pytest
 
 from llmplatform.utils.server import serve_in_thread
-from tests.faults.harness import (MODEL, controller_app, free_port, gateway_app, list_models,
-                                  paged_tiny_llm, services, start_service, start_worker,
-                                  serve_worker, wait_until, worker_app)
-from tests.integration.cluster import wait_for_models
+from tests.faults.harness import (
+    MODEL, controller_app, gateway_app, list_models, services, start_service, start_worker,
+    serve_worker, wait_until, worker_app,
+)
+from tests.integration.cluster import paged_tiny_llm, wait_for_models
+from tests.processes import free_port
 
 EXPIRATION_S = 2.0
 HEARTBEAT_S = 1.0

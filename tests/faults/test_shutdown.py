@@ -25,11 +25,12 @@ import httpx
 import pytest
 
 from llmplatform.utils.server import serve_in_thread
-from tests.faults.harness import (MODEL, alive, children_of, controller_app, free_port,
-                                  list_models, paged_tiny_llm, services,
-                                  start_service, start_worker, serve_worker, wait_until,
-                                  worker_app, worker_status)
-from tests.integration.cluster import wait_for_models
+from tests.faults.harness import (
+    MODEL, controller_app, list_models, services, start_service, start_worker, serve_worker,
+    wait_until, worker_app, worker_status,
+)
+from tests.integration.cluster import paged_tiny_llm, wait_for_models
+from tests.processes import alive, children_of, free_port
 
 STOPPED = (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down gracefully
 LONG = {"model": MODEL, "prompt": "Once upon a time", "max_new_tokens": 480, "temperature": 0,

@@ -32,9 +32,10 @@ import openai
 import pytest
 
 from llmplatform.utils.server import serve_in_thread
-from tests.faults.harness import (MODEL, controller_app, gateway_app, idle, rss_bytes, services,
+from tests.faults.harness import (MODEL, controller_app, gateway_app, idle, services,
                                   start_worker, wait_until, worker_status)
 from tests.integration.cluster import wait_for_models
+from tests.processes import rss_bytes
 
 NUM_REQUESTS = 200
 ABORT_FRACTION = 0.3

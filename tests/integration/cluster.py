@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from pathlib import Path
+from typing import Any, Iterator
 
 import httpx
 
@@ -15,10 +16,19 @@ from llmplatform.controller import create_app as create_controller_app
 from llmplatform.llm.base import LLM
 from llmplatform.model_worker.app import WorkerSettings
 from llmplatform.model_worker.app import create_app as create_worker_app
+from llmplatform.model_worker.backends import BackendConfig, build_llm
 from llmplatform.openai_api.app import create_app as create_gateway_app
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.utils.server import serve_in_thread
 
+
+
+def paged_tiny_llm(model_dir: Path, **overrides: Any) -> LLM:
+    """The tiny test model on the paged backend (float32, CPU, a 64 MiB KV pool), named "tiny"."""
+    config: dict[str, Any] = dict(model_path=str(model_dir), model_names=("tiny",), backend="paged",
+                                  device="cpu", dtype="float32", kv_cache_memory="64MiB")
+    config.update(overrides)
+    return build_llm(BackendConfig(**config))
 
 @dataclass
 class Cluster:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,8 @@ pytest.importorskip("fastchat")
 import openai  # noqa: E402
 from fastchat.conversation import Conversation, SeparatorStyle  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
+
+from tests.processes import free_port
 
 WRAPPER = Path(__file__).parent / "fastchat_wrappers" / "run_patched.py"
 STARTUP_TIMEOUT_S = 60.0
@@ -56,10 +57,6 @@ TWO_TURNS = [
 # ---- processes -----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

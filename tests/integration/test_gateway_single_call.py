@@ -14,9 +14,8 @@ from transformers import AutoTokenizer
 
 from llmplatform.model_worker.app import WorkerSettings
 from llmplatform.model_worker.app import create_app as create_worker_app
-from llmplatform.model_worker.backends import BackendConfig, build_llm
 from llmplatform.utils.server import serve_in_thread
-from tests.integration.cluster import running_cluster, wait_for_models
+from tests.integration.cluster import paged_tiny_llm, running_cluster, wait_for_models
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 # Calls a worker gets that are not about one request: the controller's polls.
@@ -38,8 +37,7 @@ class RecordPaths:
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir):
-    llm = build_llm(BackendConfig(model_path=str(tiny_model_dir), model_names=("tiny",), backend="paged",
-                                  device="cpu", dtype="float32", kv_cache_memory="64MiB"))
+    llm = paged_tiny_llm(tiny_model_dir)
     paths: list[str] = []
     with running_cluster() as cluster:
         app = create_worker_app(llm, WorkerSettings(

@@ -15,11 +15,11 @@ import openai
 
 from llmplatform.serve.launcher import build_parser
 from tests.integration.test_serve_cli import (
-    free_ports,
     start_serve,
     stop_and_check_no_orphans,
     wait_for_line,
 )
+from tests.processes import free_ports
 
 
 def test_serve_config_with_env_overrides(tiny_model_dir, tmp_path, monkeypatch) -> None:

@@ -8,8 +8,7 @@ import openai
 import pytest
 
 from llmplatform.llm.hf import HFTransformersLLM
-from llmplatform.model_worker.backends import BackendConfig, build_llm
-from tests.integration.cluster import running_cluster
+from tests.integration.cluster import paged_tiny_llm, running_cluster
 from tests.observability.scrape import delta, scrape, value, wait_for
 
 CHAT = [{"role": "user", "content": "Count to ten."}]
@@ -27,9 +26,7 @@ def cluster(backend, tiny_model_dir):
         llm = HFTransformersLLM(str(tiny_model_dir), ("tiny",), device="cpu", dtype="float32",
                                 max_concurrency=2)
     else:
-        llm = build_llm(BackendConfig(model_path=str(tiny_model_dir), model_names=("tiny",),
-                                      backend="paged", device="cpu", dtype="float32",
-                                      kv_cache_memory="64MiB"))
+        llm = paged_tiny_llm(tiny_model_dir)
     with running_cluster() as cluster:
         cluster.add_worker(llm)
         yield cluster

@@ -13,17 +13,14 @@ import httpx
 import openai
 import pytest
 
-from llmplatform.model_worker.backends import BackendConfig, build_llm
-from tests.integration.cluster import running_cluster
+from tests.integration.cluster import paged_tiny_llm, running_cluster
 
 CHAT = [{"role": "user", "content": "Say something."}]
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
-    llm = build_llm(BackendConfig(model_path=str(tiny_model_dir), model_names=("tiny",),
-                                  backend="paged", device="cpu", dtype="float32",
-                                  kv_cache_memory="64MiB"))
+    llm = paged_tiny_llm(tiny_model_dir)
     with running_cluster() as cluster:
         cluster.add_worker(llm)
         yield cluster

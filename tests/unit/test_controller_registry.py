@@ -14,27 +14,7 @@ from llmplatform.protocol.controller import (
     WorkerStatus,
 )
 
-A = "http://127.0.0.1:1"
-B = "http://127.0.0.1:2"
-C = "http://127.0.0.1:3"
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class FixedRandom:
-    """Returns the given values from random(), in order."""
-
-    def __init__(self, *values: float) -> None:
-        self.values = list(values)
-
-    def random(self) -> float:
-        return self.values.pop(0)
+from tests.unit.controller_fakes import A, B, C, FakeClock, FixedRandom
 
 
 def status(*models: str, speed: int = 1, queue_length: int = 0, **load: float) -> WorkerStatus:

@@ -23,27 +23,7 @@ from llmplatform.controller.dispatch import (
 from llmplatform.controller.registry import WorkerInfo, WorkerRegistry
 from llmplatform.protocol.controller import HeartbeatRequest, WorkerStatus
 
-A = "http://127.0.0.1:1"
-B = "http://127.0.0.1:2"
-C = "http://127.0.0.1:3"
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class FixedRandom:
-    def __init__(self, *values: float) -> None:
-        self.values = list(values)
-
-    def random(self) -> float:
-        if not self.values:
-            raise AssertionError("dispatch drew a random number where load should decide")
-        return self.values.pop(0)
+from tests.unit.controller_fakes import A, B, C, FakeClock, FixedRandom
 
 
 def ours(

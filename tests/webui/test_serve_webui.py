@@ -9,11 +9,11 @@ import httpx
 
 from llmplatform.serve.launcher import build_parser, services_for, spec_from_args
 from tests.integration.test_serve_cli import (
-    free_ports,
     start_serve,
     stop_and_check_no_orphans,
     wait_for_line,
 )
+from tests.processes import free_ports
 
 
 def call_gradio(url: str, api_name: str, data: list) -> list:
