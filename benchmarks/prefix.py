@@ -50,6 +50,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from cpu_usage import machine_cpu_seconds
+
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
@@ -67,13 +69,7 @@ class OtherCores:
     /proc/stat minus this process's CPU time); 0 when /proc is not available."""
 
     def _now(self) -> tuple[float, float, float]:
-        busy = 0.0
-        try:
-            with open("/proc/stat") as f:
-                ticks = [int(v) for v in f.readline().split()[1:]]
-            busy = (ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6]) / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, IndexError):
-            pass
+        busy, _ = machine_cpu_seconds()
         return time.perf_counter(), busy, time.process_time()
 
     def __enter__(self) -> "OtherCores":

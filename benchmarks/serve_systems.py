@@ -26,6 +26,8 @@ from pathlib import Path
 
 import httpx
 
+from cpu_usage import machine_cpu_seconds
+
 STOP_GRACE_S = 30.0
 
 
@@ -231,13 +233,7 @@ class CoresMonitor:
         self.server = server
 
     def _snapshot(self) -> tuple[float, float, float, float]:
-        busy = 0.0
-        try:
-            with open("/proc/stat") as f:
-                ticks = [int(v) for v in f.readline().split()[1:]]
-            busy = (ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6]) / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, IndexError):
-            pass
+        busy, _ = machine_cpu_seconds()
         server = self.server.cpu_seconds() if self.server is not None else 0.0
         return time.perf_counter(), busy, server, time.process_time()
 
