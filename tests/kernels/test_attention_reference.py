@@ -7,7 +7,6 @@ import random
 import pytest
 import torch
 
-import llmplatform.kernels.attention as attention_impl
 from llmplatform.kernels import AttentionMetadata, paged_attention, store_kv_cache
 from llmplatform.kernels.attention import _get_plan
 
@@ -85,17 +84,6 @@ GQA = pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)], ids=["
 BLOCK = pytest.mark.parametrize("block_size", [16, 4])
 
 
-@pytest.fixture(params=["block_diagonal", "head_major"], autouse=True)
-def decode_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run every test through both decode layouts (normally chosen by the number of kv heads)
-    and both prefill paths (normally chosen by the size of the scores): block-diagonal decode
-    with matmul prefill, head-major decode with the fused-kernel prefill."""
-    block_diagonal = request.param == "block_diagonal"
-    monkeypatch.setattr(attention_impl, "_BLOCK_DIAGONAL_MAX_KV_HEADS", 1 << 30 if block_diagonal else 0)
-    monkeypatch.setattr(attention_impl, "_MATMUL_PREFILL_MAX_SCORES", 1 << 60 if block_diagonal else 0)
-    return request.param
-
-
 @GQA
 @BLOCK
 def test_decode_only(block_size: int, num_heads: int, num_kv_heads: int) -> None:
@@ -146,15 +134,13 @@ def test_randomized_batches(seed: int) -> None:
 
 
 @pytest.mark.parametrize("mixed", [False, True])
-def test_decode_lengths_far_apart_use_several_buckets(mixed: bool, decode_layout: str) -> None:
+def test_decode_lengths_far_apart_use_several_buckets(mixed: bool) -> None:
     rng = random.Random(3)
     lens = [(rng.randrange(1, 400), 1) for _ in range(40)] + [(5, 300)] * mixed
     out, expected, metadata = run_case(lens, block_size=16, num_heads=6, num_kv_heads=2, seed=3)
-    plan = _get_plan(metadata, torch.empty(1, 16, 2, HEAD_DIM), 6, torch.float32)
+    plan = _get_plan(metadata, torch.empty(1, 16, 2, HEAD_DIM), torch.float32)
     assert len(plan.decode_buckets) > 1
     assert sum(b.num_seqs for b in plan.decode_buckets) == 40
-    assert all(b.block_diagonal == (decode_layout == "block_diagonal") for b in plan.decode_buckets)
-    assert all((p.additive_mask is not None) == (decode_layout == "block_diagonal") for p in plan.prefills)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -6,25 +6,25 @@ tokens), decode (one new token per sequence) and any mix. Query i of sequence s 
 tokens' K/V are already in the cache (``store_kv_cache`` runs first), so a reference can read
 everything from the cache.
 
-The torch path below is what CPU serving runs, so it is built for speed, not only for clarity:
+The torch path below is what CPU serving runs, so it is built for speed, not only for clarity.
+Both halves use torch's fused ``scaled_dot_product_attention`` (a flash-style CPU kernel that
+accumulates in float32, never materializes the whole score matrix and is vectorized for bf16 as
+well as fp32); on the 2-core AVX-512 CPU without bf16 instructions it measured 2-4x faster than
+explicit batched matmuls + softmax (``benchmarks/attention_micro.py``):
 
-- Decode rows (query length 1) of all sequences go through one batched path. Per step (not per
+- Decode rows (query length 1) of all sequences go through one batched call. Per step (not per
   layer) the sequences are sorted by length and cut into a few buckets, so short sequences are not
-  padded to the longest one. Per bucket and layer: one gather of K and one of V from the cache
-  into a reused workspace, two batched matmuls, an additive -inf mask past each sequence's length
-  and a softmax. GQA never repeats K/V; with few kv heads the gather copies whole blocks (the
-  fastest copy there is) and the query is laid out block-diagonally over the kv heads, which
-  costs num_kv_heads times the (cheap) matmul FLOPs but no transpose; with many kv heads the
-  gather goes head-major, one cache row per (token, kv head), and the query is grouped as
-  [n, kv_heads, q_per_kv, head_dim]. The decode path is memory bound (each layer reads every
-  sequence's K/V once into the workspace), so fewer bytes moved beats fewer FLOPs.
+  padded to the longest one. Per bucket and layer: one gather of whole K blocks and one of V
+  blocks from the cache into a reused workspace ([n, kv_len, kv_heads, D] token-major, the fastest
+  copy there is), then one fused call in which GQA costs nothing: the q_per_kv query heads that
+  share a kv head are laid out as that kv head's "query positions" ([n, kv_heads, q_per_kv, D])
+  over the workspace viewed [n, kv_heads, kv_len, D] (a strided view, no copy, no repeat of K/V),
+  with an additive -inf mask past each sequence's length. Decode is memory bound (each layer
+  reads every sequence's K/V once), so fewer bytes moved beats fewer FLOPs.
 - Rows of a sequence with several new tokens are attended per sequence, over the new K/V directly
-  when nothing is cached, else over the sequence's K/V gathered from the cache, with a causal mask
-  offset by the context length. While the [heads, q_len, kv_len] scores are small, two batched
-  matmuls with the query rows grouped per kv head (twice as fast as the fused kernel at prompt
-  sizes); beyond that, torch's fused ``scaled_dot_product_attention``, which never materializes
-  the scores, with GQA as a stride-0 expand of K/V (``enable_gqa`` is orders of magnitude slower
-  on CPU and ``repeat_interleave`` copies).
+  when nothing is cached (plain ``is_causal``), else over the sequence's K/V gathered from the
+  cache with a causal mask offset by the context length; GQA as a stride-0 expand of K/V
+  (``enable_gqa`` is orders of magnitude slower on CPU and ``repeat_interleave`` copies).
 
 Everything that depends only on the metadata (index tensors, masks, buckets, workspaces) is built
 once, on the first layer's call, and kept in ``metadata.derived`` for the other layers.
@@ -44,18 +44,9 @@ from llmplatform.kernels.metadata import AttentionMetadata
 # this. On the 2-core CPU with SmolLM2's shapes, values from 512 to 2048 measure the same
 # (benchmarks/attention_micro.py).
 _BUCKET_OVERHEAD_TOKENS = 2048
-# Up to this many kv heads the decode gather copies whole blocks and the query goes
-# block-diagonal (FLOPs x num_kv_heads); past it, a head-major gather (smaller rows, slower copy).
-_BLOCK_DIAGONAL_MAX_KV_HEADS = 4
 # At most this many sequences per decode bucket (bounds the bucketing search; measured neutral
 # for speed between 16 and 64).
 _MAX_BUCKET_SEQS = 64
-# A prefill whose scores (heads * q_len * kv_len) stay under this uses explicit matmuls;
-# larger ones use the fused kernel, which does not hold the scores in memory.
-_MATMUL_PREFILL_MAX_SCORES = 1 << 22
-# Decode buckets pad their KV length to a multiple of this, which bounds the number of distinct
-# matmul shapes (and so oneDNN primitive creations) a long run goes through.
-_KV_LEN_ALIGN = 16
 
 
 def check_paged_attention_args(
@@ -89,16 +80,13 @@ def check_paged_attention_args(
 class _DecodeBucket:
     """Decode sequences of similar length, attended together.
 
-    ``block_diagonal`` layout: ``kv_index`` holds block ids, K/V land as
-    [n, kv_len, kv_heads * D] (kv_len a multiple of block_size); mask [n, 1, kv_len].
-    Head-major layout: ``kv_index`` holds rows of the cache's [num_slots * kv_heads, D] view, K/V
-    land as [n, kv_heads, kv_len, D]; mask [n, 1, 1, kv_len].
+    ``kv_index`` holds the block ids of every sequence's first ``kv_len // block_size`` blocks;
+    K/V land in the workspaces as [n, kv_len, kv_heads, D].
     """
 
     rows: torch.Tensor | None  # [n] token rows of the batch; None: all rows, in order
-    block_diagonal: bool
-    kv_index: torch.Tensor  # see above
-    mask: torch.Tensor  # additive: 0 where the key exists, -inf past the sequence's end
+    kv_index: torch.Tensor  # [n * kv_len // block_size] block ids
+    mask: torch.Tensor  # [n, 1, 1, kv_len] additive: 0 where the key exists, -inf past the end
     k_buffer: torch.Tensor  # [n * kv_len * kv_heads * D] gather workspace, reused by every layer
     v_buffer: torch.Tensor  # same
     num_seqs: int
@@ -112,9 +100,7 @@ class _PrefillSeq:
     start: int  # its first token row
     end: int
     kv_slots: torch.Tensor | None  # [kv_len] cache slots of its whole KV; None: no cached prefix
-    additive_mask: torch.Tensor | None  # [q_len, 1, kv_len] 0 / -inf: the matmul path
-    bool_mask: torch.Tensor | None  # [q_len, kv_len] True = may attend: the fused path with a prefix
-    # (fused path with neither mask: no prefix, plain is_causal)
+    allowed: torch.Tensor | None  # [q_len, kv_len] True = may attend; None: no prefix, is_causal
 
 
 @dataclass
@@ -132,7 +118,7 @@ def paged_attention_torch(
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    plan = _get_plan(metadata, k_cache, query.shape[1], query.dtype)
+    plan = _get_plan(metadata, k_cache, query.dtype)
 
     buckets = plan.decode_buckets
     if not plan.prefills and len(buckets) == 1 and buckets[0].rows is None:
@@ -153,19 +139,7 @@ def paged_attention_torch(
 
 
 def _decode(
-    query: torch.Tensor,  # [n, num_heads, head_dim], one new token per sequence
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    bucket: _DecodeBucket,
-    scale: float,
-) -> torch.Tensor:  # [n, num_heads, head_dim]
-    if bucket.block_diagonal:
-        return _decode_block_diagonal(query, k_cache, v_cache, bucket, scale)
-    return _decode_head_major(query, k_cache, v_cache, bucket, scale)
-
-
-def _decode_block_diagonal(
-    query: torch.Tensor,  # [n, H, D]
+    query: torch.Tensor,  # [n, H, D], one new token per sequence
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
     bucket: _DecodeBucket,
@@ -179,42 +153,13 @@ def _decode_block_diagonal(
                            out=bucket.k_buffer.view(-1, block_size * Hkv * D))
     v = torch.index_select(v_cache.view(num_blocks, -1), 0, bucket.kv_index,
                            out=bucket.v_buffer.view(-1, block_size * Hkv * D))
-    k = k.view(n, L, Hkv * D)  # [n, L, Hkv * D], token-major as stored
-    v = v.view(n, L, Hkv * D)  # [n, L, Hkv * D]
-    # q_bd[s, (j, g), (i, d)] = q[s, (j, g), d] if i == j else 0: one matmul against all kv heads
-    # at once, in which each query head only sees its own kv head's columns.
-    q_bd = query.new_zeros(n, Hkv, G, Hkv, D)  # [n, Hkv, G, Hkv, D]
-    q_bd.diagonal(dim1=1, dim2=3).copy_((query * scale).view(n, Hkv, G, D).permute(0, 2, 3, 1))
-    scores = torch.bmm(q_bd.view(n, H, Hkv * D), k.transpose(1, 2))  # [n, H, L]
-    scores += bucket.mask  # [n, 1, L] broadcast: -inf past each sequence's end
-    # Softmax of a reduced-precision input accumulates in float32 internally (the result equals
-    # softmax(scores.float()) rounded once), without a float32 copy of the scores.
-    probs = torch.softmax(scores, dim=-1)  # [n, H, L]
-    out = torch.bmm(probs, v).view(n, Hkv, G, Hkv, D)  # [n, (j, g), (i, d)]; only i == j is wanted
-    out = out.diagonal(dim1=1, dim2=3)  # [n, G, D, Hkv]
-    return out.permute(0, 3, 1, 2).reshape(n, H, D)
-
-
-def _decode_head_major(
-    query: torch.Tensor,  # [n, H, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,
-    bucket: _DecodeBucket,
-    scale: float,
-) -> torch.Tensor:  # [n, H, D]
-    n, H, D = query.shape
-    Hkv = k_cache.shape[2]
-    G = H // Hkv
-    L = bucket.kv_len
-    q = (query * scale).view(n, Hkv, G, D)  # [n, Hkv, G, D]: GQA as a plain batched matmul
-    k = torch.index_select(k_cache.view(-1, D), 0, bucket.kv_index, out=bucket.k_buffer.view(-1, D))
-    v = torch.index_select(v_cache.view(-1, D), 0, bucket.kv_index, out=bucket.v_buffer.view(-1, D))
-    k = k.view(n, Hkv, L, D)  # [n, Hkv, L, D]
-    v = v.view(n, Hkv, L, D)  # [n, Hkv, L, D]
-    scores = torch.matmul(q, k.transpose(-1, -2))  # [n, Hkv, G, L]
-    scores += bucket.mask  # [n, 1, 1, L]
-    probs = torch.softmax(scores, dim=-1)  # [n, Hkv, G, L], float32 accumulation as above
-    return torch.matmul(probs, v).view(n, H, D)  # [n, H, D]
+    k = k.view(n, L, Hkv, D).transpose(1, 2)  # [n, Hkv, L, D] strided view of the workspace
+    v = v.view(n, L, Hkv, D).transpose(1, 2)  # [n, Hkv, L, D]
+    # The G query heads of kv head j act as G query positions over j's keys: exact for decode,
+    # where every query may see every key of its sequence (the mask only cuts the padding).
+    q = query.view(n, Hkv, G, D)  # [n, Hkv, G, D]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask, scale=scale)  # [n, Hkv, G, D]
+    return out.reshape(n, H, D)
 
 
 def _prefill(
@@ -238,38 +183,25 @@ def _prefill(
         k = k_cache.view(-1, Hkv, D).index_select(0, seq.kv_slots)  # [L, Hkv, D]
         v = v_cache.view(-1, Hkv, D).index_select(0, seq.kv_slots)  # [L, Hkv, D]
     L = k.shape[0]  # kv_len
-    out_rows = out[seq.start:seq.end].view(n, Hkv, G, D)  # [n, Hkv, G, D]
-
-    if seq.additive_mask is not None:
-        # Rows (i, g) of kv head j: every query head of the group in one [n * G, L] matmul.
-        q = (query[seq.start:seq.end] * scale).view(n, Hkv, G, D).transpose(0, 1)  # [Hkv, n, G, D]
-        q = q.reshape(Hkv, n * G, D)  # [Hkv, n * G, D]
-        scores = torch.bmm(q, k.permute(1, 2, 0)).view(Hkv, n, G, L)  # [Hkv, n, G, L]
-        scores += seq.additive_mask  # [n, 1, L] broadcast: causal, offset by the context
-        probs = torch.softmax(scores, dim=-1).view(Hkv, n * G, L)  # float32 accumulation inside
-        attn = torch.bmm(probs, v.transpose(0, 1))  # [Hkv, n * G, D]
-        out_rows.copy_(attn.view(Hkv, n, G, D).transpose(0, 1))
-        return
-
     q = query[seq.start:seq.end].view(n, Hkv, G, D).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
     k = k.permute(1, 0, 2).unsqueeze(1).expand(Hkv, G, L, D)  # [Hkv, G, L, D] stride-0 GQA
     v = v.permute(1, 0, 2).unsqueeze(1).expand(Hkv, G, L, D)
     attn = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=seq.bool_mask, is_causal=seq.bool_mask is None, scale=scale
+        q, k, v, attn_mask=seq.allowed, is_causal=seq.allowed is None, scale=scale
     )  # [Hkv, G, n, D]
-    out_rows.copy_(attn.permute(2, 0, 1, 3))
+    out[seq.start:seq.end].view(n, Hkv, G, D).copy_(attn.permute(2, 0, 1, 3))
 
 
 # ---------------------------------------------------------------------------------------------
 # The per-step plan
 
 
-def _get_plan(metadata: AttentionMetadata, k_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> _Plan:
+def _get_plan(metadata: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype) -> _Plan:
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    key = ("paged_attention_torch", block_size, num_heads, num_kv_heads, head_dim, dtype, k_cache.device)
+    key = ("paged_attention_torch", block_size, num_kv_heads, head_dim, dtype, k_cache.device)
     plan = metadata.derived.get(key)
     if plan is None:
-        plan = _build_plan(metadata, block_size, num_heads, num_kv_heads, head_dim, dtype, k_cache.device)
+        plan = _build_plan(metadata, block_size, num_kv_heads, head_dim, dtype, k_cache.device)
         metadata.derived[key] = plan
     return plan
 
@@ -277,7 +209,6 @@ def _get_plan(metadata: AttentionMetadata, k_cache: torch.Tensor, num_heads: int
 def _build_plan(
     metadata: AttentionMetadata,
     block_size: int,
-    num_heads: int,
     num_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
@@ -304,20 +235,14 @@ def _build_plan(
     for i in prefill_ids:
         context_len, kv_len = metadata.context_lens_cpu[i], seq_lens[i]
         start, end = starts[i], starts[i + 1]
-        kv_slots = None
-        if context_len > 0:
-            positions = torch.arange(kv_len, device=device)  # [L]
-            table = metadata.block_tables[i].long()  # [max_num_blocks]
-            kv_slots = table[positions // block_size] * block_size + positions % block_size  # [L]
-        if (end - start) * kv_len * num_heads <= _MATMUL_PREFILL_MAX_SCORES:
-            additive = torch.full((end - start, kv_len), float("-inf"), dtype=dtype, device=device)
-            additive = additive.triu_(context_len + 1).view(end - start, 1, kv_len)  # [n, 1, L]
-            prefills.append(_PrefillSeq(start, end, kv_slots, additive_mask=additive, bool_mask=None))
-        elif context_len > 0:
-            allowed = torch.ones(end - start, kv_len, dtype=torch.bool, device=device).tril_(context_len)
-            prefills.append(_PrefillSeq(start, end, kv_slots, additive_mask=None, bool_mask=allowed))
-        else:
-            prefills.append(_PrefillSeq(start, end, None, additive_mask=None, bool_mask=None))
+        if context_len == 0:
+            prefills.append(_PrefillSeq(start, end, kv_slots=None, allowed=None))
+            continue
+        positions = torch.arange(kv_len, device=device)  # [L]
+        table = metadata.block_tables[i].long()  # [max_num_blocks]
+        kv_slots = table[positions // block_size] * block_size + positions % block_size  # [L]
+        allowed = torch.ones(end - start, kv_len, dtype=torch.bool, device=device).tril_(context_len)
+        prefills.append(_PrefillSeq(start, end, kv_slots, allowed))
     return _Plan(decode_buckets=buckets, prefills=prefills)
 
 
@@ -333,31 +258,19 @@ def _decode_bucket(
 ) -> _DecodeBucket:
     n = len(seq_ids)
     longest = max(metadata.seq_lens_cpu[i] for i in seq_ids)
-    max_blocks = metadata.block_tables.shape[1]
     ids = torch.tensor(seq_ids, dtype=torch.int64, device=device)  # [n]
     tables = metadata.block_tables.index_select(0, ids).long()  # [n, max_num_blocks]
-    block_diagonal = num_kv_heads <= _BLOCK_DIAGONAL_MAX_KV_HEADS
-    if block_diagonal:
-        num_blocks = -(-longest // block_size)
-        kv_len = num_blocks * block_size
-        kv_index = tables[:, :num_blocks].reshape(-1)  # [n * num_blocks] block ids
-    else:
-        kv_len = min(-(-longest // _KV_LEN_ALIGN) * _KV_LEN_ALIGN, max_blocks * block_size)
-        positions = torch.arange(kv_len, device=device)  # [kv_len]
-        slots = tables[:, positions // block_size] * block_size + positions % block_size  # [n, kv_len]
-        heads = torch.arange(num_kv_heads, device=device)  # [kv_heads]
-        # (sequence, kv head, position) -> row of the cache's [num_slots * kv_heads, D] view
-        kv_index = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)  # [n * kv_heads * kv_len]
+    num_blocks = -(-longest // block_size)
+    kv_len = num_blocks * block_size
+    kv_index = tables[:, :num_blocks].reshape(-1)  # [n * num_blocks] block ids
     seq_lens = metadata.seq_lens.index_select(0, ids)  # [n]
     beyond = torch.arange(kv_len, device=device)[None, :] >= seq_lens[:, None]  # [n, kv_len]
     mask = torch.zeros(n, kv_len, dtype=dtype, device=device).masked_fill_(beyond, float("-inf"))
-    mask = mask.view(n, 1, kv_len) if block_diagonal else mask.view(n, 1, 1, kv_len)
     numel = n * kv_len * num_kv_heads * head_dim
     return _DecodeBucket(
         rows=rows,
-        block_diagonal=block_diagonal,
         kv_index=kv_index,
-        mask=mask,
+        mask=mask.view(n, 1, 1, kv_len),
         k_buffer=torch.empty(numel, dtype=dtype, device=device),
         v_buffer=torch.empty(numel, dtype=dtype, device=device),
         num_seqs=n,
