@@ -78,14 +78,25 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
 
 
+COMPUTE_DTYPES = ("auto", "model", "float32")
+"""Choices for the dtype the native engine multiplies matrices in (``--compute-dtype``)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which weights, on which device, in which dtype."""
+    """Which weights, on which device, in which dtype; ``compute_dtype`` is the dtype of the
+    matrix products (``auto``, ``model`` or ``float32``: see ``torch_utils.resolve_compute_dtype``)."""
 
     model_path: str
     model_names: tuple[str, ...]
     device: str = "auto"
     dtype: str = "auto"
+    compute_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, "
+                             f"got {self.compute_dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -95,5 +106,5 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
 
 
-__all__ = ["CacheConfig", "SchedulerConfig", "ModelConfig", "EngineConfig", "parse_memory_size",
+__all__ = ["COMPUTE_DTYPES", "CacheConfig", "SchedulerConfig", "ModelConfig", "EngineConfig", "parse_memory_size",
            "InvalidRequestError"]

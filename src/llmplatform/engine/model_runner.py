@@ -28,7 +28,7 @@ from llmplatform.kernels import AttentionMetadata
 from llmplatform.llm.base import TokenLogprob
 from llmplatform.llm.output import token_text
 from llmplatform.llm.sampler import Sampler, SamplingRow
-from llmplatform.llm.torch_utils import resolve_device, resolve_dtype
+from llmplatform.llm.torch_utils import resolve_compute_dtype, resolve_device, resolve_dtype
 from llmplatform.models.loader import load_model
 
 logger = logging.getLogger("llmplatform.engine")
@@ -47,6 +47,10 @@ class CacheLayout:
         return self.num_blocks * self.block_size
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, tokenizer: Any,
                  max_model_len: int, max_num_batched_tokens: int) -> None:
@@ -55,6 +59,13 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.model = load_model(model_config.model_path, dtype=self.dtype, device=self.device,
                                 max_model_len=max_model_len)
+        self.compute_dtype = resolve_compute_dtype(model_config.compute_dtype, self.dtype, self.device)
+        if self.compute_dtype != self.dtype:
+            logger.info("matrix products in %s over %s weights (%s)", _name(self.compute_dtype),
+                        _name(self.dtype), "--compute-dtype float32" if model_config.compute_dtype
+                        == "float32" else "this CPU has no bf16/fp16 matrix instructions; "
+                        "--compute-dtype model keeps them in the model dtype")
+            self.model.use_compute_dtype(self.compute_dtype)
         self.sampler = Sampler(tokenizer)
         self._tokenizer = tokenizer
         bytes_per_block = self.model.kv_cache_bytes_per_block(self.block_size)

@@ -68,7 +68,11 @@ class PagedLLM(LLM):
 
     def backend_info(self) -> BackendInfo:
         layout = self.engine.runner.layout
-        return BackendInfo(backend=self.backend_name, dtype=_dtype_name(self.engine.runner.dtype),
+        runner = self.engine.runner
+        dtype = _dtype_name(runner.dtype)
+        if runner.compute_dtype != runner.dtype:
+            dtype += f" ({_dtype_name(runner.compute_dtype)} matmuls)"
+        return BackendInfo(backend=self.backend_name, dtype=dtype,
                            device=str(self.engine.runner.device), num_kv_blocks=layout.num_blocks,
                            kv_block_size=layout.block_size)
 

@@ -7,6 +7,7 @@ import ipaddress
 import logging
 from urllib.parse import urlparse
 
+from llmplatform.engine.config import COMPUTE_DTYPES
 from llmplatform.model_worker.backends import BACKENDS, BackendConfig, build_llm
 from llmplatform.utils.cli import apply_env_defaults
 from llmplatform.utils.cluster_secret import SECRET_ENV, SECRET_HEADER, secret_from_env
@@ -61,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="cap on prompt + output tokens (default: the model's context length)")
     engine = parser.add_argument_group("native engine (--backend paged)")
+    engine.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, default="auto",
+                        help="dtype of the matrix products. auto: the model dtype, except bf16/fp16 "
+                             "on a CPU without bf16/fp16 matrix instructions (no AMX or "
+                             "AVX512-BF16), where float32 is several times faster (projection "
+                             "weights are then held in float32: twice the bf16 memory); model: "
+                             "always the model dtype; float32: always float32")
     engine.add_argument("--max-num-seqs", type=int, default=64,
                         help="sequences batched together at most")
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -122,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         llm = build_llm(BackendConfig(model_path=args.model_path, model_names=names,
                                       backend=args.backend, device=args.device, dtype=args.dtype,
+                                      compute_dtype=args.compute_dtype,
                                       max_concurrency=args.limit_worker_concurrency,
                                       max_model_len=args.max_model_len,
                                       max_num_seqs=args.max_num_seqs,

@@ -38,8 +38,18 @@ class Linear(nn.Module):
         self.weight = _empty_param(sum(self.output_sizes), in_features, dtype=dtype, device=device)
         self.bias = _empty_param(sum(self.output_sizes), dtype=dtype, device=device) if bias else None
 
+    def use_compute_dtype(self, dtype: torch.dtype) -> None:
+        """Hold the weight (and bias) in ``dtype`` and multiply in it; inputs are converted to it
+        and results back to the input's dtype (see ``torch_utils.resolve_compute_dtype``)."""
+        if self.weight.dtype != dtype:
+            self.weight = nn.Parameter(self.weight.detach().to(dtype), requires_grad=False)
+            if self.bias is not None:
+                self.bias = nn.Parameter(self.bias.detach().to(dtype), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(output_sizes)]
-        return F.linear(x, self.weight, self.bias)
+        if x.dtype == self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
 
 
 class Embedding(nn.Module):

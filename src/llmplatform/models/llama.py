@@ -195,6 +195,23 @@ class LlamaForCausalLM(nn.Module):
             None if self.tie_word_embeddings
             else Linear(config.hidden_size, [config.vocab_size], bias=False, dtype=dtype, device=device)
         )
+        self.compute_dtype = dtype
+        # With tied embeddings and a compute dtype other than ``dtype``: the output projection's
+        # own copy in the compute dtype (the embedding lookup keeps the original).
+        self._tied_lm_head: torch.Tensor | None = None
+
+    def use_compute_dtype(self, dtype: torch.dtype) -> None:
+        """Multiply matrices in ``dtype`` (after the weights are loaded): every projection keeps
+        its weight in ``dtype`` (see ``torch_utils.resolve_compute_dtype``); norms, rotary, the
+        KV cache and the activations between layers stay in the model dtype."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.use_compute_dtype(dtype)
+        if self.lm_head is None and dtype != self.dtype:
+            self._tied_lm_head = self.model.embed_tokens.weight.detach().to(dtype)
+        else:
+            self._tied_lm_head = None
+        self.compute_dtype = dtype
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]
@@ -212,7 +229,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         """Logits (model dtype) of the rows the caller samples from."""
-        return F.linear(hidden, self.lm_head_weight)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        weight = self._tied_lm_head if self._tied_lm_head is not None else self.lm_head_weight
+        if weight.dtype == hidden.dtype:
+            return F.linear(hidden, weight)
+        return F.linear(hidden.to(weight.dtype), weight).to(hidden.dtype)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of each layer's k_cache and v_cache."""
