@@ -202,6 +202,26 @@ class Bench:
                 f"ITL p50 {summary['itl_ms_p50']} ms, E2E p50 {summary['e2e_ms_p50']} ms, cores {cores}")
 
 
+def cpu_description() -> str:
+    """The CPU's name and whether it multiplies bf16 matrices in hardware: on one that does not,
+    bf16 products are emulated (slow) for every system, and our paged engine's ``--compute-dtype
+    auto`` multiplies in float32 over the bf16 weights instead."""
+    import platform
+
+    import torch
+
+    from llmplatform.llm.torch_utils import cpu_has_native_low_precision_matmul
+
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    native = cpu_has_native_low_precision_matmul(torch.bfloat16)
+    return f"{name}; bf16 matrix instructions (AMX/AVX512-BF16): {'yes' if native else 'no'}"
+
+
 def tserve_args(args: argparse.Namespace, levels: list[float], mode: str) -> str:
     """transformers serve's flags, with a KV cache for the largest level's requests all at once
     (no preemption, as our default 2 GiB cache allows) unless the flags size it already."""
@@ -311,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     meta: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": shlex.join(["python", *sys.argv]),
         "model": model_name, "model_path": model_path, "dtype": args.dtype, "device": args.device,
-        "cpu_count": os.cpu_count(), "mode": mode, "levels": levels, "seed": args.seed,
+        "cpu_count": os.cpu_count(), "cpu": cpu_description(), "mode": mode, "levels": levels, "seed": args.seed,
         "prompt_len": list(args.prompt_len), "output_len": list(args.output_len),
         "loadavg_before": " ".join(f"{x:.2f}" for x in os.getloadavg()), "log_dir": str(log_dir),
     }

@@ -68,7 +68,8 @@ def markdown(meta: dict[str, Any], runs: dict[str, dict[float, dict[str, Any]]],
     lines = [
         f"# Serving benchmark ({meta['started']})",
         "",
-        f"Model {meta['model']} ({meta['dtype']}, {meta['device']}); {meta['cpu_count']} CPUs; "
+        f"Model {meta['model']} ({meta['dtype']}, {meta['device']}); {meta['cpu_count']} CPUs"
+        f"{' (' + meta['cpu'] + ')' if meta.get('cpu') else ''}; "
         f"prompts {meta['prompt_len'][0]}-{meta['prompt_len'][1]} tokens, outputs "
         f"{meta['output_len'][0]}-{meta['output_len'][1]} tokens (EOS ignored), seed {meta['seed']}; "
         f"streaming `/v1/completions` (the direct worker: `/worker_generate_stream`). Load average "
