@@ -75,8 +75,9 @@ def controller_app(*, heartbeat_expiration: float = 10.0, rng: Any = None) -> An
     return create_controller_app(ControllerConfig(heartbeat_expiration=heartbeat_expiration), rng=rng)
 
 
-def gateway_app(controller_url: str, **settings: Any) -> Any:
-    return create_gateway_app(GatewaySettings(controller_address=controller_url, **settings))
+def gateway_app(controller_url: str, *, rng: Any = None, **settings: Any) -> Any:
+    """A gateway; `rng` draws its routing table's random picks (see FirstCandidate)."""
+    return create_gateway_app(GatewaySettings(controller_address=controller_url, **settings), rng=rng)
 
 
 def worker_app(llm: LLM, controller_url: str | None, **settings: Any) -> Any:
@@ -97,8 +98,9 @@ def serve_worker(app: Any, *, port: int = 0) -> Iterator[str]:
 
 
 class FirstCandidate:
-    """A controller `rng` that always draws 0: ties go to the first live worker by name, so a
-    test knows which of two idle workers the controller picks."""
+    """A controller (or gateway) `rng` that always draws 0: ties go to the first live worker by
+    name, so a test knows which of two idle workers the controller picks. A gateway routing
+    from its own table ranks with the same method, so it needs the same source to pick alike."""
 
     def random(self) -> float:
         return 0.0

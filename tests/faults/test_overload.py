@@ -2,7 +2,8 @@
 gateway tries another worker or passes the 429 on in OpenAI's envelope.
 
 Two real paged workers (tiny model) with one concurrency slot and a queue of one each; engine
-steps are slowed so that a long request holds its slot for many seconds. The controller draws
+steps are slowed so that a long request holds its slot for many seconds. The controller (and the
+gateway, which picks from its own copy of the worker list with the controller's method) draws
 lottery tickets from a source that always returns 0, so it deterministically offers the worker
 whose URL sorts first ("first"): the one these tests fill.
 """
@@ -53,7 +54,7 @@ def cluster(tiny_model_dir):
     with contextlib.ExitStack() as stack:
         controller_url = stack.enter_context(serve_in_thread(
             create_controller_app(config, rng=FirstCandidate())))
-        gateway_url = stack.enter_context(serve_in_thread(gateway_app(controller_url)))
+        gateway_url = stack.enter_context(serve_in_thread(gateway_app(controller_url, rng=FirstCandidate())))
         urls = [stack.enter_context(serve_worker(worker_app(
             slowed(paged_tiny_llm(tiny_model_dir)), controller_url, **settings))) for _ in range(2)]
         wait_for_models(controller_url, [MODEL])

@@ -7,7 +7,8 @@ hangs: every client call has a timeout far above what the answer needs.
 
 Workers run as `python -m llmplatform.model_worker` subprocesses; the controller and the gateway
 are in-process uvicorn servers. The controller draws lottery tickets from a source that always
-returns 0, so it offers the worker whose URL sorts first, the one a test kills.
+returns 0, so it offers the worker whose URL sorts first, the one a test kills; the gateway, which
+picks from its own copy of the worker list with the controller's method, draws from one too.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def front():
     """Controller (expiry 60 s: a killed worker stays listed while the test runs) and gateway."""
     config = ControllerConfig(dispatch_method=DispatchMethod.LOTTERY, heartbeat_expiration=60.0)
     with serve_in_thread(create_controller_app(config, rng=FirstCandidate())) as controller_url, \
-            serve_in_thread(gateway_app(controller_url)) as gateway_url:
+            serve_in_thread(gateway_app(controller_url, rng=FirstCandidate())) as gateway_url:
         yield controller_url, gateway_url
 
 

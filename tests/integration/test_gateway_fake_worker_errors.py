@@ -123,6 +123,10 @@ def test_unreachable_worker_is_503(http: httpx.Client) -> None:
 def test_model_without_live_worker_is_503(http: httpx.Client, cluster: Cluster) -> None:
     assert http.post("/v1/chat/completions", json=_chat_body(model=GONE_MODEL, max_tokens=1)).status_code == 200
     cluster.controller_app.state.registry.remove(cluster.gone_worker_url)
+    # The gateway routes from its copy of the worker list: the worker is out of it with the next
+    # read (every second by default).
+    table = cluster.gateway_app.state.routing_table
+    assert _wait_for(lambda: GONE_MODEL not in table.models(), timeout=10)
     response = http.post("/v1/chat/completions", json=_chat_body(model=GONE_MODEL, stream=True))
     assert _assert_error(response, 503)["type"] == "service_unavailable"
     register_worker(cluster.controller, cluster.gone_worker_url, [GONE_MODEL])

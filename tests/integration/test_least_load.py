@@ -4,7 +4,8 @@ Worker A batches 16 sequences, worker B 2. Load is held with real long streams (
 long context) that stay open until the test closes them. The controller must route by the
 share of capacity in use that heartbeats report, not by raw queue length (shortest_queue would
 pick B whenever B's queue is shorter), both for `/get_worker_address` and for requests sent
-through the gateway with the official client.
+through the gateway with the official client (which routes from its own copy of the controller's
+worker list, ranked with the controller's method and load facts).
 """
 
 from __future__ import annotations
@@ -89,8 +90,15 @@ def test_requests_go_to_the_worker_with_the_smaller_share_of_capacity(
 
     with contextlib.ExitStack() as stack:
         controller = stack.enter_context(serve_in_thread(controller_app))
-        gateway = stack.enter_context(serve_in_thread(create_gateway_app(
-            GatewaySettings(controller_address=controller))))
+        gateway_app = create_gateway_app(GatewaySettings(controller_address=controller,
+                                                         worker_refresh_interval=0.2))
+        gateway = stack.enter_context(serve_in_thread(gateway_app))
+
+        def gateway_sees(url: str, num_running: int) -> bool:
+            """Whether the gateway's last read of the worker list shows `url` running that many."""
+            return any(w.worker_name == url and w.num_running == num_running
+                       for w in gateway_app.state.routing_table.workers())
+
         urls = []
         for max_num_seqs in (16, 2):
             llm = build_llm(BackendConfig(model_path=str(long_context_model), model_names=(MODEL,),
@@ -128,7 +136,11 @@ def test_requests_go_to_the_worker_with_the_smaller_share_of_capacity(
         assert [address(), address()] == [a, a]
 
         # Through the gateway, with the official client: two more streams, both on A
-        # (at most 7/16 < 1/2 even if no heartbeat came in between).
+        # (at most 7/16 < 1/2 even if no heartbeat came in between), once the gateway's copy
+        # of the worker list shows what the controller's registry shows.
+        wait_until(lambda: gateway_sees(a, 3) and gateway_sees(b, 1),
+                   "the gateway to read A's 3 and B's 1 running",
+                   lambda: gateway_app.state.routing_table.workers())
         api = openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0)
         for _ in range(2):
             stream = api.completions.create(model=MODEL, prompt="Hi", max_tokens=LONG_OUTPUT,

@@ -1,4 +1,5 @@
-"""The controller's read-only `GET /list_workers` (what the web UI's Cluster tab shows)."""
+"""The controller's read-only `GET /list_workers` (what the web UI's Cluster tab shows, and what
+gateways routing locally read)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ def test_list_workers_shows_each_live_workers_facts():
     clock = Clock()
     app = create_controller_app(ControllerConfig(heartbeat_expiration=30.0), clock=clock)
     with serve_in_thread(app) as url:
-        assert httpx.get(f"{url}/list_workers", timeout=5).json() == {"workers": []}
+        assert httpx.get(f"{url}/list_workers", timeout=5).json() == {
+            "workers": [], "dispatch_method": "least_load"}
         ours = {"model_names": ["a", "b"], "speed": 2, "queue_length": 3, "num_running": 2,
-                "num_waiting": 1, "kv_cache_usage": 0.25, "backend": "paged"}
+                "num_waiting": 1, "kv_cache_usage": 0.25, "backend": "paged",
+                "max_num_running": 8}
         stock = {"model_names": ["c"], "speed": 1, "queue_length": 0}  # a FastChat worker
         for name, status in (("http://127.0.0.1:1", ours), ("http://127.0.0.1:2", stock)):
             response = httpx.post(f"{url}/register_worker", timeout=5, json={
@@ -35,14 +38,19 @@ def test_list_workers_shows_each_live_workers_facts():
             "worker_name": "http://127.0.0.1:2", "queue_length": 5})
         assert beat.json() == {"exist": True}
         clock.now += 1.0
+        # A dispatch since the heartbeat shows (what a gateway routing locally adds to the load).
+        picked = httpx.post(f"{url}/get_worker_address", json={"model": "a"}, timeout=5)
+        assert picked.json() == {"address": "http://127.0.0.1:1"}
         workers = httpx.get(f"{url}/list_workers", timeout=5).json()["workers"]
         assert workers == [
             {"worker_name": "http://127.0.0.1:1", "model_names": ["a", "b"], "backend": "paged",
              "speed": 2, "queue_length": 3, "num_running": 2, "num_waiting": 1,
-             "kv_cache_usage": 0.25, "last_heartbeat_age_s": 5.5},
+             "kv_cache_usage": 0.25, "last_heartbeat_age_s": 5.5, "max_num_running": 8,
+             "num_dispatched": 1},
             {"worker_name": "http://127.0.0.1:2", "model_names": ["c"], "backend": None,
              "speed": 1, "queue_length": 5, "num_running": None, "num_waiting": None,
-             "kv_cache_usage": None, "last_heartbeat_age_s": 1.0},
+             "kv_cache_usage": None, "last_heartbeat_age_s": 1.0, "max_num_running": None,
+             "num_dispatched": 0},
         ]
         # Only live workers are listed: the first is now stale (30.5 s > 30 s), the second not.
         clock.now += 25.0

@@ -325,20 +325,23 @@ def create_app(
 
     @app.get("/list_workers")
     async def list_workers() -> ListWorkersResponse:
-        # Read-only view for dashboards (the web UI's Cluster tab); ours only, hence GET.
+        # Read-only (ours only, hence GET): the web UI's Cluster tab, and gateways that route
+        # locally from it (every fact dispatch ranks by, and the method it ranks with).
         now = clock()
-        return ListWorkersResponse(workers=[
+        return ListWorkersResponse(dispatch_method=dispatcher.method.value, workers=[
             WorkerDescription(
                 worker_name=w.worker_name, model_names=list(w.model_names), backend=w.backend,
                 speed=w.speed, queue_length=w.queue_length, num_running=w.num_running,
                 num_waiting=w.num_waiting, kv_cache_usage=w.kv_cache_usage,
                 last_heartbeat_age_s=max(0.0, now - w.last_heartbeat),
+                max_num_running=w.max_num_running, num_dispatched=w.num_dispatched,
             )
             for w in registry.live_workers()
         ])
 
     @app.post("/get_worker_address")
     async def get_worker_address(request: Request) -> GetWorkerAddressResponse:
+        metrics.worker_address_requests.inc()
         body = await _parse_body(request, GetWorkerAddressRequest)
         exclude = {normalize_worker_name(name) for name in body.exclude}
         picked = dispatcher.choose(body.model, exclude=exclude)

@@ -1,7 +1,9 @@
 """Choosing which worker serves the next request for a model.
 
-`pick_worker` is a pure function over candidate snapshots; `Dispatcher` ties it to the registry
-and records the pick. Randomness is injected (anything with `random() -> float`, e.g.
+`pick_worker` is a pure function over candidate snapshots (anything with the load facts of
+:class:`DispatchCandidate`: the registry's `WorkerInfo`, or the gateway's routing-table entries,
+so a gateway routing locally ranks workers exactly as the controller would); `Dispatcher` ties it
+to the registry and records the pick. Randomness is injected (anything with `random() -> float`, e.g.
 `random.Random(seed)`) so tests can pin exact outcomes.
 
 least_load (the default) ranks each candidate by, in order:
@@ -29,7 +31,7 @@ import math
 import random
 from collections.abc import Collection, Sequence
 from fractions import Fraction
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from llmplatform.controller.registry import WorkerInfo, WorkerRegistry
 
@@ -56,9 +58,31 @@ class RandomSource(Protocol):
         ...
 
 
-def pick_worker(
-    candidates: Sequence[WorkerInfo], method: DispatchMethod, rng: RandomSource
-) -> WorkerInfo | None:
+class DispatchCandidate(Protocol):
+    """The facts dispatch ranks a worker by (read-only: a pick never changes a candidate)."""
+
+    @property
+    def speed(self) -> int: ...
+    @property
+    def queue_length(self) -> int: ...
+    @property
+    def num_running(self) -> int | None: ...
+    @property
+    def num_waiting(self) -> int | None: ...
+    @property
+    def kv_cache_usage(self) -> float | None: ...
+    @property
+    def max_num_running(self) -> int | None: ...
+    @property
+    def num_dispatched(self) -> int:
+        """Requests sent to the worker since its last report (the report cannot show them)."""
+        ...
+
+
+C = TypeVar("C", bound=DispatchCandidate)
+
+
+def pick_worker(candidates: Sequence[C], method: DispatchMethod, rng: RandomSource) -> C | None:
     """Pick one of `candidates` (None if there are none). Does not change any state."""
     if not candidates:
         return None
@@ -76,7 +100,7 @@ def _uniform_index(n: int, rng: RandomSource) -> int:
     return min(int(rng.random() * n), n - 1)
 
 
-def _lottery(candidates: Sequence[WorkerInfo], rng: RandomSource) -> WorkerInfo:
+def _lottery(candidates: Sequence[C], rng: RandomSource) -> C:
     """Candidate i wins with probability speed_i / sum(speed).
 
     The draw `u * total` falls in candidate i's slice [sum(speed_<i), sum(speed_<=i)).
@@ -95,7 +119,7 @@ def _lottery(candidates: Sequence[WorkerInfo], rng: RandomSource) -> WorkerInfo:
     return next(c for c in reversed(candidates) if c.speed > 0)
 
 
-def _shortest_queue(candidates: Sequence[WorkerInfo], rng: RandomSource) -> WorkerInfo:
+def _shortest_queue(candidates: Sequence[C], rng: RandomSource) -> C:
     """Lowest `queue_length / speed` wins; exact fractions so 1/2 and 2/4 tie.
 
     The queue includes the requests dispatched since the worker's heartbeat (FastChat too
@@ -103,7 +127,7 @@ def _shortest_queue(candidates: Sequence[WorkerInfo], rng: RandomSource) -> Work
     normalized queue: chosen only if all are speed 0.
     """
 
-    def load(c: WorkerInfo) -> Fraction | float:
+    def load(c: DispatchCandidate) -> Fraction | float:
         queue_length = c.queue_length + c.num_dispatched
         return Fraction(queue_length, c.speed) if c.speed > 0 else math.inf
 
@@ -113,7 +137,7 @@ def _shortest_queue(candidates: Sequence[WorkerInfo], rng: RandomSource) -> Work
 LeastLoadKey = tuple[bool, Fraction | float, float]
 
 
-def least_load_key(worker: WorkerInfo) -> LeastLoadKey:
+def least_load_key(worker: DispatchCandidate) -> LeastLoadKey:
     """least_load's rank of one worker: lower is better (see the module doc)."""
     kv_cache_usage = worker.kv_cache_usage if worker.kv_cache_usage is not None else 0.0
     if worker.num_running is not None and worker.num_waiting is not None:
@@ -126,13 +150,11 @@ def least_load_key(worker: WorkerInfo) -> LeastLoadKey:
     return (kv_cache_usage >= KV_CACHE_PRESSURE, load, kv_cache_usage)
 
 
-def _least_load(candidates: Sequence[WorkerInfo], rng: RandomSource) -> WorkerInfo:
+def _least_load(candidates: Sequence[C], rng: RandomSource) -> C:
     return _argmin([least_load_key(c) for c in candidates], candidates, rng)
 
 
-def _argmin(
-    keys: Sequence[object], candidates: Sequence[WorkerInfo], rng: RandomSource
-) -> WorkerInfo:
+def _argmin(keys: Sequence[object], candidates: Sequence[C], rng: RandomSource) -> C:
     """The candidate with the lowest key; exact ties broken by one draw (none without a tie)."""
     best = min(keys)  # type: ignore[type-var]
     tied = [c for c, key in zip(candidates, keys) if key == best]

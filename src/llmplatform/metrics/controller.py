@@ -1,6 +1,6 @@
 """The controller's metrics: live workers per model (read from the registry at scrape time, so
 an expired worker disappears from the gauge the moment it stops counting as live), and counters
-of registrations and of workers dropped for silence."""
+of registrations, of workers dropped for silence and of `/get_worker_address` calls."""
 
 from __future__ import annotations
 
@@ -42,4 +42,8 @@ class ControllerMetrics:
         self.expiries = Counter(PREFIX + "controller_worker_expiries",
                                 "Workers dropped for missing heartbeats or failing a status poll.",
                                 registry=self.registry)
+        self.worker_address_requests = Counter(
+            PREFIX + "controller_worker_address_requests",
+            "POST /get_worker_address calls (a gateway routing locally makes them only for "
+            "workers its table does not know yet).", registry=self.registry)
         self.registry.register(_WorkersCollector(workers))

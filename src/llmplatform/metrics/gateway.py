@@ -6,6 +6,9 @@ unknown paths, so random URLs cannot grow the label set), the model it was for (
 through :func:`note_model` once the model is known to exist: an unknown name never becomes a
 label) and the HTTP status. ``llmplatform:gateway_request_duration_seconds{route,model}`` times
 the whole exchange, to the last byte of a stream.
+``llmplatform:gateway_routing_decisions_total{source}`` counts worker picks (failover retries
+included) by where they came from: ``table`` (the gateway's own, no controller round trip) or
+``controller`` (``/get_worker_address``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ class GatewayMetrics:
                                   "From a request's arrival to the last byte of its response.",
                                   ["route", "model"], buckets=REQUEST_BUCKETS,
                                   registry=self.registry)
+        self.routing_decisions = Counter(PREFIX + "gateway_routing_decisions",
+                                         "Workers picked for a request, by where the pick came "
+                                         "from: the gateway's routing table or the controller.",
+                                         ["source"], registry=self.registry)
 
 
 class GatewayMetricsMiddleware:

@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 
 from llmplatform.openai_api.app import create_app
-from llmplatform.openai_api.settings import GatewaySettings, RequestLimits
+from llmplatform.openai_api.settings import GatewaySettings, RequestLimits, RoutingMode
 from llmplatform.utils.cli import apply_env_defaults
 from llmplatform.utils.cluster_secret import SECRET_ENV, secret_from_env
 from llmplatform.utils.logs import add_logging_flags, configure_logging, log_summary
@@ -17,6 +17,7 @@ from llmplatform.utils.server import DEFAULT_SHUTDOWN_TIMEOUT_S, run_server
 
 API_KEYS_ENV = "LLMPLATFORM_API_KEYS"
 _LIMITS = RequestLimits()
+_DEFAULTS = GatewaySettings()
 
 
 def _csv(value: str) -> list[str]:
@@ -98,6 +99,23 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "all (default: %(default)s)",
     )
     parser.add_argument(
+        "--routing",
+        choices=[mode.value for mode in RoutingMode],
+        default=_DEFAULTS.routing.value,
+        help="how a request's worker is chosen: 'local' from the gateway's own table of live "
+        "workers (refreshed from the controller's /list_workers, ranked with the controller's "
+        "dispatch method; no controller call per request), 'controller' by asking the "
+        "controller's /get_worker_address for every request (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--worker-refresh-interval",
+        type=float,
+        default=_DEFAULTS.worker_refresh_interval,
+        metavar="SECONDS",
+        help="with --routing local: seconds between two reads of the controller's worker list "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--shutdown-timeout",
         type=float,
         default=DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -129,6 +147,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         ),
         worker_timeout=args.worker_timeout,
         max_worker_attempts=args.max_worker_attempts,
+        routing=RoutingMode(args.routing),
+        worker_refresh_interval=args.worker_refresh_interval,
     )
 
 

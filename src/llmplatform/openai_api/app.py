@@ -2,11 +2,13 @@
 
 `create_app(settings)` builds everything; nothing runs at import time. State on `app.state`:
 `settings`, `created` (the model cards' timestamp) and, while the lifespan runs,
-`worker_client` (around the app's one `httpx.AsyncClient`).
+`worker_client` (around the app's one `httpx.AsyncClient`) and, with `--routing local`,
+`routing_table`, kept fresh by a background task the lifespan starts and cancels.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -21,8 +23,10 @@ from llmplatform.metrics.gateway import GatewayMetrics, GatewayMetricsMiddleware
 from llmplatform.openai_api.auth import ApiKeyMiddleware
 from llmplatform.openai_api.errors import install_exception_handlers
 from llmplatform.openai_api.limits import RequestBodyMiddleware
+from llmplatform.controller.dispatch import RandomSource
 from llmplatform.openai_api.routes import build_router
-from llmplatform.openai_api.settings import GatewaySettings
+from llmplatform.openai_api.routing import RoutingTable, TableRefresher, max_table_age
+from llmplatform.openai_api.settings import GatewaySettings, RoutingMode
 from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.utils.cluster_secret import secret_headers
 from llmplatform.utils.request_id import RequestIdMiddleware, tag_outgoing_request
@@ -34,7 +38,9 @@ _MAX_CONNECTIONS = 1024
 _MAX_KEEPALIVE_CONNECTIONS = 64
 
 
-def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | None = None) -> FastAPI:
+    """Build a gateway app. `rng` draws the routing table's random picks (lottery, ties);
+    injectable so tests can pin which worker a request goes to, as the controller's can."""
     settings = settings or GatewaySettings()
 
     @contextlib.asynccontextmanager
@@ -49,13 +55,20 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         hooks = {"request": [tag_outgoing_request]}
         async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers,
                                      event_hooks=hooks) as http:
-            client = WorkerClient(http, settings)
+            table = (RoutingTable(max_age=max_table_age(settings.worker_refresh_interval), rng=rng)
+                     if settings.routing is RoutingMode.LOCAL else None)
+            decisions = app.state.metrics.routing_decisions
+            client = WorkerClient(http, settings, routes=table,
+                                  on_route=lambda source: decisions.labels(source.value).inc())
             app.state.worker_client = client
-            logger.debug("gateway up: controller=%s auth=%s", settings.controller_address, bool(settings.api_keys))
-            try:
-                yield
-            finally:
-                await client.aclose()
+            app.state.routing_table = table
+            logger.debug("gateway up: controller=%s auth=%s routing=%s", settings.controller_address,
+                         bool(settings.api_keys), settings.routing.value)
+            async with _refreshing(table, client, settings.worker_refresh_interval):
+                try:
+                    yield
+                finally:
+                    await client.aclose()
 
     app = FastAPI(title="llmplatform OpenAI-compatible API", lifespan=lifespan)
     app.state.settings = settings
@@ -82,3 +95,21 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     add_metrics_route(app, app.state.metrics.registry)
     app.include_router(build_router())
     return app
+
+
+@contextlib.asynccontextmanager
+async def _refreshing(table: RoutingTable | None, client: WorkerClient, interval: float
+                      ) -> AsyncIterator[None]:
+    """Keeps `table` filled from the controller while the block runs (nothing without a table);
+    the task is cancelled and awaited on the way out, before the HTTP client closes."""
+    if table is None:
+        yield
+        return
+    refresher = TableRefresher(table, client.list_workers, interval=interval)
+    task = asyncio.create_task(refresher.run(), name="gateway-routing-refresh")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

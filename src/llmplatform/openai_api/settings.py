@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 # What the worker itself accepts at most (llmplatform.llm.sampling): a cap above it would only
@@ -44,6 +45,17 @@ class RequestLimits:
             )
 
 
+class RoutingMode(str, enum.Enum):
+    """Where the gateway learns which worker serves a request."""
+
+    LOCAL = "local"
+    """From its own table of live workers, refreshed from the controller's `GET /list_workers`
+    and ranked with the controller's dispatch method: no controller round trip per request.
+    Falls back to `/get_worker_address` for what the table cannot answer (see routing.py)."""
+    CONTROLLER = "controller"
+    """`POST /get_worker_address` on the controller for every request (FastChat's way)."""
+
+
 @dataclass(frozen=True)
 class GatewaySettings:
     controller_address: str = "http://127.0.0.1:21001"
@@ -77,8 +89,14 @@ class GatewaySettings:
     """Workers one request may be tried on: when a worker cannot take it before generating
     anything (unreachable, died, dead engine, draining, 429), the next is asked for, up to this
     many in all."""
+    routing: RoutingMode = RoutingMode.LOCAL
+    worker_refresh_interval: float = 1.0
+    """Seconds between two reads of the controller's live-worker list (`routing` local). Load
+    facts are as fresh as workers' heartbeats (~3 s) anyway; between reads the gateway adds
+    its own picks to them."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "routing", RoutingMode(self.routing))
         object.__setattr__(self, "controller_address", self.controller_address.strip().rstrip("/"))
         if not self.controller_address.startswith(("http://", "https://")):
             raise ValueError(f"controller_address must be an http(s) URL, got {self.controller_address!r}")
@@ -99,7 +117,8 @@ class GatewaySettings:
             isinstance(self.max_worker_attempts, int) and self.max_worker_attempts >= 1
         ):
             raise ValueError(f"max_worker_attempts must be an integer >= 1, got {self.max_worker_attempts!r}")
-        for name in ("worker_timeout", "controller_timeout", "connect_timeout", "abort_timeout"):
+        for name in ("worker_timeout", "controller_timeout", "connect_timeout", "abort_timeout",
+                     "worker_refresh_interval"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value}")

@@ -8,6 +8,10 @@ Chat prompts: our workers render them (`/worker_apply_chat_template`); a stock F
 answers 404 there, and then the gateway renders FastChat's conversation template itself, as
 FastChat's own gateway does (`/worker_get_conv_template`, `/count_token`, `/model_details`).
 
+Which worker: with `--routing local` the gateway's routing table answers (routing.py) and the
+controller is asked only for what the table cannot answer; with `--routing controller`, for every
+request (`/get_worker_address`, FastChat's way).
+
 Failures are typed by what they allow (:func:`with_failover` builds on it): a worker that could
 not take the request before generating anything (unreachable, closed the connection before
 answering, 503 from a dead or draining worker: :class:`WorkerUnavailableError`; 429 from a full
@@ -38,9 +42,14 @@ from llmplatform.errors import (
     error_from_code,
 )
 from llmplatform.openai_api.errors import UpstreamError, error_from_http
+from llmplatform.openai_api.routing import RouteSource, RoutingTable
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.openai_api.translate import PreparedPrompt
-from llmplatform.protocol.controller import GetWorkerAddressResponse, ListModelsResponse
+from llmplatform.protocol.controller import (
+    GetWorkerAddressResponse,
+    ListModelsResponse,
+    ListWorkersResponse,
+)
 from llmplatform.protocol.worker import NUL, ApplyChatTemplateResponse, OpenAIMaxTokens, WorkerChunk
 
 logger = logging.getLogger("llmplatform.openai_api")
@@ -139,9 +148,19 @@ _SINGLE_CALL = frozenset({"messages", "openai_max_tokens"})
 
 
 class WorkerClient:
-    def __init__(self, http: httpx.AsyncClient, settings: GatewaySettings) -> None:
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        settings: GatewaySettings,
+        *,
+        routes: RoutingTable | None = None,
+        on_route: Callable[[RouteSource], None] | None = None,
+    ) -> None:
         self._http = http
         self._settings = settings
+        # None: every request asks the controller (--routing controller).
+        self._routes = routes
+        self._on_route = on_route
         self._controller_timeout = httpx.Timeout(settings.controller_timeout, connect=settings.connect_timeout)
         self._worker_timeout = httpx.Timeout(settings.worker_timeout, connect=settings.connect_timeout)
         # Every model name the controller has listed: an empty address for one of these means
@@ -190,9 +209,50 @@ class WorkerClient:
         self._known_models.update(models)
         return models
 
+    async def list_workers(self) -> ListWorkersResponse | None:
+        """The controller's live workers (`GET /list_workers`, ours); None when the controller
+        has no such route (a stock FastChat controller answers 404 or 405)."""
+        url = f"{self._settings.controller_address}/list_workers"
+        with _transport_errors("controller", url, self._settings.controller_timeout):
+            response = await self._http.get(url, timeout=self._controller_timeout)
+        if response.status_code in (404, 405):
+            return None
+        if response.status_code != 200:
+            raise UpstreamError(f"The controller answered HTTP {response.status_code} to {url}.")
+        try:
+            listing = ListWorkersResponse.model_validate_json(response.content)
+        except ValidationError:
+            body = response.content[:200]
+            raise UpstreamError(f"The controller's /list_workers answer is malformed: {body!r}") from None
+        self._known_models.update(name for worker in listing.workers for name in worker.model_names)
+        return listing
+
     async def worker_address(self, model: str, exclude: Sequence[str] = ()) -> str:
-        """The base URL of a live worker serving `model`, other than those in `exclude` (which a
-        stock controller ignores); ModelNotFoundError or NoWorkerError."""
+        """The base URL of a live worker serving `model`, other than those in `exclude`;
+        ModelNotFoundError or NoWorkerError.
+
+        From the routing table when it has a candidate (no round trip), else from the controller.
+        """
+        if self._routes is not None:
+            address = self._routes.pick(model, exclude)
+            if address is not None:
+                self._note_route(RouteSource.TABLE)
+                return address
+        self._note_route(RouteSource.CONTROLLER)
+        return await self.controller_worker_address(model, exclude)
+
+    def worker_failed(self, address: str) -> None:
+        """`address` could not take a request: the table skips it until its next read."""
+        if self._routes is not None:
+            self._routes.mark_down(address)
+
+    def _note_route(self, source: RouteSource) -> None:
+        if self._on_route is not None:
+            self._on_route(source)
+
+    async def controller_worker_address(self, model: str, exclude: Sequence[str] = ()) -> str:
+        """The controller's pick (`POST /get_worker_address`): a worker other than those in
+        `exclude` (which a stock controller ignores); ModelNotFoundError or NoWorkerError."""
         url = f"{self._settings.controller_address}/get_worker_address"
         payload: dict[str, Any] = {"model": model}
         if exclude:
@@ -394,8 +454,9 @@ async def with_failover(
     client: WorkerClient, model: str, attempt: Callable[[str], Awaitable[T]], *, address: str | None = None
 ) -> T:
     """``attempt(address)`` on a worker serving `model` (`address` if already picked); when that
-    worker cannot take the request (:func:`may_try_another_worker`) ask the controller for
-    another one, excluding those tried, up to ``max_worker_attempts`` workers in all. When none
+    worker cannot take the request (:func:`may_try_another_worker`) it is marked down in the
+    routing table and another one is picked (from the table, else by the controller), excluding
+    those tried, up to ``max_worker_attempts`` workers in all. When none
     is left, the last worker's error is raised (a 429 keeps its Retry-After). `attempt` must not
     have sent the client anything: it is all or nothing.
     """
@@ -418,6 +479,7 @@ async def with_failover(
                 raise
             logger.warning("worker %s could not take a request for %s (%s: %s); trying another",
                            address, model, type(exc).__name__, exc.message)
+            client.worker_failed(address)
             excluded.append(address)
             address = None
             last = exc

@@ -128,12 +128,23 @@ class WorkerDescription(_Message):
     num_waiting: int | None = None
     kv_cache_usage: float | None = None
     last_heartbeat_age_s: float = Field(ge=0.0, description="Seconds since its last heartbeat.")
+    # Optional, so that an older controller's listing still parses. With them (and the
+    # controller's dispatch method) a gateway can rank workers exactly as the controller would.
+    max_num_running: int | None = Field(
+        default=None, ge=1, description="Batch capacity reported at registration."
+    )
+    num_dispatched: int = Field(
+        default=0, ge=0, description="Requests the controller sent it since its last heartbeat."
+    )
 
 
 class ListWorkersResponse(_Message):
     """Response of `GET /list_workers`: live workers sorted by name."""
 
     workers: list[WorkerDescription]
+    # The controller's `--dispatch-method` (a `DispatchMethod` value); None from an older
+    # controller. A string, not the enum: contracts do not import the controller.
+    dispatch_method: str | None = None
 
 
 class ErrorResponse(_Message):

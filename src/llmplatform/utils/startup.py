@@ -47,6 +47,8 @@ def gateway_summary(settings: GatewaySettings, listen: str) -> dict[str, Any]:
         "listen": listen,
         "api": f"{listen}/v1",
         "controller": settings.controller_address,
+        "routing": (f"local (refresh {settings.worker_refresh_interval:g}s)"
+                    if settings.routing.value == "local" else settings.routing.value),
         "auth": "on" if settings.api_keys else "off",
         "cors": ",".join(settings.allowed_origins) or "off",
         "metrics": f"{listen}/metrics",

@@ -1,0 +1,292 @@
+"""The gateway's routing table: which worker serves the next request, without asking the controller.
+
+FastChat's gateway asks the controller (`POST /get_worker_address`) before every request: one
+more round trip on every request's path. With `--routing local` (the default) a background task
+reads the controller's live workers (`GET /list_workers`, ours: every load fact dispatch ranks by,
+and the controller's dispatch method) every `--worker-refresh-interval` seconds, and a request
+picks from that table with the controller's own :func:`~llmplatform.controller.dispatch.pick_worker`.
+
+What the table cannot answer, the controller is asked, exactly as before (`pick` returns None):
+
+- a model no usable listed worker serves: a worker registered since the last read (usable at
+  once), an unknown model (the controller's answer keeps today's 404 and 503), or every listed
+  worker excluded by this request's failover or marked down;
+- no table at all: not read yet; a controller without `/list_workers` (stock FastChat: 404/405,
+  asked again every `RECHECK_UNSUPPORTED_S`); a dispatch method this gateway does not know; or a
+  table older than `max_age` because the controller stopped answering (the per-request calls
+  then give today's clean 503s).
+
+Load between reads. A worker's load facts change only with its heartbeat. Like the controller,
+which counts its picks since each worker's last heartbeat (`num_dispatched`), the table adds its
+own picks since the worker's last heartbeat (and the controller's count) to the reported load,
+so a burst spreads out instead of piling onto the worker that looked idlest. A read that brings
+a newer heartbeat drops the picks made before that heartbeat (the report includes them); a read
+that brings none keeps them (resetting on every read would forget them while the worker's
+report still cannot show them: reads are ~3x as frequent as heartbeats by default).
+
+Failures. A worker that could not take a request (`may_try_another_worker`: refused, reset, 503,
+429) is marked down until the next read that started after the failure: later picks skip it
+meanwhile, and the read after that lists it again only if the controller still does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
+
+from llmplatform.controller.dispatch import DispatchMethod, RandomSource, pick_worker
+from llmplatform.errors import LLMPlatformError
+from llmplatform.protocol.controller import ListWorkersResponse, WorkerDescription
+
+logger = logging.getLogger("llmplatform.openai_api.routing")
+
+STALE_AFTER_REFRESHES = 10
+"""A table not refreshed for this many intervals (the controller is down or silent) is dropped."""
+MIN_STALE_AFTER_S = 5.0
+"""...but never sooner than this: a short interval must not make a controller hiccup fatal."""
+RECHECK_UNSUPPORTED_S = 60.0
+"""How often a controller that cannot drive local routing (no `/list_workers`, or an unknown
+dispatch method) is asked again, in case it was upgraded."""
+MAX_PICKS_TRACKED = 4096
+"""Own picks remembered per worker. A worker that never heartbeats (`check_heart_beat` false)
+never has them dropped; past this the count saturates (the controller's grows forever)."""
+
+
+def max_table_age(refresh_interval: float) -> float:
+    """Seconds a table may go without a successful read before it is dropped."""
+    return max(STALE_AFTER_REFRESHES * refresh_interval, MIN_STALE_AFTER_S)
+
+
+class RouteSource(str, enum.Enum):
+    """Where a request's worker came from (the gateway's routing-decision metric)."""
+
+    TABLE = "table"
+    CONTROLLER = "controller"
+
+
+@dataclass(frozen=True)
+class RoutedWorker:
+    """One listed worker as dispatch sees it (a `DispatchCandidate`)."""
+
+    worker_name: str
+    model_names: frozenset[str]
+    speed: int
+    queue_length: int
+    num_running: int | None
+    num_waiting: int | None
+    kv_cache_usage: float | None
+    max_num_running: int | None
+    num_dispatched: int
+    """The controller's picks since the worker's last heartbeat (plus, in a pick's candidate
+    list, the table's own)."""
+    heartbeat_at: float
+    """When the worker's last heartbeat arrived, on the gateway's clock."""
+
+    @classmethod
+    def from_description(cls, worker: WorkerDescription, now: float) -> RoutedWorker:
+        return cls(
+            worker_name=worker.worker_name.rstrip("/"),
+            model_names=frozenset(worker.model_names),
+            speed=worker.speed,
+            queue_length=worker.queue_length,
+            num_running=worker.num_running,
+            num_waiting=worker.num_waiting,
+            kv_cache_usage=worker.kv_cache_usage,
+            max_num_running=worker.max_num_running,
+            num_dispatched=worker.num_dispatched,
+            heartbeat_at=now - worker.last_heartbeat_age_s,
+        )
+
+
+class RoutingTable:
+    """The last live-worker list read from the controller, and the picks made from it since.
+
+    Pure bookkeeping (no network, no asyncio); time and randomness are injected, as in the
+    controller's registry and dispatcher, so tests can pin exact outcomes.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_age: float,
+        clock: Callable[[], float] = time.monotonic,
+        rng: RandomSource | None = None,
+    ) -> None:
+        if not max_age > 0:
+            raise ValueError(f"max_age must be > 0 seconds, got {max_age}")
+        self.max_age = max_age
+        self._clock = clock
+        self._rng: RandomSource = rng if rng is not None else random.Random()
+        self._method: DispatchMethod | None = None
+        self._workers: list[RoutedWorker] = []
+        self._refreshed_at: float | None = None
+        self._picks: dict[str, deque[float]] = {}
+        """Per worker, when the table picked it, oldest first (the clock only moves forward)."""
+        self._down: dict[str, float] = {}
+        """Workers that failed a request, and when."""
+
+    # ---- writes -------------------------------------------------------------------------------
+
+    def update(self, listing: ListWorkersResponse, *, requested_at: float) -> None:
+        """Replace the table with a fresh read, asked for at `requested_at`.
+
+        A listing without a dispatch method this gateway knows cannot drive local routing:
+        the table is cleared, and `usable` says so.
+        """
+        now = self._clock()
+        try:
+            method = DispatchMethod(listing.dispatch_method) if listing.dispatch_method else None
+        except ValueError:
+            method = None
+        if method is None:  # the refresher asks again only every RECHECK_UNSUPPORTED_S
+            logger.warning("the controller's dispatch method %r is unknown here; routing "
+                           "through the controller per request", listing.dispatch_method)
+            self.clear()
+            return
+        workers = [RoutedWorker.from_description(w, now) for w in listing.workers]
+        self._method = method
+        self._workers = workers
+        self._refreshed_at = now
+        self._picks = {w.worker_name: self._picks_after(w) for w in workers}
+        # A failure seen after this read was asked for is newer than what the read says.
+        self._down = {name: at for name, at in self._down.items() if at >= requested_at}
+
+    def _picks_after(self, worker: RoutedWorker) -> deque[float]:
+        """The table's picks of `worker` that its last heartbeat could not have counted yet."""
+        picks = self._picks.get(worker.worker_name, deque(maxlen=MAX_PICKS_TRACKED))
+        while picks and picks[0] <= worker.heartbeat_at:
+            picks.popleft()
+        return picks
+
+    def clear(self) -> None:
+        """Forget everything: until the next good read, every request asks the controller."""
+        self._method = None
+        self._workers = []
+        self._refreshed_at = None
+        self._picks = {}
+        self._down = {}
+
+    def mark_down(self, worker_name: str) -> None:
+        """`worker_name` failed a request: skip it until a read that started after now."""
+        self._down[worker_name.rstrip("/")] = self._clock()
+
+    # ---- reads --------------------------------------------------------------------------------
+
+    @property
+    def usable(self) -> bool:
+        """True while the table holds a read the gateway may route from."""
+        return self._refreshed_at is not None
+
+    def workers(self) -> list[RoutedWorker]:
+        """The listed workers as last read (down ones included), sorted by name."""
+        return list(self._workers)
+
+    def models(self) -> set[str]:
+        """Every model a listed worker serves (down ones included)."""
+        return {name for w in self._workers for name in w.model_names}
+
+    def pick(self, model: str, exclude: Collection[str] = ()) -> str | None:
+        """A worker for the next `model` request, ranked as the controller would rank it, and
+        counted as dispatched to it; None when the table cannot say (ask the controller)."""
+        if not self._fresh():
+            return None
+        unusable = {name.rstrip("/") for name in exclude} | self._down.keys()
+        candidates = [
+            dataclasses.replace(w, num_dispatched=w.num_dispatched + len(self._picks[w.worker_name]))
+            for w in self._workers
+            if model in w.model_names and w.worker_name not in unusable
+        ]
+        assert self._method is not None  # set with every read that made the table fresh
+        picked = pick_worker(candidates, self._method, self._rng)
+        if picked is None:
+            return None
+        self._picks[picked.worker_name].append(self._clock())
+        return picked.worker_name
+
+    def _fresh(self) -> bool:
+        """Whether a read is held and young enough; an old one is dropped here."""
+        if self._refreshed_at is None:
+            return False
+        age = self._clock() - self._refreshed_at
+        if age <= self.max_age:
+            return True
+        logger.warning("no worker list from the controller for %.1f s; routing through the "
+                       "controller per request until it answers again", age)
+        self.clear()
+        return False
+
+
+ListWorkers = Callable[[], Awaitable[ListWorkersResponse | None]]
+"""Reads the controller's `GET /list_workers`; None when the controller has no such route."""
+
+
+class TableRefresher:
+    """Keeps a :class:`RoutingTable` filled from the controller, in the background.
+
+    `run` loops until cancelled (the gateway's lifespan does, at shutdown); a failed read is
+    logged and the table kept (it ages out by itself), so nothing but cancellation stops it.
+    """
+
+    def __init__(
+        self,
+        table: RoutingTable,
+        list_workers: ListWorkers,
+        *,
+        interval: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not interval > 0:
+            raise ValueError(f"interval must be > 0 seconds, got {interval}")
+        self.table = table
+        self.interval = interval
+        self._list_workers = list_workers
+        self._clock = clock
+        self._failing = False
+        self._unsupported = False
+
+    async def run(self) -> None:
+        while True:
+            try:
+                delay = await self.refresh()
+            except Exception:  # a bug must not end routing: log it, go on from the last table
+                logger.exception("refreshing the routing table failed")
+                delay = self.interval
+            await asyncio.sleep(delay)
+
+    async def refresh(self) -> float:
+        """One read into the table; returns the seconds to wait before the next."""
+        requested_at = self._clock()
+        try:
+            listing = await self._list_workers()
+        except LLMPlatformError as exc:
+            self._note_failure(exc)
+            return self.interval
+        if self._failing:
+            logger.info("the controller lists workers again")
+            self._failing = False
+        if listing is None:
+            if not self._unsupported:
+                logger.info("the controller has no GET /list_workers (a stock FastChat "
+                            "controller?): asking it for a worker on every request")
+                self._unsupported = True
+            self.table.clear()
+            return RECHECK_UNSUPPORTED_S
+        self._unsupported = False
+        self.table.update(listing, requested_at=requested_at)
+        return self.interval if self.table.usable else RECHECK_UNSUPPORTED_S
+
+    def _note_failure(self, exc: LLMPlatformError) -> None:
+        """Say so once per outage (reads every interval would flood the log)."""
+        if not self._failing:
+            logger.warning("cannot read the controller's worker list (%s); routing from the "
+                           "last one for up to %.0f s", exc.message, self.table.max_age)
+            self._failing = True
+        else:
+            logger.debug("worker list still unavailable: %s", exc.message)
