@@ -60,6 +60,8 @@ def count_tokens(text: str) -> int:
 @dataclass
 class FakeWorkerState:
     params: list[dict[str, Any]] = field(default_factory=list)
+    client_ports: list[int] = field(default_factory=list)
+    """The peer port of each /worker_generate_stream call: one TCP connection per distinct port."""
     aborted: list[str] = field(default_factory=list)
     """request_ids from /worker_abort."""
     closed_early: list[str] = field(default_factory=list)
@@ -124,6 +126,7 @@ def make_fake_worker(models: list[str], *, stock: bool = False) -> tuple[FastAPI
         raw = await request.json()
         with state.lock:
             state.params.append(raw)
+            state.client_ports.append(request.client.port if request.client else 0)
         params = WorkerParams.model_validate(raw)
         return StreamingResponse(_generate(params, state), media_type="application/octet-stream")
 

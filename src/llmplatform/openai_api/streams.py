@@ -119,12 +119,15 @@ class ChoiceStreams:
             chunks = self._client.generate_stream(self._address, self._params[index])
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
+                    if last is not None and last.finish_reason is not None:
+                        # Past the final chunk: read on to the end of the body (the worker ends
+                        # it at once), so the connection goes back to the pool instead of being
+                        # closed half-read and dialled again by the next request.
+                        continue
                     last = chunk
                     if chunk.finish_reason is not None:
                         self._finished[index] = True
                     await self._queue.put((index, chunk))
-                    if chunk.finish_reason is not None:
-                        break
             if last is None:
                 raise UpstreamError("The worker closed the stream without sending anything.")
             if last.finish_reason is None:
