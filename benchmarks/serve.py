@@ -30,7 +30,13 @@ Reported per system and level: requests completed, request throughput, output to
 ITL and end-to-end latency (p50, p99), and the cores used by the server, this client and other
 processes (on a shared machine, rows with other processes above 0 are slowed down). Then the
 ratios the project targets: output tokens/s at ``--compare-at`` of paged over tserve and over hf,
-and the gateway's added latency at the first level. Written to ``--out-dir`` as markdown, a PNG
+and the gateway's added latency per request. That last one has its own phase when both paged and
+direct run (``serve_gateway.py``): ``--gateway-pairs`` requests from the workload (outputs cut to
+``GATEWAY_OUTPUT_LEN`` tokens), each sent through the gateway and directly, back to back in a
+random order, one at a time; per request, the client's TTFT minus the worker's own (from its
+``/metrics``) is the overhead, and the median over requests of the gateway's overhead minus the
+direct one is checked against the target (the raw TTFT differences of the level runs, which the
+prefill's own variation swamps, are reported too). Written to ``--out-dir`` as markdown, a PNG
 plot and JSON; the last line printed is ``RESULT_JSON {...}``.
 """
 
@@ -49,6 +55,7 @@ from typing import Any
 
 import httpx
 
+import serve_gateway
 from serve_client import Target, allowed_token_ids, make_requests, run_requests, summarize
 from serve_report import compute_ratios, markdown, plot
 from serve_systems import CoresMonitor, ManagedProcess, SystemStartError, start_llmplatform, start_transformers_serve
@@ -59,6 +66,7 @@ DEFAULT_TSERVE_ARGS = ("--continuous-batching --device cpu --dtype bfloat16 --at
                        "--cb-max-batch-tokens 2048")
 TSERVE_PAGE_SIZE = 256  # transformers CB's default page size (tokens per block)
 WARMUP_OUTPUT_LEN = (8, 16)
+GATEWAY_OUTPUT_LEN = (4, 4)  # the gateway phase measures time to first token: short outputs
 
 
 def log(message: str) -> None:
@@ -111,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--seed", type=int, default=0, help="seed of the workload and of the Poisson arrivals (0)")
     load.add_argument("--warmup-requests", type=int, default=4,
                       help="untimed requests per system first (prompts from --prompt-len, 8-16 tokens out; 4)")
+    load.add_argument("--gateway-pairs", type=int, default=48,
+                      help="requests of the gateway-latency phase, each sent both ways (default 48; 0: skip)")
     load.add_argument("--tokenizer", default=None, help="tokenizer for the prompts (default: the model's)")
     systems = parser.add_argument_group("systems started by --all / --systems")
     systems.add_argument("--model-path", default=None, help="model directory (default: the packaged default model, "
@@ -155,6 +165,7 @@ class Bench:
         self.allowed = allowed_token_ids(tokenizer)
         self.runs: dict[str, dict[float, dict[str, Any]]] = {}
         self.failures: dict[str, str] = {}
+        self.gateway: dict[str, Any] | None = None  # the gateway-latency phase (serve_gateway.py)
         self._workloads: dict[float, list] = {}
 
     def workload(self, value: float, count: int) -> list:
@@ -256,11 +267,23 @@ def run_all(bench: Bench, systems: list[str], model_path: str, model_name: str, 
             response = httpx.post(f"{worker_url}/reset_prefix_cache", timeout=60.0, trust_env=False)
             response.raise_for_status()
 
+        targets = {"direct": Target(cluster.worker_url, model_name, "worker"),
+                   "paged": Target(cluster.gateway_url, model_name, "openai", {"ignore_eos": True}),
+                   "hf": Target(cluster.gateway_url, model_name, "openai", {"ignore_eos": True})}
         try:
             for system in group:
-                target = (Target(cluster.worker_url, model_name, "worker") if system == "direct" else
-                          Target(cluster.gateway_url, model_name, "openai", {"ignore_eos": True}))
-                _guarded(bench, system, target, cluster.process, reset_prefix_cache)
+                _guarded(bench, system, targets[system], cluster.process, reset_prefix_cache)
+            if {"paged", "direct"} <= set(group) and args.gateway_pairs > 0:
+                requests = make_requests(bench.tokenizer, bench.allowed, args.gateway_pairs,
+                                         f"gateway/{args.seed}", args.prompt_len, GATEWAY_OUTPUT_LEN)
+                log(f"gateway latency: {len(requests)} requests, each through the gateway and directly")
+                try:
+                    bench.gateway = serve_gateway.run(targets["paged"], targets["direct"], cluster.worker_url,
+                                                      requests, seed=args.seed)
+                    log(f"gateway latency: {bench.gateway}")
+                except Exception as exc:
+                    bench.failures["gateway-latency"] = f"{type(exc).__name__}: {exc}"
+                    log(f"gateway latency: FAILED {bench.failures['gateway-latency']}")
         finally:
             cluster.stop()
     if "tserve" in systems:
@@ -348,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["duration_s"] = round(time.perf_counter() - started, 1)
 
     compare_at = args.compare_at if args.compare_at in levels else levels[-1]
-    ratios = compute_ratios(bench.runs, mode, compare_at, levels[0])
+    ratios = compute_ratios(bench.runs, mode, compare_at, levels[0], bench.gateway)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot_path = args.out_dir / f"{args.name}.png"
     plot_name: str | None = plot_path.name

@@ -141,7 +141,7 @@ def test_systems_started_by_the_benchmark(bench, tiny_model_dir, tmp_path):
     serve started as subprocesses, one at a time, and the ratios computed from their runs."""
     code, result, report = run_bench(bench, tmp_path, "systems", [
         "--systems", "paged,direct,hf,tserve", "--model-path", str(tiny_model_dir), "--concurrency", "1,2",
-        "--num-prompts", "2", "--compare-at", "2", "--log-dir", str(tmp_path / "logs")])
+        "--num-prompts", "2", "--compare-at", "2", "--gateway-pairs", "3", "--log-dir", str(tmp_path / "logs")])
     assert result["failures"] == {}, result["failures"]
     assert code == 0
     assert set(result["runs"]) == {"paged", "direct", "hf", "tserve"}
@@ -153,5 +153,11 @@ def test_systems_started_by_the_benchmark(bench, tiny_model_dir, tmp_path):
             check_counts(run, 2, expected_workload(bench, tiny_model_dir, float(level), 2))
     ratios = result["ratios"]
     assert set(ratios) >= {"paged_over_tserve", "paged_over_hf", "gateway_added_latency"}
-    assert ratios["gateway_added_latency"]["ttft_p50_diff_ms"] is not None
-    assert "paged over transformers serve" in report and "Gateway + controller added latency" in report
+    gateway = ratios["gateway_added_latency"]
+    assert gateway["ttft_p50_diff_ms"] is not None
+    # The interleaved phase: 3 requests each sent both ways, the worker's own TTFT subtracted.
+    phase = gateway["interleaved"]
+    assert phase["pairs"] == 3 and phase["failed"] == 0
+    assert phase["direct_overhead_ms_p50"] > 0 and phase["gateway_overhead_ms_p50"] > 0
+    assert gateway["met"] == (phase["added_ms_p50"] <= 2.0)
+    assert "paged over transformers serve" in report and "Gateway added latency per request" in report
