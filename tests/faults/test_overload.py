@@ -54,12 +54,16 @@ def cluster(tiny_model_dir):
     with contextlib.ExitStack() as stack:
         controller_url = stack.enter_context(serve_in_thread(
             create_controller_app(config, rng=FirstCandidate())))
-        gateway_url = stack.enter_context(serve_in_thread(gateway_app(controller_url, rng=FirstCandidate())))
+        gateway = gateway_app(controller_url, rng=FirstCandidate())
+        gateway_url = stack.enter_context(serve_in_thread(gateway))
         urls = [stack.enter_context(serve_worker(worker_app(
             slowed(paged_tiny_llm(tiny_model_dir)), controller_url, **settings))) for _ in range(2)]
         wait_for_models(controller_url, [MODEL])
         wait_until(lambda: worker_status(controller_url)["speed"] == 2, timeout=10,
                    what="both workers registered")  # the controller's aggregate: speeds summed
+        # ... and both in the gateway's routing table (read once a second), so it ranks the pair.
+        wait_until(lambda: len(gateway.state.routing_table.workers()) == 2, timeout=10,
+                   what="both workers in the gateway's routing table")
         first, second = sorted(urls)
         yield {"gateway": gateway_url, "first": first, "second": second}
 

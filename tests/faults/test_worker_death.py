@@ -37,15 +37,26 @@ from tests.integration.cluster import wait_for_models
 def front():
     """Controller (expiry 60 s: a killed worker stays listed while the test runs) and gateway."""
     config = ControllerConfig(dispatch_method=DispatchMethod.LOTTERY, heartbeat_expiration=60.0)
-    with serve_in_thread(create_controller_app(config, rng=FirstCandidate())) as controller_url, \
-            serve_in_thread(gateway_app(controller_url, rng=FirstCandidate())) as gateway_url:
-        yield controller_url, gateway_url
+    with serve_in_thread(create_controller_app(config, rng=FirstCandidate())) as controller_url:
+        gateway = gateway_app(controller_url, rng=FirstCandidate())
+        with serve_in_thread(gateway) as gateway_url:
+            _gateways[gateway_url] = gateway
+            yield controller_url, gateway_url
+            del _gateways[gateway_url]
+
+
+_gateways: dict[str, Any] = {}
 
 
 def registered(controller_url: str, n: int) -> None:
+    """n workers known to the controller and to every gateway's routing table (which reads the
+    controller's list once a second: a request sent before that could only see the first one)."""
     wait_for_models(controller_url, [MODEL])
     wait_until(lambda: worker_status(controller_url)["speed"] == n, timeout=20,
                what=f"{n} workers registered")
+    for app in _gateways.values():
+        wait_until(lambda: len(app.state.routing_table.workers()) == n, timeout=20,
+                   what=f"{n} workers in the gateway's routing table")
 
 
 def unread_request_bytes(port: int) -> int:
