@@ -30,7 +30,8 @@ from llmplatform.openai_api.routing import (
     max_table_age,
 )
 from llmplatform.openai_api.settings import GatewaySettings
-from llmplatform.openai_api.worker_client import WorkerClient, WorkerUnavailableError, with_failover
+from llmplatform.openai_api.worker_client import WorkerClient, with_failover
+from llmplatform.openai_api.worker_wire import WorkerUnavailableError
 from llmplatform.protocol.controller import ListWorkersResponse, WorkerDescription
 
 from tests.unit.controller_fakes import A, B, C, FakeClock, FixedRandom

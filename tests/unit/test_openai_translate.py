@@ -41,7 +41,7 @@ from llmplatform.openai_api.translate import (
     params_dict,
     resolve_max_new_tokens,
 )
-from llmplatform.openai_api.worker_client import NulFrameDecoder, parse_chunk
+from llmplatform.openai_api.worker_wire import NulFrameDecoder, parse_chunk
 from llmplatform.protocol.openai import ChatCompletionRequest, CompletionRequest
 from llmplatform.protocol.worker import ChunkLogprobs, ChunkUsage, WorkerChunk, WorkerParams
 

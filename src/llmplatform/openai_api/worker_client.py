@@ -1,8 +1,8 @@
 """The gateway's side of the worker protocol: the controller and the workers, over HTTP.
 
 One :class:`WorkerClient` per app, around the app's one `httpx.AsyncClient`. Every failure
-comes out typed: an unreachable peer is 503, a silent one 504, a worker's FastChat error code
-keeps its meaning (:func:`llmplatform.errors.error_from_code`).
+comes out typed (``worker_wire.py``: the frames and the errors): an unreachable peer is 503, a
+silent one 504, a worker's FastChat error code keeps its meaning.
 
 Chat prompts: our workers render them (`/worker_apply_chat_template`); a stock FastChat worker
 answers 404 there, and then the gateway renders FastChat's conversation template itself, as
@@ -23,124 +23,40 @@ answer) and the stream ends with an :class:`UpstreamError` (502).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import httpx
 from pydantic import ValidationError
 
 from llmplatform.conversation import ConvTemplate, render_chat_prompt
-from llmplatform.errors import (
-    EngineOverloadedError,
-    LLMPlatformError,
-    ModelNotFoundError,
-    NoWorkerError,
-    WorkerTimeoutError,
-    error_from_code,
-)
+from llmplatform.errors import LLMPlatformError, ModelNotFoundError, NoWorkerError, error_from_code
 from llmplatform.openai_api.errors import UpstreamError, error_from_http
 from llmplatform.openai_api.routing import RouteSource, RoutingTable
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.openai_api.translate import PreparedPrompt
+from llmplatform.openai_api.worker_wire import (
+    NulFrameDecoder,
+    WorkerUnavailableError,
+    has_error_code,
+    may_try_another_worker,
+    parse_chunk,
+    transport_errors,
+    worker_http_error,
+)
 from llmplatform.protocol.controller import (
     GetWorkerAddressResponse,
     ListModelsResponse,
     ListWorkersResponse,
 )
-from llmplatform.protocol.worker import NUL, ApplyChatTemplateResponse, OpenAIMaxTokens, WorkerChunk
+from llmplatform.protocol.worker import ApplyChatTemplateResponse, OpenAIMaxTokens, WorkerChunk
 
 logger = logging.getLogger("llmplatform.openai_api")
 
 _MAX_CACHE_ENTRIES = 1024
-_MAX_RETRY_AFTER_S = 3600
 
 T = TypeVar("T")
-
-
-class WorkerUnavailableError(NoWorkerError):
-    """A worker could not take the request and generated nothing for it (unreachable, closed
-    the connection before answering, dead engine, shutting down): another worker may (503)."""
-
-
-class NulFrameDecoder:
-    """Splits a byte stream into NUL-terminated frames, whatever the read boundaries."""
-
-    def __init__(self) -> None:
-        self._buffer = bytearray()
-
-    def feed(self, data: bytes) -> list[bytes]:
-        self._buffer += data
-        *frames, rest = bytes(self._buffer).split(NUL)
-        self._buffer = bytearray(rest)
-        return [frame for frame in frames if frame.strip()]
-
-    def flush(self) -> bytes | None:
-        """An unterminated last frame, if the stream ended with one."""
-        rest, self._buffer = bytes(self._buffer), bytearray()
-        return rest if rest.strip() else None
-
-
-def parse_chunk(frame: bytes) -> WorkerChunk:
-    """One frame as a chunk; a FastChat error object raises its typed error."""
-    try:
-        data = json.loads(frame)
-        chunk = WorkerChunk.model_validate(data)
-    except (ValueError, ValidationError):
-        raise UpstreamError(f"the worker sent a malformed stream chunk: {frame[:200]!r}") from None
-    if chunk.error_code:
-        raise error_from_code(chunk.error_code, chunk.text or f"worker error {chunk.error_code}")
-    return chunk
-
-
-@contextlib.contextmanager
-def _transport_errors(peer: str, url: str, timeout: float) -> Iterator[None]:
-    unavailable = WorkerUnavailableError if peer == "worker" else NoWorkerError
-    try:
-        yield
-    except httpx.ConnectTimeout:
-        raise unavailable(f"The {peer} at {url} did not accept a connection in time.") from None
-    except httpx.TimeoutException:
-        raise WorkerTimeoutError(f"The {peer} at {url} did not answer within {timeout:g} s.") from None
-    except httpx.HTTPError as exc:
-        # Refused, reset, or closed before any answer: the peer is gone (or going).
-        raise unavailable(f"The {peer} at {url} is unreachable ({type(exc).__name__}).") from None
-
-
-def _retry_after(value: str | None) -> int | None:
-    """Retry-After in seconds (the HTTP-date form is not used by workers), capped."""
-    try:
-        seconds = int(value) if value is not None else None
-    except ValueError:
-        return None
-    return None if seconds is None or seconds < 0 else min(seconds, _MAX_RETRY_AFTER_S)
-
-
-def worker_http_error(response: httpx.Response, body: bytes, what: str) -> LLMPlatformError:
-    """A typed error for a worker's non-200 answer; 503 and 429 keep the meaning retries need."""
-    error = error_from_http(response.status_code, body, what)
-    if response.status_code == 503:
-        return WorkerUnavailableError(error.message)
-    if response.status_code == 429:
-        if not isinstance(error, EngineOverloadedError):
-            error = EngineOverloadedError(error.message)
-        error.retry_after = _retry_after(response.headers.get("retry-after"))  # type: ignore[attr-defined]
-    return error
-
-
-def may_try_another_worker(error: LLMPlatformError) -> bool:
-    """True for failures that leave the request undone and another worker able to do it."""
-    return isinstance(error, (WorkerUnavailableError, EngineOverloadedError))
-
-
-def _has_error_code(body: bytes) -> bool:
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return False
-    return isinstance(data, dict) and bool(data.get("error_code"))
 
 
 _SINGLE_CALL = frozenset({"messages", "openai_max_tokens"})
@@ -177,7 +93,7 @@ class WorkerClient:
     # ---- plumbing ----------------------------------------------------------------------------
 
     async def _post(self, peer: str, url: str, payload: Any, timeout: httpx.Timeout) -> httpx.Response:
-        with _transport_errors(peer, url, timeout.read or 0.0):
+        with transport_errors(peer, url, timeout.read or 0.0):
             return await self._http.post(url, json=payload, timeout=timeout)
 
     async def _post_json(self, peer: str, url: str, payload: Any, timeout: httpx.Timeout) -> Any:
@@ -213,7 +129,7 @@ class WorkerClient:
         """The controller's live workers (`GET /list_workers`, ours); None when the controller
         has no such route (a stock FastChat controller answers 404 or 405)."""
         url = f"{self._settings.controller_address}/list_workers"
-        with _transport_errors("controller", url, self._settings.controller_timeout):
+        with transport_errors("controller", url, self._settings.controller_timeout):
             response = await self._http.get(url, timeout=self._controller_timeout)
         if response.status_code in (404, 405):
             return None
@@ -288,7 +204,7 @@ class WorkerClient:
         when it has none (an `hf` backend, or a stock FastChat worker without the route)."""
         url = f"{address}/reset_prefix_cache"
         response = await self._post("worker", url, None, self._worker_timeout)
-        if response.status_code == 404 and not _has_error_code(response.content):
+        if response.status_code == 404 and not has_error_code(response.content):
             return False
         if response.status_code != 200:
             raise error_from_http(response.status_code, response.content, f"The worker at {url}")
@@ -319,7 +235,7 @@ class WorkerClient:
             except ValidationError:
                 raise UpstreamError(f"The worker at {url} answered with a malformed body.") from None
             return PreparedPrompt(rendered.prompt, rendered.prompt_tokens, rendered.context_length)
-        if response.status_code != 404 or _has_error_code(response.content):
+        if response.status_code != 404 or has_error_code(response.content):
             raise worker_http_error(response, response.content, f"The worker at {url}")
         # A stock FastChat worker: render its conversation template here.
         conv = await self._conv_template(address, model)
@@ -406,7 +322,7 @@ class WorkerClient:
         url = f"{address}/worker_generate_stream"
         started = False
         try:
-            with _transport_errors("worker", url, self._settings.worker_timeout):
+            with transport_errors("worker", url, self._settings.worker_timeout):
                 async with self._http.stream("POST", url, json=dict(params), timeout=self._worker_timeout) as response:
                     if response.status_code != 200:
                         body = await response.aread()

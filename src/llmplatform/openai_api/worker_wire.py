@@ -1,0 +1,113 @@
+"""The worker protocol on the wire, as the gateway reads it: NUL-delimited JSON frames, and every
+failure as a typed error that says what it allows (see :func:`may_try_another_worker`).
+
+An unreachable peer is 503 (:class:`WorkerUnavailableError` for a worker: another may take the
+request), a silent one 504, a worker's FastChat error code keeps its meaning
+(:func:`llmplatform.errors.error_from_code`), a 429 keeps its ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+
+import httpx
+from pydantic import ValidationError
+
+from llmplatform.errors import (
+    EngineOverloadedError,
+    LLMPlatformError,
+    NoWorkerError,
+    WorkerTimeoutError,
+    error_from_code,
+)
+from llmplatform.openai_api.errors import UpstreamError, error_from_http
+from llmplatform.protocol.worker import NUL, WorkerChunk
+
+_MAX_RETRY_AFTER_S = 3600
+
+
+class WorkerUnavailableError(NoWorkerError):
+    """A worker could not take the request and generated nothing for it (unreachable, closed
+    the connection before answering, dead engine, shutting down): another worker may (503)."""
+
+
+class NulFrameDecoder:
+    """Splits a byte stream into NUL-terminated frames, whatever the read boundaries."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buffer += data
+        *frames, rest = bytes(self._buffer).split(NUL)
+        self._buffer = bytearray(rest)
+        return [frame for frame in frames if frame.strip()]
+
+    def flush(self) -> bytes | None:
+        """An unterminated last frame, if the stream ended with one."""
+        rest, self._buffer = bytes(self._buffer), bytearray()
+        return rest if rest.strip() else None
+
+
+def parse_chunk(frame: bytes) -> WorkerChunk:
+    """One frame as a chunk; a FastChat error object raises its typed error."""
+    try:
+        data = json.loads(frame)
+        chunk = WorkerChunk.model_validate(data)
+    except (ValueError, ValidationError):
+        raise UpstreamError(f"the worker sent a malformed stream chunk: {frame[:200]!r}") from None
+    if chunk.error_code:
+        raise error_from_code(chunk.error_code, chunk.text or f"worker error {chunk.error_code}")
+    return chunk
+
+
+@contextlib.contextmanager
+def transport_errors(peer: str, url: str, timeout: float) -> Iterator[None]:
+    unavailable = WorkerUnavailableError if peer == "worker" else NoWorkerError
+    try:
+        yield
+    except httpx.ConnectTimeout:
+        raise unavailable(f"The {peer} at {url} did not accept a connection in time.") from None
+    except httpx.TimeoutException:
+        raise WorkerTimeoutError(f"The {peer} at {url} did not answer within {timeout:g} s.") from None
+    except httpx.HTTPError as exc:
+        # Refused, reset, or closed before any answer: the peer is gone (or going).
+        raise unavailable(f"The {peer} at {url} is unreachable ({type(exc).__name__}).") from None
+
+
+def _retry_after(value: str | None) -> int | None:
+    """Retry-After in seconds (the HTTP-date form is not used by workers), capped."""
+    try:
+        seconds = int(value) if value is not None else None
+    except ValueError:
+        return None
+    return None if seconds is None or seconds < 0 else min(seconds, _MAX_RETRY_AFTER_S)
+
+
+def worker_http_error(response: httpx.Response, body: bytes, what: str) -> LLMPlatformError:
+    """A typed error for a worker's non-200 answer; 503 and 429 keep the meaning retries need."""
+    error = error_from_http(response.status_code, body, what)
+    if response.status_code == 503:
+        return WorkerUnavailableError(error.message)
+    if response.status_code == 429:
+        if not isinstance(error, EngineOverloadedError):
+            error = EngineOverloadedError(error.message)
+        error.retry_after = _retry_after(response.headers.get("retry-after"))  # type: ignore[attr-defined]
+    return error
+
+
+def may_try_another_worker(error: LLMPlatformError) -> bool:
+    """True for failures that leave the request undone and another worker able to do it."""
+    return isinstance(error, (WorkerUnavailableError, EngineOverloadedError))
+
+
+def has_error_code(body: bytes) -> bool:
+    """Whether a body is a FastChat error object (``error_code`` set): a worker's own 404 answer,
+    not a missing route."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(data, dict) and bool(data.get("error_code"))
