@@ -3,7 +3,8 @@ own stream.
 
 All engine state is touched from one place at a time: new requests and aborts are applied by the
 loop task between steps (on the event loop), and each step runs on a dedicated worker thread, so
-the event loop never blocks on torch. If a step raises, every in-flight request ends with an
+the event loop never blocks on torch. Pass the executor the engine was built on
+(``torch_utils.torch_thread``) so that its steps run on the thread that loaded the model. If a step raises, every in-flight request ends with an
 error chunk and the engine reports itself dead (the worker's /health then answers 503).
 """
 
@@ -19,6 +20,7 @@ from typing import Any, AsyncIterator, Callable
 from llmplatform.engine.llm_engine import LLMEngine, SequenceUpdate
 from llmplatform.errors import EngineDeadError
 from llmplatform.llm.sampling import SamplingParams
+from llmplatform.llm.torch_utils import torch_thread
 from llmplatform.utils.logs import request_context
 
 logger = logging.getLogger("llmplatform.engine")
@@ -31,14 +33,17 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, executor: ThreadPoolExecutor | None = None) -> None:
+        """``executor``: a one-thread executor for the steps (the caller keeps owning it); by
+        default the engine gets its own."""
         self.engine = engine
         self._streams: dict[str, _Stream] = {}
         self._pending_adds: list[tuple[str, list[int], SamplingParams]] = []
         self._pending_aborts: list[str] = []
         self._pending_calls: list[tuple[Callable[[], Any], asyncio.Future]] = []
         self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._owns_executor = executor is None
+        self._executor = executor or torch_thread("engine-step")
         self._task: asyncio.Task | None = None
         self.dead_reason: str | None = None
 
@@ -55,7 +60,8 @@ class AsyncEngine:
                 await self._task
             self._task = None
         self._fail_all(EngineDeadError("the engine is shutting down"))
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._owns_executor:
+            self._executor.shutdown(wait=True, cancel_futures=True)
 
     @property
     def is_healthy(self) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 from typing import AsyncIterator
 
@@ -11,6 +13,7 @@ from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.errors import EngineDeadError, InvalidRequestError
 from llmplatform.llm.base import (LLM, BackendInfo, GenerateChunk, GenerateRequest, LoadStats,
                                   ModelFacts)
+from llmplatform.llm.torch_utils import torch_thread
 
 logger = logging.getLogger("llmplatform.paged")
 
@@ -22,7 +25,13 @@ class PagedLLM(LLM):
     backend_name = "paged"
 
     def __init__(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
+        # The engine is built (weights, KV cache, warm-up) on the thread that will run its steps.
+        self._thread = torch_thread("engine-step")
+        try:
+            self.engine = self._thread.submit(LLMEngine, config).result()
+        except BaseException:
+            self._thread.shutdown(wait=True)
+            raise
         self.tokenizer = self.engine.tokenizer
         model_config = self.engine.runner.model.config
         self._facts = ModelFacts(names=config.model.model_names,
@@ -30,6 +39,7 @@ class PagedLLM(LLM):
                                  vocab_size=int(model_config.vocab_size),
                                  eos_token_ids=self.engine.eos_token_ids)
         self._async: AsyncEngine | None = None
+        self._closed = False
 
     @property
     def facts(self) -> ModelFacts:
@@ -40,14 +50,19 @@ class PagedLLM(LLM):
         return self.engine.config.scheduler.max_num_seqs
 
     async def start(self) -> None:
+        if self._closed:
+            raise EngineDeadError("the engine has been shut down")
         if self._async is None:
-            self._async = AsyncEngine(self.engine)
+            self._async = AsyncEngine(self.engine, self._thread)
             self._async.start()
 
     async def shutdown(self) -> None:
+        self._closed = True
         if self._async is not None:
             await self._async.shutdown()
             self._async = None
+        await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self._thread.shutdown, wait=True, cancel_futures=True))
 
     def is_healthy(self) -> bool:
         return self._async is None or self._async.is_healthy

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -72,3 +73,16 @@ def resolve_compute_dtype(choice: str, dtype: torch.dtype, device: torch.device)
             and not cpu_has_native_low_precision_matmul(dtype):
         return torch.float32
     return dtype
+
+
+def torch_thread(name: str) -> ThreadPoolExecutor:
+    """A one-thread executor for all of one model's torch work: load, warm-up and every forward.
+
+    Torch's CPU ops run in OpenMP parallel regions, and OpenMP keeps a team of threads for each
+    thread that starts them. Once two threads have started parallel regions (say the weights
+    loaded on the main thread, and the forward passes on a worker thread), both teams stay and
+    contend for the cores: on a 2-core CPU each op then ran up to 2x slower on 1.2-1.5 cores
+    instead of 2, for the life of the process. So a backend loads its model on the thread that
+    will run its forward passes, and runs them nowhere else.
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
