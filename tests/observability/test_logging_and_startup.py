@@ -177,11 +177,14 @@ def test_controller_logs_json_lines_with_its_summary_and_request_ids(json_servic
     assert summary["summary"]["dispatch"] == "lottery"
     assert summary["summary"]["listen"] == url
     lines.until(lambda line: "Uvicorn running" in line or "startup complete" in line)
+    for _ in range(3):  # what each gateway's routing table reads every second: not logged at info
+        assert httpx.get(f"{url}/list_workers", timeout=10).status_code == 200
     response = httpx.post(f"{url}/list_models", headers={"X-Request-Id": "ctl-1"}, timeout=10)
     assert response.status_code == 200 and response.headers["x-request-id"] == "ctl-1"
     # uvicorn's own access line, in our format, tagged with the caller's id.
     access = json.loads(lines.until(lambda line: "/list_models" in line))
     assert access["logger"] == "uvicorn.access" and access["request_id"] == "ctl-1"
+    assert not any("/list_workers" in line for line in lines.seen)
     assert not any("color_message" in line for line in lines.seen)  # uvicorn's ANSI copy
     assert all(_is_json(line) for line in lines.seen), [l for l in lines.seen if not _is_json(l)]
 

@@ -23,8 +23,9 @@ from typing import Any, TypeVar
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 LOG_FORMATS = ("text", "json")
 
-# Routes polled every few seconds: logging each call would bury everything else.
-_QUIET_PATHS = ("/receive_heart_beat", "/health", "/worker_get_status", "/metrics")
+# Routes polled every few seconds (heartbeats, health checks, scrapes, the gateways' routing-table
+# reads every second): logging each call would bury everything else.
+_QUIET_PATHS = ("/receive_heart_beat", "/health", "/worker_get_status", "/metrics", "/list_workers")
 
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("llmplatform_request_id",
                                                                         default=None)
