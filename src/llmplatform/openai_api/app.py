@@ -33,8 +33,8 @@ from llmplatform.utils.request_id import RequestIdMiddleware, tag_outgoing_reque
 
 logger = logging.getLogger("llmplatform.openai_api")
 
-# Every streamed choice holds one connection to its worker for its whole life.
-_MAX_CONNECTIONS = 1024
+# Controller calls, model details, aborts (the generation streams have their own pool).
+_MAX_CONNECTIONS = 256
 _MAX_KEEPALIVE_CONNECTIONS = 64
 
 

@@ -1,6 +1,7 @@
 """The gateway's side of the worker protocol: the controller and the workers, over HTTP.
 
-One :class:`WorkerClient` per app, around the app's one `httpx.AsyncClient`. Every failure
+One :class:`WorkerClient` per app, around the app's one `httpx.AsyncClient`; the generation
+streams, every request's hot path, go through an aiohttp pool of its own (worker_stream.py). Every failure
 comes out typed (``worker_wire.py``: the frames and the errors): an unreachable peer is 503, a
 silent one 504, a worker's FastChat error code keeps its meaning.
 
@@ -36,6 +37,7 @@ from llmplatform.openai_api.errors import UpstreamError, error_from_http
 from llmplatform.openai_api.routing import RouteSource, RoutingTable
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.openai_api.translate import PreparedPrompt
+from llmplatform.openai_api.worker_stream import WorkerStreamClient
 from llmplatform.openai_api.worker_wire import (
     NulFrameDecoder,
     WorkerUnavailableError,
@@ -51,8 +53,12 @@ from llmplatform.protocol.controller import (
     ListWorkersResponse,
 )
 from llmplatform.protocol.worker import ApplyChatTemplateResponse, OpenAIMaxTokens, WorkerChunk
+from llmplatform.utils.cluster_secret import secret_headers
 
 logger = logging.getLogger("llmplatform.openai_api")
+
+MAX_WORKER_CONNECTIONS = 1024
+"""Connections to workers at once: every streamed choice holds one for its whole life."""
 
 _MAX_CACHE_ENTRIES = 1024
 
@@ -89,6 +95,7 @@ class WorkerClient:
         # understands, from its /model_details: a stock FastChat worker lists none.
         self._extensions: dict[tuple[str, str], frozenset[str]] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self._streams: WorkerStreamClient | None = None  # generate_stream's pool (aiohttp)
 
     # ---- plumbing ----------------------------------------------------------------------------
 
@@ -101,7 +108,8 @@ class WorkerClient:
         if response.status_code != 200:
             if peer == "controller":
                 raise UpstreamError(f"The controller answered HTTP {response.status_code} to {url}.")
-            raise worker_http_error(response, response.content, f"The worker at {url}")
+            raise worker_http_error(response.status_code, response.headers, response.content,
+                                    f"The worker at {url}")
         try:
             return response.json()
         except ValueError:
@@ -236,7 +244,8 @@ class WorkerClient:
                 raise UpstreamError(f"The worker at {url} answered with a malformed body.") from None
             return PreparedPrompt(rendered.prompt, rendered.prompt_tokens, rendered.context_length)
         if response.status_code != 404 or has_error_code(response.content):
-            raise worker_http_error(response, response.content, f"The worker at {url}")
+            raise worker_http_error(response.status_code, response.headers, response.content,
+                                    f"The worker at {url}")
         # A stock FastChat worker: render its conversation template here.
         conv = await self._conv_template(address, model)
         prompt = render_chat_prompt(conv, messages)
@@ -322,20 +331,16 @@ class WorkerClient:
         url = f"{address}/worker_generate_stream"
         started = False
         try:
-            with transport_errors("worker", url, self._settings.worker_timeout):
-                async with self._http.stream("POST", url, json=dict(params), timeout=self._worker_timeout) as response:
-                    if response.status_code != 200:
-                        body = await response.aread()
-                        raise worker_http_error(response, body, f"The worker at {url}")
-                    decoder = NulFrameDecoder()
-                    async for data in response.aiter_bytes():
-                        for frame in decoder.feed(data):
-                            started = True
-                            yield parse_chunk(frame)
-                    tail = decoder.flush()
-                    if tail is not None:
+            async with self._stream_client().stream(url, params) as body:
+                decoder = NulFrameDecoder()
+                async for data in body:
+                    for frame in decoder.feed(data):
                         started = True
-                        yield parse_chunk(tail)
+                        yield parse_chunk(frame)
+                tail = decoder.flush()
+                if tail is not None:
+                    started = True
+                    yield parse_chunk(tail)
         except WorkerUnavailableError as exc:
             if not started:
                 raise
@@ -360,10 +365,22 @@ class WorkerClient:
     def max_worker_attempts(self) -> int:
         return self._settings.max_worker_attempts
 
+    def _stream_client(self) -> WorkerStreamClient:
+        if self._streams is None:  # made in the event loop that will use it
+            self._streams = WorkerStreamClient(
+                headers=secret_headers(self._settings.cluster_secret),
+                connect_timeout=self._settings.connect_timeout,
+                read_timeout=self._settings.worker_timeout, max_connections=MAX_WORKER_CONNECTIONS)
+        return self._streams
+
     async def aclose(self) -> None:
-        """Let pending aborts finish (bounded) before the HTTP client closes."""
+        """Let pending aborts finish (bounded), then close the worker streams' pool (the app
+        closes its httpx client)."""
         if self._background:
             await asyncio.wait(set(self._background), timeout=self._settings.abort_timeout)
+        if self._streams is not None:
+            await self._streams.aclose()
+            self._streams = None
 
 
 async def with_failover(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import httpx
 from pydantic import ValidationError
@@ -86,15 +86,16 @@ def _retry_after(value: str | None) -> int | None:
     return None if seconds is None or seconds < 0 else min(seconds, _MAX_RETRY_AFTER_S)
 
 
-def worker_http_error(response: httpx.Response, body: bytes, what: str) -> LLMPlatformError:
-    """A typed error for a worker's non-200 answer; 503 and 429 keep the meaning retries need."""
-    error = error_from_http(response.status_code, body, what)
-    if response.status_code == 503:
+def worker_http_error(status: int, headers: Mapping[str, str], body: bytes, what: str) -> LLMPlatformError:
+    """A typed error for a worker's non-200 answer (``headers``: case-insensitive, as both httpx's
+    and aiohttp's are); 503 and 429 keep the meaning retries need."""
+    error = error_from_http(status, body, what)
+    if status == 503:
         return WorkerUnavailableError(error.message)
-    if response.status_code == 429:
+    if status == 429:
         if not isinstance(error, EngineOverloadedError):
             error = EngineOverloadedError(error.message)
-        error.retry_after = _retry_after(response.headers.get("retry-after"))  # type: ignore[attr-defined]
+        error.retry_after = _retry_after(headers.get("retry-after"))  # type: ignore[attr-defined]
     return error
 
 
