@@ -4,8 +4,9 @@ own stream.
 All engine state is touched from one place at a time: new requests and aborts are applied by the
 loop task between steps (on the event loop), and each step runs on a dedicated worker thread, so
 the event loop never blocks on torch. Pass the executor the engine was built on
-(``torch_utils.torch_thread``) so that its steps run on the thread that loaded the model. If a step raises, every in-flight request ends with an
-error chunk and the engine reports itself dead (the worker's /health then answers 503).
+(``torch_utils.torch_thread``) so that its steps run on the thread that loaded the model. If a
+step raises, every in-flight request ends with an error chunk and the engine reports itself dead
+(the worker's /health then answers 503).
 """
 
 from __future__ import annotations

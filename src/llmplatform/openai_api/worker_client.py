@@ -1,9 +1,9 @@
 """The gateway's side of the worker protocol: the controller and the workers, over HTTP.
 
 One :class:`WorkerClient` per app, around the app's one `httpx.AsyncClient`; the generation
-streams, every request's hot path, go through an aiohttp pool of its own (worker_stream.py). Every failure
-comes out typed (``worker_wire.py``: the frames and the errors): an unreachable peer is 503, a
-silent one 504, a worker's FastChat error code keeps its meaning.
+streams, every request's hot path, go through an aiohttp pool of its own (worker_stream.py).
+Every failure comes out typed (``worker_wire.py``: the frames and the errors): an unreachable
+peer is 503, a silent one 504, a worker's FastChat error code keeps its meaning.
 
 Chat prompts: our workers render them (`/worker_apply_chat_template`); a stock FastChat worker
 answers 404 there, and then the gateway renders FastChat's conversation template itself, as
