@@ -22,17 +22,20 @@ _request_ids = itertools.count()
 def make_scheduler(*, num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
                    max_model_len=64, enable_prefix_caching=False) -> Scheduler:
     # Every request here has the same prompt prefix: these tests pin batches and block ids without
-    # the prefix cache (tests/unit/test_prefix_caching.py covers the scheduler with it).
+    # the prefix cache (test_prefix_caching_scheduler.py covers the scheduler with it).
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len)
     return Scheduler(config, BlockManager(num_blocks=num_blocks, block_size=block_size,
                                           enable_prefix_caching=enable_prefix_caching))
 
 
-def add(sched: Scheduler, num_prompt_tokens: int, n: int = 1) -> list[Sequence]:
+def add(sched: Scheduler, prompt: int | list[int], n: int = 1,
+        params: SamplingParams | None = None) -> list[Sequence]:
+    """A request of ``n`` sequences: ``prompt`` is its token ids, or how many (1000, 1001, ...)."""
     request_id = f"req-{next(_request_ids)}"
-    prompt = list(range(1000, 1000 + num_prompt_tokens))
-    seqs = [Sequence(request_id, list(prompt), SamplingParams(), index=i) for i in range(n)]
+    if isinstance(prompt, int):
+        prompt = list(range(1000, 1000 + prompt))
+    seqs = [Sequence(request_id, list(prompt), params or SamplingParams(), index=i) for i in range(n)]
     sched.add_request(seqs)
     return seqs
 
