@@ -203,3 +203,20 @@ def test_worker_prints_its_summary_at_start(json_service, tiny_model_dir):
     assert 'llmplatform:num_requests_running{model_name="tiny"} 0.0' in metrics.text
     # JSON mode: no progress bar or stray print breaks the one-object-per-line stream.
     assert all(_is_json(line) for line in lines.seen), [l for l in lines.seen if not _is_json(l)]
+
+
+def test_gateway_logs_one_access_line_per_request_its_own(json_service):
+    """uvicorn's access line is off in the gateway: the gateway's own line (status, time, model,
+    request id) is the one line per request, for the generation routes and the others alike."""
+    _, controller_lines, controller = json_service("llmplatform.controller")
+    controller_lines.until(lambda line: "startup complete" in line or "Uvicorn running" in line)
+    _, lines, url = json_service("llmplatform.openai_api", "--controller-address", controller)
+    lines.until(lambda line: "startup complete" in line or "Uvicorn running" in line)
+    missing = httpx.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "x"},
+                         headers={"X-Request-Id": "gw-1"}, timeout=10)
+    assert missing.status_code == 404
+    assert httpx.get(f"{url}/v1/models", headers={"X-Request-Id": "gw-2"}, timeout=10).status_code == 200
+    for request_id, path in (("gw-1", "POST /v1/completions -> 404"), ("gw-2", "GET /v1/models -> 200")):
+        access = json.loads(lines.until(lambda line, p=path: p in line))
+        assert access["logger"] == "llmplatform.openai_api.access" and access["request_id"] == request_id
+    assert not any("uvicorn.access" in line for line in lines.seen)

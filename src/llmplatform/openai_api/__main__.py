@@ -165,8 +165,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     app = create_app(settings)
     log_summary(logging.getLogger("llmplatform.openai_api"), "llmplatform gateway",
                 gateway_summary(settings, listen_url(args.host, args.port)))
+    # GatewayMetricsMiddleware logs one line per request, with its model and duration;
+    # uvicorn's own access line would be a second one, written before the first byte is sent.
     run_server(app, host=args.host, port=args.port, log_level=args.log_level,
-               shutdown_timeout=args.shutdown_timeout)
+               shutdown_timeout=args.shutdown_timeout, access_log=False)
 
 
 if __name__ == "__main__":

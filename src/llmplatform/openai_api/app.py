@@ -24,7 +24,8 @@ from llmplatform.openai_api.auth import ApiKeyMiddleware
 from llmplatform.openai_api.errors import install_exception_handlers
 from llmplatform.openai_api.limits import RequestBodyMiddleware
 from llmplatform.controller.dispatch import RandomSource
-from llmplatform.openai_api.routes import build_router
+from llmplatform.openai_api.hot_routes import GatewayApp
+from llmplatform.openai_api.routes import HOT_ROUTES, build_router
 from llmplatform.openai_api.routing import RoutingTable, TableRefresher, max_table_age
 from llmplatform.openai_api.settings import GatewaySettings, RoutingMode
 from llmplatform.openai_api.worker_client import WorkerClient
@@ -70,7 +71,7 @@ def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | N
                 finally:
                     await client.aclose()
 
-    app = FastAPI(title="llmplatform OpenAI-compatible API", lifespan=lifespan)
+    app = GatewayApp(title="llmplatform OpenAI-compatible API", lifespan=lifespan, hot_routes=HOT_ROUTES)
     app.state.settings = settings
     app.state.created = int(time.time())
     install_exception_handlers(app)

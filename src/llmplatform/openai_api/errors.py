@@ -166,32 +166,39 @@ def _internal_error_response() -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=500)
 
 
-class EnvelopeRoute(APIRoute):
-    """A route that turns every exception of its handler into an envelope response itself.
+Handler = Callable[[Request], Coroutine[Any, Any, Response]]
+
+
+def guard(handler: Handler) -> Handler:
+    """`handler`, answering every exception it raises with an envelope response itself.
 
     Starlette answers an unhandled exception with a 500 and then re-raises it, so uvicorn drops
     the (keep-alive) connection; a client's next request on it would fail. Catching here keeps
     the connection usable. The app-level handlers below remain as a backstop.
     """
 
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
+    async def guarded(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except LLMPlatformError as exc:
+            _log_typed(request, exc)
+            return error_response(exc)
+        except ClientDisconnected:
+            return _disconnected_response(request)
+        except (StarletteHTTPException, RequestValidationError):
+            raise
+        except Exception:
+            logger.exception("unexpected error in %s %s", request.method, request.url.path)
+            return _internal_error_response()
 
-        async def guarded(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except LLMPlatformError as exc:
-                _log_typed(request, exc)
-                return error_response(exc)
-            except ClientDisconnected:
-                return _disconnected_response(request)
-            except (StarletteHTTPException, RequestValidationError):
-                raise
-            except Exception:
-                logger.exception("unexpected error in %s %s", request.method, request.url.path)
-                return _internal_error_response()
+    return guarded
 
-        return guarded
+
+class EnvelopeRoute(APIRoute):
+    """A route whose handler answers its own exceptions with an envelope (see `guard`)."""
+
+    def get_route_handler(self) -> Handler:
+        return guard(super().get_route_handler())
 
 
 def _log_typed(request: Request, exc: LLMPlatformError) -> None:

@@ -42,12 +42,17 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok", "models": len(models)})
 
 
+HOT_ROUTES = {"/v1/chat/completions": create_chat_completion, "/v1/completions": create_completion}
+"""POST routes the app dispatches before FastAPI's routing (``hot_routes.GatewayApp``); they are
+registered below as well, for the OpenAPI schema and as the same handlers."""
+
+
 def build_router() -> APIRouter:
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], route_class=EnvelopeRoute)
     v1.add_api_route("/models", list_models, methods=["GET"])
     v1.add_api_route("/models/{model:path}", retrieve_model, methods=["GET"])
-    v1.add_api_route("/chat/completions", create_chat_completion, methods=["POST"])
-    v1.add_api_route("/completions", create_completion, methods=["POST"])
+    for path, handler in HOT_ROUTES.items():
+        v1.add_api_route(path.removeprefix("/v1"), handler, methods=["POST"])
     admin = APIRouter(prefix="/v1/admin", dependencies=[Depends(require_admin_key)],
                       route_class=EnvelopeRoute)
     admin.add_api_route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"])

@@ -26,9 +26,15 @@ def sse_event(payload: BaseModel | dict[str, Any], *, exclude: set[str] | None =
 class EventStreamResponse(StreamingResponse):
     """A `text/event-stream` response that runs `on_close` however the stream ends.
 
-    Starlette cancels the body iterator when the client disconnects, but an iterator that has
-    not started, or that is suspended at a `yield`, is never closed; `on_close` (closing the
-    worker streams, aborting) must run in every case, outside the cancelled scope.
+    Sent by its own loop rather than Starlette's: that one runs each response in an AnyIO task
+    group with a second task listening for the disconnect, which costs a gateway (one streamed
+    response per request) measurable time per request. Here one plain asyncio task waits for
+    the client's disconnect and cancels the sending; the cancellation is then taken back, so the
+    request ends normally for the middlewares and the server, as with Starlette's.
+
+    The body iterator is closed and `on_close` (closing the worker streams, aborting) runs in
+    every case: an iterator that has not started, or that is suspended at a `yield`, is never
+    closed by anyone else.
     """
 
     media_type = "text/event-stream"
@@ -47,9 +53,33 @@ class EventStreamResponse(StreamingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        state = {"sending": True, "disconnected": False}
+
+        async def watch() -> None:
+            # The request body has been read: what comes next is the disconnect (which uvicorn
+            # also reports once the response is complete, hence `sending`).
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if state["sending"]:
+                state["disconnected"] = True
+                task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            state["sending"] = False
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not state["disconnected"] or task.cancelling() > 1:
+                raise
+            task.uncancel()  # ours, for the client's disconnect: the exchange is simply over
         finally:
+            state["sending"] = False
+            watcher.cancel()
             await asyncio.shield(self._close())
 
     async def _close(self) -> None:

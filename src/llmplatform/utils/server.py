@@ -75,8 +75,11 @@ def run_server(
     log_level: str = "info",
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     on_drain: DrainHook | None = None,
+    access_log: bool = True,
 ) -> None:
     """Serve `app` until SIGTERM/SIGINT, then shut down gracefully (see the module doc).
+
+    `access_log=False` turns off uvicorn's access line, for a service that logs its own.
 
     After a signal-initiated shutdown uvicorn re-raises the signal with its default handler,
     so a parent sees the process end by SIGTERM (exit status -15), as for any service stopped
@@ -88,7 +91,7 @@ def run_server(
         app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=shutdown_timeout,
         # The service configured logging (utils.logs.configure_logging): uvicorn's records go to
         # that handler, in that format (text or JSON), instead of uvicorn's own.
-        log_config=None,
+        log_config=None, access_log=access_log,
     )
     server = _DrainingServer(config, on_drain)
     server.run()
