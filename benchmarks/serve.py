@@ -28,7 +28,8 @@ it generated (``usage``) and flags requests that stopped short.
 
 Reported per system and level: requests completed, request throughput, output tokens/s, TTFT,
 ITL and end-to-end latency (p50, p99), and the cores used by the server, this client and other
-processes (on a shared machine, rows with other processes above 0 are slowed down). Then the
+processes, and the cores the hypervisor took (steal; on a shared machine, rows with other
+processes or steal above 0 are slowed down). Then the
 ratios the project targets: output tokens/s at ``--compare-at`` of paged over tserve and over hf,
 and the gateway's added latency per request. That last one has its own phase when both paged and
 direct run (``serve_gateway.py``): ``--gateway-pairs`` requests from the workload (outputs cut to

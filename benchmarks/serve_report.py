@@ -83,7 +83,7 @@ def markdown(meta: dict[str, Any], runs: dict[str, dict[float, dict[str, Any]]],
         f"Command: `{meta['command']}`",
         "",
         f"| system | {column} | requests ok/sent | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms "
-        "| ITL p50 ms | ITL p99 ms | E2E p50 ms | E2E p99 ms | cores: server / client / other |",
+        "| ITL p50 ms | ITL p99 ms | E2E p50 ms | E2E p99 ms | cores: server / client / other / steal |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes: list[str] = []
@@ -95,7 +95,8 @@ def markdown(meta: dict[str, Any], runs: dict[str, dict[float, dict[str, Any]]],
                 f"| {_fmt(s['request_throughput'], 3)} | {_fmt(s['output_throughput'])} "
                 f"| {_fmt(s['ttft_ms_p50'])} | {_fmt(s['ttft_ms_p99'])} | {_fmt(s['itl_ms_p50'])} "
                 f"| {_fmt(s['itl_ms_p99'])} | {_fmt(s['e2e_ms_p50'], 0)} | {_fmt(s['e2e_ms_p99'], 0)} "
-                f"| {cores['server_cores']:.2f} / {cores['client_cores']:.2f} / {cores['other_cores']:.2f} |")
+                f"| {cores['server_cores']:.2f} / {cores['client_cores']:.2f} / {cores['other_cores']:.2f} "
+                f"/ {cores.get('steal_cores', 0.0):.2f} |")
             if s["num_short"]:
                 notes.append(f"{system} at {level_name(mode, value)}: {s['num_short']} requests stopped before "
                              f"their max_tokens ({s['output_tokens']} of {s['expected_output_tokens']} tokens)")

@@ -227,15 +227,16 @@ def start_transformers_serve(model_path: str, serve_args: str, log_path: Path,
 class CoresMonitor:
     """Average cores used during a run by the system under test (its whole process tree), by
     this client process, and by everything else on the machine (``/proc/stat`` busy time minus
-    both). On a shared machine, runs with ``other`` well above 0 are slowed down."""
+    both), and the cores the hypervisor took from this VM (``steal``). On a shared machine, runs
+    with ``other`` or ``steal`` well above 0 are slowed down."""
 
     def __init__(self, server: ManagedProcess | None) -> None:
         self.server = server
 
-    def _snapshot(self) -> tuple[float, float, float, float]:
-        busy, _ = machine_cpu_seconds()
+    def _snapshot(self) -> tuple[float, float, float, float, float]:
+        busy, steal = machine_cpu_seconds()
         server = self.server.cpu_seconds() if self.server is not None else 0.0
-        return time.perf_counter(), busy, server, time.process_time()
+        return time.perf_counter(), busy, server, time.process_time(), steal
 
     def start(self) -> None:
         self._start = self._snapshot()
@@ -247,4 +248,5 @@ class CoresMonitor:
         client = (end[3] - self._start[3]) / wall
         busy = (end[1] - self._start[1]) / wall
         return {"server_cores": round(server, 2), "client_cores": round(client, 2),
-                "other_cores": round(max(0.0, busy - server - client), 2)}
+                "other_cores": round(max(0.0, busy - server - client), 2),
+                "steal_cores": round((end[4] - self._start[4]) / wall, 2)}

@@ -3,14 +3,16 @@
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` carry nearly all of a gateway's
 traffic, and every millisecond the gateway spends on one is added to the request's time to first
 token. FastAPI's per-request work around a handler (matching through the included routers,
-solving the router's dependencies, its exception, body-limit and telemetry layers, a task group
-per streamed response) measured about half a millisecond per request on a 2-core machine, a
-quarter of everything the gateway did. So :class:`GatewayApp` sends these two method-and-path
-pairs straight to their handlers, behind the same user middlewares as every other route (request
-id, metrics, CORS, API keys, body limit), with the API-key check of the ``/v1`` router and the
-same error envelope (:func:`~llmplatform.openai_api.errors.guard`). Everything else, these paths
-with another method included, goes through FastAPI as before; the two routes stay registered
-there too, so the OpenAPI schema still lists them.
+solving the router's dependencies, its exception, body-limit and telemetry layers) is not needed
+for them. So :class:`GatewayApp` sends these two method-and-path pairs straight to their handlers,
+behind the same user middlewares as every other route (request id, metrics, CORS, API keys, body
+limit), with the API-key check of the ``/v1`` router and the same error envelope
+(:func:`~llmplatform.openai_api.errors.guard`). Everything else, these paths with another method
+included, goes through FastAPI as before; the two routes stay registered there too, so the OpenAPI
+schema still lists them. With the leaner streamed response (``sse.EventStreamResponse``) and
+uvicorn's access line off, this took 0.6 ms off each request's time to first token and 0.7 ms off
+the gateway's CPU per request (2.8 to 2.1 ms) on a 2-core machine (paired A/B, 2,000 pairs, a
+worker that answers at once).
 """
 
 from __future__ import annotations
