@@ -1,8 +1,11 @@
 """The linear-layer ceiling of ``throughput.py``: how fast the model's linears alone run.
 
 A serving engine cannot beat the time its matrix products take; timing q, k, v, o, gate, up,
-down of every decoder layer (plus the lm_head for the rows that sample) with the real bf16
-weights gives an upper bound per batch shape that the engine's tokens/s is compared against.
+down of every decoder layer (plus the lm_head for the rows that sample) with the real weights gives
+an upper bound per batch shape that the engine's tokens/s is compared against. The products are
+timed in the dtype our engine multiplies in (``dtype``: the model's bf16, or float32 where
+``--compute-dtype auto`` picks it, on a CPU without bf16 matrix instructions), so the bound is
+for the same arithmetic.
 """
 
 from __future__ import annotations
@@ -17,21 +20,28 @@ import torch.nn.functional as F
 from cpu_usage import CpuMonitor
 
 
+def _layer_weights(layers: Any, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
+    """q, k, v, o, gate, up, down of every decoder layer, in ``dtype`` (a copy if it differs)."""
+    return [tuple(w.to(dtype) for w in (l.self_attn.q_proj.weight, l.self_attn.k_proj.weight,
+                                         l.self_attn.v_proj.weight, l.self_attn.o_proj.weight,
+                                         l.mlp.gate_proj.weight, l.mlp.up_proj.weight, l.mlp.down_proj.weight))
+            for l in layers]
+
+
 @torch.inference_mode()
-def linear_ceiling(model: Any, num_tokens: int, num_sampled: int, repeats: int) -> dict[str, float]:
+def linear_ceiling(model: Any, num_tokens: int, num_sampled: int, repeats: int,
+                   dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
     """Tokens/s of the model's linears alone at ``num_tokens`` tokens per forward (``num_sampled``
-    of them through the lm_head), with the real bf16 weights, separate q/k/v and gate/up as in
-    the checkpoint (and, for reference, fused as our engine runs them)."""
+    of them through the lm_head), with the real weights in ``dtype``, separate q/k/v and gate/up as
+    in the checkpoint (and, for reference, fused as our engine runs them)."""
     layers = model.model.layers
     hidden = model.config.hidden_size
     inter = model.config.intermediate_size
-    x_h = torch.randn(num_tokens, hidden, dtype=torch.bfloat16)  # [T, hidden]
-    x_i = torch.randn(num_tokens, inter, dtype=torch.bfloat16)  # [T, intermediate]
-    x_s = torch.randn(num_sampled, hidden, dtype=torch.bfloat16)  # [S, hidden]
-    lm_head = model.lm_head.weight  # tied to the embedding
-    separate = [(l.self_attn.q_proj.weight, l.self_attn.k_proj.weight, l.self_attn.v_proj.weight,
-                 l.self_attn.o_proj.weight, l.mlp.gate_proj.weight, l.mlp.up_proj.weight, l.mlp.down_proj.weight)
-                for l in layers]
+    x_h = torch.randn(num_tokens, hidden, dtype=dtype)  # [T, hidden]
+    x_i = torch.randn(num_tokens, inter, dtype=dtype)  # [T, intermediate]
+    x_s = torch.randn(num_sampled, hidden, dtype=dtype)  # [S, hidden]
+    lm_head = model.lm_head.weight.to(dtype)  # tied to the embedding
+    separate = _layer_weights(layers, dtype)
     fused = [(torch.cat(w[:3]), w[3], torch.cat(w[4:6]), w[6]) for w in separate]
 
     def forward_separate() -> None:
@@ -65,21 +75,20 @@ def linear_ceiling(model: Any, num_tokens: int, num_sampled: int, repeats: int) 
 
 
 @torch.inference_mode()
-def schedule_ceiling(model: Any, steps: list[tuple[int, int]], repeats: int) -> dict[str, float]:
+def schedule_ceiling(model: Any, steps: list[tuple[int, int]], repeats: int,
+                     dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
     """Seconds the linears alone need for ours' actual schedule: every step's (tokens, sampled
     rows), with the decoder linears timed at a grid of sizes (piecewise-linear in between) and the
     lm_head per sampled-row count likewise. Unlike the ceiling at the *average* batch, this one
     charges small decode steps their low efficiency and big prefill steps their high one."""
     layers = model.model.layers
     hidden, inter = model.config.hidden_size, model.config.intermediate_size
-    weights = [(l.self_attn.q_proj.weight, l.self_attn.k_proj.weight, l.self_attn.v_proj.weight,
-                l.self_attn.o_proj.weight, l.mlp.gate_proj.weight, l.mlp.up_proj.weight, l.mlp.down_proj.weight)
-               for l in layers]
-    lm_head = model.lm_head.weight
+    weights = _layer_weights(layers, dtype)
+    lm_head = model.lm_head.weight.to(dtype)
 
     def time_at(num_tokens: int, lm_only: bool) -> float:
-        x_h = torch.randn(num_tokens, hidden, dtype=torch.bfloat16)
-        x_i = torch.randn(num_tokens, inter, dtype=torch.bfloat16)
+        x_h = torch.randn(num_tokens, hidden, dtype=dtype)
+        x_i = torch.randn(num_tokens, inter, dtype=dtype)
 
         def fn() -> None:
             if lm_only:

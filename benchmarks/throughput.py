@@ -30,8 +30,9 @@ loading and a short warm-up are not timed):
   implementation ``--cb-attn`` (``sdpa``, which runs on CPU) and a KV cache sized for the whole
   workload.
 - ``ceiling``: the model's linear layers alone (q, k, v, o, gate, up, down of every decoder layer,
-  plus the lm_head for the rows that sample), bf16 ``F.linear`` with the real weights at a given
-  number of tokens per forward; tokens/s = tokens per forward / time of those linears. Reported at
+  plus the lm_head for the rows that sample), ``F.linear`` with the real weights at a given
+  number of tokens per forward, in the dtype ours multiplies in (bf16, or float32 where
+  ``--compute-dtype auto`` picks it: a CPU without bf16 matrix instructions); tokens/s = tokens per forward / time of those linears. Reported at
   our engine's average tokens per step and at 64; ours' (prompt + output) tokens/s is given as a
   fraction of the ceiling at its average batch. Also: the time the linears alone need for ours'
   actual schedule (each step's token and sampled-row count), as a fraction of ours' wall time;
@@ -215,7 +216,8 @@ def print_report(results: dict[str, Result], ceilings: list[dict[str, float]], f
         print(f"{name:<12} {r.output_tokens:>10} {r.wall_s:>9.1f} {r.output_tps:>13.1f} {ratio:>12}   {notes}")
     print()
     for c in ceilings:
-        print(f"ceiling: linears alone at {c['num_tokens']:.0f} tokens/forward ({c['num_sampled']:.0f} through "
+        print(f"ceiling: {meta.get('ceiling_dtype', 'bfloat16')} linears alone at {c['num_tokens']:.0f} "
+              f"tokens/forward ({c['num_sampled']:.0f} through "
               f"lm_head): {c['tokens_per_s']:.0f} tok/s ({c['forward_s'] * 1e3:.1f} ms/forward; fused qkv/gate_up "
               f"as our engine runs them: {c['fused_tokens_per_s']:.0f} tok/s; best repeat {c['best_tokens_per_s']:.0f}; "
               f"other processes {c['other_cores']:.2f} cores)")
@@ -281,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     from llmplatform.llm.resolve import resolve_model
+    from llmplatform.llm.torch_utils import resolve_compute_dtype
 
     resolved = resolve_model(None)
     path = str(resolved.path)
@@ -327,7 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     ceilings: list[dict[str, float]] = []
     schedule: dict[str, float] | None = None
     if "ceiling" in systems:
-        log("ceiling: timing the linears")
+        # The products in the dtype ours multiplies in (LLM(dtype="bfloat16"), compute_dtype "auto").
+        compute_dtype = resolve_compute_dtype("auto", torch.bfloat16, torch.device("cpu"))
+        meta["ceiling_dtype"] = str(compute_dtype).removeprefix("torch.")
+        log(f"ceiling: timing the linears ({meta['ceiling_dtype']} products)")
         hf_model.set_attn_implementation("sdpa")
         points: list[tuple[int, int]] = []
         if "ours" in results:
@@ -335,9 +341,10 @@ def main(argv: list[str] | None = None) -> int:
             points.append((max(1, round(e["avg_tokens_per_step"])), max(1, round(e["avg_sampled_per_step"]))))
         points.append((64, 64))
         for num_tokens, num_sampled in dict.fromkeys(points):
-            ceilings.append(linear_ceiling(hf_model, num_tokens, num_sampled, args.ceiling_repeats))
+            ceilings.append(linear_ceiling(hf_model, num_tokens, num_sampled, args.ceiling_repeats,
+                                           dtype=compute_dtype))
         if "ours" in results and results["ours"].steps:
-            schedule = schedule_ceiling(hf_model, results["ours"].steps, repeats=3)
+            schedule = schedule_ceiling(hf_model, results["ours"].steps, repeats=3, dtype=compute_dtype)
 
     meta["loadavg_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print_report(results, ceilings, failures, meta, schedule)
