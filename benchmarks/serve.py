@@ -278,9 +278,12 @@ def run_all(bench: Bench, systems: list[str], model_path: str, model_name: str, 
                 requests = make_requests(bench.tokenizer, bench.allowed, args.gateway_pairs,
                                          f"gateway/{args.seed}", args.prompt_len, GATEWAY_OUTPUT_LEN)
                 log(f"gateway latency: {len(requests)} requests, each through the gateway and directly")
+                monitor = CoresMonitor(cluster.process)
                 try:
-                    bench.gateway = serve_gateway.run(targets["paged"], targets["direct"], cluster.worker_url,
-                                                      requests, seed=args.seed)
+                    monitor.start()
+                    phase = serve_gateway.run(targets["paged"], targets["direct"], cluster.worker_url,
+                                              requests, seed=args.seed)
+                    bench.gateway = {**phase, "cores": monitor.stop()}
                     log(f"gateway latency: {bench.gateway}")
                 except Exception as exc:
                     bench.failures["gateway-latency"] = f"{type(exc).__name__}: {exc}"

@@ -66,6 +66,11 @@ def compute_ratios(runs: dict[str, dict[float, dict[str, Any]]], mode: str, comp
     return ratios
 
 
+def _cores(cores: dict[str, float]) -> str:
+    return (f"{cores['server_cores']:.2f} / {cores['client_cores']:.2f} / {cores['other_cores']:.2f} "
+            f"/ {cores.get('steal_cores', 0.0):.2f}")
+
+
 def markdown(meta: dict[str, Any], runs: dict[str, dict[float, dict[str, Any]]], failures: dict[str, str],
              ratios: dict[str, Any], plot_name: str | None) -> str:
     mode = meta["mode"]
@@ -95,8 +100,7 @@ def markdown(meta: dict[str, Any], runs: dict[str, dict[float, dict[str, Any]]],
                 f"| {_fmt(s['request_throughput'], 3)} | {_fmt(s['output_throughput'])} "
                 f"| {_fmt(s['ttft_ms_p50'])} | {_fmt(s['ttft_ms_p99'])} | {_fmt(s['itl_ms_p50'])} "
                 f"| {_fmt(s['itl_ms_p99'])} | {_fmt(s['e2e_ms_p50'], 0)} | {_fmt(s['e2e_ms_p99'], 0)} "
-                f"| {cores['server_cores']:.2f} / {cores['client_cores']:.2f} / {cores['other_cores']:.2f} "
-                f"/ {cores.get('steal_cores', 0.0):.2f} |")
+                f"| {_cores(cores)} |")
             if s["num_short"]:
                 notes.append(f"{system} at {level_name(mode, value)}: {s['num_short']} requests stopped before "
                              f"their max_tokens ({s['output_tokens']} of {s['expected_output_tokens']} tokens)")
@@ -137,7 +141,8 @@ def _ratio_lines(ratios: dict[str, Any]) -> list[str]:
             f"{_fmt(i['added_ms_p75'], 2)}; target <= {g['target_ms']:g} ms: {'met' if g['met'] else 'missed'}); "
             f"overhead through the gateway {_fmt(i['gateway_overhead_ms_p50'], 2)} ms, direct "
             f"{_fmt(i['direct_overhead_ms_p50'], 2)} ms; raw TTFT paired difference "
-            f"{_fmt(i['raw_ttft_paired_diff_ms_p50'], 2)} ms")
+            f"{_fmt(i['raw_ttft_paired_diff_ms_p50'], 2)} ms"
+            + (f"; cores server / client / other / steal {_cores(i['cores'])}" if i.get("cores") else ""))
     if g and "ttft_p50_diff_ms" in g:
         at_g = level_name(ratios["mode"], ratios["gateway_at"])
         lines.append(
