@@ -80,6 +80,14 @@ def batch(out: SchedulerOutput) -> list[tuple[Sequence, int, bool]]:
     return [(s.seq, s.num_new_tokens, s.samples) for s in out.scheduled]
 
 
+def finish_done(sched: Scheduler, out: SchedulerOutput, num_outputs: dict[int, int]) -> None:
+    """Finish each sequence of `out` that has sampled its `num_outputs[seq_id]` tokens (what the
+    engine does on a length stop), as randomized workloads do after every step."""
+    for item in out.scheduled:
+        if item.samples and len(item.seq.output_token_ids) >= num_outputs[item.seq.seq_id]:
+            sched.finish(item.seq)
+
+
 def finish_all(sched: Scheduler, *seqs: Sequence) -> None:
     for seq in seqs:
         sched.finish(seq)

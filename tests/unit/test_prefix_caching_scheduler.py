@@ -15,7 +15,7 @@ from llmplatform.engine.scheduler import Scheduler
 from llmplatform.engine.sequence import Sequence, SequenceStatus
 from llmplatform.llm.sampling import SamplingParams
 from tests.unit import scheduler_helpers
-from tests.unit.scheduler_helpers import SAMPLED, add, batch, finish_all, step
+from tests.unit.scheduler_helpers import SAMPLED, add, assert_drained, batch, finish_all, finish_done, step
 
 PROMPT = list(range(100, 110))  # 10 tokens: with block_size 4, two full blocks and a partial one
 
@@ -190,15 +190,10 @@ def test_random_workloads_read_only_their_own_kv(seed):
         sched.block_manager.check_invariants(sched.running)
         for seq in sched.running[:-1]:
             assert seq.num_uncomputed_tokens == 1  # decodes first
-        for item in out.scheduled:
-            seq = item.seq
-            if item.samples and len(seq.output_token_ids) >= num_outputs[seq.seq_id]:
-                sched.finish(seq)
+        finish_done(sched, out, num_outputs)
         if len(requests) == 25 and not sched.has_unfinished():
             break
     assert not sched.has_unfinished(), "workload did not drain"
-    bm = sched.block_manager
-    bm.check_invariants([])
-    assert bm.num_free_blocks == bm.num_blocks
+    assert_drained(sched)
     assert all(s.status is SequenceStatus.FINISHED for group in requests for s in group)
-    assert bm.prefix_cache_stats.num_hit_tokens > 0  # the workload did exercise the cache
+    assert sched.block_manager.prefix_cache_stats.num_hit_tokens > 0  # the workload did exercise the cache

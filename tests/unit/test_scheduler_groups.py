@@ -12,7 +12,7 @@ import pytest
 
 from llmplatform.engine.sequence import Sequence, SequenceStatus
 from tests.unit.scheduler_helpers import (SAMPLED, add, assert_drained, batch, finish_all,
-                                         make_scheduler, step)
+                                         finish_done, make_scheduler, step)
 
 
 # ---- n > 1 -----------------------------------------------------------------------------------
@@ -161,10 +161,7 @@ def test_random_workloads_keep_every_invariant_and_drain(seed, enable_prefix_cac
             aborted.update(id(s) for s in sched.abort_request(rng.choice(requests)[0].request_id))
         out = step(sched)
         rejected.update(id(s) for s, _ in out.rejected)
-        for item in out.scheduled:
-            seq = item.seq
-            if item.samples and len(seq.output_token_ids) >= num_outputs[seq.seq_id]:
-                sched.finish(seq)
+        finish_done(sched, out, num_outputs)
         if len(requests) == 25 and not sched.has_unfinished():
             break
     assert not sched.has_unfinished(), "workload did not drain"
