@@ -6,18 +6,23 @@ as in the model (so caches are cold, as they are in serving), and the per-step p
 tensors, masks, buckets) is built once and reused. Printed: milliseconds per call (per layer),
 averaged over the step including the plan, and the first call alone (which builds the plan).
 
-    python benchmarks/attention_micro.py [--dtype bfloat16] [--threads N]
+Each case runs on the CPU backends side by side (``--backends``, default both): ``cpu`` (decode
+rows by the C kernel, ``kernels/cpu_decode.py``) and ``torch`` (gather + fused SDPA), with the
+torch/cpu time ratio. Prefill rows run the same torch code on both.
+
+    python benchmarks/attention_micro.py [--dtype bfloat16] [--threads N] [--backends cpu,torch]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 
 import torch
 
-from llmplatform.kernels import AttentionMetadata, paged_attention, store_kv_cache
+from llmplatform.kernels import BACKEND_ENV_VAR, AttentionMetadata, paged_attention, store_kv_cache
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS, BLOCK_SIZE = 9, 3, 64, 30, 16
 
@@ -48,7 +53,16 @@ def make_step(lens: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
     return build, (query, key, value, caches)
 
 
-def bench(name: str, lens: list[tuple[int, int]], dtype: torch.dtype, repeats: int) -> None:
+def bench(name: str, lens: list[tuple[int, int]], dtype: torch.dtype, repeats: int, backends: list[str]) -> None:
+    times = {}
+    for backend in backends:
+        os.environ[BACKEND_ENV_VAR] = backend
+        times[backend] = bench_one(f"{name} [{backend}]", lens, dtype, repeats)
+    if len(times) == 2 and "cpu" in times and "torch" in times:
+        print(f"{'':<52} torch / cpu: {times['torch'] / times['cpu']:.2f}x")
+
+
+def bench_one(name: str, lens: list[tuple[int, int]], dtype: torch.dtype, repeats: int) -> float:
     build, (query, key, value, caches) = make_step(lens, dtype)
     scale = HEAD_DIM**-0.5
 
@@ -67,8 +81,9 @@ def bench(name: str, lens: list[tuple[int, int]], dtype: torch.dtype, repeats: i
     k_cache, v_cache = caches[0]
     metadata = build()
     store = _time(lambda: store_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping), repeats * 5)
-    print(f"{name:<44} {per_call * 1e3:8.3f} ms/call   first call (+plan) {first_call * 1e3:7.3f} ms"
+    print(f"{name:<52} {per_call * 1e3:8.3f} ms/call   first call (+plan) {first_call * 1e3:7.3f} ms"
           f"   store_kv_cache {store * 1e3:6.3f} ms")
+    return per_call
 
 
 def _time(fn, repeats: int) -> float:
@@ -86,7 +101,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--backends", default="cpu,torch", help="comma-separated: cpu, torch (default both)")
     args = parser.parse_args()
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -95,13 +112,16 @@ def main() -> None:
 
     rng = random.Random(0)
     with torch.inference_mode():
-        bench("decode 64 seqs x 512 context", [(511, 1)] * 64, dtype, args.repeats)
-        bench("decode 64 seqs x 100..800 context (buckets)",
-              [(rng.randrange(100, 800), 1) for _ in range(64)], dtype, args.repeats)
-        bench("prefill 8 x 256 (no prefix)", [(0, 256)] * 8, dtype, args.repeats)
-        bench("chunked prefill 8 x 256 new over 256 cached", [(256, 256)] * 8, dtype, args.repeats)
-        bench("mixed: 1 prefill x 256 + 63 decodes x 512",
-              [(0, 256)] + [(511, 1)] * 63, dtype, args.repeats)
+        cases = [
+            ("decode 64 seqs x 512 context", [(511, 1)] * 64),
+            ("decode 32 seqs x 64..600 context", [(rng.randrange(64, 600), 1) for _ in range(32)]),
+            ("decode 64 seqs x 100..800 context", [(rng.randrange(100, 800), 1) for _ in range(64)]),
+            ("prefill 8 x 256 (no prefix)", [(0, 256)] * 8),
+            ("chunked prefill 8 x 256 new over 256 cached", [(256, 256)] * 8),
+            ("mixed: 1 prefill x 256 + 63 decodes x 512", [(0, 256)] + [(511, 1)] * 63),
+        ]
+        for name, lens in cases:
+            bench(name, lens, dtype, args.repeats, backends)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
-"""paged_attention and store_kv_cache against a naive dense attention, on randomized batches."""
+"""paged_attention and store_kv_cache against a naive dense attention, on randomized batches.
+
+Every test runs on both CPU backends: ``cpu`` (decode rows by the C kernel, ``cpu_decode``) and
+``torch`` (the pure torch path).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,18 @@ import random
 import pytest
 import torch
 
-from llmplatform.kernels import AttentionMetadata, paged_attention, store_kv_cache
+from llmplatform.kernels import BACKEND_ENV_VAR, AttentionMetadata, cpu_decode, paged_attention, store_kv_cache
 from llmplatform.kernels.attention import _get_plan
 
 HEAD_DIM = 32
+
+
+@pytest.fixture(autouse=True, params=["cpu", "torch"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "cpu" and not cpu_decode.available():
+        pytest.fail("the CPU decode kernel does not build here (is a C compiler installed?)")
+    monkeypatch.setenv(BACKEND_ENV_VAR, request.param)
+    return request.param
 
 
 def naive_attention(
@@ -134,13 +146,18 @@ def test_randomized_batches(seed: int) -> None:
 
 
 @pytest.mark.parametrize("mixed", [False, True])
-def test_decode_lengths_far_apart_use_several_buckets(mixed: bool) -> None:
+def test_decode_lengths_far_apart_use_several_buckets(mixed: bool, backend: str) -> None:
+    """The torch path buckets decode rows by length; the C kernel takes them all in one call."""
     rng = random.Random(3)
     lens = [(rng.randrange(1, 400), 1) for _ in range(40)] + [(5, 300)] * mixed
     out, expected, metadata = run_case(lens, block_size=16, num_heads=6, num_kv_heads=2, seed=3)
-    plan = _get_plan(metadata, torch.empty(1, 16, 2, HEAD_DIM), torch.float32)
-    assert len(plan.decode_buckets) > 1
-    assert sum(b.num_seqs for b in plan.decode_buckets) == 40
+    plan = _get_plan(metadata, torch.empty(1, 16, 2, HEAD_DIM), torch.float32, kernel_decode=backend == "cpu")
+    if backend == "torch":
+        assert len(plan.decode_buckets) > 1 and plan.kernel_decode is None
+        assert sum(b.num_seqs for b in plan.decode_buckets) == 40
+    else:
+        assert not plan.decode_buckets and plan.kernel_decode.block_tables.shape[0] == 40
+        assert (plan.kernel_decode.rows is None) == (not mixed)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 

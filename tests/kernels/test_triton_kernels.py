@@ -259,14 +259,16 @@ def test_public_ops_on_the_triton_backend_match_the_torch_backend(batch: str, tr
 
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
-    assert attention_backend(torch.device("cpu")) is AttentionBackend.TORCH
+    assert attention_backend(torch.device("cpu")) is AttentionBackend.CPU  # the C kernel builds here
     assert attention_backend(torch.device("cuda")) is AttentionBackend.TRITON  # triton is installed here
+    monkeypatch.setenv(BACKEND_ENV_VAR, "cpu")
+    assert attention_backend(torch.device("cpu")) is AttentionBackend.CPU
     monkeypatch.setenv(BACKEND_ENV_VAR, "torch")
     assert attention_backend(torch.device("cuda")) is AttentionBackend.TORCH
     monkeypatch.setenv(BACKEND_ENV_VAR, " Triton ")
     assert attention_backend(torch.device("cpu")) is AttentionBackend.TRITON
     monkeypatch.setenv(BACKEND_ENV_VAR, "cuda")
-    with pytest.raises(ValueError, match="expected 'triton' or 'torch'"):
+    with pytest.raises(ValueError, match="expected 'triton', 'cpu' or 'torch'"):
         attention_backend(torch.device("cpu"))
 
 

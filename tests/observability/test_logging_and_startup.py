@@ -75,6 +75,7 @@ def test_worker_summary_states_backend_kv_cache_and_addresses(tiny_model_dir):
     summary = worker_summary(llm, settings, "http://0.0.0.0:21002")
     assert summary["model"] == "tiny" and summary["backend"] == "paged"
     assert summary["dtype"] == "float32" and summary["device"] == "cpu"
+    assert summary["attention"] == "cpu"  # the C decode kernel builds on the test machines
     assert summary["kv_cache"] == (f"{layout.num_blocks} blocks x 16 tokens = "
                                    f"{layout.num_blocks * 16} tokens")
     assert summary["max_model_len"] == 256
@@ -85,6 +86,7 @@ def test_worker_summary_states_backend_kv_cache_and_addresses(tiny_model_dir):
     hf = HFTransformersLLM(str(tiny_model_dir), ("tiny",), device="cpu", dtype="float32")
     summary = worker_summary(hf, WorkerSettings(register=False), "http://127.0.0.1:1")
     assert summary["backend"] == "hf" and summary["kv_cache"] == "per request (no shared pool)"
+    assert "attention" not in summary
     assert summary["controller"] == "none (not registering)"
 
 

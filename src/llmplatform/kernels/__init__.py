@@ -1,13 +1,16 @@
 """Attention and KV-cache ops: the one dispatch point between the model and its kernels.
 
 Models call ``store_kv_cache`` and ``paged_attention`` from here and nothing else. Each op checks
-its arguments once, then runs one of two backends, chosen here and nowhere else:
+its arguments once, then runs one of three backends, chosen here and nowhere else:
 
 - ``triton``: the Triton kernels (``triton_store_kv``, ``triton_decode_attention``,
   ``triton_prefill_attention``), the default for CUDA tensors when Triton is installed;
+- ``cpu``: the torch path with the decode rows done by a C kernel that reads the paged cache in
+  place (``cpu_decode``, built on first use with the system C compiler), the default for CPU
+  tensors when that kernel builds here;
 - ``torch``: the torch reference (``cache_ops``, ``attention``), the default everywhere else.
 
-``LLMPLATFORM_ATTENTION_BACKEND=triton|torch`` forces either. It is read on every call, so a test
+``LLMPLATFORM_ATTENTION_BACKEND=triton|cpu|torch`` forces one. It is read on every call, so a test
 can flip it with ``monkeypatch.setenv``. Forcing ``triton`` for CPU tensors only works under the
 Triton interpreter (``TRITON_INTERPRET=1``, which Triton reads when the kernel modules are
 imported); the launchers say so if it is missing.
@@ -24,6 +27,7 @@ from functools import cache
 
 import torch
 
+from llmplatform.kernels import cpu_decode
 from llmplatform.kernels.attention import check_paged_attention_args, paged_attention_torch
 from llmplatform.kernels.cache_ops import check_store_kv_cache_args, store_kv_cache_torch
 from llmplatform.kernels.metadata import AttentionMetadata
@@ -33,6 +37,7 @@ BACKEND_ENV_VAR = "LLMPLATFORM_ATTENTION_BACKEND"
 
 class AttentionBackend(enum.Enum):
     TRITON = "triton"
+    CPU = "cpu"
     TORCH = "torch"
 
 
@@ -48,9 +53,11 @@ def attention_backend(device: torch.device) -> AttentionBackend:
         try:
             return AttentionBackend(forced)
         except ValueError:
-            raise ValueError(f"{BACKEND_ENV_VAR}={forced!r}: expected 'triton' or 'torch'") from None
+            raise ValueError(f"{BACKEND_ENV_VAR}={forced!r}: expected 'triton', 'cpu' or 'torch'") from None
     if device.type == "cuda" and _triton_installed():
         return AttentionBackend.TRITON
+    if device.type == "cpu" and cpu_decode.available():
+        return AttentionBackend.CPU
     return AttentionBackend.TORCH
 
 
@@ -82,8 +89,14 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of the new tokens over cached prefix + themselves (K/V already stored)."""
     check_paged_attention_args(query, key, value, k_cache, v_cache, metadata)
-    if attention_backend(query.device) is AttentionBackend.TRITON:
+    backend = attention_backend(query.device)
+    if backend is AttentionBackend.TRITON:
         return paged_attention_triton(query, key, value, k_cache, v_cache, metadata, scale)
+    if backend is AttentionBackend.CPU:
+        if query.device.type != "cpu":
+            raise ValueError(f"{BACKEND_ENV_VAR}=cpu: tensors are on {query.device}, not the CPU")
+        decode_kernel = cpu_decode.paged_decode_attention_cpu if cpu_decode.supports(query, k_cache) else None
+        return paged_attention_torch(query, key, value, k_cache, v_cache, metadata, scale, decode_kernel)
     return paged_attention_torch(query, key, value, k_cache, v_cache, metadata, scale)
 
 

@@ -32,6 +32,7 @@ once, on the first layer's call, and kept in ``metadata.derived`` for the other 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,9 +105,24 @@ class _PrefillSeq:
 
 
 @dataclass
+class _KernelDecode:
+    """All decode sequences of the step, for a decode kernel that reads the paged cache itself."""
+
+    rows: torch.Tensor | None  # [n] token rows of the batch; None: all rows, in order
+    block_tables: torch.Tensor  # [n, max_num_blocks] int32, contiguous
+    seq_lens: torch.Tensor  # [n] int32, contiguous
+
+
+@dataclass
 class _Plan:
-    decode_buckets: list[_DecodeBucket]
+    decode_buckets: list[_DecodeBucket]  # empty when a decode kernel does the decode rows
     prefills: list[_PrefillSeq]
+    kernel_decode: _KernelDecode | None = None
+
+
+DecodeKernel = Callable[..., torch.Tensor]
+"""(query [n, H, D], k_cache, v_cache, block_tables [n, B] int32, seq_lens [n] int32, scale)
+-> [n, H, D]: attention of one new token per sequence over its paged cache."""
 
 
 def paged_attention_torch(
@@ -117,8 +133,23 @@ def paged_attention_torch(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     metadata: AttentionMetadata,
     scale: float,
+    decode_kernel: DecodeKernel | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    plan = _get_plan(metadata, k_cache, query.dtype)
+    """With ``decode_kernel`` (the CPU C kernel, ``cpu_decode.py``), the decode rows go to it in
+    one call instead of the gather + fused-attention buckets below; prefill rows are unchanged."""
+    plan = _get_plan(metadata, k_cache, query.dtype, kernel_decode=decode_kernel is not None)
+
+    if plan.kernel_decode is not None:
+        kd = plan.kernel_decode
+        decoded = decode_kernel(query if kd.rows is None else query.index_select(0, kd.rows),
+                                k_cache, v_cache, kd.block_tables, kd.seq_lens, scale)  # [n, H, D]
+        if kd.rows is None:
+            return decoded  # a decode-only batch
+        out = torch.empty_like(query)
+        out.index_copy_(0, kd.rows, decoded)
+        for seq in plan.prefills:
+            _prefill(query, key, value, k_cache, v_cache, seq, scale, out)
+        return out
 
     buckets = plan.decode_buckets
     if not plan.prefills and len(buckets) == 1 and buckets[0].rows is None:
@@ -196,12 +227,14 @@ def _prefill(
 # The per-step plan
 
 
-def _get_plan(metadata: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype) -> _Plan:
+def _get_plan(metadata: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype, *,
+              kernel_decode: bool) -> _Plan:
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    key = ("paged_attention_torch", block_size, num_kv_heads, head_dim, dtype, k_cache.device)
+    key = ("paged_attention_torch", block_size, num_kv_heads, head_dim, dtype, k_cache.device, kernel_decode)
     plan = metadata.derived.get(key)
     if plan is None:
-        plan = _build_plan(metadata, block_size, num_kv_heads, head_dim, dtype, k_cache.device)
+        plan = _build_plan(metadata, block_size, num_kv_heads, head_dim, dtype, k_cache.device,
+                           kernel_decode=kernel_decode)
         metadata.derived[key] = plan
     return plan
 
@@ -213,11 +246,26 @@ def _build_plan(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
+    *,
+    kernel_decode: bool,
 ) -> _Plan:
     starts = metadata.query_start_loc_cpu
     seq_lens = metadata.seq_lens_cpu
     decode_ids = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
     prefill_ids = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] > 1]
+    prefills = _prefill_plans(metadata, prefill_ids, block_size, device)
+
+    if kernel_decode:
+        if not decode_ids:
+            return _Plan(decode_buckets=[], prefills=prefills)
+        if not prefill_ids:  # every row is a decode row, in order
+            rows, block_tables, lens = None, metadata.block_tables, metadata.seq_lens
+        else:
+            ids = torch.tensor(decode_ids, dtype=torch.int64, device=device)
+            rows = torch.tensor([starts[i] for i in decode_ids], dtype=torch.int64, device=device)
+            block_tables, lens = metadata.block_tables.index_select(0, ids), metadata.seq_lens.index_select(0, ids)
+        kd = _KernelDecode(rows, block_tables.to(torch.int32).contiguous(), lens.to(torch.int32).contiguous())
+        return _Plan(decode_buckets=[], prefills=prefills, kernel_decode=kd)
 
     buckets: list[_DecodeBucket] = []
     groups = _bucket_by_length(sorted(decode_ids, key=lambda i: seq_lens[i]), seq_lens)
@@ -230,7 +278,12 @@ def _build_plan(
         else:
             rows = torch.tensor([starts[i] for i in group], dtype=torch.int64, device=device)
         buckets.append(_decode_bucket(metadata, group, rows, block_size, num_kv_heads, head_dim, dtype, device))
+    return _Plan(decode_buckets=buckets, prefills=prefills)
 
+
+def _prefill_plans(metadata: AttentionMetadata, prefill_ids: list[int], block_size: int,
+                   device: torch.device) -> list[_PrefillSeq]:
+    starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
     prefills = []
     for i in prefill_ids:
         context_len, kv_len = metadata.context_lens_cpu[i], seq_lens[i]
@@ -243,7 +296,7 @@ def _build_plan(
         kv_slots = table[positions // block_size] * block_size + positions % block_size  # [L]
         allowed = torch.ones(end - start, kv_len, dtype=torch.bool, device=device).tril_(context_len)
         prefills.append(_PrefillSeq(start, end, kv_slots, allowed))
-    return _Plan(decode_buckets=buckets, prefills=prefills)
+    return prefills
 
 
 def _decode_bucket(

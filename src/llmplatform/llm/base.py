@@ -122,6 +122,7 @@ class BackendInfo:
     device: str
     num_kv_blocks: int | None = None
     kv_block_size: int | None = None  # tokens per block
+    attention: str | None = None  # the attention kernels (``kernels.attention_backend``)
 
     @property
     def kv_capacity_tokens(self) -> int | None:

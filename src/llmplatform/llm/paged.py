@@ -11,6 +11,7 @@ from llmplatform.engine.async_engine import AsyncEngine
 from llmplatform.engine.config import EngineConfig
 from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.errors import EngineDeadError, InvalidRequestError
+from llmplatform.kernels import attention_backend
 from llmplatform.llm.base import (LLM, BackendInfo, GenerateChunk, GenerateRequest, LoadStats,
                                   ModelFacts)
 from llmplatform.llm.torch_utils import torch_thread
@@ -89,7 +90,8 @@ class PagedLLM(LLM):
             dtype += f" ({_dtype_name(runner.compute_dtype)} matmuls)"
         return BackendInfo(backend=self.backend_name, dtype=dtype,
                            device=str(self.engine.runner.device), num_kv_blocks=layout.num_blocks,
-                           kv_block_size=layout.block_size)
+                           kv_block_size=layout.block_size,
+                           attention=attention_backend(self.engine.runner.device).value)
 
     async def abort(self, request_id: str) -> bool:
         return self._async is not None and await self._async.abort(request_id)
