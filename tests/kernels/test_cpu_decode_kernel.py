@@ -23,12 +23,12 @@ from llmplatform.engine.config import CacheConfig, EngineConfig, ModelConfig, Sc
 from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.kernels import BACKEND_ENV_VAR, cpu_decode
 from llmplatform.llm.sampling import SamplingParams
+from tests.kernels.conftest import require_cpu_kernel
 
 
 @pytest.fixture(autouse=True)
 def kernel_built() -> None:
-    if not cpu_decode.available():
-        pytest.fail("the CPU decode kernel does not build here (is a C compiler installed?)")
+    require_cpu_kernel()
 
 
 def dense_decode(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
