@@ -125,7 +125,9 @@ def test_the_engine_reports_and_uses_the_compute_dtype(tiny_model_dir: Path) -> 
     runner = llm.engine.runner
     assert runner.dtype == torch.bfloat16 and runner.compute_dtype == torch.float32
     assert runner.kv_caches[0][0].dtype == torch.bfloat16
-    assert runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    down_proj = runner.model.model.layers[0].mlp.down_proj
+    assert down_proj.weight_dtype == torch.float32
+    assert runner.onednn_linears == 4 * 2  # every projection of the 2 layers, on oneDNN
     out = llm.generate(["Hello there"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 6
 
@@ -137,3 +139,4 @@ def test_the_engine_reports_and_uses_the_compute_dtype(tiny_model_dir: Path) -> 
                num_blocks=32, max_model_len=128)
     assert same.engine.runner.compute_dtype == torch.bfloat16
     assert same.engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert same.engine.runner.onednn_linears == 0  # bf16 products stay on F.linear

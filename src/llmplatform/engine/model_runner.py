@@ -29,6 +29,7 @@ from llmplatform.llm.base import TokenLogprob
 from llmplatform.llm.output import token_text
 from llmplatform.llm.sampler import Sampler, SamplingRow
 from llmplatform.llm.torch_utils import resolve_compute_dtype, resolve_device, resolve_dtype
+from llmplatform.models.layers import use_onednn_weights
 from llmplatform.models.loader import load_model
 
 logger = logging.getLogger("llmplatform.engine")
@@ -66,6 +67,7 @@ class ModelRunner:
                         == "float32" else "this CPU has no bf16/fp16 matrix instructions; "
                         "--compute-dtype model keeps them in the model dtype")
             self.model.use_compute_dtype(self.compute_dtype)
+        self.onednn_linears = use_onednn_weights(self.model) if self.device.type == "cpu" else 0
         self.sampler = Sampler(tokenizer)
         self._tokenizer = tokenizer
         bytes_per_block = self.model.kv_cache_bytes_per_block(self.block_size)

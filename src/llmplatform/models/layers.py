@@ -37,6 +37,7 @@ class Linear(nn.Module):
         self.output_sizes = list(output_sizes)
         self.weight = _empty_param(sum(self.output_sizes), in_features, dtype=dtype, device=device)
         self.bias = _empty_param(sum(self.output_sizes), dtype=dtype, device=device) if bias else None
+        self._onednn_weight: torch.Tensor | None = None  # see use_onednn_weights
 
     def use_compute_dtype(self, dtype: torch.dtype) -> None:
         """Hold the weight (and bias) in ``dtype`` and multiply in it; inputs are converted to it
@@ -46,10 +47,69 @@ class Linear(nn.Module):
             if self.bias is not None:
                 self.bias = nn.Parameter(self.bias.detach().to(dtype), requires_grad=False)
 
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype products run in (the weight's, plain or prepacked)."""
+        return (self.weight if self._onednn_weight is None else self._onednn_weight).dtype
+
+    def use_onednn_weight(self) -> None:
+        """Replace the float32 CPU weight by oneDNN's prepacked copy (same size): see
+        ``use_onednn_weights``. ``weight`` is None afterwards."""
+        self._onednn_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self.weight = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(output_sizes)]
+        if self._onednn_weight is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x.to(torch.float32).contiguous(), self._onednn_weight,
+                                                   self.bias, "none", [], "")
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
         if x.dtype == self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+
+
+ONEDNN_LINEARS_ENV_VAR = "LLMPLATFORM_ONEDNN_LINEARS"
+
+
+def use_onednn_weights(model: nn.Module) -> int:
+    """Run every float32 CPU projection of ``model`` (the LM head excepted) on oneDNN with its
+    weight prepacked once; returns how many were switched (0: none, and why is logged).
+
+    ``F.linear`` with float32 weights goes to MKL's sgemm, which re-lays-out the weight on every
+    call; with the few rows of a decode step that costs as much as the product. oneDNN's linear
+    over a weight reordered once (``torch.ops.mkldnn._reorder_linear_weight``, no extra memory:
+    the packed copy replaces the plain one) measured 1.2-2x faster here for 17-160 rows over 30
+    layers of SmolLM2's shapes with cold caches. Results agree with ``F.linear`` to float32
+    rounding (another summation order); the first projection is checked before anything is
+    switched. ``LLMPLATFORM_ONEDNN_LINEARS=0`` keeps ``F.linear``.
+    """
+    import logging
+    import os
+
+    log = logging.getLogger("llmplatform.models")
+    if os.environ.get(ONEDNN_LINEARS_ENV_VAR, "").strip().lower() in ("0", "false", "off", "no"):
+        return 0
+    linears = [m for name, m in model.named_modules() if isinstance(m, Linear) and name != "lm_head"
+               and m.weight is not None and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+    if not linears or not torch.backends.mkldnn.is_available():
+        return 0
+    probe = linears[0]
+    original = probe.weight
+    x = torch.randn(5, original.shape[1], generator=torch.Generator().manual_seed(0))
+    expected = F.linear(x, original, probe.bias)
+    try:
+        probe.use_onednn_weight()
+        got = probe(x)
+        if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
+            raise RuntimeError(f"differs from F.linear by {(got - expected).abs().max().item():.2e}")
+    except Exception as exc:  # a torch without oneDNN's packed linear, or one that misbehaves
+        probe.weight, probe._onednn_weight = original, None
+        log.warning("oneDNN linears unavailable (%s): projections use F.linear", exc)
+        return 0
+    for layer in linears[1:]:
+        layer.use_onednn_weight()
+    log.info("float32 projections run on oneDNN with prepacked weights (%d)", len(linears))
+    return len(linears)
 
 
 class Embedding(nn.Module):

@@ -1,0 +1,83 @@
+"""Float32 CPU projections on oneDNN with prepacked weights (``models.layers.use_onednn_weights``).
+
+The switch must not change the numbers beyond float32 summation order, must leave the LM head
+alone, must keep working for bf16 activations (the compute-dtype path) and biases, and must be
+off when ``LLMPLATFORM_ONEDNN_LINEARS=0``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmplatform.models.layers import ONEDNN_LINEARS_ENV_VAR, Linear, use_onednn_weights
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+class Tiny(nn.Module):
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.qkv_proj = Linear(64, [32, 16, 16], bias=bias, dtype=torch.float32, device="cpu")
+        self.down_proj = Linear(96, [64], bias=False, dtype=torch.float32, device="cpu")
+        self.lm_head = Linear(64, [300], bias=False, dtype=torch.float32, device="cpu")
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_same_products_as_f_linear_for_any_row_count(bias: bool, monkeypatch) -> None:
+    monkeypatch.delenv(ONEDNN_LINEARS_ENV_VAR, raising=False)
+    model = Tiny(bias)
+    plain = {name: (m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone())
+             for name, m in model.named_modules() if isinstance(m, Linear)}
+    assert use_onednn_weights(model) == 2
+    assert model.qkv_proj.weight is None and model.down_proj.weight is None  # replaced, not copied
+    assert model.lm_head.weight is not None and model.lm_head._onednn_weight is None  # left alone
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 7, 32, 33, 160):
+        for name in ("qkv_proj", "down_proj"):
+            layer = getattr(model, name)
+            weight, b = plain[name]
+            x = torch.randn(rows, weight.shape[1], generator=gen)
+            torch.testing.assert_close(layer(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+            # bf16 activations (--compute-dtype float32 over a bf16 model): widened, rounded back
+            xb = x.to(torch.bfloat16)
+            got = layer(xb)
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got, F.linear(xb.float(), weight, b).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
+    strided = torch.randn(8, 128, generator=gen)[:, ::2]  # a non-contiguous input
+    torch.testing.assert_close(model.qkv_proj(strided), F.linear(strided, *plain["qkv_proj"]), rtol=1e-5, atol=1e-5)
+
+
+def test_the_switch_is_off_by_environment(monkeypatch) -> None:
+    monkeypatch.setenv(ONEDNN_LINEARS_ENV_VAR, "0")
+    model = Tiny(False)
+    assert use_onednn_weights(model) == 0
+    assert all(m.weight is not None and m._onednn_weight is None for m in model.modules() if isinstance(m, Linear))
+
+
+def test_bf16_weights_are_not_switched(monkeypatch) -> None:
+    monkeypatch.delenv(ONEDNN_LINEARS_ENV_VAR, raising=False)
+    layer = Linear(16, [8], bias=False, dtype=torch.bfloat16, device="cpu")
+    holder = nn.Module()
+    holder.proj = layer
+    assert use_onednn_weights(holder) == 0 and layer.weight is not None
+
+
+def test_a_misbehaving_backend_leaves_the_weights_as_they_were(monkeypatch, caplog) -> None:
+    monkeypatch.delenv(ONEDNN_LINEARS_ENV_VAR, raising=False)
+    model = Tiny(True)
+    before = model.qkv_proj.weight
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no oneDNN here")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", broken)
+    assert use_onednn_weights(model) == 0
+    assert model.qkv_proj.weight is before and model.qkv_proj._onednn_weight is None
+    assert "oneDNN linears unavailable" in caplog.text
