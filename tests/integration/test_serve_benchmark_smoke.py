@@ -161,3 +161,21 @@ def test_systems_started_by_the_benchmark(bench, tiny_model_dir, tmp_path):
     assert phase["direct_overhead_ms_p50"] > 0 and phase["gateway_overhead_ms_p50"] > 0
     assert gateway["met"] == (phase["added_ms_p50"] <= 2.0)
     assert "paged over transformers serve" in report and "Gateway added latency per request" in report
+
+
+def test_ratios_flag_rows_that_lost_different_cpu_to_the_hypervisor(bench):
+    import serve_report
+
+    def run(tok_s: float, steal: float) -> dict:
+        return {"summary": {"output_throughput": tok_s}, "cores": {"steal_cores": steal}, "requests": []}
+
+    runs = {"paged": {32.0: run(90.0, 0.03)}, "hf": {32.0: run(10.0, 0.41)}, "tserve": {32.0: run(30.0, 0.05)}}
+    ratios = serve_report.compute_ratios(runs, "concurrency", 32.0, 1.0)
+    assert ratios["paged_over_hf"]["value"] == 9.0 and ratios["paged_over_hf"]["met"]
+    lines = serve_report._ratio_lines(ratios)
+    hf_line = next(line for line in lines if "our hf backend" in line)
+    assert "caveat" in hf_line and "0.41" in hf_line and "flattered" in hf_line
+    assert "caveat" not in next(line for line in lines if "transformers serve" in line)  # 0.02 apart
+    runs["paged"][32.0]["cores"]["steal_cores"] = 0.6
+    assert "understated" in next(line for line in serve_report._ratio_lines(
+        serve_report.compute_ratios(runs, "concurrency", 32.0, 1.0)) if "our hf backend" in line)
