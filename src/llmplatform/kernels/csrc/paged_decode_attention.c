@@ -28,9 +28,12 @@ static inline void load_rows(const void *cache, int64_t base, int64_t row, int64
     for (int64_t j = 0; j < n; j++) {
         if (is_bf16) {
             const uint16_t *src = (const uint16_t *)cache + base + j * row;
-            uint32_t *dst = (uint32_t *)buf[j];
+            float *dst = buf[j];
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; d++) dst[d] = (uint32_t)src[d] << 16;
+            for (int64_t d = 0; d < head_dim; d++) {
+                const uint32_t bits = (uint32_t)src[d] << 16;
+                memcpy(&dst[d], &bits, sizeof bits); /* a bit copy, not a pointer pun (strict aliasing) */
+            }
             rows[j] = buf[j];
         } else {
             rows[j] = (const float *)cache + base + j * row;
@@ -53,8 +56,10 @@ static inline float exp_nonpositive(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } two_k = {.i = ((int32_t)k + 127) << 23};
-    return p * two_k.f;
+    const int32_t bits = ((int32_t)k + 127) << 23; /* k >= -126 after the clamp: a normal 2^k */
+    float two_k;
+    memcpy(&two_k, &bits, sizeof two_k);
+    return p * two_k;
 }
 
 /* One (sequence, kv head) item. Inlined into specialized copies below, so the common head
