@@ -23,6 +23,7 @@ from llmplatform.engine.config import CacheConfig, EngineConfig, ModelConfig, Sc
 from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.kernels import BACKEND_ENV_VAR, cpu_decode
 from llmplatform.llm.sampling import SamplingParams
+from tests.engine.test_engine import run_to_completion
 from tests.kernels.conftest import require_cpu_kernel
 
 
@@ -180,14 +181,7 @@ def test_engine_greedy_output_equals_the_torch_backend(tiny_model_dir, monkeypat
 
     def greedy(e: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            e.add_request(str(i), prompt, params)
-        tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-        for _ in range(1000):
-            if not e.has_unfinished():
-                break
-            for update in e.step():
-                tokens[update.request_id].extend(update.chunk.token_ids)
+        tokens = run_to_completion(e, prompts, [params] * len(prompts))  # also asserts the engine drained
         return [tokens[str(i)] for i in range(len(prompts))]
 
     calls: Counter[str] = Counter()
