@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -58,10 +58,12 @@ async def create_completion(request: Request) -> Response:
     response_id = new_id("cmpl")
 
     async def start_on(address: str) -> tuple[list[PreparedPrompt], ChoiceStreams]:
-        prepared = await asyncio.gather(*(
-            client.prepare_completion(address, body.model, p, requested=body.max_tokens,
-                                      default=DEFAULT_COMPLETION_MAX_TOKENS)
-            for p in prompts))
+        def prepare(prompt: str) -> Awaitable[PreparedPrompt]:
+            return client.prepare_completion(address, body.model, prompt, requested=body.max_tokens,
+                                             default=DEFAULT_COMPLETION_MAX_TOKENS)
+
+        # One prompt (nearly every request) is awaited as is: gather would wrap it in a task.
+        prepared = [await prepare(prompts[0])] if len(prompts) == 1 else await asyncio.gather(*map(prepare, prompts))
         params = []
         for p, prompt in enumerate(prepared):
             max_new_tokens = max_new_tokens_for(prompt, body.max_tokens, default=DEFAULT_COMPLETION_MAX_TOKENS,

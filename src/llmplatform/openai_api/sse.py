@@ -32,6 +32,9 @@ class EventStreamResponse(StreamingResponse):
     the client's disconnect and cancels the sending; the cancellation is then taken back, so the
     request ends normally for the middlewares and the server, as with Starlette's.
 
+    The status line and headers go out with the first event rather than ahead of it: the client
+    wakes once for both, not once for headers alone while the first event is still being made.
+
     The body iterator is closed and `on_close` (closing the worker streams, aborting) runs in
     every case: an iterator that has not started, or that is suspended at a `yield`, is never
     closed by anyone else.
@@ -68,9 +71,15 @@ class EventStreamResponse(StreamingResponse):
 
         watcher = asyncio.ensure_future(watch())
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            started = False
             async for chunk in self.body_iterator:
+                if not started:
+                    started = True
+                    await send(start)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if not started:
+                await send(start)
             state["sending"] = False
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:

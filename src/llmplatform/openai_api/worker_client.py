@@ -1,7 +1,7 @@
 """The gateway's side of the worker protocol: the controller and the workers, over HTTP.
 
 One :class:`WorkerClient` per app, around the app's one `httpx.AsyncClient`; the generation
-streams, every request's hot path, go through an aiohttp pool of its own (worker_stream.py).
+streams, every request's hot path, go through a lean HTTP/1.1 pool of their own (worker_stream.py).
 Every failure comes out typed (``worker_wire.py``: the frames and the errors): an unreachable
 peer is 503, a silent one 504, a worker's FastChat error code keeps its meaning.
 
@@ -95,7 +95,7 @@ class WorkerClient:
         # understands, from its /model_details: a stock FastChat worker lists none.
         self._extensions: dict[tuple[str, str], frozenset[str]] = {}
         self._background: set[asyncio.Task[None]] = set()
-        self._streams: WorkerStreamClient | None = None  # generate_stream's pool (aiohttp)
+        self._streams: WorkerStreamClient | None = None  # generate_stream's connection pool
 
     # ---- plumbing ----------------------------------------------------------------------------
 

@@ -54,8 +54,7 @@ class NulFrameDecoder:
 def parse_chunk(frame: bytes) -> WorkerChunk:
     """One frame as a chunk; a FastChat error object raises its typed error."""
     try:
-        data = json.loads(frame)
-        chunk = WorkerChunk.model_validate(data)
+        chunk = WorkerChunk.model_validate_json(frame)  # one pass, in pydantic's own JSON parser
     except (ValueError, ValidationError):
         raise UpstreamError(f"the worker sent a malformed stream chunk: {frame[:200]!r}") from None
     if chunk.error_code:
@@ -88,7 +87,7 @@ def _retry_after(value: str | None) -> int | None:
 
 def worker_http_error(status: int, headers: Mapping[str, str], body: bytes, what: str) -> LLMPlatformError:
     """A typed error for a worker's non-200 answer (``headers``: case-insensitive, as both httpx's
-    and aiohttp's are); 503 and 429 keep the meaning retries need."""
+    and worker_stream's are); 503 and 429 keep the meaning retries need."""
     error = error_from_http(status, body, what)
     if status == 503:
         return WorkerUnavailableError(error.message)
