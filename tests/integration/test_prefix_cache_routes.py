@@ -114,3 +114,28 @@ def test_a_backend_without_prefix_cache_says_so(tiny_model_dir):
         worker_status = status(url)
         assert worker_status["prefix_cache_queries"] is None
         assert worker_status["prefix_cache_hits"] is None
+
+
+def test_the_admin_reset_reaches_every_worker_of_the_model(tiny_model_dir):
+    def paged() -> object:
+        return build_llm(BackendConfig(model_path=str(tiny_model_dir), model_names=("tiny",),
+                                       backend="paged", device="cpu", dtype="float32",
+                                       kv_cache_memory="64MiB", block_size=BLOCK_SIZE))
+
+    with running_cluster() as two:
+        urls = [two.add_worker(paged()), two.add_worker(paged())]
+        for url in urls:  # fill each worker's cache with the prompt
+            httpx.post(f"{url}/worker_generate", json={"model": "tiny", "prompt": PROMPT, "max_new_tokens": 2,
+                                                       "temperature": 0}, timeout=60).raise_for_status()
+        filled = {url: status(url)["prefix_cache_hits"] for url in urls}
+        response = reset(two.gateway_url)
+        assert response.status_code == 200
+        assert response.json() == {"model": "tiny", "success": True,
+                                   "workers": [{"address": url, "success": True} for url in sorted(urls)]}
+        for url in urls:  # the same prompt again misses on both
+            before = status(url)
+            httpx.post(f"{url}/worker_generate", json={"model": "tiny", "prompt": PROMPT, "max_new_tokens": 2,
+                                                       "temperature": 0}, timeout=60).raise_for_status()
+            after = status(url)
+            assert after["prefix_cache_queries"] > before["prefix_cache_queries"]
+            assert after["prefix_cache_hits"] == before["prefix_cache_hits"] == filled[url]

@@ -357,3 +357,37 @@ async def test_failover_asks_the_controller_when_the_table_has_no_other_worker(m
     with pytest.raises(WorkerUnavailableError):  # the last worker's error, as before
         await with_failover(client, "m", attempt)
     assert controller.address_requests == [{"model": "m", "exclude": [A]}]
+
+
+# ---- admin actions reach every worker ---------------------------------------------------------------
+
+
+async def test_worker_addresses_lists_every_live_worker_of_the_model() -> None:
+    app = create_controller_app(ControllerConfig(), clock=FakeClock(), rng=random.Random(0))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url=CONTROLLER) as http:
+        await register(http, A)
+        await register(http, B)
+        await register(http, C, model_names=["other"])
+        client = WorkerClient(http, GatewaySettings(controller_address=CONTROLLER))
+        assert sorted(await client.worker_addresses("m")) == sorted([A, B])
+        assert await client.worker_addresses("other") == [C]
+        with pytest.raises(ModelNotFoundError):
+            await client.worker_addresses("nope")
+
+
+async def test_worker_addresses_behind_a_stock_controller_is_its_pick() -> None:
+    from fastapi import FastAPI
+
+    stock = FastAPI()  # FastChat's controller: no /list_workers
+
+    @stock.post("/get_worker_address")
+    async def get_worker_address() -> dict[str, str]:
+        return {"address": B}
+
+    @stock.post("/list_models")
+    async def list_models() -> dict[str, list[str]]:
+        return {"models": ["m"]}
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(stock), base_url=CONTROLLER) as http:
+        client = WorkerClient(http, GatewaySettings(controller_address=CONTROLLER))
+        assert await client.worker_addresses("m") == [B]

@@ -1,7 +1,8 @@
 """Admin routes under /v1/admin (behind `require_admin_key`).
 
-`POST /v1/admin/reset_prefix_cache {"model": "<name>"}` empties the prefix cache of the model's
-worker(s): afterwards the next request computes its whole prompt (benchmarks, or after changing
+`POST /v1/admin/reset_prefix_cache {"model": "<name>"}` empties the prefix cache of every live
+worker serving the model (the one the controller picks, behind a stock FastChat controller without
+`/list_workers`): afterwards the next request computes its whole prompt (benchmarks, or after changing
 what a cached prefix should mean). Answers
 `{"model", "success", "workers": [{"address", "success"}]}`; `success` is False for a worker whose
 backend has no prefix cache. An unknown model is 404, no live worker 503, an unreachable worker

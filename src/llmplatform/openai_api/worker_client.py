@@ -195,15 +195,19 @@ class WorkerClient:
         raise ModelNotFoundError(f"The model '{model}' does not exist.", param="model")
 
     async def worker_addresses(self, model: str) -> list[str]:
-        """The workers serving `model` that an admin action should reach.
+        """Every live worker serving `model`, for an admin action that must reach them all.
 
-        FastChat's controller protocol only answers "which worker should serve the next
-        request" (`/get_worker_address`), so this is the one worker the controller picks; with
-        several workers per model, an admin has to call each worker's own route. (A controller
-        route listing a model's live workers would make this exact.) ModelNotFoundError or
-        NoWorkerError as for `worker_address`.
+        From the controller's `/list_workers` (ours). A stock FastChat controller only answers
+        "which worker should serve the next request" (`/get_worker_address`): then this is the
+        one worker it picks, and with several workers per model an admin has to call each
+        worker's own route. ModelNotFoundError or NoWorkerError as for `worker_address`.
         """
-        return [await self.worker_address(model)]
+        listing = await self.list_workers()
+        if listing is not None:
+            addresses = [w.worker_name for w in listing.workers if model in w.model_names]
+            if addresses:
+                return addresses
+        return [await self.worker_address(model)]  # none listed: the controller's 404 or 503
 
     # ---- admin -------------------------------------------------------------------------------
 
