@@ -37,7 +37,9 @@ direct run (``serve_gateway.py``): ``--gateway-pairs`` requests from the workloa
 random order, one at a time; per request, the client's TTFT minus the worker's own (from its
 ``/metrics``) is the overhead, and the median over requests of the gateway's overhead minus the
 direct one is checked against the target (the raw TTFT differences of the level runs, which the
-prefill's own variation swamps, are reported too). Written to ``--out-dir`` as markdown, a PNG
+prefill's own variation swamps, are reported too). Each request also goes through
+``bare_proxy.py`` (a pass-through proxy on the same stack: the floor of one more Python hop on
+this machine; ``--no-bare-proxy`` skips it). Written to ``--out-dir`` as markdown, a PNG
 plot and JSON; the last line printed is ``RESULT_JSON {...}``.
 """
 
@@ -59,7 +61,14 @@ import httpx
 import serve_gateway
 from serve_client import Target, allowed_token_ids, make_requests, run_requests, summarize
 from serve_report import compute_ratios, markdown, plot
-from serve_systems import CoresMonitor, ManagedProcess, SystemStartError, start_llmplatform, start_transformers_serve
+from serve_systems import (
+    CoresMonitor,
+    ManagedProcess,
+    SystemStartError,
+    start_bare_proxy,
+    start_llmplatform,
+    start_transformers_serve,
+)
 
 ALL_SYSTEMS = ("paged", "direct", "hf", "tserve")
 SLOW_SYSTEMS = ("hf", "tserve")  # about 10x slower: fewer requests per level by default
@@ -122,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="untimed requests per system first (prompts from --prompt-len, 8-16 tokens out; 4)")
     load.add_argument("--gateway-pairs", type=int, default=48,
                       help="requests of the gateway-latency phase, each sent both ways (default 48; 0: skip)")
+    load.add_argument("--no-bare-proxy", dest="bare_proxy", action="store_false",
+                      help="in the gateway-latency phase, do not also send each request through "
+                           "bare_proxy.py (a pass-through proxy: the floor of one more Python hop)")
     load.add_argument("--tokenizer", default=None, help="tokenizer for the prompts (default: the model's)")
     systems = parser.add_argument_group("systems started by --all / --systems")
     systems.add_argument("--model-path", default=None, help="model directory (default: the packaged default model, "
@@ -277,17 +289,27 @@ def run_all(bench: Bench, systems: list[str], model_path: str, model_name: str, 
             if {"paged", "direct"} <= set(group) and args.gateway_pairs > 0:
                 requests = make_requests(bench.tokenizer, bench.allowed, args.gateway_pairs,
                                          f"gateway/{args.seed}", args.prompt_len, GATEWAY_OUTPUT_LEN)
-                log(f"gateway latency: {len(requests)} requests, each through the gateway and directly")
+                log(f"gateway latency: {len(requests)} requests, each through the gateway and directly"
+                    + (" and through the bare proxy" if args.bare_proxy else ""))
                 monitor = CoresMonitor(cluster.process)
+                bare: ManagedProcess | None = None
                 try:
+                    reference = None
+                    if args.bare_proxy:
+                        bare, bare_url = start_bare_proxy(cluster.worker_url, log_dir / "bare-proxy.log",
+                                                          args.startup_timeout)
+                        reference = Target(bare_url, model_name, "openai", {"ignore_eos": True})
                     monitor.start()
                     phase = serve_gateway.run(targets["paged"], targets["direct"], cluster.worker_url,
-                                              requests, seed=args.seed)
+                                              requests, seed=args.seed, reference=reference)
                     bench.gateway = {**phase, "cores": monitor.stop()}
                     log(f"gateway latency: {bench.gateway}")
                 except Exception as exc:
                     bench.failures["gateway-latency"] = f"{type(exc).__name__}: {exc}"
                     log(f"gateway latency: FAILED {bench.failures['gateway-latency']}")
+                finally:
+                    if bare is not None:
+                        bare.stop()
         finally:
             cluster.stop()
     if "tserve" in systems:

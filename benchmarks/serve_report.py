@@ -162,6 +162,13 @@ def _ratio_lines(ratios: dict[str, Any]) -> list[str]:
             f"{_fmt(i['direct_overhead_ms_p50'], 2)} ms; raw TTFT paired difference "
             f"{_fmt(i['raw_ttft_paired_diff_ms_p50'], 2)} ms"
             + (f"; cores server / client / other / steal {_cores(i['cores'])}" if i.get("cores") else ""))
+        if i.get("reference_added_ms_p50") is not None:
+            lines.append(
+                f"- The same requests through a bare pass-through proxy (`bare_proxy.py`: the hop alone, "
+                f"same server stack and worker client, no gateway work), the floor of one more Python "
+                f"hop here: median **{_fmt(i['reference_added_ms_p50'], 2)} ms** added (p25 "
+                f"{_fmt(i['reference_added_ms_p25'], 2)}, p75 {_fmt(i['reference_added_ms_p75'], 2)}); "
+                f"the gateway's own work, paired: {_fmt(i['paired_minus_reference_ms_p50'], 2)} ms")
     if g and "ttft_p50_diff_ms" in g:
         at_g = level_name(ratios["mode"], ratios["gateway_at"])
         lines.append(

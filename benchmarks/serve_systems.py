@@ -182,6 +182,25 @@ def start_llmplatform(model_path: str, model_name: str, worker_args: str, log_pa
     return LLMPlatformCluster(process, gateway, f"http://127.0.0.1:{worker_port}")
 
 
+def start_bare_proxy(worker_url: str, log_path: Path, startup_timeout_s: float) -> tuple[ManagedProcess, str]:
+    """``bare_proxy.py`` in front of `worker_url`: (the process, its OpenAI base URL)."""
+    (port,) = free_ports(1)
+    argv = [sys.executable, str(Path(__file__).with_name("bare_proxy.py")), "--port", str(port),
+            "--worker", worker_url]
+    process = ManagedProcess.start("bare proxy", argv, log_path)
+    base = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        return httpx.get(f"{base}/health", timeout=5.0, trust_env=False).status_code == 200
+
+    try:
+        process.wait_ready(ready, startup_timeout_s)
+    except BaseException:
+        process.stop()
+        raise
+    return process, f"{base}/v1"
+
+
 @dataclass
 class TransformersServe:
     process: ManagedProcess

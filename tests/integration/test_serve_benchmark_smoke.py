@@ -161,6 +161,10 @@ def test_systems_started_by_the_benchmark(bench, tiny_model_dir, tmp_path):
     assert phase["direct_overhead_ms_p50"] > 0 and phase["gateway_overhead_ms_p50"] > 0
     assert gateway["met"] == (phase["added_ms_p50"] <= 2.0)
     assert "paged over transformers serve" in report and "Gateway added latency per request" in report
+    # ...and through the bare reference proxy, which answered every one of them.
+    assert phase["reference_added_ms_p50"] is not None and phase["paired_minus_reference_ms_p50"] is not None
+    assert "bare pass-through proxy" in report
+    assert "Traceback" not in (tmp_path / "logs" / "bare-proxy.log").read_text()
 
 
 def test_ratios_flag_rows_that_lost_different_cpu_to_the_hypervisor(bench):
