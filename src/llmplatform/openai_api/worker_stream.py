@@ -97,7 +97,6 @@ class _Connection(asyncio.Protocol):
     def _reset_exchange(self) -> None:
         self.status = 0
         self.headers: dict[str, str] = {}
-        self._header_name = b""
         self.headers_done = False
         self.complete = False
         self.got_bytes = False
@@ -190,8 +189,10 @@ class _Connection(asyncio.Protocol):
             waiter.set_result(None)
 
     def send(self, data: bytes) -> None:
-        self._reset_exchange()
         assert self.transport is not None
+        if self._paused:  # not after an answer read to its end, but a reused connection must read
+            self.transport.resume_reading()
+        self._reset_exchange()
         self.transport.write(data)
 
     async def wait_headers(self, timeout: float) -> None:
