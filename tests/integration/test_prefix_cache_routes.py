@@ -139,3 +139,20 @@ def test_the_admin_reset_reaches_every_worker_of_the_model(tiny_model_dir):
             after = status(url)
             assert after["prefix_cache_queries"] > before["prefix_cache_queries"]
             assert after["prefix_cache_hits"] == before["prefix_cache_hits"] == filled[url]
+
+
+def test_an_unreachable_worker_does_not_stop_the_others_being_reset(cluster):
+    gone = "http://127.0.0.1:9"  # nothing listens there: refused at once
+    body = {"worker_name": gone, "check_heart_beat": False,
+            "worker_status": {"model_names": ["tiny"], "speed": 1, "queue_length": 0}}
+    assert httpx.post(f"{cluster.controller_url}/register_worker", json=body, timeout=10).status_code == 200
+    try:
+        response = reset(cluster.gateway_url)
+        assert response.status_code == 200
+        answer = response.json()
+        assert answer["success"] is False
+        by_address = {w["address"]: w for w in answer["workers"]}
+        assert by_address[cluster.worker_urls["tiny"]] == {"address": cluster.worker_urls["tiny"], "success": True}
+        assert by_address[gone]["success"] is False and "unreachable" in by_address[gone]["error"]
+    finally:
+        httpx.post(f"{cluster.controller_url}/deregister_worker", json={"worker_name": gone}, timeout=10)

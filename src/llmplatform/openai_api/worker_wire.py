@@ -86,8 +86,9 @@ def _retry_after(value: str | None) -> int | None:
 
 
 def worker_http_error(status: int, headers: Mapping[str, str], body: bytes, what: str) -> LLMPlatformError:
-    """A typed error for a worker's non-200 answer (``headers``: case-insensitive, as both httpx's
-    and worker_stream's are); 503 and 429 keep the meaning retries need."""
+    """A typed error for a worker's non-200 answer (``headers`` looked up by lower-case name:
+    httpx's are case-insensitive, worker_stream's lower-cased); 503 and 429 keep the meaning
+    retries need."""
     error = error_from_http(status, body, what)
     if status == 503:
         return WorkerUnavailableError(error.message)
