@@ -25,6 +25,9 @@ import uvicorn
 from llmplatform.openai_api.worker_stream import WorkerStreamClient
 
 
+START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+
+
 class BareProxy:
     def __init__(self, worker_url: str) -> None:
         self.url = f"{worker_url.rstrip('/')}/worker_generate_stream"
@@ -72,12 +75,11 @@ class BareProxy:
                         event["usage"] = chunk["usage"]
                     if not started:
                         started = True
-                        await send({"type": "http.response.start", "status": 200,
-                                    "headers": [(b"content-type", b"text/event-stream")]})
+                        await send(START)
                     await send({"type": "http.response.body", "body": b"data: " + json.dumps(event).encode() + b"\n\n",
                                 "more_body": True})
         if not started:
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+            await send(START)
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 

@@ -189,16 +189,21 @@ def start_bare_proxy(worker_url: str, log_path: Path, startup_timeout_s: float) 
             "--worker", worker_url]
     process = ManagedProcess.start("bare proxy", argv, log_path)
     base = f"http://127.0.0.1:{port}"
+    _wait_healthy(process, base, startup_timeout_s)
+    return process, f"{base}/v1"
+
+
+def _wait_healthy(process: ManagedProcess, base: str, timeout_s: float) -> None:
+    """Until ``GET {base}/health`` answers 200; the process is stopped if it never does."""
 
     def ready() -> bool:
         return httpx.get(f"{base}/health", timeout=5.0, trust_env=False).status_code == 200
 
     try:
-        process.wait_ready(ready, startup_timeout_s)
+        process.wait_ready(ready, timeout_s)
     except BaseException:
-        process.stop()
+        process.stop(signal.SIGTERM)
         raise
-    return process, f"{base}/v1"
 
 
 @dataclass
@@ -227,15 +232,7 @@ def start_transformers_serve(model_path: str, serve_args: str, log_path: Path,
     process = ManagedProcess.start("transformers serve", argv, log_path,
                                    env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     base = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        return httpx.get(f"{base}/health", timeout=5.0, trust_env=False).status_code == 200
-
-    try:
-        process.wait_ready(ready, startup_timeout_s)
-    except BaseException:
-        process.stop(signal.SIGTERM)
-        raise
+    _wait_healthy(process, base, startup_timeout_s)
     return TransformersServe(process, f"{base}/v1")
 
 

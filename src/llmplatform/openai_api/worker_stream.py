@@ -280,12 +280,13 @@ class WorkerStreamClient:
             connection.close()
             return
         connections = self._idle.setdefault(target.key, [])
+        now = time.monotonic()
         # Reused last in, first out: after a burst, the connections it no longer needs age out.
-        connections[:] = [c for c in connections if not c.closed and time.monotonic() - c.idle_since < IDLE_TIMEOUT_S]
+        connections[:] = [c for c in connections if not c.closed and now - c.idle_since < IDLE_TIMEOUT_S]
         if len(connections) >= MAX_IDLE_PER_HOST:
             connection.close()
             return
-        connection.idle_since = time.monotonic()
+        connection.idle_since = now
         connections.append(connection)
 
     async def _connect(self, target: _Target, url: str) -> _Connection:
