@@ -24,6 +24,8 @@ from typing import Any
 
 import uvicorn
 
+from llmplatform.utils.http_protocol import CoalescingHttpToolsProtocol
+
 STARTUP_TIMEOUT_S = 30.0
 """How long to wait for the server to bind and finish its lifespan startup."""
 GRACEFUL_SHUTDOWN_S = 3.0
@@ -91,7 +93,7 @@ def run_server(
         app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=shutdown_timeout,
         # The service configured logging (utils.logs.configure_logging): uvicorn's records go to
         # that handler, in that format (text or JSON), instead of uvicorn's own.
-        log_config=None, access_log=access_log,
+        log_config=None, access_log=access_log, http=CoalescingHttpToolsProtocol,
     )
     server = _DrainingServer(config, on_drain)
     server.run()
@@ -129,6 +131,7 @@ def serve_in_thread(app: Any, host: str = "127.0.0.1", port: int = 0) -> Iterato
         port=port,
         log_level="warning",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        http=CoalescingHttpToolsProtocol,
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"uvicorn-{host}", daemon=True)
