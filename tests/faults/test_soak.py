@@ -14,8 +14,12 @@ Memory bound: RSS after a soak round may exceed RSS after an identical warm-up r
   after which freed batch-sized tensors (a batch's logits: rows x 49152 x 4 B, megabytes) stay in
   its heap, and RSS then wanders by tens of MB between identical rounds. The worker runs with a
   fixed threshold (MALLOC_MMAP_THRESHOLD_=1 MiB), so buffers of a MiB or more go back to the OS
-  when freed; measured here, RSS then moves by under 1 MB between rounds, against +/- 50 MB
-  without it. A warm-up round of the same shape lets the smaller pools reach their working size.
+  when freed. A warm-up round of the same shape lets the smaller pools reach their working size.
+- oneDNN (the float32 projections) compiles and keeps a kernel per input shape, ~0.6 MiB each.
+  Row counts are rounded to a bounded set (``models.layers.onednn_rows``), but a round can still
+  meet shapes the warm-up did not: measured here, round 2 adds ~15 MiB over round 1, round 4 ~6.
+  Without the rounding every round added ~40 MiB (a new shape nearly every step), which this
+  bound caught only by a few MiB; with projections on ``F.linear`` rounds differ by under 1 MB.
 - A real per-request leak is far beyond the bound: one leaked logits row is 192 KiB, and a round
   generates a few thousand tokens (hundreds of MB if each leaked a row). Smaller leaks of
   bookkeeping (sequences, streams, slots, KV blocks) are caught exactly by the baseline counts.

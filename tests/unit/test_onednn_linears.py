@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmplatform.models.layers import ONEDNN_LINEARS_ENV_VAR, Linear, use_onednn_weights
+from llmplatform.models.layers import ONEDNN_LINEARS_ENV_VAR, Linear, onednn_rows, use_onednn_weights
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -39,7 +39,7 @@ def test_same_products_as_f_linear_for_any_row_count(bias: bool, monkeypatch) ->
     assert model.qkv_proj.weight is None and model.down_proj.weight is None  # replaced, not copied
     assert model.lm_head.weight is not None and model.lm_head._onednn_weight is None  # left alone
     gen = torch.Generator().manual_seed(1)
-    for rows in (1, 7, 32, 33, 160):
+    for rows in (1, 7, 16, 17, 32, 33, 100, 160, 1001):  # exact and padded row counts
         for name in ("qkv_proj", "down_proj"):
             layer = getattr(model, name)
             weight, b = plain[name]
@@ -81,3 +81,15 @@ def test_a_misbehaving_backend_leaves_the_weights_as_they_were(monkeypatch, capl
     assert use_onednn_weights(model) == 0
     assert model.qkv_proj.weight is before and model.qkv_proj._onednn_weight is None
     assert "oneDNN linears unavailable" in caplog.text
+
+
+def test_row_counts_are_rounded_to_a_few_shapes() -> None:
+    """oneDNN keeps a kernel per input shape: the shapes a worker can produce stay few (memory),
+    and the rounding costs at most 1/8 more rows."""
+    seen = {onednn_rows(rows) for rows in range(1, 8193)}
+    assert len(seen) <= 16 + 8 * 9  # exact up to 16, then 8 per doubling up to 8192
+    for rows in range(1, 8193):
+        padded = onednn_rows(rows)
+        assert rows <= padded <= rows + rows // 8
+        assert onednn_rows(padded) == padded  # a rounded count is its own shape
+    assert [onednn_rows(r) for r in (1, 16, 17, 18, 33, 64, 65, 2048, 2049)] == [1, 16, 18, 18, 36, 64, 72, 2048, 2304]
