@@ -4,7 +4,8 @@
 and through this: ``POST /v1/completions`` (streamed) turned into the worker's
 ``/worker_generate_stream`` and its chunks back into OpenAI server-sent events, with nothing else
 (no validation, limits, routing, metrics, logs, middlewares or error envelope). It runs on
-uvicorn with the same event loop, HTTP parser and worker-stream client as the gateway
+uvicorn with the same event loop, HTTP protocol (``llmplatform.utils.http_protocol``: one loop
+turn's writes sent together) and worker-stream client as the gateway
 (``llmplatform.openai_api.worker_stream``), so the difference between the two is the gateway's
 own work; what this one adds over the direct call is the cost of the extra hop itself (two more
 process hand-offs, an HTTP server and client in Python). Not a product: a measuring stick.
@@ -23,6 +24,7 @@ from typing import Any
 import uvicorn
 
 from llmplatform.openai_api.worker_stream import WorkerStreamClient
+from llmplatform.utils.http_protocol import CoalescingHttpToolsProtocol
 
 
 START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
@@ -89,7 +91,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--worker", required=True, help="the worker's base URL")
     args = parser.parse_args()
-    uvicorn.run(BareProxy(args.worker), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(BareProxy(args.worker), host=args.host, port=args.port, log_level="warning",
+                http=CoalescingHttpToolsProtocol)
 
 
 if __name__ == "__main__":
