@@ -34,6 +34,12 @@ from llmplatform.kernels.metadata import AttentionMetadata
 
 BACKEND_ENV_VAR = "LLMPLATFORM_ATTENTION_BACKEND"
 
+# Triton fuses float multiply-adds unless told otherwise, warns at the first launch that its
+# default turns to "off" in 3.10, and reads this setting at every launch. Our kernels are checked
+# against the torch reference with fusion on: keep it on whatever the Triton version (a value the
+# user set wins).
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
 
 class AttentionBackend(enum.Enum):
     TRITON = "triton"
