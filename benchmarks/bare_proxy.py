@@ -8,7 +8,10 @@ uvicorn with the same event loop, HTTP protocol (``llmplatform.utils.http_protoc
 turn's writes sent together) and worker-stream client as the gateway
 (``llmplatform.openai_api.worker_stream``), so the difference between the two is the gateway's
 own work; what this one adds over the direct call is the cost of the extra hop itself (two more
-process hand-offs, an HTTP server and client in Python). Not a product: a measuring stick.
+process hand-offs, an HTTP server and client in Python). Like the gateway, it sends the worker
+our ``openai_max_tokens`` and answers its client with headers as soon as the worker accepts the
+request (``ACCEPTED_HEADER``), so both have the same worker path and the same client work on the
+way to the first token. Not a product: a measuring stick.
 
     python benchmarks/bare_proxy.py --port 8100 --worker http://127.0.0.1:21002
 """
@@ -24,6 +27,7 @@ from typing import Any
 import uvicorn
 
 from llmplatform.openai_api.worker_stream import WorkerStreamClient
+from llmplatform.protocol.worker import ACCEPTED_HEADER
 from llmplatform.utils.http_protocol import CoalescingHttpToolsProtocol
 
 
@@ -55,13 +59,17 @@ class BareProxy:
                 break
         request = json.loads(body)
         params = {"model": request["model"], "prompt": request["prompt"],
-                  "max_new_tokens": request.get("max_tokens", 16), "temperature": request.get("temperature", 1.0),
+                  "max_new_tokens": request.get("max_tokens", 16),
+                  "openai_max_tokens": {"requested": request.get("max_tokens"), "default": 16, "param": "prompt"}, "temperature": request.get("temperature", 1.0),
                   "ignore_eos": bool(request.get("ignore_eos")), "echo": False, "request_id": uuid.uuid4().hex}
         if self.pool is None:
             self.pool = WorkerStreamClient(headers={}, connect_timeout=5.0, read_timeout=600.0, max_connections=1024)
         response_id, created, sent, pending = f"cmpl-{uuid.uuid4().hex}", int(time.time()), 0, b""
         started = False
         async with self.pool.stream(self.url, params) as stream:
+            if stream.headers.get(ACCEPTED_HEADER) == "1":  # as the gateway: answer at acceptance
+                started = True
+                await send(START)
             async for data in stream:
                 *frames, pending = (pending + data).split(b"\0")
                 for frame in frames:

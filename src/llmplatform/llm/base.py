@@ -194,6 +194,12 @@ class LLM(abc.ABC):
         be served, e.g. one whose prompt plus ``max_tokens`` exceeds the context length.
         """
 
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise what :meth:`generate` would raise for this request before its first chunk (an
+        empty prompt, no room in the context, an unsupported ``n``), without starting anything.
+        The worker calls it before answering, so that once its answer has begun only a failure
+        of the backend itself can end the request without output. The base checks nothing."""
+
     @abc.abstractmethod
     async def abort(self, request_id: str) -> bool:
         """Stop a request and free its resources. Returns False if it was not running."""

@@ -12,7 +12,7 @@ import inspect
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 import torch
 
@@ -21,6 +21,7 @@ from llmplatform.llm.base import (LLM, BackendInfo, FinishReason, GenerateChunk,
                                   LoadStats, ModelFacts, TokenLogprob)
 from llmplatform.llm.output import OutputProcessor, eos_token_ids_of, token_text
 from llmplatform.llm.sampler import Sampler, SamplingRow, make_generator
+from llmplatform.llm.sampling import SamplingParams
 from llmplatform.llm.torch_utils import resolve_device, resolve_dtype
 
 logger = logging.getLogger("llmplatform.hf")
@@ -102,12 +103,9 @@ class HFTransformersLLM(LLM):
         if self._dead is not None:
             raise EngineDeadError(f"the backend has failed: {self._dead}")
         params = request.params
-        if params.n != 1:
-            raise InvalidRequestError("this backend generates one sequence per request (n=1)",
-                                      param="n")
         prompt_ids = (list(request.prompt_token_ids) if request.prompt_token_ids is not None
                       else await self.encode(request.prompt or ""))
-        self._check_fits(len(prompt_ids), params.max_tokens)
+        self.check_request(prompt_ids, params)
         processor = OutputProcessor(request.request_id, self.tokenizer, params, prompt_ids,
                                     self.facts.eos_token_ids, self.context_length)
         row = SamplingRow(params=params, prompt_token_ids=prompt_ids,
@@ -143,6 +141,14 @@ class HFTransformersLLM(LLM):
             self._num_running -= 1
             state.clear()  # drop the KV cache now, not when the generator is collected
 
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        if params.n != 1:
+            raise InvalidRequestError("this backend generates one sequence per request (n=1)",
+                                      param="n")
+        if not prompt_token_ids:  # nothing to condition the first token on
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        self._check_fits(len(prompt_token_ids), params.max_tokens)
+
     def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         if num_prompt_tokens + max_tokens > self.context_length:
             raise ContextLengthExceededError(
@@ -175,3 +181,4 @@ def _with_prompt_logprobs(chunk: GenerateChunk, records) -> GenerateChunk:
     from dataclasses import replace
 
     return replace(chunk, prompt_logprobs=tuple(records))
+

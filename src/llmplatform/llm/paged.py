@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 from llmplatform.engine.async_engine import AsyncEngine
 from llmplatform.engine.config import EngineConfig
@@ -14,6 +14,7 @@ from llmplatform.errors import EngineDeadError, InvalidRequestError
 from llmplatform.kernels import attention_backend
 from llmplatform.llm.base import (LLM, BackendInfo, GenerateChunk, GenerateRequest, LoadStats,
                                   ModelFacts)
+from llmplatform.llm.sampling import SamplingParams
 from llmplatform.llm.torch_utils import torch_thread
 
 logger = logging.getLogger("llmplatform.paged")
@@ -102,13 +103,15 @@ class PagedLLM(LLM):
         # Between two steps, like admissions and aborts: never during a step's lookups.
         return await self._async.call_between_steps(self.engine.reset_prefix_cache)
 
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        _one_output(params)
+        self.engine.validate(list(prompt_token_ids), params)  # what add_request checks first
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         if self._async is None:
             await self.start()
         assert self._async is not None
-        if request.params.n != 1:
-            raise InvalidRequestError("one output per request through this interface (n=1)",
-                                      param="n")
+        _one_output(request.params)
         if not self._async.is_healthy:
             raise EngineDeadError(f"the engine has failed: {self._async.dead_reason}")
         prompt_ids = (list(request.prompt_token_ids) if request.prompt_token_ids is not None
@@ -119,6 +122,11 @@ class PagedLLM(LLM):
                 yield update.chunk
         finally:
             await updates.aclose()
+
+
+def _one_output(params: SamplingParams) -> None:
+    if params.n != 1:
+        raise InvalidRequestError("one output per request through this interface (n=1)", param="n")
 
 
 def _dtype_name(dtype: object) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -120,8 +120,9 @@ class TicketedStreamingResponse(StreamingResponse):
     Closing it here makes the abort immediate, and the ticket keeps the count exact.
     """
 
-    def __init__(self, content: AsyncIterator[bytes], ticket: Ticket) -> None:
-        super().__init__(content)
+    def __init__(self, content: AsyncIterator[bytes], ticket: Ticket,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(content, headers=headers)
         self._ticket = ticket
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

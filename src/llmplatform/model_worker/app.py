@@ -35,7 +35,7 @@ from llmplatform.model_worker.admission import (Ticket, TicketedStreamingRespons
                                                refusal_response)
 from llmplatform.model_worker.conv import conv_template_for
 from llmplatform.model_worker.registration import ControllerLink
-from llmplatform.protocol.worker import (AbortRequest, ApplyChatTemplateRequest,
+from llmplatform.protocol.worker import (ACCEPTED_HEADER, AbortRequest, ApplyChatTemplateRequest,
                                          ApplyChatTemplateResponse, ChunkLogprobs, ChunkUsage,
                                          CountTokenRequest, ModelDetailsRequest, WorkerChunk,
                                          WorkerParams, error_chunk)
@@ -248,30 +248,60 @@ class _CumulativeStream:
             logprobs=self._logprobs.model_copy(deep=True) if self._logprobs is not None else None)
 
 
-async def _generate_chunks(app: FastAPI, params: WorkerParams, ticket: Ticket) -> AsyncIterator[bytes]:
+@dataclass
+class _Accepted:
+    """A request the worker has checked and will generate."""
+
+    request: GenerateRequest
+    params: WorkerParams
+    observer: RequestObserver
+    checked: bool
+    """The backend's own checks passed too (the worker had the token ids): the stream's first
+    chunk is output, not a refusal (``ACCEPTED_HEADER``)."""
+
+
+def _id_in_use(request_id: str) -> InvalidRequestError:
+    # Ids name requests for /worker_abort and inside the engine: they must be unique.
+    return InvalidRequestError(f"request id {request_id!r} is already in use by a running request",
+                               param="request_id")
+
+
+async def _accept(app: FastAPI, params: WorkerParams) -> _Accepted:
+    """Every check a request can fail before generating (LLMPlatformError), done before the
+    worker answers. Starts the request's timing (its arrival) and its logging context."""
+    llm: LLM = app.state.llm
+    request_id = params.request_id or uuid.uuid4().hex
+    # Every line logged about this request carries its id (the engine's too). Set, not scoped:
+    # the context is this request's own (the response's stream runs in a copy of it).
+    REQUEST_ID.set(request_id)
+    observer: RequestObserver = app.state.metrics.observe_request()
+    try:
+        _check_model(llm, params.model)
+        if request_id in app.state.generation_ids:
+            raise _id_in_use(request_id)
+        prompt, prompt_ids, max_new_tokens = await _render_prompt(llm, params)
+        sampling = sampling_params_from(params, max_new_tokens)
+        if prompt_ids is not None:
+            llm.check_request(prompt_ids, sampling)
+    except LLMPlatformError as exc:
+        logger.info("refused: %s", exc.message)  # never handed over: the observer counts nothing
+        raise
+    request = GenerateRequest(request_id=request_id, params=sampling, prompt=prompt,
+                              prompt_token_ids=tuple(prompt_ids) if prompt_ids is not None else None)
+    return _Accepted(request, params, observer, checked=prompt_ids is not None)
+
+
+async def _generate_chunks(app: FastAPI, accepted: _Accepted, ticket: Ticket) -> AsyncIterator[bytes]:
     """The worker's stream: JSON objects each followed by NUL; errors in-band."""
     llm: LLM = app.state.llm
     state: WorkerState = app.state.worker
-    request_id = params.request_id or uuid.uuid4().hex
-    # Every line logged while serving this stream carries its id (the engine's too). Set, not
-    # scoped: a generator cannot reset a context variable across yields; the context is this
-    # response's own and ends with it.
-    REQUEST_ID.set(request_id)
-    observer: RequestObserver = app.state.metrics.observe_request()
+    request, params, observer = accepted.request, accepted.params, accepted.observer
+    request_id = request.request_id
     running_ids: set[str] = app.state.generation_ids
     owns_id = False
     try:
-        try:
-            _check_model(llm, params.model)
-            if request_id in running_ids:
-                # Ids name requests for /worker_abort and inside the engine: they must be unique.
-                raise InvalidRequestError(f"request id {request_id!r} is already in use by a "
-                                          "running request", param="request_id")
-            prompt, prompt_ids, max_new_tokens = await _render_prompt(llm, params)
-            sampling = sampling_params_from(params, max_new_tokens)
-            request = GenerateRequest(request_id=request_id, params=sampling, prompt=prompt,
-                                      prompt_token_ids=tuple(prompt_ids) if prompt_ids is not None else None)
-        except LLMPlatformError as exc:
+        if request_id in running_ids:  # taken by another request since the check
+            exc = _id_in_use(request_id)
             logger.info("refused: %s", exc.message)
             yield error_chunk(exc.message, exc.error_code)
             return
@@ -281,7 +311,7 @@ async def _generate_chunks(app: FastAPI, params: WorkerParams, ticket: Ticket) -
                      params.temperature)
         async with state.slot():
             observer.started()
-            stream = _CumulativeStream(params, prompt)
+            stream = _CumulativeStream(params, request.prompt or "")
             generator = llm.generate(request)
             try:
                 first = True
@@ -330,7 +360,17 @@ def _add_routes(app: FastAPI) -> None:
             ticket = app.state.worker.admit(llm)
         except LLMPlatformError as exc:
             return refusal_response(exc)
-        return TicketedStreamingResponse(_generate_chunks(app, params, ticket), ticket)
+        try:
+            accepted = await _accept(app, params)
+        except LLMPlatformError as exc:
+            ticket.release()
+            # As FastChat's workers answer: the error object is the whole stream, with HTTP 200.
+            return Response(error_chunk(exc.message, exc.error_code))
+        except BaseException:
+            ticket.release()
+            raise
+        headers = {ACCEPTED_HEADER: "1"} if accepted.checked else None
+        return TicketedStreamingResponse(_generate_chunks(app, accepted, ticket), ticket, headers=headers)
 
     @app.post("/worker_generate")
     async def worker_generate(request: Request) -> Response:
@@ -342,8 +382,17 @@ def _add_routes(app: FastAPI) -> None:
             ticket = app.state.worker.admit(llm)
         except LLMPlatformError as exc:
             return refusal_response(exc)
+        try:
+            accepted = await _accept(app, params)
+        except LLMPlatformError as exc:
+            ticket.release()
+            return Response(error_chunk(exc.message, exc.error_code).rstrip(b"\0"),
+                            media_type="application/json")
+        except BaseException:
+            ticket.release()
+            raise
         last = b""
-        chunks = _generate_chunks(app, params, ticket)
+        chunks = _generate_chunks(app, accepted, ticket)
         try:
             async for item in chunks:
                 last = item

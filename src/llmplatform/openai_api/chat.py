@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -19,7 +19,7 @@ from llmplatform.openai_api.deltas import (
 )
 from llmplatform.openai_api.errors import error_payload, parse_request
 from llmplatform.openai_api.sse import DONE, EventStreamResponse, sse_event
-from llmplatform.openai_api.streams import ChoiceStreams, start_naming, until_disconnected
+from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_naming, until_disconnected
 from llmplatform.openai_api.translate import (
     PreparedPrompt,
     chat_messages,
@@ -30,7 +30,7 @@ from llmplatform.openai_api.translate import (
     params_dict,
     max_new_tokens_for,
 )
-from llmplatform.openai_api.worker_client import WorkerClient, with_failover
+from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.protocol.openai import (
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -72,15 +72,18 @@ async def create_chat_completion(request: Request) -> Response:
             for i in range(body.n or 1)
         ]
         streams = ChoiceStreams(client, address, params)
-        # Read every choice's first chunk before answering, so early errors get a proper status
-        # and a worker that cannot take the request is replaced by another (with_failover).
-        await start_naming(streams, "messages")
+        # Read every choice's first chunk before answering (a streamed answer: or the worker's
+        # word that it checked the request), so early errors get a proper status and a worker
+        # that cannot take the request is replaced by another (with_failover).
+        await start_naming(streams, "messages", early=bool(body.stream))
         return prepared, streams
 
-    prepared, streams = await with_failover(client, body.model, start_on, address=address)
-    stream = _ChatStream(body, response_id, prompt_tokens=prepared.prompt_tokens)
+    streams = RequestStreams(client, body.model, start_on)
+    await streams.start(address)
+    stream = _ChatStream(body, response_id, prepared=lambda: streams.prepared)
     if body.stream:
-        return EventStreamResponse(stream.events(streams), on_close=streams.aclose)
+        return EventStreamResponse(stream.events(streams), on_close=streams.aclose,
+                                   headers_first=streams.accepted_early)
     try:
         final_chunks = await until_disconnected(request, streams.final_chunks())
     finally:
@@ -91,14 +94,19 @@ async def create_chat_completion(request: Request) -> Response:
 class _ChatStream:
     """Builds the chunks and the full response of one chat completion."""
 
-    def __init__(self, body: ChatCompletionRequest, response_id: str, *, prompt_tokens: int) -> None:
+    def __init__(self, body: ChatCompletionRequest, response_id: str, *,
+                 prepared: Callable[[], PreparedPrompt]) -> None:
         self.body = body
         self.response_id = response_id
         self.created = int(time.time())
-        self.prompt_tokens = prompt_tokens
+        self._prepared = prepared  # that of the worker that answered (failover may change it)
         self.want_logprobs = bool(body.logprobs)
         self.num_top_logprobs = body.top_logprobs or 0
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self._prepared().prompt_tokens
 
     def response(self, final_chunks: list[WorkerChunk]) -> ChatCompletionResponse:
         choices = [
@@ -128,7 +136,7 @@ class _ChatStream:
         )
         return sse_event(chunk, exclude=None if self.include_usage else {"usage"})
 
-    async def events(self, streams: ChoiceStreams) -> AsyncIterator[bytes]:
+    async def events(self, streams: RequestStreams[PreparedPrompt]) -> AsyncIterator[bytes]:
         n = streams.num_choices
         trackers = [DeltaTracker() for _ in range(n)]
         started = [False] * n

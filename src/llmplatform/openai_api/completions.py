@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -20,7 +20,7 @@ from llmplatform.openai_api.deltas import (
 )
 from llmplatform.openai_api.errors import error_payload, parse_request
 from llmplatform.openai_api.sse import DONE, EventStreamResponse, sse_event
-from llmplatform.openai_api.streams import ChoiceStreams, start_naming, until_disconnected
+from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_naming, until_disconnected
 from llmplatform.openai_api.translate import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     PreparedPrompt,
@@ -31,7 +31,7 @@ from llmplatform.openai_api.translate import (
     params_dict,
     max_new_tokens_for,
 )
-from llmplatform.openai_api.worker_client import WorkerClient, with_failover
+from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.protocol.openai import (
     CompletionChoice,
     CompletionChunk,
@@ -75,15 +75,18 @@ async def create_completion(request: Request) -> Response:
                 )
                 params.append(params_dict(worker_params))
         streams = ChoiceStreams(client, address, params)
-        # The first chunk of every choice before answering: early errors get a proper status and
-        # a worker that cannot take the request is replaced by another (with_failover).
-        await start_naming(streams, "prompt")
+        # The first chunk of every choice before answering (a streamed answer: or the worker's
+        # word that it checked the request): early errors get a proper status and a worker that
+        # cannot take the request is replaced by another (with_failover).
+        await start_naming(streams, "prompt", early=bool(body.stream))
         return list(prepared), streams
 
-    prepared, streams = await with_failover(client, body.model, start_on, address=address)
-    stream = _CompletionStream(body, response_id, n=n, prompt_tokens=[p.prompt_tokens for p in prepared])
+    streams = RequestStreams(client, body.model, start_on)
+    await streams.start(address)
+    stream = _CompletionStream(body, response_id, n=n, prepared=lambda: streams.prepared)
     if body.stream:
-        return EventStreamResponse(stream.events(streams), on_close=streams.aclose)
+        return EventStreamResponse(stream.events(streams), on_close=streams.aclose,
+                                   headers_first=streams.accepted_early)
     try:
         final_chunks = await until_disconnected(request, streams.final_chunks())
     finally:
@@ -94,15 +97,20 @@ async def create_completion(request: Request) -> Response:
 class _CompletionStream:
     """Builds the chunks and the full response of one text completion."""
 
-    def __init__(self, body: CompletionRequest, response_id: str, *, n: int, prompt_tokens: list[int]) -> None:
+    def __init__(self, body: CompletionRequest, response_id: str, *, n: int,
+                 prepared: Callable[[], list[PreparedPrompt]]) -> None:
         self.body = body
         self.response_id = response_id
         self.created = int(time.time())
         self.n = n
-        self.prompt_tokens = prompt_tokens
+        self._prepared = prepared  # those of the worker that answered (failover may change it)
         self.want_logprobs = body.logprobs is not None
         self.num_top_logprobs = body.logprobs or 0
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return [p.prompt_tokens for p in self._prepared()]
 
     def response(self, final_chunks: list[WorkerChunk]) -> CompletionResponse:
         choices = [
@@ -128,7 +136,7 @@ class _CompletionStream:
         )
         return sse_event(chunk, exclude=None if self.include_usage else {"usage"})
 
-    async def events(self, streams: ChoiceStreams) -> AsyncIterator[bytes]:
+    async def events(self, streams: RequestStreams[list[PreparedPrompt]]) -> AsyncIterator[bytes]:
         trackers = [DeltaTracker() for _ in range(streams.num_choices)]
         final_chunks: list[WorkerChunk | None] = [None] * streams.num_choices
         try:

@@ -4,6 +4,7 @@ Lifecycle::
 
     streams = ChoiceStreams(client, address, params_per_choice)
     await streams.start()       # first chunk of every choice read: an error here is an HTTP status
+                                # (early=True: or the worker's word that it checked the request)
     async for index, chunk in streams.events(): ...   # interleaved; each choice ends with a
                                                       # chunk whose finish_reason is set
     await streams.aclose()      # always (try/finally): stops the pumps, aborts unfinished work
@@ -15,6 +16,13 @@ every choice that had not finished. One choice (nearly every request) needs no m
 stream is read in the caller's task, with no pump task or queue between the worker's chunk and
 the client (one task switch less on the way to the first token); closing it (`aclose`) closes
 the HTTP stream the same way.
+
+A streamed answer need not wait for the first token to begin: when every worker stream says
+its worker has checked the request (``ACCEPTED_HEADER``), whatever comes next is output or a
+failure of the worker itself, so ``start(early=True)`` returns then, and the gateway sends its
+client the answer's headers while the worker computes the prefill (the client reads them
+meanwhile, not on the way to the first token). :class:`RequestStreams` keeps failover for that
+case: a worker lost before any chunk reached the client is replaced, as before the headers.
 """
 
 from __future__ import annotations
@@ -22,14 +30,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 from starlette.requests import Request
 
 from llmplatform.errors import ContextLengthExceededError, LLMPlatformError
 from llmplatform.openai_api.errors import ClientDisconnected, UpstreamError
-from llmplatform.openai_api.worker_client import WorkerClient
+from llmplatform.openai_api.worker_client import ACCEPTED, Accepted, WorkerClient, with_failover
+from llmplatform.openai_api.worker_wire import may_try_another_worker
 from llmplatform.protocol.worker import WorkerChunk
 
 logger = logging.getLogger("llmplatform.openai_api")
@@ -38,7 +47,8 @@ _END = None  # queue marker: this choice's stream is over
 _QUEUE_SLOTS_PER_CHOICE = 16
 
 T = TypeVar("T")
-Event = tuple[int, "WorkerChunk | LLMPlatformError | None"]
+P = TypeVar("P")
+Event = tuple[int, "WorkerChunk | Accepted | LLMPlatformError | None"]
 
 
 class ChoiceStreams:
@@ -54,17 +64,33 @@ class ChoiceStreams:
         self._closed = False
         # One choice: its events, read by whoever iterates (no pump task, no queue).
         self._direct: AsyncGenerator[Event, None] | None = None
+        self._accepted_early = False
 
     @property
     def num_choices(self) -> int:
         return len(self._params)
 
-    async def start(self) -> None:
-        """Start every stream and wait for each one's first chunk; raise the first error seen."""
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @property
+    def accepted_early(self) -> bool:
+        """`start` returned on a worker's word for some choice, before its first chunk."""
+        return self._accepted_early
+
+    async def start(self, *, early: bool = False) -> None:
+        """Start every stream and wait for each one's first chunk (`early`: or its worker's word
+        that it checked the request); raise the first error seen."""
         if len(self._params) == 1:
             self._direct = self._read(0)
             try:
                 event = await anext(self._direct)
+                if event[1] is ACCEPTED:
+                    if early:
+                        self._accepted_early = True
+                        return
+                    event = await anext(self._direct)
                 if isinstance(event[1], LLMPlatformError):
                     raise event[1]
             except BaseException:
@@ -83,6 +109,11 @@ class ChoiceStreams:
                 index, payload = event
                 if isinstance(payload, LLMPlatformError):
                     raise payload
+                if payload is ACCEPTED:
+                    if early and index in waiting:
+                        self._accepted_early = True
+                        waiting.discard(index)
+                    continue
                 self._buffered.append(event)
                 waiting.discard(index)
         except BaseException:
@@ -99,6 +130,8 @@ class ChoiceStreams:
                 index, payload = await anext(self._direct)
             else:
                 index, payload = await self._queue.get()
+            if payload is ACCEPTED:
+                continue
             if payload is _END:
                 num_open -= 1
             elif isinstance(payload, LLMPlatformError):
@@ -149,6 +182,9 @@ class ChoiceStreams:
             chunks = self._client.generate_stream(self._address, self._params[index])
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
+                    if isinstance(chunk, Accepted):
+                        yield index, chunk
+                        continue
                     if last is not None and last.finish_reason is not None:
                         # Past the final chunk: read on to the end of the body (the worker ends
                         # it at once), so the connection goes back to the pool instead of being
@@ -174,15 +210,79 @@ class ChoiceStreams:
             yield index, LLMPlatformError(f"internal error: {type(exc).__name__}")
 
 
-async def start_naming(streams: ChoiceStreams, prompt_param: str) -> None:
-    """`streams.start()`, with a worker's context-overflow refusal naming the request's prompt
-    field (the worker's in-stream error carries a code and a message, not the OpenAI param)."""
+async def start_naming(streams: ChoiceStreams, prompt_param: str, *, early: bool = False) -> None:
+    """`streams.start(early=...)`, with a worker's context-overflow refusal naming the request's
+    prompt field (the worker's in-stream error carries a code and a message, not the OpenAI param)."""
     try:
-        await streams.start()
+        await streams.start(early=early)
     except ContextLengthExceededError as exc:
         if exc.param is None:
             exc.param = prompt_param
         raise
+
+
+class RequestStreams(Generic[P]):
+    """One request's choice streams, started on a worker by `start_on` with failover
+    (:func:`with_failover`), and kept failing over after a worker's early acceptance: a worker
+    lost before any chunk reached the client is replaced by another (the client has had the
+    answer's headers, nothing else). ``prepared`` is what `start_on` returned with the streams
+    now in use."""
+
+    def __init__(self, client: WorkerClient, model: str,
+                 start_on: Callable[[str], Awaitable[tuple[P, ChoiceStreams]]]) -> None:
+        self._client = client
+        self._model = model
+        self._start_on = start_on
+        self._tried: list[str] = []
+        self._yielded = False
+        self.prepared: P
+        self._streams: ChoiceStreams
+
+    async def start(self, address: str) -> None:
+        self.prepared, self._streams = await with_failover(self._client, self._model, self._start_on,
+                                                           address=address)
+
+    @property
+    def num_choices(self) -> int:
+        return self._streams.num_choices
+
+    @property
+    def accepted_early(self) -> bool:
+        return self._streams.accepted_early
+
+    async def events(self) -> AsyncIterator[tuple[int, WorkerChunk]]:
+        while True:
+            streams = self._streams
+            try:
+                async for item in streams.events():
+                    self._yielded = True
+                    yield item
+                return
+            except LLMPlatformError as exc:
+                if self._yielded or not may_try_another_worker(exc):
+                    raise
+                logger.warning("worker %s was lost after accepting a request for %s, before its first "
+                               "chunk (%s: %s); trying another", streams.address, self._model,
+                               type(exc).__name__, exc.message)
+                self._client.worker_failed(streams.address)
+                self._tried.append(streams.address)
+                await streams.aclose()
+                self.prepared, self._streams = await with_failover(
+                    self._client, self._model, self._start_on, tried=self._tried, last=exc)
+
+    async def final_chunks(self) -> list[WorkerChunk]:
+        """Run every stream to its end; the last (cumulative) chunk of each choice."""
+        last: list[WorkerChunk | None] = [None] * self.num_choices
+        async for index, chunk in self.events():
+            last[index] = chunk
+        assert all(chunk is not None for chunk in last), "every pump ends with a final chunk"
+        return last  # type: ignore[return-value]
+
+    def cancel(self) -> None:
+        self._streams.cancel()
+
+    async def aclose(self) -> None:
+        await self._streams.aclose()
 
 
 async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:

@@ -52,7 +52,7 @@ from llmplatform.protocol.controller import (
     ListModelsResponse,
     ListWorkersResponse,
 )
-from llmplatform.protocol.worker import ApplyChatTemplateResponse, OpenAIMaxTokens, WorkerChunk
+from llmplatform.protocol.worker import ACCEPTED_HEADER, ApplyChatTemplateResponse, OpenAIMaxTokens, WorkerChunk
 from llmplatform.utils.cluster_secret import secret_headers
 
 logger = logging.getLogger("llmplatform.openai_api")
@@ -324,8 +324,11 @@ class WorkerClient:
 
     # ---- generation --------------------------------------------------------------------------
 
-    async def generate_stream(self, address: str, params: Mapping[str, Any]) -> AsyncIterator[WorkerChunk]:
+    async def generate_stream(self, address: str, params: Mapping[str, Any]
+                              ) -> AsyncIterator[WorkerChunk | Accepted]:
         """The worker's chunks, in order; errors (in-stream or transport) raise typed errors.
+        First :data:`ACCEPTED`, before any chunk, when the worker says it has checked the
+        request (``ACCEPTED_HEADER``): its first chunk will be output, not a refusal.
 
         Before the first chunk a lost worker is a :class:`WorkerUnavailableError` (another may
         be tried); after it, an :class:`UpstreamError`: the answer is incomplete and cannot be
@@ -336,6 +339,8 @@ class WorkerClient:
         started = False
         try:
             async with self._stream_client().stream(url, params) as body:
+                if body.headers.get(ACCEPTED_HEADER) == "1":
+                    yield ACCEPTED
                 decoder = NulFrameDecoder()
                 async for data in body:
                     for frame in decoder.feed(data):
@@ -387,8 +392,20 @@ class WorkerClient:
             self._streams = None
 
 
+class Accepted:
+    """The type of :data:`ACCEPTED`."""
+
+    def __repr__(self) -> str:
+        return "ACCEPTED"
+
+
+ACCEPTED = Accepted()
+"""What :meth:`WorkerClient.generate_stream` yields first when the worker has checked the request."""
+
+
 async def with_failover(
-    client: WorkerClient, model: str, attempt: Callable[[str], Awaitable[T]], *, address: str | None = None
+    client: WorkerClient, model: str, attempt: Callable[[str], Awaitable[T]], *, address: str | None = None,
+    tried: Sequence[str] = (), last: LLMPlatformError | None = None,
 ) -> T:
     """``attempt(address)`` on a worker serving `model` (`address` if already picked); when that
     worker cannot take the request (:func:`may_try_another_worker`) it is marked down in the
@@ -396,10 +413,13 @@ async def with_failover(
     those tried, up to ``max_worker_attempts`` workers in all. When none
     is left, the last worker's error is raised (a 429 keeps its Retry-After). `attempt` must not
     have sent the client anything: it is all or nothing.
+
+    `tried` (with `last`, the error of the last of them) continues a failover begun earlier:
+    those workers are excluded and count towards the limit.
     """
-    excluded: list[str] = []
-    last: LLMPlatformError | None = None
-    for _ in range(client.max_worker_attempts):
+    excluded: list[str] = list(tried)
+    assert not excluded or last is not None, "a continued failover needs the last error"
+    for _ in range(client.max_worker_attempts - len(excluded)):
         if address is None:
             try:
                 address = await client.worker_address(model, exclude=excluded)

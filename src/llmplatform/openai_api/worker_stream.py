@@ -231,6 +231,18 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+class WorkerBody:
+    """A 200 answer being read: its ``headers`` (names lower-cased) and its body, iterated with
+    ``async for`` as it arrives."""
+
+    def __init__(self, headers: Mapping[str, str], chunks: AsyncIterator[bytes]) -> None:
+        self.headers = headers
+        self._chunks = chunks
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._chunks
+
+
 class WorkerStreamClient:
     """The pool of connections for the app's worker streams (create it inside the app's event
     loop; ``aclose`` it at shutdown)."""
@@ -338,8 +350,9 @@ class WorkerStreamClient:
             raise
 
     @contextlib.asynccontextmanager
-    async def stream(self, url: str, payload: Mapping[str, Any]) -> AsyncIterator[AsyncIterator[bytes]]:
-        """The worker's response body, as it arrives; a non-200 answer raises its typed error.
+    async def stream(self, url: str, payload: Mapping[str, Any]) -> AsyncIterator[WorkerBody]:
+        """The worker's response (headers, then the body as it arrives: ``async for``); a
+        non-200 answer raises its typed error.
         Leaving the block before the end closes the connection (the worker sees the client go
         and aborts the request); reading to the end returns it to the pool."""
         if self._closed:
@@ -352,7 +365,7 @@ class WorkerStreamClient:
                 if connection.status != 200:
                     body = await self._read_all(connection, url)
                     raise worker_http_error(connection.status, connection.headers, body, f"The worker at {url}")
-                yield self._body(connection, url)
+                yield WorkerBody(connection.headers, self._body(connection, url))
             finally:
                 self._release(target, connection)
 

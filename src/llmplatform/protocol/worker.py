@@ -14,6 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 
 NUL = b"\0"
 
+ACCEPTED_HEADER = "x-llmplatform-accepted"
+"""Our addition, on a ``/worker_generate_stream`` answer: the worker checked the whole request
+(model, prompt, context room, sampling) before answering, so the stream's first chunk is output,
+not a refusal; only a failure of the worker itself can still end it without output. A gateway
+may answer its client as soon as it sees it (headers during the prefill, not with the first
+token). Stock workers never send it: their refusals come as the first chunk, and so may ours
+for params checked only by the backend (a prompt the worker did not tokenize itself)."""
+
 
 class OpenAIMaxTokens(BaseModel):
     """Our addition: size the completion by OpenAI's rules once the worker has counted the prompt
