@@ -139,14 +139,6 @@ class ChoiceStreams:
             else:
                 yield index, payload
 
-    async def final_chunks(self) -> list[WorkerChunk]:
-        """Run every stream to its end; the last (cumulative) chunk of each choice."""
-        last: list[WorkerChunk | None] = [None] * len(self._params)
-        async for index, chunk in self.events():
-            last[index] = chunk
-        assert all(chunk is not None for chunk in last), "every pump ends with a final chunk"
-        return last  # type: ignore[return-value]
-
     def cancel(self) -> None:
         """Stop every pump now and abort unfinished choices (no await: safe in a finally)."""
         if self._closed:
