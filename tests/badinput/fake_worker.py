@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from llmplatform.controller import ControllerConfig
 from llmplatform.controller import create_app as create_controller_app
 from llmplatform.errors import LLMPlatformError
-from llmplatform.model_worker.app import sampling_params_from
+from llmplatform.model_worker.requests import sampling_params_from
 from llmplatform.openai_api import GatewaySettings
 from llmplatform.openai_api import create_app as create_gateway_app
 from llmplatform.protocol.worker import WorkerParams, error_chunk

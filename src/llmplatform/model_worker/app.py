@@ -1,8 +1,10 @@
 """The model worker: one HTTP surface (FastChat's worker routes) around one :class:`LLM`.
 
-The same app serves every backend. The params dict is parsed once here into typed objects;
-errors travel inside the stream as FastChat error objects (HTTP 200), and a closed connection
-aborts the request down to the backend (its generator is closed in ``finally``).
+The same app serves every backend. The params dict is parsed once here into typed objects and
+checked whole before the worker answers (:mod:`.requests`): a refusal is the whole answer, a
+FastChat error object with HTTP 200, and errors after that travel inside the stream the same way.
+A closed connection aborts the request down to the backend (its generator is closed in
+``finally``).
 
 Refusals happen before any work, with an HTTP status (:mod:`.admission`): 429 + Retry-After when
 the queue is full, 503 when the engine is dead or the worker is draining. Draining (:func:`drain`,
@@ -15,7 +17,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -24,22 +25,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from llmplatform.errors import (ErrorCode, InvalidRequestError, LLMPlatformError,
-                                ModelNotFoundError)
-from llmplatform.llm.base import LLM, GenerateChunk, GenerateRequest
-from llmplatform.llm.context import resolve_max_new_tokens
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.errors import ErrorCode, InvalidRequestError, LLMPlatformError
+from llmplatform.llm.base import LLM, GenerateChunk
 from llmplatform.metrics.common import add_metrics_route
-from llmplatform.metrics.worker import RequestObserver, WorkerLoad, WorkerMetrics
+from llmplatform.metrics.worker import WorkerLoad, WorkerMetrics
 from llmplatform.model_worker.admission import (Ticket, TicketedStreamingResponse, WorkerState,
                                                refusal_response)
 from llmplatform.model_worker.conv import conv_template_for
 from llmplatform.model_worker.registration import ControllerLink
+from llmplatform.model_worker.requests import (WORKER_PARAM_EXTENSIONS, Accepted, accept,
+                                              check_model, id_in_use)
 from llmplatform.protocol.worker import (ACCEPTED_HEADER, AbortRequest, ApplyChatTemplateRequest,
                                          ApplyChatTemplateResponse, ChunkLogprobs, ChunkUsage,
                                          CountTokenRequest, ModelDetailsRequest, WorkerChunk,
                                          WorkerParams, error_chunk)
-from llmplatform.utils.logs import REQUEST_ID, request_context
+from llmplatform.utils.logs import request_context
 from llmplatform.utils.cluster_secret import ClusterSecretMiddleware, secret_headers
 from llmplatform.utils.request_id import RequestIdMiddleware
 
@@ -165,55 +165,6 @@ def _error_response(exc: LLMPlatformError) -> JSONResponse:
                         status_code=exc.http_status)
 
 
-def _check_model(llm: LLM, model: str | None) -> None:
-    if model is not None and model not in llm.model_names:
-        raise ModelNotFoundError(f"this worker serves {list(llm.model_names)}, not {model!r}",
-                                 param="model")
-
-
-WORKER_PARAM_EXTENSIONS = ("messages", "openai_max_tokens")
-
-
-async def _render_prompt(llm: LLM, params: WorkerParams) -> tuple[str, list[int] | None, int]:
-    """The prompt text, its token ids when the worker must count them here (``openai_max_tokens``;
-    otherwise the backend tokenizes), and ``max_new_tokens``. One thread hop for the template and
-    the tokenizer together: both take a while on long conversations."""
-    budget = params.openai_max_tokens
-
-    def render() -> tuple[str, list[int] | None]:
-        text = params.prompt if params.prompt is not None else llm.apply_chat_template_sync(params.messages or [])
-        return text, (llm.encode_sync(text) if budget is not None else None)
-
-    if params.prompt is not None and budget is None:
-        return params.prompt, None, params.max_new_tokens
-    text, ids = await asyncio.to_thread(render)
-    if budget is None or ids is None:
-        return text, ids, params.max_new_tokens
-    max_new_tokens = resolve_max_new_tokens(budget.requested, prompt_tokens=len(ids),
-                                            context_length=llm.context_length,
-                                            default=budget.default, prompt_param=budget.param)
-    return text, ids, max_new_tokens
-
-
-def sampling_params_from(params: WorkerParams, max_new_tokens: int | None = None) -> SamplingParams:
-    if params.images:
-        raise InvalidRequestError("this worker serves a text-only model; images are not supported",
-                                  param="images")
-    if params.use_beam_search:
-        raise InvalidRequestError("beam search is not supported", param="use_beam_search")
-    stop = params.stop or ()
-    return SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-        min_p=params.min_p, presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
-        seed=params.seed, min_tokens=params.min_tokens,
-        max_tokens=params.max_new_tokens if max_new_tokens is None else max_new_tokens,
-        stop=(stop,) if isinstance(stop, str) else tuple(stop),
-        stop_token_ids=tuple(params.stop_token_ids or ()), ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
-        skip_special_tokens=params.skip_special_tokens)
-
-
 class _CumulativeStream:
     """Turns the backend's delta chunks into FastChat's cumulative chunks."""
 
@@ -248,50 +199,7 @@ class _CumulativeStream:
             logprobs=self._logprobs.model_copy(deep=True) if self._logprobs is not None else None)
 
 
-@dataclass
-class _Accepted:
-    """A request the worker has checked and will generate."""
-
-    request: GenerateRequest
-    params: WorkerParams
-    observer: RequestObserver
-    checked: bool
-    """The backend's own checks passed too (the worker had the token ids): the stream's first
-    chunk is output, not a refusal (``ACCEPTED_HEADER``)."""
-
-
-def _id_in_use(request_id: str) -> InvalidRequestError:
-    # Ids name requests for /worker_abort and inside the engine: they must be unique.
-    return InvalidRequestError(f"request id {request_id!r} is already in use by a running request",
-                               param="request_id")
-
-
-async def _accept(app: FastAPI, params: WorkerParams) -> _Accepted:
-    """Every check a request can fail before generating (LLMPlatformError), done before the
-    worker answers. Starts the request's timing (its arrival) and its logging context."""
-    llm: LLM = app.state.llm
-    request_id = params.request_id or uuid.uuid4().hex
-    # Every line logged about this request carries its id (the engine's too). Set, not scoped:
-    # the context is this request's own (the response's stream runs in a copy of it).
-    REQUEST_ID.set(request_id)
-    observer: RequestObserver = app.state.metrics.observe_request()
-    try:
-        _check_model(llm, params.model)
-        if request_id in app.state.generation_ids:
-            raise _id_in_use(request_id)
-        prompt, prompt_ids, max_new_tokens = await _render_prompt(llm, params)
-        sampling = sampling_params_from(params, max_new_tokens)
-        if prompt_ids is not None:
-            llm.check_request(prompt_ids, sampling)
-    except LLMPlatformError as exc:
-        logger.info("refused: %s", exc.message)  # never handed over: the observer counts nothing
-        raise
-    request = GenerateRequest(request_id=request_id, params=sampling, prompt=prompt,
-                              prompt_token_ids=tuple(prompt_ids) if prompt_ids is not None else None)
-    return _Accepted(request, params, observer, checked=prompt_ids is not None)
-
-
-async def _generate_chunks(app: FastAPI, accepted: _Accepted, ticket: Ticket) -> AsyncIterator[bytes]:
+async def _generate_chunks(app: FastAPI, accepted: Accepted, ticket: Ticket) -> AsyncIterator[bytes]:
     """The worker's stream: JSON objects each followed by NUL; errors in-band."""
     llm: LLM = app.state.llm
     state: WorkerState = app.state.worker
@@ -301,7 +209,7 @@ async def _generate_chunks(app: FastAPI, accepted: _Accepted, ticket: Ticket) ->
     owns_id = False
     try:
         if request_id in running_ids:  # taken by another request since the check
-            exc = _id_in_use(request_id)
+            exc = id_in_use(request_id)
             logger.info("refused: %s", exc.message)
             yield error_chunk(exc.message, exc.error_code)
             return
@@ -361,7 +269,8 @@ def _add_routes(app: FastAPI) -> None:
         except LLMPlatformError as exc:
             return refusal_response(exc)
         try:
-            accepted = await _accept(app, params)
+            accepted = await accept(llm, params, running_ids=app.state.generation_ids,
+                                    metrics=app.state.metrics)
         except LLMPlatformError as exc:
             ticket.release()
             # As FastChat's workers answer: the error object is the whole stream, with HTTP 200.
@@ -383,7 +292,8 @@ def _add_routes(app: FastAPI) -> None:
         except LLMPlatformError as exc:
             return refusal_response(exc)
         try:
-            accepted = await _accept(app, params)
+            accepted = await accept(llm, params, running_ids=app.state.generation_ids,
+                                    metrics=app.state.metrics)
         except LLMPlatformError as exc:
             ticket.release()
             return Response(error_chunk(exc.message, exc.error_code).rstrip(b"\0"),
@@ -417,7 +327,7 @@ def _add_routes(app: FastAPI) -> None:
     async def model_details(request: Request) -> Response:
         try:
             body = await _json_body(request, ModelDetailsRequest)
-            _check_model(llm, body.model)
+            check_model(llm, body.model)
         except LLMPlatformError as exc:
             return _error_response(exc)
         # `params`: the params-dict additions this worker understands beyond FastChat's, so a
@@ -436,7 +346,7 @@ def _add_routes(app: FastAPI) -> None:
     async def worker_apply_chat_template(request: Request) -> Response:
         try:
             body = await _json_body(request, ApplyChatTemplateRequest)
-            _check_model(llm, body.model)
+            check_model(llm, body.model)
             prompt = await llm.apply_chat_template(body.messages, body.add_generation_prompt)
             count = await llm.count_tokens(prompt)
         except LLMPlatformError as exc:

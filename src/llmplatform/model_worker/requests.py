@@ -1,0 +1,117 @@
+"""Checking a generation request before the worker answers it.
+
+A request is accepted (:func:`accept`) only once everything it can fail before generating has
+been checked: the model, its request id, its prompt rendered and counted (``openai_max_tokens``),
+its sampling params, and the backend's own checks (:meth:`LLM.check_request`). The worker then
+answers a refusal as the whole response and an accepted request with a stream whose first chunk
+is output (:data:`~llmplatform.protocol.worker.ACCEPTED_HEADER`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+
+from llmplatform.errors import InvalidRequestError, LLMPlatformError, ModelNotFoundError
+from llmplatform.llm.base import LLM, GenerateRequest
+from llmplatform.llm.context import resolve_max_new_tokens
+from llmplatform.llm.sampling import SamplingParams
+from llmplatform.metrics.worker import RequestObserver, WorkerMetrics
+from llmplatform.protocol.worker import WorkerParams
+from llmplatform.utils.logs import REQUEST_ID
+
+logger = logging.getLogger("llmplatform.worker")
+
+WORKER_PARAM_EXTENSIONS = ("messages", "openai_max_tokens")
+"""The params-dict additions this worker understands beyond FastChat's (``/model_details``)."""
+
+
+def check_model(llm: LLM, model: str | None) -> None:
+    if model is not None and model not in llm.model_names:
+        raise ModelNotFoundError(f"this worker serves {list(llm.model_names)}, not {model!r}",
+                                 param="model")
+
+
+def id_in_use(request_id: str) -> InvalidRequestError:
+    # Ids name requests for /worker_abort and inside the engine: they must be unique.
+    return InvalidRequestError(f"request id {request_id!r} is already in use by a running request",
+                               param="request_id")
+
+
+async def render_prompt(llm: LLM, params: WorkerParams) -> tuple[str, list[int] | None, int]:
+    """The prompt text, its token ids when the worker must count them here (``openai_max_tokens``;
+    otherwise the backend tokenizes), and ``max_new_tokens``. One thread hop for the template and
+    the tokenizer together: both take a while on long conversations."""
+    budget = params.openai_max_tokens
+
+    def render() -> tuple[str, list[int] | None]:
+        text = params.prompt if params.prompt is not None else llm.apply_chat_template_sync(params.messages or [])
+        return text, (llm.encode_sync(text) if budget is not None else None)
+
+    if params.prompt is not None and budget is None:
+        return params.prompt, None, params.max_new_tokens
+    text, ids = await asyncio.to_thread(render)
+    if budget is None or ids is None:
+        return text, ids, params.max_new_tokens
+    max_new_tokens = resolve_max_new_tokens(budget.requested, prompt_tokens=len(ids),
+                                            context_length=llm.context_length,
+                                            default=budget.default, prompt_param=budget.param)
+    return text, ids, max_new_tokens
+
+
+def sampling_params_from(params: WorkerParams, max_new_tokens: int | None = None) -> SamplingParams:
+    if params.images:
+        raise InvalidRequestError("this worker serves a text-only model; images are not supported",
+                                  param="images")
+    if params.use_beam_search:
+        raise InvalidRequestError("beam search is not supported", param="use_beam_search")
+    stop = params.stop or ()
+    return SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        min_p=params.min_p, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
+        seed=params.seed, min_tokens=params.min_tokens,
+        max_tokens=params.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        stop_token_ids=tuple(params.stop_token_ids or ()), ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
+        skip_special_tokens=params.skip_special_tokens)
+
+
+@dataclass
+class Accepted:
+    """A request the worker has checked and will generate."""
+
+    request: GenerateRequest
+    params: WorkerParams
+    observer: RequestObserver
+    checked: bool
+    """The backend's own checks passed too (the worker had the token ids): the stream's first
+    chunk is output, not a refusal (``ACCEPTED_HEADER``)."""
+
+
+async def accept(llm: LLM, params: WorkerParams, *, running_ids: set[str],
+                 metrics: WorkerMetrics) -> Accepted:
+    """Every check a request can fail before generating (LLMPlatformError), done before the
+    worker answers. Starts the request's timing (its arrival) and its logging context."""
+    request_id = params.request_id or uuid.uuid4().hex
+    # Every line logged about this request carries its id (the engine's too). Set, not scoped:
+    # the context is this request's own (the response's stream runs in a copy of it).
+    REQUEST_ID.set(request_id)
+    observer = metrics.observe_request()
+    try:
+        check_model(llm, params.model)
+        if request_id in running_ids:
+            raise id_in_use(request_id)
+        prompt, prompt_ids, max_new_tokens = await render_prompt(llm, params)
+        sampling = sampling_params_from(params, max_new_tokens)
+        if prompt_ids is not None:
+            llm.check_request(prompt_ids, sampling)
+    except LLMPlatformError as exc:
+        logger.info("refused: %s", exc.message)  # never handed over: the observer counts nothing
+        raise
+    request = GenerateRequest(request_id=request_id, params=sampling, prompt=prompt,
+                              prompt_token_ids=tuple(prompt_ids) if prompt_ids is not None else None)
+    return Accepted(request, params, observer, checked=prompt_ids is not None)
