@@ -2,9 +2,9 @@
 
 ``test_attention_reference.py`` already runs every batch shape on the ``cpu`` backend; these add
 the shapes served models have (head_dim 64 and 128 with 16-token blocks, the kernel's specialized
-copies), bf16 caches, long sequences whose softmax max moves across many blocks, the engine's
-greedy output against the torch backend, one OpenMP runtime in the process, and what happens
-without a C compiler.
+copies, AVX-512 ones where the CPU has it), bf16 caches, many sequences (one work item each),
+long sequences whose softmax max moves across many blocks, the engine's greedy output against
+the torch backend, one OpenMP runtime in the process, and what happens without a C compiler.
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ def paged_case(lens: list[int], *, num_heads: int, num_kv_heads: int, head_dim: 
     (128, 16, 32, 8),  # Llama-3-8B's grouping: the 128/16 copy
     (32, 8, 4, 4),  # no grouping, the generic copy
     (80, 32, 10, 2),  # odd head size, the generic copy
+    (96, 16, 16, 2),  # 8 query heads per kv head: the AVX-512 copy's largest group, 6 chunks
+    (64, 16, 32, 2),  # 16 query heads per kv head: past the AVX-512 copy, the generic one
 ])
 def test_matches_dense_attention(dtype, head_dim, block_size, num_heads, num_kv_heads) -> None:
     lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5, 300]
@@ -82,6 +84,21 @@ def test_matches_dense_attention(dtype, head_dim, block_size, num_heads, num_kv_
     expected = dense_decode(query, keys, values, scale)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
     torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 32, 8)])
+def test_many_sequences_one_item_each(dtype, head_dim, num_heads, num_kv_heads) -> None:
+    """With several sequences per thread, the AVX-512 copy gives each work item a whole sequence
+    (every kv head of a block read together) instead of one kv head: same numbers."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [int(x) for x in torch.randint(1, 400, (40,), generator=gen)] + [16, 32, 1]
+    query, k_cache, v_cache, tables, seq_lens, keys, values = paged_case(
+        lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16, dtype=dtype)
+    scale = head_dim**-0.5
+    got = cpu_decode.paged_decode_attention_cpu(query, k_cache, v_cache, tables, seq_lens, scale)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), dense_decode(query, keys, values, scale), atol=tolerance, rtol=tolerance)
 
 
 def test_long_sequences_with_peaked_scores() -> None:

@@ -1,8 +1,9 @@
-"""Float32 CPU projections on oneDNN with prepacked weights (``models.layers.use_onednn_weights``).
+"""CPU projections on oneDNN with prepacked weights (``models.layers.use_onednn_weights``).
 
-The switch must not change the numbers beyond float32 summation order, must leave the LM head
-alone, must keep working for bf16 activations (the compute-dtype path) and biases, and must be
-off when ``LLMPLATFORM_ONEDNN_LINEARS=0``.
+The switch must not change the numbers beyond the dtype's summation order and rounding, must leave
+the LM head alone, must keep working for bf16 activations (the compute-dtype path) and biases,
+must prepack bf16 weights only on CPUs with bf16 instructions, and must be off when
+``LLMPLATFORM_ONEDNN_LINEARS=0``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmplatform.models import layers
 from llmplatform.models.layers import ONEDNN_LINEARS_ENV_VAR, Linear, onednn_rows, use_onednn_weights
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -61,12 +63,54 @@ def test_the_switch_is_off_by_environment(monkeypatch) -> None:
     assert all(m.weight is not None and m._onednn_weight is None for m in model.modules() if isinstance(m, Linear))
 
 
-def test_bf16_weights_are_not_switched(monkeypatch) -> None:
+def test_bf16_weights_are_left_alone_without_bf16_instructions(monkeypatch) -> None:
     monkeypatch.delenv(ONEDNN_LINEARS_ENV_VAR, raising=False)
+    monkeypatch.setattr(layers, "onednn_weight_dtypes", lambda: (torch.float32,))
     layer = Linear(16, [8], bias=False, dtype=torch.bfloat16, device="cpu")
     holder = nn.Module()
     holder.proj = layer
     assert use_onednn_weights(holder) == 0 and layer.weight is not None
+
+
+class TinyBf16(Tiny):
+    def __init__(self, bias: bool) -> None:
+        super().__init__(bias)
+        self.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_bf16_weights_are_prepacked_with_bf16_instructions(bias: bool, monkeypatch) -> None:
+    """On CPUs with bf16 matrix instructions the bf16 projections are prepacked too: the same
+    products as F.linear (bf16 in, bf16 out), for exact and padded row counts."""
+    monkeypatch.delenv(ONEDNN_LINEARS_ENV_VAR, raising=False)
+    monkeypatch.setattr(layers, "onednn_weight_dtypes", lambda: (torch.float32, torch.bfloat16))
+    model = TinyBf16(bias)
+    plain = {name: (m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone())
+             for name, m in model.named_modules() if isinstance(m, Linear)}
+    switched = use_onednn_weights(model)
+    if switched == 0:
+        pytest.skip("this CPU's oneDNN has no bf16 linear (the probe refused it)")
+    assert switched == 2
+    assert model.qkv_proj.weight is None and model.qkv_proj.weight_dtype == torch.bfloat16
+    assert model.lm_head.weight is not None and model.lm_head._onednn_weight is None
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 7, 16, 17, 33, 160):
+        for name in ("qkv_proj", "down_proj"):
+            weight, b = plain[name]
+            x = torch.randn(rows, weight.shape[1], generator=gen).to(torch.bfloat16)
+            got = getattr(model, name)(x)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, weight.shape[0])
+            torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1.6e-2, atol=1e-2)
+            # float32 activations (a caller outside the engine): multiplied in bf16, returned in float32
+            assert getattr(model, name)(x.float()).dtype == torch.float32
+
+
+def test_the_bf16_switch_follows_the_cpu() -> None:
+    from llmplatform.llm.torch_utils import cpu_has_native_low_precision_matmul
+
+    expected = torch.bfloat16 in layers.onednn_weight_dtypes()
+    assert expected == cpu_has_native_low_precision_matmul(torch.bfloat16)
+    assert torch.float32 in layers.onednn_weight_dtypes()
 
 
 def test_a_misbehaving_backend_leaves_the_weights_as_they_were(monkeypatch, caplog) -> None:

@@ -127,6 +127,171 @@ static inline __attribute__((always_inline)) void decode_item(
     }
 }
 
+#if defined(__AVX512F__)
+/* The AVX-512 copy, for 16-token blocks and head sizes a multiple of 16 (every common model).
+ * The generic loops above spend most of their time summing each K row's products across a
+ * vector (one horizontal sum per row and query head); here the 16 rows of a block are summed
+ * together by a transpose-and-add tree (sum16), so a block's 16 scores of one query head come
+ * out as one vector, and softmax works on whole vectors. bf16 rows are widened in registers. */
+#include <immintrin.h>
+
+#define FAST_BLOCK 16
+#define FAST_MAX_GROUP 8
+#define FAST_MAX_CHUNKS 16 /* head_dim <= 256 */
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 2
+#endif
+
+static inline __m512 load16(const void *cache, int64_t offset, int is_bf16) {
+    if (is_bf16) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + offset));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    return _mm512_loadu_ps((const float *)cache + offset);
+}
+
+/* Lane j of the result = the sum of v[j]'s 16 lanes. 15 adds and 30 shuffles for 16 rows,
+ * where 16 separate horizontal sums take about 4 times as many instructions. */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [v2i, v2i+1, v2i, v2i+1] partial sums */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: rows 4i..4i+3, that lane's share */
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++) /* 128-bit lanes: pairs of lanes of b[2i], then of b[2i+1], added */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* exp_nonpositive on 16 lanes (same polynomial); 2^k applied by scalef. */
+static inline __m512 exp16_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, k);
+}
+
+/* Ask for n rows of `width` elements (row i at base + i * row) to be brought into the cache. */
+static inline void prefetch_rows(const void *cache, int64_t base, int64_t row, int64_t n, int64_t width,
+                                 int is_bf16) {
+    const int64_t element = is_bf16 ? 2 : 4;
+    for (int64_t j = 0; j < n; j++) {
+        const char *start = (const char *)cache + (base + j * row) * element;
+        for (int64_t b = 0; b < width * element; b += 64) _mm_prefetch(start + b, _MM_HINT_T0);
+    }
+}
+
+typedef struct {
+    __m512 q[FAST_MAX_CHUNKS], acc[FAST_MAX_CHUNKS];
+    float max, sum; /* running max of the scores and sum of their exponentials */
+} head_state;
+
+/* One block (n <= 16 rows starting at base) for the `group` query heads sharing one kv head. */
+static inline __attribute__((always_inline)) void attend_block(
+        head_state *heads, int64_t group, const void *k_cache, const void *v_cache, int64_t base,
+        int64_t row, int64_t n, const int64_t chunks, int cache_is_bf16) {
+    const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    __m512 k[FAST_BLOCK][FAST_MAX_CHUNKS], partial[FAST_BLOCK];
+    float probs[FAST_MAX_GROUP][FAST_BLOCK] __attribute__((aligned(64)));
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t c = 0; c < chunks; c++) k[j][c] = load16(k_cache, base + j * row + 16 * c, cache_is_bf16);
+    for (int64_t g = 0; g < group; g++) {
+        head_state *head = &heads[g];
+        for (int64_t j = 0; j < FAST_BLOCK; j++) {
+            if (j >= n) { partial[j] = _mm512_setzero_ps(); continue; }
+            __m512 p = _mm512_mul_ps(head->q[0], k[j][0]);
+            for (int64_t c = 1; c < chunks; c++) p = _mm512_fmadd_ps(head->q[c], k[j][c], p);
+            partial[j] = p;
+        }
+        const __m512 scores = _mm512_mask_blend_ps(valid, neg_inf, sum16(partial));
+        const float block_max = _mm512_reduce_max_ps(scores);
+        if (block_max > head->max) { /* rescale what was summed under the old max */
+            const float correction = expf(head->max - block_max);
+            const __m512 correction16 = _mm512_set1_ps(correction);
+            head->sum *= correction;
+            for (int64_t c = 0; c < chunks; c++) head->acc[c] = _mm512_mul_ps(head->acc[c], correction16);
+            head->max = block_max;
+        }
+        const __m512 p = _mm512_maskz_mov_ps(
+            valid, exp16_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(head->max))));
+        head->sum += _mm512_reduce_add_ps(p);
+        _mm512_store_ps(probs[g], p);
+    }
+    for (int64_t j = 0; j < n; j++) {
+        __m512 v[FAST_MAX_CHUNKS];
+        for (int64_t c = 0; c < chunks; c++) v[c] = load16(v_cache, base + j * row + 16 * c, cache_is_bf16);
+        for (int64_t g = 0; g < group; g++) {
+            const __m512 p = _mm512_set1_ps(probs[g][j]);
+            for (int64_t c = 0; c < chunks; c++) heads[g].acc[c] = _mm512_fmadd_ps(p, v[c], heads[g].acc[c]);
+        }
+    }
+}
+
+/* One work item: sequence item / parts, and its kv heads [h0, h1) (the part's share). Several kv
+ * heads per item read each block as one contiguous run (a block's rows hold every kv head). */
+static inline __attribute__((always_inline)) void decode_item_avx512(
+        int64_t item, int64_t parts, const float *query, const void *k_cache, const void *v_cache,
+        const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, float *out,
+        int64_t num_heads, int64_t num_kv_heads, int64_t group, const int64_t chunks,
+        int cache_is_bf16, float scale) {
+    const int64_t s = item / parts, per_part = num_kv_heads / parts;
+    const int64_t h0 = (item % parts) * per_part, h1 = h0 + per_part;
+    const int64_t head_dim = chunks * 16, row = num_kv_heads * head_dim, len = seq_lens[s];
+    head_state heads[per_part * group];
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < per_part * group; i++) {
+        const float *src = query + (s * num_heads + h0 * group + i) * head_dim;
+        for (int64_t c = 0; c < chunks; c++) {
+            heads[i].q[c] = _mm512_mul_ps(_mm512_loadu_ps(src + 16 * c), scale16);
+            heads[i].acc[c] = _mm512_setzero_ps();
+        }
+        heads[i].max = -INFINITY;
+        heads[i].sum = 0.0f;
+    }
+    for (int64_t start = 0; start < len; start += FAST_BLOCK) {
+        const int64_t n = len - start < FAST_BLOCK ? len - start : FAST_BLOCK;
+        const int64_t block = block_tables[s * table_stride + start / FAST_BLOCK];
+        const int64_t base = (block * FAST_BLOCK * num_kv_heads + h0) * head_dim;
+        /* The cache is far bigger than the CPU's caches and its blocks lie anywhere: ask for this
+         * block's V rows and the next block's K rows now, so they arrive while these scores are
+         * computed (the hardware prefetcher cannot guess a block table). */
+        for (int64_t ahead = 1; ahead <= PREFETCH_BLOCKS; ahead++) {
+            const int64_t at = start + ahead * FAST_BLOCK;
+            if (at >= len) break;
+            const int64_t later = block_tables[s * table_stride + at / FAST_BLOCK];
+            const int64_t rows = len - at < FAST_BLOCK ? len - at : FAST_BLOCK;
+            const int64_t later_base = (later * FAST_BLOCK * num_kv_heads + h0) * head_dim;
+            if (ahead == PREFETCH_BLOCKS || at + FAST_BLOCK >= len || start == 0) {
+                prefetch_rows(k_cache, later_base, row, rows, per_part * head_dim, cache_is_bf16);
+                prefetch_rows(v_cache, later_base, row, rows, per_part * head_dim, cache_is_bf16);
+            }
+        }
+        for (int64_t h = 0; h < per_part; h++)
+            attend_block(heads + h * group, group, k_cache, v_cache, base + h * head_dim, row, n, chunks,
+                         cache_is_bf16);
+    }
+    for (int64_t i = 0; i < per_part * group; i++) {
+        float *dst = out + (s * num_heads + h0 * group + i) * head_dim;
+        const __m512 inv = _mm512_set1_ps(heads[i].sum > 0.0f ? 1.0f / heads[i].sum : 0.0f);
+        for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(heads[i].acc[c], inv));
+    }
+}
+#endif
+
 /* query/out: [num_seqs, num_heads, head_dim] float32, contiguous.
  * k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, bf16 or float32.
  * block_tables: [num_seqs, table_stride] int32. seq_lens: [num_seqs] int32 (>= 0).
@@ -144,6 +309,28 @@ int paged_decode_attention(const float *query, const void *k_cache, const void *
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim; /* elements between consecutive tokens */
     const int64_t items = num_seqs * num_kv_heads;
+#if defined(__AVX512F__)
+    if (block_size == FAST_BLOCK && head_dim % 16 == 0 && head_dim / 16 <= FAST_MAX_CHUNKS &&
+        group <= FAST_MAX_GROUP) {
+        /* A whole sequence per item when there are enough sequences to share out (contiguous
+         * reads), else one kv head per item (more items than threads). */
+        const int64_t parts = num_seqs >= 4 * (int64_t)num_threads && num_heads <= 64 ? 1 : num_kv_heads;
+#define FAST_LOOP(CHUNKS)                                                                          \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                     \
+    for (int64_t item = 0; item < num_seqs * parts; item++)                                        \
+        decode_item_avx512(item, parts, query, k_cache, v_cache, block_tables, table_stride,       \
+                           seq_lens, out, num_heads, num_kv_heads, group, CHUNKS, cache_is_bf16, scale)
+        if (head_dim == 64) {
+            FAST_LOOP(4);
+        } else if (head_dim == 128) {
+            FAST_LOOP(8);
+        } else {
+            FAST_LOOP(head_dim / 16);
+        }
+#undef FAST_LOOP
+        return 0;
+    }
+#endif
 #define ITEM_LOOP(HEAD_DIM, BLOCK_SIZE)                                                            \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                     \
     for (int64_t item = 0; item < items; item++)                                                   \
