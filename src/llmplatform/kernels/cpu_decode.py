@@ -9,7 +9,10 @@ softmax, so the K/V bytes are read once and never written (``benchmarks/attentio
 
 The library is compiled once per source, flags and CPU (``-march=native``) with the system C
 compiler (``$CC``, else ``cc``) into ``$LLMPLATFORM_CACHE/kernels`` and loaded from there
-afterwards (a second ``cc`` run is never needed on the same machine). It links the OpenMP runtime
+afterwards (a second ``cc`` run is never needed on the same machine). A library is opened only
+if it and its folder belong to this user and nobody else can write to them
+(``utils/cache_folder.py``): a planted one would run inside the worker. A refused library is
+never loaded; the engine keeps the torch path and logs an error that says what to fix. It links the OpenMP runtime
 by its soname, ``libgomp.so.1``, which torch has already loaded, so the kernel's parallel loop
 uses the calling thread's own OpenMP team (the engine's step thread), not a second one. Without
 a C compiler the engine keeps the torch path and says so once in the log; forcing this backend
@@ -34,6 +37,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from llmplatform.utils.cache_folder import UnsafeCacheError, check_private_file, private_dir
 
 logger = logging.getLogger("llmplatform.kernels")
 
@@ -65,17 +70,16 @@ def _cpu_signature() -> str:
 
 
 def _library_path(compiler: str) -> Path:
-    from llmplatform.llm.resolve import cache_dir
-
+    """Where this source, these flags, this compiler and this CPU's library lives (the cache's
+    ``kernels/`` folder is created 0700, or checked if present)."""
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), compiler.encode(), _cpu_signature().encode()):
         key.update(part)
         key.update(b"\0")
-    return cache_dir() / "kernels" / f"paged_decode_attention-{key.hexdigest()[:16]}.so"
+    return private_dir("kernels") / f"paged_decode_attention-{key.hexdigest()[:16]}.so"
 
 
 def _build(path: Path, compiler: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".so.tmp", dir=path.parent)
     os.close(fd)
     try:
@@ -85,6 +89,7 @@ def _build(path: Path, compiler: str) -> None:
         if result.returncode != 0:
             raise KernelUnavailableError(
                 f"{' '.join(command)} failed (exit {result.returncode}): {result.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o700)  # the linker's mode follows the umask; only we may change the library
         os.replace(tmp, path)  # atomic: concurrent builders (several workers) each write their own tmp
         logger.info("built the CPU decode-attention kernel in %.1f s: %s", time.perf_counter() - started, path)
     finally:
@@ -97,8 +102,9 @@ def _load() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     if not compiler:
         raise KernelUnavailableError("no C compiler found (install gcc or set CC)")
     path = _library_path(compiler)
-    if not path.is_file():
+    if not os.path.lexists(path):
         _build(path, compiler)
+    check_private_file(path)
     try:
         library = ctypes.CDLL(str(path))
     except OSError as exc:
@@ -119,6 +125,11 @@ def kernel() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
         if _kernel is None and _error is None:
             try:
                 _kernel = _load()
+            except UnsafeCacheError as exc:
+                # Loud: a refused library may mean someone tried to plant code in the worker.
+                _error = str(exc)
+                logger.error("CPU decode-attention kernel NOT loaded, decode attention runs on the "
+                             "slower torch path: %s", _error)
             except (KernelUnavailableError, OSError, subprocess.SubprocessError) as exc:
                 _error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, KernelUnavailableError) else str(exc)
                 logger.warning("CPU decode-attention kernel unavailable, decode attention runs on the "

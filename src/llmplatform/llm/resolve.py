@@ -16,7 +16,9 @@ and the loaders cast to whatever dtype was asked for. The cache layout is
 
 and an entry only ever appears through an atomic rename of a fully written sibling folder, so a
 crash mid-conversion leaves no half entry and concurrent converters cannot corrupt each other
-(the loser of the rename race discards its own copy).
+(the loser of the rename race discards its own copy). The cache is private to its user
+(``utils/cache_folder.py``): entries are 0700/0600, and one that another user owns or could write
+is refused before it is loaded.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from llmplatform.utils.cache_folder import cache_dir, check_private_tree, private_dir
 
 logger = logging.getLogger("llmplatform.resolve")
 
@@ -67,12 +71,6 @@ class ResolvedModel:
     name: str
     """The default served model name (what clients put in ``"model"``)."""
     source: ModelSource
-
-
-def cache_dir() -> Path:
-    """Where converted models live: ``$LLMPLATFORM_CACHE``, else ``~/.cache/llmplatform``."""
-    env = os.environ.get("LLMPLATFORM_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "llmplatform"
 
 
 def resolve_model(model_path: str | None) -> ResolvedModel:
@@ -232,20 +230,22 @@ def gguf_cache_path(gguf_path: Path) -> Path:
 
 def _converted_dir(gguf_path: Path) -> Path:
     """The cache directory for ``gguf_path``, converting into it first if it is not there."""
+    private_dir("gguf")  # the cache and gguf/ 0700, ours (UnsafeCacheError otherwise)
     final = gguf_cache_path(gguf_path)
     if (final / "config.json").is_file():
+        # Loaded as weights and code-adjacent config: refuse an entry someone else could write.
+        check_private_tree(final)
         return final
 
-    final.parent.mkdir(parents=True, exist_ok=True)
-    # A hidden sibling on the same filesystem, so the rename into place is atomic.
+    # A hidden sibling on the same filesystem, so the rename into place is atomic. mkdtemp
+    # makes it 0700, which the entry keeps: only its owner may change what the worker loads.
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    os.chmod(staging, 0o755)  # mkdtemp makes it private; the cache may be shared
     _announce("converting %s to %s (one-time)", gguf_path, final)
     started = time.monotonic()
     try:
         convert_gguf(gguf_path, staging)
         for file in staging.iterdir():
-            os.chmod(file, 0o644)
+            os.chmod(file, 0o600)
         try:
             os.rename(staging, final)
         except OSError:
@@ -253,6 +253,7 @@ def _converted_dir(gguf_path: Path) -> Path:
             if not (final / "config.json").is_file():
                 raise
             shutil.rmtree(staging, ignore_errors=True)
+            check_private_tree(final)  # the winner's entry is checked like any cached one
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
