@@ -5,15 +5,72 @@ Runs the native engine synchronously in the calling thread (no server, no event 
     from llmplatform import LLM, SamplingParams
     outputs = LLM("path/or/hub-id").generate(["Hello", "The sky is"], SamplingParams(max_tokens=32))
     print(outputs[0].outputs[0].text)
+
+Prompts are given the way vLLM takes them, since its users arrive from there: a string, a list of
+strings, token-id lists, or prompt dicts (``{"prompt": text}``, ``{"prompt_token_ids": ids}``),
+mixed freely. Every prompt is checked before any is queued, so a prompt of the wrong type fails
+the call with a ``TypeError`` naming it (not deep inside the model runner).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence, Union
+
+from tqdm.auto import tqdm
 
 from llmplatform.llm.base import FinishReason, TokenLogprob
 from llmplatform.llm.sampling import SamplingParams
+
+
+PromptType = Union[str, Sequence[int], Mapping[str, Any]]
+"""One prompt: text, token ids, or a vLLM prompt dict (``prompt`` or ``prompt_token_ids``)."""
+
+
+def _is_token_ids(value: Any) -> bool:
+    return (isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+
+
+def _one_prompt(prompt: Any, position: int) -> tuple[str | None, list[int] | None]:
+    """(text, None) or (None, token ids) for one prompt; TypeError for anything else."""
+    where = f"prompt {position}"
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, Mapping):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+        if unknown:
+            raise TypeError(f"{where}: unsupported prompt keys {sorted(unknown)}; a text-only "
+                            "engine takes {'prompt': str} or {'prompt_token_ids': [int, ...]}")
+        if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise TypeError(f"{where}: a prompt dict needs exactly one of 'prompt' and "
+                            "'prompt_token_ids'")
+        if "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise TypeError(f"{where}: 'prompt' must be a string, got "
+                                f"{type(prompt['prompt']).__name__}")
+            return prompt["prompt"], None
+        prompt = prompt["prompt_token_ids"]
+        if not _is_token_ids(prompt):
+            raise TypeError(f"{where}: 'prompt_token_ids' must be a list of ints")
+        return None, list(prompt)
+    if _is_token_ids(prompt):
+        return None, list(prompt)
+    raise TypeError(f"{where} has type {type(prompt).__name__}; give a string, a list of token "
+                    "ids, or a dict with 'prompt' or 'prompt_token_ids'")
+
+
+def normalize_prompts(prompts: Any) -> list[tuple[str | None, list[int] | None]]:
+    """The prompts of one ``generate`` call as (text, token ids) pairs, one per prompt."""
+    if isinstance(prompts, (str, Mapping)):
+        return [_one_prompt(prompts, 0)]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts has type {type(prompts).__name__}; give a prompt or a list of "
+                        "prompts (strings, token-id lists or prompt dicts)")
+    if prompts and _is_token_ids(prompts):
+        return [_one_prompt(prompts, 0)]  # one prompt given as token ids: ints are never prompts
+    return [_one_prompt(p, i) for i, p in enumerate(prompts)]
 
 
 @dataclass
@@ -65,42 +122,52 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Generates for every prompt (text, or token ids) in one continuous batch; returns the
-        outputs in prompt order."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if params is None:
-            params = SamplingParams()
-        param_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(param_list) != len(prompts):
-            raise ValueError("give one SamplingParams, or one per prompt")
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates for every prompt in one continuous batch; returns the outputs in prompt
+        order. ``use_tqdm`` shows a progress bar over the prompts as they finish."""
+        pairs = normalize_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            param_list = [sampling_params] * len(pairs)
+        else:
+            param_list = list(sampling_params)
+            if len(param_list) != len(pairs):
+                raise ValueError(f"give one SamplingParams, or one per prompt ({len(pairs)}), "
+                                 f"not {len(param_list)}")
+            for i, p in enumerate(param_list):
+                if not isinstance(p, SamplingParams):
+                    raise TypeError(f"sampling_params[{i}] has type {type(p).__name__}, "
+                                    "not SamplingParams")
+        token_ids = [ids if ids is not None else list(self.tokenizer(text)["input_ids"])
+                     for text, ids in pairs]
+        for ids, p in zip(token_ids, param_list):  # all checked before any is queued
+            self.engine.validate(ids, p)
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for prompt, p in zip(prompts, param_list):
-            if isinstance(prompt, str):
-                ids = list(self.tokenizer(prompt)["input_ids"])
-                text: str | None = prompt
-            else:
-                ids, text = list(prompt), None
+        for (text, _), ids, p in zip(pairs, token_ids, param_list):
             request_id = f"offline-{self._counter}"
             self._counter += 1
             self.engine.add_request(request_id, ids, p)
             results[request_id] = RequestOutput(request_id, text, ids,
                                                 [CompletionOutput(i) for i in range(p.n)])
             order.append(request_id)
-        while self.engine.has_unfinished():
-            for update in self.engine.step():
-                out = results[update.request_id].outputs[update.index]
-                out.text += update.chunk.text
-                out.token_ids.extend(update.chunk.token_ids)
-                if update.chunk.logprobs:
-                    out.logprobs = (out.logprobs or []) + list(update.chunk.logprobs)
-                if update.chunk.finish_reason is not None:
-                    out.finish_reason = update.chunk.finish_reason
+        unfinished = {r: p.n for r, p in zip(order, param_list)}
+        with tqdm(total=len(order), desc="generating", unit="prompt", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished():
+                for update in self.engine.step():
+                    out = results[update.request_id].outputs[update.index]
+                    out.text += update.chunk.text
+                    out.token_ids.extend(update.chunk.token_ids)
+                    if update.chunk.logprobs:
+                        out.logprobs = (out.logprobs or []) + list(update.chunk.logprobs)
+                    if update.chunk.finish_reason is not None:
+                        out.finish_reason = update.chunk.finish_reason
+                        unfinished[update.request_id] -= 1
+                        if not unfinished[update.request_id]:
+                            bar.update(1)
         return [results[r] for r in order]
 
     def reset_prefix_cache(self) -> bool:
