@@ -19,6 +19,7 @@ from fastapi.responses import StreamingResponse
 from llmplatform.controller import ControllerConfig, create_app
 from llmplatform.controller.dispatch import DispatchMethod
 from llmplatform.utils.server import serve_in_thread
+from tests.stub_workers import StubWorkers, stub_workers
 
 FAKE_MODEL = "fake-model"
 TIMEOUT = httpx.Timeout(5.0)
@@ -82,6 +83,13 @@ def fake_worker_and_app() -> Iterator[tuple[str, FastAPI]]:
 @pytest.fixture
 def fake_worker(fake_worker_and_app: tuple[str, FastAPI]) -> str:
     return fake_worker_and_app[0]
+
+
+@pytest.fixture(scope="module")
+def stubs() -> Iterator[StubWorkers]:
+    """Status routes for workers that are only registered, never sent a request."""
+    with stub_workers() as stubs:
+        yield stubs
 
 
 class Controller:
@@ -183,11 +191,11 @@ def test_no_arg_routes_accept_empty_or_missing_bodies(controller: Controller) ->
 # ---- registration -------------------------------------------------------------------------------
 
 
-def test_register_with_status_then_list_and_address(controller: Controller) -> None:
-    worker = "http://127.0.0.1:39001"
+def test_register_with_status_then_list_and_address(controller: Controller, stubs: StubWorkers) -> None:
+    worker = stubs.url("list-1", ["llama", "alias"])
     response = controller.register(worker, ["llama", "alias"])
     assert response.status_code == 200 and response.json() is None  # FastChat answers null
-    vision = "http://127.0.0.1:39002"
+    vision = stubs.url("list-2", ["llava"])
     assert controller.register(vision, ["llava"], multimodal=True).status_code == 200
     assert controller.models() == ["alias", "llama", "llava"]
     assert controller.models("/list_language_models") == ["alias", "llama"]
@@ -206,12 +214,19 @@ def test_register_without_status_polls_the_worker(controller: Controller, fake_w
     assert status == {"model_names": [FAKE_MODEL], "speed": 1, "queue_length": 3}  # 2 + the pick
 
 
-def test_register_without_status_unreachable_worker_is_refused(controller: Controller) -> None:
+@pytest.mark.parametrize("models", [None, ["ghost"]], ids=["without-status", "with-status"])
+def test_register_unreachable_worker_is_never_routed(start_controller: StartController, models: Any) -> None:
+    controller, _ = start_controller(confirm_timeout=0.5)
     dead = closed_port_url()
-    response = controller.register(dead)
-    assert response.status_code == 400
-    assert dead in response.json()["error"]
-    assert controller.models() == []
+    response = controller.register(dead, models)
+    if models is None:  # nothing to wait for: refused
+        assert response.status_code == 400
+        assert dead in response.json()["error"]
+    else:  # a stock FastChat worker registers before it listens: held, not routed
+        assert response.status_code == 200 and response.json()["pending"] is True
+        assert controller.app.state.confirmations.is_pending(dead)
+        assert wait_until(lambda: not controller.app.state.confirmations.is_pending(dead))
+    assert controller.models() == [] and controller.address("ghost") == ""
     assert controller.heartbeat(dead) is False
 
 
@@ -239,15 +254,16 @@ def test_bind_all_address_message_is_clear(controller: Controller) -> None:
 
 
 def test_reregistration_with_other_models_is_refused(
-    controller: Controller, caplog: pytest.LogCaptureFixture
+    controller: Controller, stubs: StubWorkers, caplog: pytest.LogCaptureFixture
 ) -> None:
     # A stock worker (no instance id) announcing a live worker's URL with other models is a
     # second worker on one address: refused (409) and logged, never a silent replacement.
-    worker = "http://127.0.0.1:39003"
+    worker = stubs.url("rereg", ["a"])
     with caplog.at_level(logging.INFO, logger="llmplatform.controller"):
-        controller.register(worker, ["a"])
+        assert controller.register(worker, ["a"]).status_code == 200
         controller.register(worker, ["a"])  # a restart: normal, no warning
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        stubs.url("rereg", ["b"])  # now something else answers there
         assert controller.register(worker, ["b"]).status_code == 409
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and worker in warnings[0].getMessage()
@@ -257,8 +273,10 @@ def test_reregistration_with_other_models_is_refused(
 # ---- heartbeats and expiry ------------------------------------------------------------------------
 
 
-def test_heartbeat_exists_then_not_after_controller_restart(start_controller: StartController) -> None:
-    worker = "http://127.0.0.1:39004"
+def test_heartbeat_exists_then_not_after_controller_restart(
+    start_controller: StartController, stubs: StubWorkers
+) -> None:
+    worker = stubs.url("restart")
     first, stop_first = start_controller()
     first.register(worker, ["m"])
     assert first.heartbeat(worker, queue_length=4) is True
@@ -270,8 +288,8 @@ def test_heartbeat_exists_then_not_after_controller_restart(start_controller: St
     assert second.heartbeat(worker) is True
 
 
-def test_heartbeat_with_load_facts(controller: Controller) -> None:
-    worker = "http://127.0.0.1:39005"
+def test_heartbeat_with_load_facts(controller: Controller, stubs: StubWorkers) -> None:
+    worker = stubs.url("facts")
     controller.register(worker, ["m"])
     body = {
         "worker_name": worker,
@@ -285,11 +303,12 @@ def test_heartbeat_with_load_facts(controller: Controller) -> None:
     assert (info.queue_length, info.num_running, info.num_waiting, info.kv_cache_usage) == (3, 2, 1, 0.4)
 
 
-def test_silent_worker_expires(start_controller: StartController) -> None:
+def test_silent_worker_expires(start_controller: StartController, stubs: StubWorkers) -> None:
     controller, _ = start_controller(heartbeat_expiration=0.5)
-    worker, beating = "http://127.0.0.1:39006", "http://127.0.0.1:39007"
-    controller.register(worker, ["silent"])
-    controller.register(beating, ["alive"])
+    worker, beating = stubs.url("silent", ["silent"]), stubs.url("beating", ["alive"])
+    assert controller.register(worker, ["silent"]).status_code == 200
+    assert controller.register(beating, ["alive"]).status_code == 200
+    stubs.statuses.pop("silent")  # gone: its status polls fail from now on
     registry = controller.app.state.registry
     start = time.monotonic()
     # The background sweep removes the silent worker; the other keeps beating and stays.
@@ -303,11 +322,14 @@ def test_silent_worker_expires(start_controller: StartController) -> None:
     assert controller.address("silent") == ""
 
 
-def test_refresh_all_workers_drops_unreachable(controller: Controller, fake_worker: str) -> None:
-    dead = closed_port_url()
+def test_refresh_all_workers_drops_unreachable(
+    controller: Controller, fake_worker: str, stubs: StubWorkers
+) -> None:
     controller.register(fake_worker)
-    controller.register(dead, ["ghost"])
+    dead = stubs.url("refresh-dead", ["ghost"])
+    assert controller.register(dead, ["ghost"]).status_code == 200
     assert controller.models() == [FAKE_MODEL, "ghost"]
+    stubs.statuses.pop("refresh-dead")  # its status route answers 404 from now on
     response = controller.post("/refresh_all_workers")
     assert response.status_code == 200 and response.json() == {"removed": [dead]}
     assert controller.models() == [FAKE_MODEL]
@@ -350,12 +372,15 @@ def test_generate_stream_without_worker(controller: Controller) -> None:
 
 
 def test_generate_stream_worker_down(controller: Controller) -> None:
-    dead = closed_port_url()
-    controller.register(dead, ["ghost"])
-    response = controller.post("/worker_generate_stream", {"model": "ghost", "prompt": "hi"})
+    # A worker that answered its status poll, then went away.
+    with serve_in_thread(fake_worker_app()) as doomed:
+        assert controller.register(doomed).status_code == 200
+    dead = doomed
+    assert controller.address(FAKE_MODEL) == dead
+    response = controller.post("/worker_generate_stream", {"model": FAKE_MODEL, "prompt": "hi"})
     assert response.status_code == 200
     (chunk,) = parse_stream(response.content)
-    assert chunk["error_code"] == 50006
+    assert chunk["error_code"] == 50006 and dead not in chunk["text"]
 
 
 # ---- client mistakes are 400, never 500 -----------------------------------------------------------
@@ -394,9 +419,9 @@ def test_wrong_types_are_400(shared_controller: Controller, route: str, body: An
     assert "error" in response.json()
 
 
-def test_shortest_queue_spreads_a_burst_over_http(start_controller: StartController) -> None:
+def test_shortest_queue_spreads_a_burst_over_http(start_controller: StartController, stubs: StubWorkers) -> None:
     controller, _ = start_controller(dispatch_method=DispatchMethod.SHORTEST_QUEUE)
-    workers = ["http://127.0.0.1:39011", "http://127.0.0.1:39012"]
+    workers = [stubs.url("burst-1"), stubs.url("burst-2")]
     for worker in workers:
         controller.register(worker, ["m"])
     picks = [controller.address("m") for _ in range(6)]

@@ -11,7 +11,9 @@ import httpx
 
 
 class RecordingTransport(httpx.AsyncBaseTransport):
-    """Passes requests to a real transport (loopback only in these tests) and records them."""
+    """Passes requests to a real transport and records them. Only loopback is dialled: a request
+    for any other host is recorded and fails as a refused connection would, so a test can
+    register an address such as 10.9.8.7 without sending traffic off the machine."""
 
     def __init__(self) -> None:
         self.requests: list[httpx.Request] = []
@@ -19,6 +21,8 @@ class RecordingTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
+        if request.url.host not in ("127.0.0.1", "::1", "localhost"):
+            raise httpx.ConnectError(f"test transport: {request.url.host} is not dialled", request=request)
         return await self._inner.handle_async_request(request)
 
     async def aclose(self) -> None:

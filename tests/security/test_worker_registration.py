@@ -1,9 +1,11 @@
 """Worker addresses at registration: only plain http(s) base URLs, never bind-all, multicast,
 link-local or broadcast addresses, optionally only inside --allowed-worker-networks; a second
 worker announcing a live worker's address is refused (409); a shared model name is allowed and
-logged. A refused address is never dialled (a recording transport in the controller and a
-counting socket on 127.0.0.1 are the witnesses; name resolution is a fake, so no traffic leaves
-the machine).
+logged; heartbeats and deregistrations speak for the registered process only. A refused address
+is never dialled (a recording transport in the controller and a counting socket on 127.0.0.1 are
+the witnesses; name resolution is a fake, and the transport dials loopback only, so no traffic
+leaves the machine). Workers that must answer the controller's status poll are routes of one
+stub server (tests/stub_workers.py). Every spelling of an address: test_worker_address_spellings.py.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from llmplatform.controller import ControllerConfig
 from llmplatform.controller import create_app as create_controller_app
 from llmplatform.utils.server import serve_in_thread
 from tests.security.helpers import ConnectionCounter, RecordingTransport
+from tests.stub_workers import StubWorkers, stub_workers
 
 STATUS = {"model_names": ["m"], "speed": 1, "queue_length": 0}
 
@@ -165,17 +168,27 @@ def test_addresses_outside_the_allow_list_are_refused_and_never_dialled(
 
 def test_addresses_inside_the_allow_list_are_accepted(start_controller: Any) -> None:
     controller = start_controller(allowed_worker_networks=("10.0.0.0/8", "127.0.0.1/32"))
-    assert controller.register("http://10.9.8.7:21002").status_code == 200
-    assert controller.register("http://worker.internal:21002").status_code == 200
+    # Accepted by the allow-list, then dialled (the test transport dials loopback only, so these
+    # connections are refused): held until they answer, never routed meanwhile.
+    for name in ("http://10.9.8.7:21002", "http://worker.internal:21002"):
+        response = controller.register(name)
+        assert response.status_code == 200 and response.json()["pending"] is True, response.text
     assert controller.resolver.asked == ["worker.internal"]
-    with ConnectionCounter() as listener:  # and a loopback worker, which is then dialled
+    assert controller.models() == []
+    with ConnectionCounter() as listener:  # and a loopback worker, which is dialled at once
         controller.register(listener.url, status=None)
         assert listener.settled_count() == 1
 
 
-def test_without_an_allow_list_names_are_not_resolved(controller: Controller) -> None:
-    assert controller.register("http://worker.internal:21002").status_code == 200
-    assert controller.resolver.asked == []
+def test_without_an_allow_list_names_are_resolved_and_every_address_checked(controller: Controller) -> None:
+    assert controller.register("http://worker.internal:21002").status_code == 200  # 10.1.2.3: pending
+    response = controller.register("http://metadata.internal", status=None)
+    assert response.status_code == 400 and "169.254.169.254" in response.json()["error"]
+    response = controller.register("http://nowhere.internal:8000", status=None)
+    assert response.status_code == 403 and "does not resolve" in response.json()["error"]
+    assert controller.resolver.asked == ["worker.internal", "metadata.internal", "nowhere.internal"]
+    assert [r.url.host for r in controller.transport.requests] == ["worker.internal"]
+    assert controller.models() == []
 
 
 def test_allow_list_settings_and_flag() -> None:
@@ -192,8 +205,21 @@ def test_allow_list_settings_and_flag() -> None:
 # ---- one address, one worker ---------------------------------------------------------------------------
 
 
-def test_a_second_worker_on_a_live_workers_address_is_refused(controller: Controller) -> None:
-    name = "http://127.0.0.1:39201"
+@pytest.fixture(scope="module")
+def stubs() -> Iterator[StubWorkers]:
+    with stub_workers() as stubs:
+        yield stubs
+
+
+def beat(controller: Controller, name: str, **ids: str) -> bool:
+    response = httpx.post(f"{controller.url}/receive_heart_beat",
+                          json={"worker_name": name, "queue_length": 0, **ids}, timeout=10)
+    assert response.status_code == 200, response.text
+    return response.json()["exist"]
+
+
+def test_a_second_worker_on_a_live_workers_address_is_refused(controller: Controller, stubs: StubWorkers) -> None:
+    name = stubs.url("second", ["m", "rogue"])
     assert controller.register(name, instance_id="first").status_code == 200
     # The same process registering again (told `exist: false`, say) is fine.
     assert controller.register(name, instance_id="first").status_code == 200
@@ -203,48 +229,47 @@ def test_a_second_worker_on_a_live_workers_address_is_refused(controller: Contro
     assert response.status_code == 409, response.text
     assert controller.register(name, status=STATUS, instance_id="second").status_code == 409
     assert controller.register(name, status=STATUS).status_code == 409  # no id is not the same id
-    assert controller.models() == ["m"]
+    assert controller.models() == ["m", "rogue"]
     # Its heartbeats do not keep the first one's entry alive, and tell it it is unknown.
-    beat = httpx.post(f"{controller.url}/receive_heart_beat",
-                      json={"worker_name": name, "queue_length": 0, "instance_id": "second"}).json()
-    assert beat == {"exist": False}
-    assert httpx.post(f"{controller.url}/receive_heart_beat",
-                      json={"worker_name": name, "queue_length": 0, "instance_id": "first"}).json() == {"exist": True}
+    assert beat(controller, name, instance_id="second") is False
+    assert beat(controller, name, instance_id="first") is True
 
 
-def test_a_refused_duplicate_is_never_dialled(controller: Controller) -> None:
-    with ConnectionCounter() as listener:
-        assert controller.register(listener.url, instance_id="first").status_code == 200
-        assert controller.register(listener.url, status=None, instance_id="second").status_code == 409
-        assert listener.settled_count() == 0
-    assert controller.transport.requests == []
+def test_a_refused_duplicate_is_never_dialled(controller: Controller, stubs: StubWorkers) -> None:
+    name = stubs.url("duplicate")
+    assert controller.register(name, instance_id="first").status_code == 200
+    dialled = list(controller.transport.requests)
+    assert controller.register(name, status=None, instance_id="second").status_code == 409
+    assert controller.transport.requests == dialled and stubs.calls["duplicate"] == 1
 
 
-def test_the_address_is_free_again_once_its_worker_expired() -> None:
+def test_the_address_is_free_again_once_its_worker_expired(stubs: StubWorkers) -> None:
     now = [0.0]
     transport = RecordingTransport()
     app = create_controller_app(ControllerConfig(heartbeat_expiration=5.0), clock=lambda: now[0], transport=transport)
     with serve_in_thread(app) as url:
         controller = Controller(url, transport, FakeResolver())
-        name = "http://127.0.0.1:39202"
+        name = stubs.url("expired")
         assert controller.register(name, instance_id="first").status_code == 200
         assert controller.register(name, instance_id="restarted").status_code == 409
         now[0] = 6.0  # the first one stopped beating: its address can be taken
         assert controller.register(name, instance_id="restarted").status_code == 200
 
 
-def test_real_worker_links_two_processes_one_address(controller: Controller) -> None:
+def test_real_worker_links_two_processes_one_address(controller: Controller, stubs: StubWorkers) -> None:
     """Two real registration loops (ControllerLink) announce one address: one gets it, the other
     keeps being refused."""
     from llmplatform.model_worker.registration import ControllerLink
+
+    address = stubs.url("links", ["m", "captured"])
 
     async def scenario() -> tuple[bool, bool]:
         async with httpx.AsyncClient() as client:
             status_a = {"model_names": ["m"], "speed": 1, "queue_length": 0}
             status_b = {"model_names": ["m", "captured"], "speed": 1, "queue_length": 0}
-            a = ControllerLink(client, controller.url, lambda: "http://127.0.0.1:39203", lambda: status_a,
+            a = ControllerLink(client, controller.url, lambda: address, lambda: status_a,
                                heartbeat_interval=0.2, max_backoff=0.2)
-            b = ControllerLink(client, controller.url, lambda: "http://127.0.0.1:39203", lambda: status_b,
+            b = ControllerLink(client, controller.url, lambda: address, lambda: status_b,
                                heartbeat_interval=0.2, max_backoff=0.2)
             a.start()
             await asyncio.wait_for(a.registered.wait(), timeout=10)
@@ -258,22 +283,25 @@ def test_real_worker_links_two_processes_one_address(controller: Controller) -> 
     assert asyncio.run(scenario()) == (True, False)
 
 
-def test_a_shared_model_name_is_allowed_and_logged(controller: Controller, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_shared_model_name_is_allowed_and_logged(
+    controller: Controller, stubs: StubWorkers, caplog: pytest.LogCaptureFixture
+) -> None:
+    first, second = stubs.url("shared-1"), stubs.url("shared-2")
     with caplog.at_level(logging.INFO, logger="llmplatform.controller"):
-        assert controller.register("http://127.0.0.1:39204", instance_id="a").status_code == 200
+        assert controller.register(first, instance_id="a").status_code == 200
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-        assert controller.register("http://127.0.0.1:39205", instance_id="b").status_code == 200
-        controller.register("http://127.0.0.1:39205", instance_id="b")  # a re-registration: no new line
+        assert controller.register(second, instance_id="b").status_code == 200
+        controller.register(second, instance_id="b")  # a re-registration: no new line
     shared = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(shared) == 1, shared
-    assert "'m'" in shared[0] and "39204" in shared[0] and "39205" in shared[0]
+    assert "'m'" in shared[0] and first in shared[0] and second in shared[0]
     addresses = {httpx.post(f"{controller.url}/get_worker_address", json={"model": "m"}).json()["address"]
                  for _ in range(20)}
-    assert addresses <= {"http://127.0.0.1:39204", "http://127.0.0.1:39205"} and addresses
+    assert addresses <= {first, second} and addresses
 
 
-def test_only_the_worker_itself_can_deregister(controller: Controller) -> None:
-    name = "http://127.0.0.1:39206"
+def test_only_the_worker_itself_can_deregister(controller: Controller, stubs: StubWorkers) -> None:
+    name = stubs.url("owner")
     assert controller.register(name, instance_id="owner").status_code == 200
     for other in ({}, {"instance_id": "intruder"}):
         response = httpx.post(f"{controller.url}/deregister_worker", json={"worker_name": name, **other})
@@ -281,3 +309,37 @@ def test_only_the_worker_itself_can_deregister(controller: Controller) -> None:
         assert controller.models() == ["m"]
     response = httpx.post(f"{controller.url}/deregister_worker", json={"worker_name": name, "instance_id": "owner"})
     assert response.json()["removed"] is True and controller.models() == []
+
+
+# ---- heartbeats speak for the registered process only ------------------------------------------------
+
+
+@pytest.mark.parametrize("ids", [{}, {"instance_id": "another"}], ids=["no-id", "another-id"])
+def test_a_heartbeat_without_the_registered_instance_id_is_not_its_beat(
+    controller: Controller, stubs: StubWorkers, ids: dict[str, str]
+) -> None:
+    name = stubs.url(f"beats-{len(ids)}")
+    assert controller.register(name, instance_id="registered").status_code == 200
+    # The listing shows every fact a beat changes (its age aside).
+    before = httpx.get(f"{controller.url}/list_workers").json()["workers"]
+    response = httpx.post(f"{controller.url}/receive_heart_beat", json={
+        "worker_name": name, "queue_length": 7, "num_running": 3, "kv_cache_usage": 0.9, **ids})
+    assert response.json() == {"exist": False}
+    after = httpx.get(f"{controller.url}/list_workers").json()["workers"]
+    for listing in (before, after):
+        for worker in listing:
+            worker.pop("last_heartbeat_age_s")
+    assert after == before and after[0]["queue_length"] == 0
+    assert beat(controller, name, instance_id="registered") is True
+
+
+def test_a_worker_registered_with_an_id_is_not_beaten_for_by_a_stock_worker(
+    controller: Controller, stubs: StubWorkers
+) -> None:
+    # And the converse: an id-less (stock) registration's beats carry no id; one that carries
+    # an id comes from another process.
+    name = stubs.url("stock-beats")
+    assert controller.register(name).status_code == 200
+    assert beat(controller, name) is True
+    assert beat(controller, name, instance_id="someone") is False
+    assert beat(controller, name) is True

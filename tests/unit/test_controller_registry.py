@@ -77,6 +77,7 @@ def test_register_records_everything(registry: WorkerRegistry, clock: FakeClock)
         num_running=1,
         num_waiting=2,
         kv_cache_usage=0.5,
+        generation=1,
     )
     assert A in registry and len(registry) == 1
 
@@ -171,6 +172,47 @@ def test_remove(registry: WorkerRegistry) -> None:
     assert registry.remove(A) is True
     assert registry.remove(A) is False
     assert registry.list_models() == []
+
+
+def test_every_registration_is_a_new_generation_and_beats_keep_it(registry: WorkerRegistry) -> None:
+    registry.register(A, status("m"))
+    first = registry.get(A).generation  # type: ignore[union-attr]
+    assert registry.heartbeat(A, 3)
+    assert registry.get(A).generation == first  # type: ignore[union-attr]
+    registry.register(A, status("m"))
+    assert registry.get(A).generation > first  # type: ignore[union-attr]
+
+
+def test_update_status_writes_only_over_the_polled_registration(
+    registry: WorkerRegistry, clock: FakeClock
+) -> None:
+    registry.register(A, status("m", queue_length=1), multimodal=True, instance_id="one")
+    polled = registry.get(A)
+    assert polled is not None
+    clock.now += 5
+    assert registry.update_status(A, status("m", "n", queue_length=4, kv_cache_usage=0.25), polled.generation)
+    info = registry.get(A)
+    assert info is not None
+    assert (info.model_names, info.queue_length, info.kv_cache_usage, info.last_heartbeat) == (
+        ("m", "n"), 4, 0.25, 1005.0)
+    assert (info.multimodal, info.instance_id, info.generation) == (True, "one", polled.generation)
+    # Removed while the poll ran: the poll's answer does not bring the worker back.
+    assert registry.remove(A)
+    assert not registry.update_status(A, status("m"), polled.generation)
+    assert A not in registry
+    # Replaced while the poll ran: the answer about the old registration is dropped.
+    registry.register(A, status("other"), instance_id="two")
+    assert not registry.update_status(A, status("m"), polled.generation)
+    assert registry.get(A).instance_id == "two" and registry.list_models() == ["other"]  # type: ignore[union-attr]
+
+
+def test_remove_with_a_generation_removes_only_that_registration(registry: WorkerRegistry) -> None:
+    registry.register(A, status("m"))
+    old = registry.get(A).generation  # type: ignore[union-attr]
+    registry.register(A, status("m"))
+    assert registry.remove(A, generation=old) is False and A in registry
+    assert registry.remove(A, generation=registry.get(A).generation) is True  # type: ignore[union-attr]
+    assert A not in registry
 
 
 def test_list_models_sorted_union_and_filters(registry: WorkerRegistry) -> None:

@@ -17,7 +17,13 @@ from llmplatform.utils.cli import apply_env_defaults
 from llmplatform.utils.cluster_secret import SECRET_ENV, SECRET_HEADER, secret_from_env
 from llmplatform.utils.logs import add_logging_flags, configure_logging, log_summary
 from llmplatform.utils.startup import controller_summary, listen_url
-from llmplatform.utils.server import DEFAULT_SHUTDOWN_TIMEOUT_S, run_server
+from llmplatform.utils.request_guard import add_request_guard_flags, guard_config_from_args
+from llmplatform.utils.server import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    add_connection_flags,
+    connection_limits_from_args,
+    run_server,
+)
 
 DEFAULT_PORT = 21001
 
@@ -69,9 +75,21 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         default="",
         metavar="CIDRS",
         help="comma-separated networks (e.g. 10.0.0.0/8,127.0.0.1/32) a worker's announced "
-        "address must lie in; host names must resolve into them (default: any address except "
-        "bind-all, multicast, link-local and broadcast)",
+        "address must lie in, however it is spelled; host names must resolve into them "
+        "(default: any address except bind-all, multicast, link-local, broadcast and cloud "
+        "metadata endpoints)",
     )
+    parser.add_argument(
+        "--confirm-timeout",
+        type=float,
+        default=ControllerConfig.confirm_timeout,
+        metavar="SECONDS",
+        help="how long a registered worker that does not answer /worker_get_status yet is "
+        "waited for (never routed meanwhile); stock FastChat workers register before they "
+        "listen (default: %(default)s)",
+    )
+    add_request_guard_flags(parser)
+    add_connection_flags(parser)
     add_logging_flags(parser)
     return apply_env_defaults(parser)  # every flag also from LLMPLATFORM_<FLAG>
 
@@ -85,7 +103,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             heartbeat_expiration=args.heartbeat_expiration,
             cluster_secret=secret_from_env(args.cluster_secret),
             allowed_worker_networks=tuple(n for n in args.allowed_worker_networks.split(",") if n.strip()),
+            confirm_timeout=args.confirm_timeout,
+            guard=guard_config_from_args(args),
         )
+        limits = connection_limits_from_args(args)
     except ValueError as exc:
         build_parser().error(str(exc))
     if not args.shutdown_timeout > 0:
@@ -98,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         port=args.port,
         log_level=args.log_level,
         shutdown_timeout=args.shutdown_timeout,
+        limits=limits,
     )
 
 

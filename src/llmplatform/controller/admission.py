@@ -7,13 +7,32 @@ dial anything) and a way to capture prompts (announce a model name, receive its 
 
 - `http` or `https`, with a host, a valid port, no userinfo (`http://user:pw@host` hides the real
   host from a careless reader and leaks credentials into logs), no query and no fragment;
-- never a bind-all (`0.0.0.0`, `::`), multicast, link-local (`169.254.0.0/16`, where cloud metadata
-  services live; `fe80::/10`) or broadcast address: nothing legitimate serves a worker there;
-- with `--allowed-worker-networks`, inside one of those networks. An IP literal is checked as is.
-  A hostname is resolved once, at registration, and every address it resolves to must be
-  allowed; a name that does not resolve is refused. (The HTTP client resolves again when it
-  connects, so this trusts the cluster's DNS not to change answers in between; where that is
-  not acceptable, announce IP literals.)
+- whose host, however it is spelled, reaches only addresses a worker may live at. The host is
+  read the way the socket layer will read it: an IP literal as that address; a legacy IPv4
+  spelling (what `inet_aton` accepts: decimal `2852039166`, octal `0251.0376.0251.0376`, hex
+  `0xA9FEA9FE` or `0xa9.0xfe.0xa9.0xfe`, short forms `169.254.43518`) as the address it means;
+  any other name resolved (the injected resolver, off the event loop, with a timeout), every
+  address it resolves to checked, and a name that does not resolve refused. An IPv6 address
+  that carries an IPv4 one is judged by both: IPv4-mapped `::ffff:a.b.c.d` is that IPv4 address
+  (the socket connects over IPv4), IPv4-compatible `::a.b.c.d`, NAT64 `64:ff9b::a.b.c.d`
+  (RFC 6052's well-known prefix; local-use prefixes of RFC 8215 cannot be decoded without the
+  operator's prefix length and are judged as IPv6 only), 6to4 `2002:AABB:CCDD::` and Teredo
+  (server and client) add the embedded address to the ones checked;
+- never a bind-all (`0.0.0.0`, `::`, and the rest of 0.0.0.0/8), multicast, link-local
+  (169.254.0.0/16, fe80::/10) or broadcast address, nor a cloud metadata endpoint: nothing
+  legitimate serves a worker there, and a metadata service hands out the machine's credentials.
+  The metadata endpoints refused besides link-local ones (`METADATA_ADDRESSES`): AWS IMDS over
+  IPv6 `fd00:ec2::254` (AWS's IPv4 IMDS, Azure IMDS, GCP, OpenStack, DigitalOcean, Hetzner,
+  Oracle Cloud Infrastructure and Tencent use 169.254.169.254 or other link-local addresses,
+  already refused; AWS ECS task metadata is 169.254.170.2), GCP's metadata server over IPv6
+  `fd20:ce::254`, Alibaba Cloud ECS `100.100.100.200`, Oracle Cloud Classic `192.0.0.192`, and
+  Azure's WireServer `168.63.129.16`. Loopback and private ranges stay allowed: that is where
+  workers live;
+- with `--allowed-worker-networks`, every one of those addresses inside one of the networks.
+
+(The HTTP client resolves a name again when it connects, so a name is trusted not to change
+its answers between the check and the dial; where that is not acceptable, announce IP literals
+or set `--allowed-worker-networks`, which then bounds any answer.)
 
 Everything here runs before the controller makes any outbound call for the registration.
 """
@@ -92,20 +111,92 @@ def split_worker_url(worker_name: str) -> SplitResult:
     return parts
 
 
-def _ip(host: str) -> IPAddress | None:
-    """An IP literal as an address (an IPv4-mapped IPv6 one as its IPv4 address, so
-    `::ffff:169.254.169.254` is judged as what it reaches); None for a name."""
-    try:
-        ip = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
-    except ValueError:
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+_OCT_DIGITS = frozenset("01234567")
+_DEC_DIGITS = frozenset("0123456789")
+
+
+def legacy_ipv4(host: str) -> ipaddress.IPv4Address | None:
+    """The IPv4 address `inet_aton` (and so `getaddrinfo`) reads in `host`, or None.
+
+    One to four dot-separated parts, each decimal, octal (leading `0`) or hex (`0x`); every part
+    but the last is one byte, the last fills the bytes left (`10.1` is 10.0.0.1, `169.254.43518`
+    is 169.254.169.254). Anything else (a trailing dot included) is a name, left to resolution.
+    """
+    parts = host.split(".")
+    if not host or len(parts) > 4:
         return None
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return mapped if mapped is not None else ip
+    values = []
+    for part in parts:
+        if part[:2] in ("0x", "0X"):
+            digits, base, allowed = part[2:], 16, _HEX_DIGITS
+        elif len(part) > 1 and part[0] == "0":
+            digits, base, allowed = part[1:], 8, _OCT_DIGITS
+        else:
+            digits, base, allowed = part, 10, _DEC_DIGITS
+        if not part or not set(digits) <= allowed:  # int() alone would take "+1", "1_0", " 1"
+            return None
+        values.append(int(digits, base) if digits else 0)
+    *head, last = values
+    if any(v > 0xFF for v in head) or last >= 1 << (8 * (4 - len(head))):
+        return None
+    number = 0
+    for value in head:
+        number = number << 8 | value
+    return ipaddress.IPv4Address(number << (8 * (4 - len(head))) | last)
+
+
+def literal_address(host: str) -> IPAddress | None:
+    """`host` (a URL's host, brackets and zone id allowed) as the address it spells; None for
+    a name that has to be resolved."""
+    bare = host.strip("[]").split("%", 1)[0]
+    try:
+        return ipaddress.ip_address(bare)
+    except ValueError:
+        return legacy_ipv4(bare)
+
+
+_NAT64_WELL_KNOWN = ipaddress.IPv6Network("64:ff9b::/96")
+_IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
+
+
+def reached_addresses(ip: IPAddress) -> list[IPAddress]:
+    """Every address a connection to `ip` may end up at: `ip` itself, or, for an IPv4-mapped
+    address, only the IPv4 address it is; plus the IPv4 address other IPv6 forms carry."""
+    if isinstance(ip, ipaddress.IPv4Address):
+        return [ip]
+    if ip.ipv4_mapped is not None:
+        return [ip.ipv4_mapped]
+    embedded: list[IPAddress] = [ip]
+    low32 = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    if ip in _NAT64_WELL_KNOWN or (ip in _IPV4_COMPATIBLE and int(ip) > 1):  # not :: nor ::1
+        embedded.append(low32)
+    if ip.sixtofour is not None:
+        embedded.append(ip.sixtofour)
+    if ip.teredo is not None:
+        embedded.extend(ip.teredo)
+    return embedded
+
+
+METADATA_ADDRESSES: dict[IPAddress, str] = {
+    ipaddress.ip_address("fd00:ec2::254"): "AWS's instance metadata service (IPv6)",
+    ipaddress.ip_address("fd20:ce::254"): "GCP's metadata server (IPv6)",
+    ipaddress.ip_address("100.100.100.200"): "Alibaba Cloud's instance metadata service",
+    ipaddress.ip_address("192.0.0.192"): "Oracle Cloud Classic's metadata service",
+    ipaddress.ip_address("168.63.129.16"): "Azure's WireServer (platform agent endpoint)",
+}
+"""Cloud metadata endpoints outside the link-local ranges (those are refused as a whole)."""
+
+_THIS_NETWORK = ipaddress.IPv4Network("0.0.0.0/8")
 
 
 def _forbidden_reason(ip: IPAddress) -> str | None:
     if ip.is_unspecified:
         return "the bind-all address, which nobody can connect to"
+    if ip in METADATA_ADDRESSES:
+        return f"a cloud metadata endpoint ({METADATA_ADDRESSES[ip]})"
+    if isinstance(ip, ipaddress.IPv4Address) and ip in _THIS_NETWORK:
+        return "an address in 0.0.0.0/8 ('this network'), which nobody serves at"
     if ip.is_multicast:
         return "a multicast address"
     if ip.is_link_local:
@@ -115,44 +206,53 @@ def _forbidden_reason(ip: IPAddress) -> str | None:
     return None
 
 
+async def worker_addresses(host: str, resolve: Resolver, timeout: float) -> list[IPAddress]:
+    """Every address a connection to `host` may reach (see the module docstring);
+    RegistrationRefused (403) when a name does not resolve within `timeout` seconds."""
+    literal = literal_address(host)
+    if literal is not None:
+        return reached_addresses(literal)
+    try:
+        resolved = await asyncio.wait_for(resolve(host), timeout=timeout)
+    except (OSError, asyncio.TimeoutError, UnicodeError, ValueError) as exc:
+        raise RegistrationRefused(
+            f"worker host {host!r} does not resolve ({type(exc).__name__}), so the addresses it "
+            "reaches cannot be checked; announce a resolvable name or an IP address",
+            status=403,
+        ) from None
+    addresses: list[IPAddress] = []
+    for text in resolved:
+        ip = literal_address(str(text))
+        if ip is not None:
+            addresses.extend(reached_addresses(ip))
+    if not addresses:
+        raise RegistrationRefused(f"worker host {host!r} resolves to no address", status=403)
+    return addresses
+
+
 async def check_worker_address(
-    worker_name: str, allowed_networks: tuple[IPNetwork, ...], resolve: Resolver
+    worker_name: str,
+    allowed_networks: tuple[IPNetwork, ...],
+    resolve: Resolver,
+    resolve_timeout: float = 5.0,
 ) -> None:
-    """RegistrationRefused unless `worker_name` is an address the controller may dial."""
+    """RegistrationRefused unless `worker_name` is an address the controller may dial: 400 for
+    an address nothing legitimate serves at, 403 for one outside the allow-list or a name that
+    does not resolve."""
     parts = split_worker_url(worker_name)
     host = parts.hostname or ""
-    literal = _ip(host)
-    if literal is not None:
-        addresses = [literal]
-    elif not allowed_networks:
-        return  # no allow-list: a name is taken as given (see the module docstring)
-    else:
-        try:
-            resolved = await resolve(host)
-        except (OSError, asyncio.TimeoutError, UnicodeError) as exc:
-            raise RegistrationRefused(
-                f"worker_name {worker_name!r}: host {host!r} does not resolve ({type(exc).__name__}), "
-                "so it cannot be checked against --allowed-worker-networks",
-                status=403,
-            ) from None
-        addresses = [ip for ip in map(_ip, resolved) if ip is not None]
-        if not addresses:
-            raise RegistrationRefused(
-                f"worker_name {worker_name!r}: host {host!r} resolves to no address", status=403
-            )
-    for ip in addresses:
+    for ip in await worker_addresses(host, resolve, resolve_timeout):
         reason = _forbidden_reason(ip)
         if reason is not None:
             raise RegistrationRefused(
-                f"worker_name {worker_name!r} points at {ip}, {reason}; announce an address the "
+                f"worker_name {worker_name!r} reaches {ip}, {reason}; announce an address the "
                 "controller and gateway can reach (e.g. --worker-address http://<host IP>:<port>)"
             )
         if allowed_networks and not any(ip.version == net.version and ip in net for net in allowed_networks):
             raise RegistrationRefused(
-                f"worker_name {worker_name!r} points at {ip}, outside --allowed-worker-networks",
+                f"worker_name {worker_name!r} reaches {ip}, outside --allowed-worker-networks",
                 status=403,
             )
-
 
 
 def check_not_taken(

@@ -29,16 +29,15 @@ from pydantic import BaseModel, ValidationError
 from llmplatform.controller.admission import (
     RegistrationRefused,
     Resolver,
-    check_not_taken,
     check_worker_address,
     resolve_host,
     split_worker_url,
 )
+from llmplatform.controller.confirmation import Claim, Confirmations
 from llmplatform.controller.dispatch import Dispatcher, RandomSource
 from llmplatform.controller.config import ControllerConfig
-from llmplatform.controller.registry import WorkerRegistry
+from llmplatform.controller.registry import WorkerInfo, WorkerRegistry
 from llmplatform.controller.workers import (
-    WorkerUnreachable,
     error_chunk,
     fetch_worker_status,
     relay_stream,
@@ -50,6 +49,7 @@ from llmplatform.metrics.common import add_metrics_route
 from llmplatform.metrics.controller import ControllerMetrics
 from llmplatform.utils.request_id import RequestIdMiddleware
 from llmplatform.utils.cluster_secret import ClusterSecretMiddleware, secret_headers
+from llmplatform.utils.request_guard import RequestGuard
 from llmplatform.protocol.controller import (
     DeregisterWorkerRequest,
     DeregisterWorkerResponse,
@@ -128,22 +128,6 @@ def validate_worker_url(worker_name: str) -> None:
         raise BadRequest(str(exc)) from None
 
 
-def _log_shared_models(
-    registry: WorkerRegistry, worker_name: str, model_names: list[str], was_live: bool
-) -> None:
-    """Log when a newly registering worker serves a model name other live workers serve.
-
-    Allowed (replicas share a name, and requests are spread over them), but worth a line: a
-    worker that claims a popular name receives that model's prompts.
-    """
-    if was_live:
-        return  # a re-registration: any sharing was logged when it first registered
-    for model in model_names:
-        others = [w.worker_name for w in registry.workers_for(model) if w.worker_name != worker_name]
-        if others:
-            logger.warning("model %r is now served by %s as well as %s", model, worker_name, others)
-
-
 # ---- the app ------------------------------------------------------------------------------------
 
 
@@ -156,11 +140,13 @@ def create_app(
     resolve: Resolver | None = None,
 ) -> FastAPI:
     """Build a controller app. `clock`, `rng`, the HTTP `transport` of every call to workers and
-    the host name `resolve`r (for --allowed-worker-networks) are injectable for tests."""
-    resolve = resolve or (lambda host: resolve_host(host, config.status_timeout))
+    the host name `resolve`r (worker addresses, see `admission`) are injectable for tests."""
     config = config or ControllerConfig()
+    resolve = resolve or (lambda host: resolve_host(host, config.status_timeout))
     registry = WorkerRegistry(heartbeat_expiration=config.heartbeat_expiration, clock=clock)
     dispatcher = Dispatcher(registry, config.dispatch_method, rng or random.Random())
+    metrics = ControllerMetrics(registry)
+    confirmations = Confirmations(registry, config, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -183,14 +169,17 @@ def create_app(
                 sweeper.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await sweeper
+                await confirmations.aclose()
 
     app = FastAPI(title="llmplatform controller", lifespan=lifespan)
     app.state.config = config
     app.state.registry = registry
     app.state.dispatcher = dispatcher
-    app.state.metrics = metrics = ControllerMetrics(registry)
+    app.state.metrics = metrics
+    app.state.confirmations = confirmations
     add_metrics_route(app, metrics.registry)
 
+    app.add_middleware(RequestGuard, config=config.guard)  # Host, Origin, JSON only, body cap
     if config.cluster_secret:
         app.add_middleware(
             ClusterSecretMiddleware,
@@ -214,47 +203,32 @@ def create_app(
         return request.app.state.http_client
 
     @app.post("/register_worker")
-    async def register_worker(request: Request) -> None:
+    async def register_worker(request: Request) -> JSONResponse:
         body = await _parse_body(request, RegisterWorkerRequest)
         name = normalize_worker_name(body.worker_name)
-        # Both checks come before the controller dials the announced address (status poll).
-        await check_worker_address(name, config.allowed_worker_networks, resolve)
-        status = body.worker_status
-        taken = dict(existing=registry.get(name), existing_is_live=registry.is_live(name),
-                     instance_id=body.instance_id)
-        check_not_taken(name, **taken, model_names=status.model_names if status else None)
-        if status is None:
-            try:
-                status = await fetch_worker_status(client_of(request), name, config.status_timeout)
-            except WorkerUnreachable as exc:
-                raise BadRequest(f"cannot get status from worker {name}: {exc}") from None
-            check_not_taken(name, **taken, model_names=status.model_names)
-        was_live = registry.is_live(name)
-        _log_shared_models(registry, name, status.model_names, was_live)
-        previous = registry.register(
-            name, status, check_heart_beat=body.check_heart_beat, multimodal=body.multimodal,
-            instance_id=body.instance_id,
-        )
-        metrics.registrations.inc()
-        logger.info(
-            "%s worker %s: models=%s speed=%d queue_length=%d",
-            "re-registered" if previous is not None else "registered",
-            name,
-            list(status.model_names),
-            status.speed,
-            status.queue_length,
-        )
-        return None  # FastChat answers `null`
+        # Before the controller dials the announced address (its status poll).
+        await check_worker_address(name, config.allowed_worker_networks, resolve, config.status_timeout)
+        claim = Claim(name, body.worker_status, body.check_heart_beat, body.multimodal, body.instance_id)
+        if await confirmations.register(client_of(request), claim):
+            return JSONResponse(None)  # FastChat answers `null`
+        # Ours: a stock client reads only the status; nothing is routed to it yet.
+        return JSONResponse({"pending": True, "message": f"worker {name} does not answer yet; it "
+                             "is routed once its /worker_get_status does"})
+
+    def same_instance(known: WorkerInfo, instance_id: str | None) -> bool:
+        # Our workers send the id they registered with on every beat and deregistration; a
+        # stock FastChat worker registered without one and sends none. Anything else is another
+        # process speaking for this URL.
+        return known.instance_id == instance_id
 
     @app.post("/receive_heart_beat")
     async def receive_heart_beat(request: Request) -> HeartbeatResponse:
         body = await _parse_body(request, HeartbeatRequest)
         name = normalize_worker_name(body.worker_name)
         known = registry.get(name)
-        if known is not None and body.instance_id is not None and known.instance_id is not None \
-                and body.instance_id != known.instance_id:
-            # Another process beating for this URL: not a beat of the registered worker. Told it
-            # is unknown, it will try to register, and be refused while the URL is taken.
+        if known is not None and not same_instance(known, body.instance_id):
+            # Not a beat of the registered worker. Told it is unknown, the sender will try to
+            # register, and be refused while the URL is taken.
             logger.warning("heartbeat for %s from another worker instance; ignored", name)
             return HeartbeatResponse(exist=False)
         exist = registry.heartbeat(
@@ -274,12 +248,13 @@ def create_app(
         # once instead of after heartbeat_expiration. Stock FastChat workers never call it.
         body = await _parse_body(request, DeregisterWorkerRequest)
         name = normalize_worker_name(body.worker_name)
+        withdrawn = confirmations.withdraw(name, body.instance_id)
         known = registry.get(name)
-        if known is not None and known.instance_id is not None and body.instance_id != known.instance_id:
+        if known is not None and not same_instance(known, body.instance_id):
             # Not the process that registered: it may not take the registered worker away.
             logger.warning("deregistration of %s by another worker instance; ignored", name)
-            return DeregisterWorkerResponse(removed=False)
-        removed = registry.remove(name)
+            return DeregisterWorkerResponse(removed=withdrawn)
+        removed = registry.remove(name) or withdrawn
         logger.info("worker %s deregistered%s", name, "" if removed else " (was not registered)")
         return DeregisterWorkerResponse(removed=removed)
 
@@ -293,16 +268,11 @@ def create_app(
         )
         removed: list[str] = []
         for worker, result in zip(workers, results):
+            # Each result speaks only for the registration that was polled: one that left or
+            # was replaced while the polls ran is neither brought back nor removed by it.
             if isinstance(result, WorkerStatus):
-                registry.register(
-                    worker.worker_name,
-                    result,
-                    check_heart_beat=worker.check_heart_beat,
-                    multimodal=worker.multimodal,
-                    instance_id=worker.instance_id,
-                )
-            else:
-                registry.remove(worker.worker_name)
+                registry.update_status(worker.worker_name, result, worker.generation)
+            elif registry.remove(worker.worker_name, generation=worker.generation):
                 removed.append(worker.worker_name)
                 metrics.expiries.inc()
                 logger.info("removed unreachable worker %s: %s", worker.worker_name, result)

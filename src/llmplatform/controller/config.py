@@ -8,6 +8,7 @@ from typing import Any
 from llmplatform.controller.admission import parse_networks
 from llmplatform.controller.dispatch import DEFAULT_DISPATCH_METHOD, DispatchMethod
 from llmplatform.controller.registry import DEFAULT_HEARTBEAT_EXPIRATION_S
+from llmplatform.utils.request_guard import RequestGuardConfig
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,16 @@ class ControllerConfig:
     """When set, every route but /health, /metrics and /test_connection needs it in the
     X-LLMPlatform-Secret header, and the controller sends it to workers."""
     allowed_worker_networks: tuple[Any, ...] = ()
-    """CIDR networks (strings or `ipaddress` networks) a worker's address must lie in; empty:
-    any address but bind-all, multicast, link-local and broadcast (see `admission`)."""
+    """CIDR networks (strings or `ipaddress` networks) every address a worker's URL reaches must
+    lie in; empty: any address but bind-all, multicast, link-local, broadcast and cloud metadata
+    endpoints (see `admission`)."""
+    confirm_timeout: float = 30.0
+    """Seconds a registration whose address does not accept connections yet (a stock FastChat
+    worker registers before it listens) waits for it to answer; never routed meanwhile, dropped
+    after (see `confirmation`)."""
+    guard: RequestGuardConfig = RequestGuardConfig()
+    """What a request must be to reach a route: Host, Origin, JSON body, body size (see
+    `request_guard`); `__main__` sets the allowed hosts from the bind address."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dispatch_method", DispatchMethod(self.dispatch_method))
@@ -45,6 +54,7 @@ class ControllerConfig:
             "status_timeout": self.status_timeout,
             "connect_timeout": self.connect_timeout,
             "stream_read_timeout": self.stream_read_timeout,
+            "confirm_timeout": self.confirm_timeout,
         }
         if self.expiry_interval is not None:
             positive["expiry_interval"] = self.expiry_interval

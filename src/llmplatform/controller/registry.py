@@ -13,6 +13,7 @@ a dead worker disappears from answers as soon as it is stale, not one sweep peri
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +48,11 @@ class WorkerInfo:
     instance_id: str | None = None
     """The worker process's random id (ours only; None for stock FastChat workers): tells a
     worker re-registering apart from a second worker announcing the same URL."""
+    generation: int = 0
+    """Which registration this entry belongs to (a counter over the registry's lifetime): kept
+    by heartbeats and status updates, new on every `register`. A status poll started before a
+    deregistration or a re-registration carries the old generation and so cannot write over
+    (or bring back) what happened meanwhile."""
 
 
 class WorkerRegistry:
@@ -62,6 +68,7 @@ class WorkerRegistry:
         self.heartbeat_expiration = heartbeat_expiration
         self._clock = clock
         self._workers: dict[str, WorkerInfo] = {}
+        self._generations = itertools.count(1)
 
     # ---- writes -------------------------------------------------------------------------------
 
@@ -94,8 +101,32 @@ class WorkerRegistry:
             max_num_running=status.max_num_running,
             backend=status.backend,
             instance_id=instance_id,
+            generation=next(self._generations),
         )
         return previous
+
+    def update_status(self, worker_name: str, status: WorkerStatus, generation: int) -> bool:
+        """Take a polled status as the worker's news (a beat, new load facts and model names),
+        but only while `generation` is still the registration that was polled; False otherwise
+        (removed or replaced meanwhile: the poll is no longer news, and must not bring it back).
+        """
+        info = self._workers.get(worker_name)
+        if info is None or info.generation != generation:
+            return False
+        self._workers[worker_name] = dataclasses.replace(
+            info,
+            model_names=tuple(status.model_names),
+            speed=status.speed,
+            queue_length=status.queue_length,
+            last_heartbeat=self._clock(),
+            num_running=status.num_running,
+            num_waiting=status.num_waiting,
+            kv_cache_usage=status.kv_cache_usage,
+            max_num_running=status.max_num_running or info.max_num_running,
+            backend=status.backend or info.backend,
+            num_dispatched=0,
+        )
+        return True
 
     def heartbeat(
         self,
@@ -145,9 +176,14 @@ class WorkerRegistry:
         )
         return True
 
-    def remove(self, worker_name: str) -> bool:
-        """Forget a worker; False if it was not registered."""
-        return self._workers.pop(worker_name, None) is not None
+    def remove(self, worker_name: str, generation: int | None = None) -> bool:
+        """Forget a worker; False if it was not registered (or, with `generation`, if its entry
+        is now another registration's)."""
+        info = self._workers.get(worker_name)
+        if info is None or (generation is not None and info.generation != generation):
+            return False
+        del self._workers[worker_name]
+        return True
 
     def expire(self, now: float | None = None) -> list[str]:
         """Remove workers whose last heartbeat is older than `heartbeat_expiration`.

@@ -50,9 +50,11 @@ class WorkerStatus(LoadFacts):
 class RegisterWorkerRequest(_Message):
     """Body of `POST /register_worker`."""
 
-    worker_name: str = Field(description="The worker's base URL, e.g. http://127.0.0.1:21002.")
+    worker_name: str = Field(max_length=2048, description="The worker's base URL, e.g. http://127.0.0.1:21002.")
     check_heart_beat: bool = True
-    # None: the controller asks the worker's /worker_get_status itself.
+    # The models the worker claims (FastChat sends its whole status). Not trusted: the worker is
+    # routed only once its own /worker_get_status lists every one of them. None: the
+    # controller asks /worker_get_status itself.
     worker_status: WorkerStatus | None = None
     multimodal: bool = False
     # Ours only: a random id per worker process. A live entry at the same URL with another id is
@@ -65,7 +67,8 @@ class HeartbeatRequest(LoadFacts):
 
     worker_name: str
     queue_length: int = Field(ge=0)
-    # Ours only: the id the worker registered with; a beat with another id is not its beat.
+    # Ours only: the id the worker registered with; a beat with another id (or none, from a
+    # worker that registered with one) is not its beat.
     instance_id: str | None = Field(default=None, max_length=128)
 
 
