@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Sets up (scripts/setup.sh --test) and runs the whole test suite.
+# Sets up (scripts/setup.sh --test: a virtual environment, once) and runs the whole test suite.
+# Extra arguments go to pytest.
 set -euo pipefail
+export PATH  # see setup.sh
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3}"
+source scripts/env.sh
 scripts/setup.sh --test
 set +e
-"$PYTHON" -m pytest -q "$@"
+"$(llmplatform_python)" -m pytest -q "$@"
 code=$?
 set -e
 # pytest exits 5 when it collected no tests (e.g. a filter matched nothing): not a failure here.
