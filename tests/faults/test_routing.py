@@ -20,6 +20,7 @@ from tests.faults.harness import (
 )
 from tests.integration.cluster import paged_tiny_llm, wait_for_models
 from tests.processes import free_port
+from tests.stub_workers import stub_workers
 
 EXPIRATION_S = 2.0
 HEARTBEAT_S = 1.0
@@ -104,9 +105,11 @@ def test_worker_that_leaves_is_out_of_routing_at_once(tiny_model_dir):
 
 
 def test_get_worker_address_excludes_workers_already_tried():
-    with serve_in_thread(controller_app()) as controller_url:
-        # Two workers that the controller never dials: their status comes with registration.
-        names = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    with contextlib.ExitStack() as stack:
+        controller_url = stack.enter_context(serve_in_thread(controller_app()))
+        # Two workers that answer only the controller's status poll (never sent a request).
+        stubs = stack.enter_context(stub_workers())
+        names = [stubs.url("one", [MODEL]), stubs.url("two", [MODEL])]
         for name in names:
             response = httpx.post(f"{controller_url}/register_worker", timeout=5, json={
                 "worker_name": name, "check_heart_beat": True,

@@ -27,7 +27,6 @@ from llmplatform.controller import create_app as create_controller_app
 from llmplatform.openai_api import GatewaySettings, create_app
 from llmplatform.protocol.worker import WorkerParams
 from llmplatform.utils.server import serve_in_thread
-from tests.processes import free_port
 
 MODEL = "fake-model"
 STOCK_MODEL = "stock-model"
@@ -251,8 +250,11 @@ def cluster() -> Iterator[Cluster]:
         register_worker(controller, worker_url, [MODEL])
         register_worker(controller, stock_url, [STOCK_MODEL])
         register_worker(controller, gone_url, [GONE_MODEL])
-        # Registered, but nothing listens there.
-        register_worker(controller, f"http://127.0.0.1:{free_port()}", [DEAD_MODEL])
+        # Registered (the controller confirms a worker that answers), then gone: nothing listens
+        # there any more.
+        dead_app, _ = make_fake_worker([DEAD_MODEL])
+        with serve_in_thread(dead_app) as dead_url:
+            register_worker(controller, dead_url, [DEAD_MODEL])
         settings = GatewaySettings(controller_address=controller, api_keys=(API_KEY, "sk-other"), worker_timeout=30)
         gateway_app = create_app(settings)
         gateway = stack.enter_context(serve_in_thread(gateway_app))

@@ -47,6 +47,10 @@ class AcceptingWorker:
     def app(self, models: list[str]) -> FastAPI:
         app = FastAPI()
 
+        @app.post("/worker_get_status")  # the controller confirms a registration with it
+        async def status() -> JSONResponse:
+            return JSONResponse({"model_names": models, "speed": 1, "queue_length": 0})
+
         @app.post("/model_details")
         async def details() -> JSONResponse:
             return JSONResponse({"context_length": 64, "params": ["messages", "openai_max_tokens"]})

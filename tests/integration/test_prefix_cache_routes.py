@@ -15,6 +15,7 @@ from llmplatform.openai_api.app import create_app as create_gateway_app
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.utils.server import serve_in_thread
 from tests.integration.cluster import running_cluster
+from tests.stub_workers import stub_workers
 
 PROMPT = "The sea, the river and the mountain are old friends. " * 6
 BLOCK_SIZE = 16
@@ -142,10 +143,12 @@ def test_the_admin_reset_reaches_every_worker_of_the_model(tiny_model_dir):
 
 
 def test_an_unreachable_worker_does_not_stop_the_others_being_reset(cluster):
-    gone = "http://127.0.0.1:9"  # nothing listens there: refused at once
-    body = {"worker_name": gone, "check_heart_beat": False,
-            "worker_status": {"model_names": ["tiny"], "speed": 1, "queue_length": 0}}
-    assert httpx.post(f"{cluster.controller_url}/register_worker", json=body, timeout=10).status_code == 200
+    # A worker the controller confirmed (its status answered), then gone: refused at once.
+    with stub_workers() as stubs:
+        gone = stubs.url("gone", ["tiny"])
+        body = {"worker_name": gone, "check_heart_beat": False,
+                "worker_status": {"model_names": ["tiny"], "speed": 1, "queue_length": 0}}
+        assert httpx.post(f"{cluster.controller_url}/register_worker", json=body, timeout=10).status_code == 200
     try:
         response = reset(cluster.gateway_url)
         assert response.status_code == 200

@@ -29,6 +29,7 @@ from llmplatform.openai_api import create_app as create_gateway_app
 from llmplatform.utils.cluster_secret import SECRET_ENV, SECRET_HEADER
 from llmplatform.utils.server import serve_in_thread
 from tests.security.helpers import ConnectionCounter, RecordingTransport
+from tests.stub_workers import stub_workers
 
 SECRET = "cluster-secret-for-tests"
 GOOD = {SECRET_HEADER: SECRET}
@@ -105,9 +106,10 @@ def _status_only_worker(models: list[str]) -> FastAPI:
 
 def test_heartbeats_need_the_secret(controller: tuple[str, RecordingTransport]) -> None:
     url, _ = controller
-    name = "http://127.0.0.1:39111"
-    assert httpx.post(f"{url}/register_worker", headers=GOOD,
-                      json={"worker_name": name, "worker_status": STATUS}).status_code == 200
+    with stub_workers() as stubs:  # a worker the controller can confirm (its status answers)
+        name = stubs.url("beats")
+        assert httpx.post(f"{url}/register_worker", headers=GOOD,
+                          json={"worker_name": name, "worker_status": STATUS}).status_code == 200
     beat = {"worker_name": name, "queue_length": 0}
     assert httpx.post(f"{url}/receive_heart_beat", json=beat).status_code == 401
     assert httpx.post(f"{url}/receive_heart_beat", json=beat, headers={SECRET_HEADER: "x"}).status_code == 401

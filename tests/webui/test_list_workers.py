@@ -8,6 +8,7 @@ import httpx
 from llmplatform.controller import ControllerConfig
 from llmplatform.controller import create_app as create_controller_app
 from llmplatform.utils.server import serve_in_thread
+from tests.stub_workers import stub_workers
 
 
 class Clock:
@@ -21,33 +22,35 @@ class Clock:
 def test_list_workers_shows_each_live_workers_facts():
     clock = Clock()
     app = create_controller_app(ControllerConfig(heartbeat_expiration=30.0), clock=clock)
-    with serve_in_thread(app) as url:
+    with serve_in_thread(app) as url, stub_workers() as stubs:
         assert httpx.get(f"{url}/list_workers", timeout=5).json() == {
             "workers": [], "dispatch_method": "least_load"}
         ours = {"model_names": ["a", "b"], "speed": 2, "queue_length": 3, "num_running": 2,
                 "num_waiting": 1, "kv_cache_usage": 0.25, "backend": "paged",
                 "max_num_running": 8}
         stock = {"model_names": ["c"], "speed": 1, "queue_length": 0}  # a FastChat worker
-        for name, status in (("http://127.0.0.1:1", ours), ("http://127.0.0.1:2", stock)):
+        # The controller confirms each with the worker's own status (stub routes answer it).
+        first, second = stubs.url("1", **ours), stubs.url("2", **stock)
+        for name, status in ((first, ours), (second, stock)):
             response = httpx.post(f"{url}/register_worker", timeout=5, json={
                 "worker_name": name, "check_heart_beat": True, "worker_status": status})
             assert response.status_code == 200
         clock.now += 4.5
         # A heartbeat updates the load facts and the age; the backend stays as registered.
         beat = httpx.post(f"{url}/receive_heart_beat", timeout=5, json={
-            "worker_name": "http://127.0.0.1:2", "queue_length": 5})
+            "worker_name": second, "queue_length": 5})
         assert beat.json() == {"exist": True}
         clock.now += 1.0
         # A dispatch since the heartbeat shows (what a gateway routing locally adds to the load).
         picked = httpx.post(f"{url}/get_worker_address", json={"model": "a"}, timeout=5)
-        assert picked.json() == {"address": "http://127.0.0.1:1"}
+        assert picked.json() == {"address": first}
         workers = httpx.get(f"{url}/list_workers", timeout=5).json()["workers"]
         assert workers == [
-            {"worker_name": "http://127.0.0.1:1", "model_names": ["a", "b"], "backend": "paged",
+            {"worker_name": first, "model_names": ["a", "b"], "backend": "paged",
              "speed": 2, "queue_length": 3, "num_running": 2, "num_waiting": 1,
              "kv_cache_usage": 0.25, "last_heartbeat_age_s": 5.5, "max_num_running": 8,
              "num_dispatched": 1},
-            {"worker_name": "http://127.0.0.1:2", "model_names": ["c"], "backend": None,
+            {"worker_name": second, "model_names": ["c"], "backend": None,
              "speed": 1, "queue_length": 5, "num_running": None, "num_waiting": None,
              "kv_cache_usage": None, "last_heartbeat_age_s": 1.0, "max_num_running": None,
              "num_dispatched": 0},
@@ -56,4 +59,4 @@ def test_list_workers_shows_each_live_workers_facts():
         clock.now += 25.0
         listed = httpx.get(f"{url}/list_workers", timeout=5).json()["workers"]
         names = [w["worker_name"] for w in listed]
-        assert names == ["http://127.0.0.1:2"]
+        assert names == [second]
