@@ -83,6 +83,11 @@ class EngineDeadError(LLMPlatformError):
     openai_type = "service_unavailable"
 
 
+class EngineRestartingError(EngineDeadError):
+    """The backend failed as a whole and is rebuilding itself: the request was lost, or cannot
+    start until the rebuild is done; retrying it is safe (HTTP 503)."""
+
+
 class NoWorkerError(LLMPlatformError):
     """The controller knows no live worker for the model (HTTP 503)."""
 

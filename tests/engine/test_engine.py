@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 import torch
@@ -258,7 +259,9 @@ def test_greedy_parity_with_hf_on_the_default_model(default_model_dir):
     assert_all_blocks_free(small)
 
 
-def test_worker_health_is_503_once_the_engine_died(tiny_model_dir, monkeypatch):
+def test_worker_rebuilds_a_failed_engine_and_answers_503_once_it_cannot(tiny_model_dir, monkeypatch):
+    """In-process (no exit hook): every step raises; each failure is rebuilt until the restart
+    bound (3 a minute) is spent, after which /health stays 503 "dead"."""
     import httpx
 
     from llmplatform.model_worker.app import WorkerSettings, create_app
@@ -271,11 +274,28 @@ def test_worker_health_is_503_once_the_engine_died(tiny_model_dir, monkeypatch):
     def broken(scheduled):
         raise RuntimeError("simulated kernel crash")
 
-    monkeypatch.setattr(llm.engine.runner, "execute", broken)
+    monkeypatch.setattr(llm.engine.runner, "execute", broken)  # the rebuilt engines reuse it
+
+    def health() -> int:
+        return httpx.get(f"{url}/health", timeout=10).status_code
+
+    def wait_health(code: int) -> None:
+        for _ in range(400):
+            if health() == code:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"/health never answered {code}")
+
     with serve_in_thread(create_app(llm, WorkerSettings(register=False))) as url:
-        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-        response = httpx.post(f"{url}/worker_generate_stream",
-                              json={"prompt": "Hello", "max_new_tokens": 4}, timeout=30)
-        chunk = response.content.split(b"\0")[0]
-        assert b"simulated kernel crash" in chunk and b'"error_code": 50001' in chunk
-        assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+        assert health() == 200
+        for attempt in range(4):
+            response = httpx.post(f"{url}/worker_generate_stream",
+                                  json={"prompt": "Hello", "max_new_tokens": 4}, timeout=30)
+            chunk = response.content.split(b"\0")[0]
+            assert b"simulated kernel crash" in chunk and b'"error_code": 50001' in chunk
+            if attempt < 3:
+                wait_health(200)
+                assert llm.load().num_engine_restarts == attempt + 1
+        wait_health(503)
+        assert httpx.get(f"{url}/health", timeout=10).json() == {"status": "dead"}
+        assert llm.load().num_engine_restarts == 3

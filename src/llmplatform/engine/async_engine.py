@@ -4,27 +4,39 @@ own stream.
 All engine state is touched from one place at a time: new requests and aborts are applied by the
 loop task between steps (on the event loop), and each step runs on a dedicated worker thread, so
 the event loop never blocks on torch. Pass the executor the engine was built on
-(``torch_utils.torch_thread``) so that its steps run on the thread that loaded the model. If a
-step raises, every in-flight request ends with an error chunk and the engine reports itself dead
-(the worker's /health then answers 503).
+(``torch_utils.torch_thread``) so that its steps run on the thread that loaded the model.
+
+A fault pinned on one request fails that request inside the step (:mod:`.isolation`). A step that
+raises anyway failed as a whole: every in-flight request ends with an error saying to retry it,
+and, given a :class:`RestartConfig`, the engine is rebuilt on the step thread (``LLMEngine.rebuild``:
+fresh KV pool, block manager and scheduler) while ``is_healthy`` is False, then serves again.
+When it may not be rebuilt (no config, more restarts within a minute than allowed) or the rebuild
+fails, the engine is dead for good: ``is_healthy`` stays False and :meth:`AsyncEngine.wait_dead`
+returns, so a worker can exit and let its supervisor start a fresh process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, TypeVar
 
+from llmplatform.engine.config import RestartConfig
 from llmplatform.engine.llm_engine import LLMEngine, SequenceUpdate
-from llmplatform.errors import EngineDeadError
+from llmplatform.errors import EngineDeadError, EngineRestartingError
 from llmplatform.llm.sampling import SamplingParams
 from llmplatform.llm.torch_utils import torch_thread
 from llmplatform.utils.logs import request_context
 
 logger = logging.getLogger("llmplatform.engine")
+
+T = TypeVar("T")
+RESTART_WINDOW_S = 60.0
 
 
 @dataclass
@@ -33,20 +45,49 @@ class _Stream:
     num_unfinished: int
 
 
+class _RestartBudget:
+    """At most ``max_restarts_per_minute`` rebuilds within any ``RESTART_WINDOW_S``."""
+
+    def __init__(self, config: RestartConfig, clock: Callable[[], float]) -> None:
+        self._max = config.max_restarts_per_minute
+        self._clock = clock
+        self._times: collections.deque[float] = collections.deque()
+
+    def allows_another(self) -> bool:
+        now = self._clock()
+        while self._times and now - self._times[0] > RESTART_WINDOW_S:
+            self._times.popleft()
+        return len(self._times) < self._max
+
+    def spend(self) -> None:
+        self._times.append(self._clock())
+
+    def describe(self) -> str:
+        return (f"{len(self._times)} restart(s) within {RESTART_WINDOW_S:.0f} s already, "
+                f"{self._max} allowed")
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, executor: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, engine: LLMEngine, executor: ThreadPoolExecutor | None = None,
+                 restart: RestartConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``executor``: a one-thread executor for the steps (the caller keeps owning it); by
-        default the engine gets its own."""
+        default the engine gets its own. ``restart``: rebuild the engine after a step fails as a
+        whole, within this bound; None: such a failure is final."""
         self.engine = engine
         self._streams: dict[str, _Stream] = {}
         self._pending_adds: list[tuple[str, list[int], SamplingParams]] = []
         self._pending_aborts: list[str] = []
-        self._pending_calls: list[tuple[Callable[[], Any], asyncio.Future]] = []
+        self._pending_calls: list[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = []
         self._wakeup = asyncio.Event()
         self._owns_executor = executor is None
         self._executor = executor or torch_thread("engine-step")
         self._task: asyncio.Task | None = None
+        self._restarts = _RestartBudget(restart, clock) if restart is not None else None
+        self.num_restarts = 0  # successful rebuilds since start
+        self.restarting = False
         self.dead_reason: str | None = None
+        self._dead = asyncio.Event()
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -66,7 +107,14 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self.dead_reason is None
+        """False while rebuilding after a failure and, for good, once dead."""
+        return self.dead_reason is None and not self.restarting
+
+    async def wait_dead(self) -> str:
+        """Returns, with the reason, once the engine is dead for good (never, while it serves)."""
+        await self._dead.wait()
+        assert self.dead_reason is not None
+        return self.dead_reason
 
     @property
     def num_running(self) -> int:
@@ -82,8 +130,7 @@ class AsyncEngine:
                        params: SamplingParams) -> AsyncIterator[SequenceUpdate]:
         """Yields the request's updates (for all n outputs) until each has finished. Closing the
         iterator early aborts the request and frees its blocks before the next step."""
-        if self.dead_reason is not None:
-            raise EngineDeadError(f"the engine has failed: {self.dead_reason}")
+        self.check_serving()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         self.engine.validate(prompt_token_ids, params)  # raises before anything is queued
@@ -109,15 +156,23 @@ class AsyncEngine:
         self._abort_soon(request_id)
         return True
 
-    async def call_between_steps(self, fn: Callable[[], Any]) -> Any:
-        """Runs ``fn`` on the engine between two steps (e.g. a prefix-cache reset) and returns its
-        result: it never races a step, an admission or an abort."""
+    async def call_between_steps(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs ``fn(engine)`` between two steps (e.g. a prefix-cache reset) and returns its
+        result: it never races a step, an admission or an abort. Waits out a rebuild, and then
+        runs on the new engine."""
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine has failed: {self.dead_reason}")
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._pending_calls.append((fn, future))
         self._wakeup.set()
         return await future
+
+    def check_serving(self) -> None:
+        """Raises the typed error for a request that cannot start now (restarting, dead)."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine has failed: {self.dead_reason}")
+        if self.restarting:
+            raise EngineRestartingError("the engine failed and is restarting; retry the request")
 
     def _abort_soon(self, request_id: str) -> None:
         self._pending_aborts.append(request_id)
@@ -153,7 +208,7 @@ class AsyncEngine:
             if future.cancelled():
                 continue
             try:
-                future.set_result(fn())
+                future.set_result(fn(self.engine))
             except Exception as exc:
                 future.set_exception(exc)
 
@@ -163,30 +218,80 @@ class AsyncEngine:
             stream.queue.put_nowait(update)
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                self._apply_pending()
-                if not self.engine.has_unfinished():
-                    self._wakeup.clear()
-                    if not (self._pending_adds or self._pending_aborts or self._pending_calls):
-                        await self._wakeup.wait()
-                    continue
-                updates = await loop.run_in_executor(self._executor, self.engine.step)
-                for update in updates:
-                    self._deliver(update)
-                # Let request handlers run (new arrivals, disconnects) before the next step.
-                await asyncio.sleep(0)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            logger.exception("engine step failed; failing all requests and reporting dead")
-            self.dead_reason = f"{type(exc).__name__}: {exc}"
-            self._fail_all(EngineDeadError(f"the engine failed: {self.dead_reason}"))
+        while True:
+            try:
+                await self._step_loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not await self._recover(exc):
+                    return
+            except BaseException as exc:  # e.g. SystemExit on the step thread: no rebuild
+                self._die(f"{type(exc).__name__}: {exc}")
+                raise
 
-    def _fail_all(self, error: BaseException) -> None:
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._apply_pending()
+            if not self.engine.has_unfinished():
+                self._wakeup.clear()
+                if not (self._pending_adds or self._pending_aborts or self._pending_calls):
+                    await self._wakeup.wait()
+                continue
+            updates = await loop.run_in_executor(self._executor, self.engine.step)
+            for update in updates:
+                self._deliver(update)
+            # Let request handlers run (new arrivals, disconnects) before the next step.
+            await asyncio.sleep(0)
+
+    async def _recover(self, exc: Exception) -> bool:
+        """After a step failed as a whole: fail the in-flight requests and rebuild the engine.
+        False when the engine is dead for good instead."""
+        reason = f"{type(exc).__name__}: {exc}"
+        self.restarting = True
+        num_failed = len(self._streams)
+        self._fail_in_flight(EngineRestartingError(
+            f"the engine failed ({reason}) and is restarting; retry the request"))
+        if self._restarts is None or not self._restarts.allows_another():
+            why = self._restarts.describe() if self._restarts else "restarts are off"
+            logger.error("engine step failed (%s); failed %d in-flight request(s); not "
+                         "restarting it (%s)", reason, num_failed, why, exc_info=exc)
+            return self._die(f"{reason}; not restarted: {why}")
+        logger.error("engine step failed (%s); failed %d in-flight request(s); restarting the "
+                     "engine", reason, num_failed, exc_info=exc)
+        started = time.monotonic()
+        self._restarts.spend()
+        try:
+            self.engine = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.engine.rebuild)
+        except Exception as rebuild_exc:
+            logger.error("the engine could not be rebuilt", exc_info=rebuild_exc)
+            return self._die(f"{reason}; then the rebuild failed: "
+                             f"{type(rebuild_exc).__name__}: {rebuild_exc}")
+        self.num_restarts += 1
+        self.restarting = False
+        logger.warning("engine restarted in %.1f s (restart %d since start); serving again",
+                       time.monotonic() - started, self.num_restarts)
+        return True
+
+    def _die(self, reason: str) -> bool:
+        self.dead_reason = reason
+        self.restarting = False
+        self._fail_all(EngineDeadError(f"the engine failed: {reason}"))
+        self._dead.set()
+        return False
+
+    def _fail_in_flight(self, error: BaseException) -> None:
+        """Every request the engine holds or is about to take ends with ``error``; calls waiting
+        for a step boundary stay queued for the next engine."""
         for stream in list(self._streams.values()):
             stream.queue.put_nowait(error)
+        self._pending_adds.clear()
+        self._pending_aborts.clear()
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._fail_in_flight(error)
         calls, self._pending_calls = self._pending_calls, []
         for _, future in calls:
             if not future.done():

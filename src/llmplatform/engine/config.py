@@ -100,11 +100,55 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class RestartConfig:
+    """Rebuilding the engine in-process after a step fails in a way no single request explains.
+
+    max_restarts_per_minute: rebuilds allowed within any 60 s; the failure after that many is
+        final (the engine reports itself dead and a worker in service mode exits non-zero, so a
+        supervisor starts a fresh process). 0: never rebuild (default 3).
+    """
+
+    max_restarts_per_minute: int = 3
+
+    def __post_init__(self) -> None:
+        if self.max_restarts_per_minute < 0:
+            raise ValueError("max_restarts_per_minute must be at least 0, got "
+                             f"{self.max_restarts_per_minute}")
+
+
+@dataclass(frozen=True)
+class FaultInjectionConfig:
+    """TEST ONLY: faults the engine raises on purpose, so tests can show that a fault stays with
+    the request that caused it and that a dead engine is rebuilt. Off unless given (a worker reads
+    it from ``$LLMPLATFORM_TEST_FAULTS``, see :mod:`llmplatform.engine.faults`); never set it in
+    production.
+
+    sampling_marker: sampling raises for every row of a request whose prompt contains this text.
+    processing_marker: output processing (detokenizing, stops) raises for such a request.
+    step_marker: the forward pass raises (a fatal step failure) whenever a step schedules such a
+        request.
+    fail_rebuild: rebuilding the engine after a fatal step failure raises.
+    """
+
+    sampling_marker: str | None = None
+    processing_marker: str | None = None
+    step_marker: str | None = None
+    fail_rebuild: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("sampling_marker", "processing_marker", "step_marker"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name} must not be empty (it would match every prompt)")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    restart: RestartConfig = RestartConfig()
+    faults: FaultInjectionConfig | None = None  # tests only
 
 
-__all__ = ["COMPUTE_DTYPES", "CacheConfig", "SchedulerConfig", "ModelConfig", "EngineConfig", "parse_memory_size",
-           "InvalidRequestError"]
+__all__ = ["COMPUTE_DTYPES", "CacheConfig", "SchedulerConfig", "ModelConfig", "EngineConfig",
+           "RestartConfig", "FaultInjectionConfig", "parse_memory_size", "InvalidRequestError"]

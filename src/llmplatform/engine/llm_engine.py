@@ -4,6 +4,11 @@ update; everything else lives in the components.
 Each step returns, per sequence that changed, a :class:`SequenceUpdate` with the
 :class:`GenerateChunk` of what it added (the shared output processor decides stops, so the
 engine's own finishing rules are the same as every other backend's).
+
+A fault in one sequence's own work (its sampling row, its output processing) finishes that
+sequence with ``FinishReason.ERROR`` and frees its blocks; the step goes on for the others
+(:mod:`.isolation`). Anything else a step raises escapes ``step``: the caller rebuilds the engine
+(:meth:`LLMEngine.rebuild`).
 """
 
 from __future__ import annotations
@@ -15,13 +20,15 @@ from typing import Any
 
 from llmplatform.engine.block_manager import BlockManager
 from llmplatform.engine.config import EngineConfig
+from llmplatform.engine.faults import FaultInjector
+from llmplatform.engine.isolation import pinned_fault
 from llmplatform.engine.model_runner import ModelRunner
 from llmplatform.engine.outputs import ModelOutput, SchedulerOutput
 from llmplatform.engine.prefix_cache import PrefixCacheStats
 from llmplatform.engine.scheduler import Scheduler
 from llmplatform.engine.sequence import Sequence
 from llmplatform.errors import ContextLengthExceededError, InvalidRequestError
-from llmplatform.llm.base import FinishReason, GenerateChunk
+from llmplatform.llm.base import FinishReason, GenerateChunk, Usage
 from llmplatform.llm.output import OutputProcessor, eos_token_ids_of
 from llmplatform.llm.sampler import SamplingRow, make_generator
 from llmplatform.llm.sampling import SamplingParams
@@ -66,7 +73,9 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any | None = None,
+                 runner: ModelRunner | None = None) -> None:
+        """``runner``: an existing model runner to reuse, weights and all (see :meth:`rebuild`)."""
         from transformers import AutoTokenizer, GenerationConfig
 
         self.config = config
@@ -79,8 +88,12 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids_of(self.tokenizer, generation_config)
         sched = config.scheduler
         self.max_model_len = sched.max_model_len
-        self.runner = ModelRunner(config.model, config.cache, self.tokenizer, sched.max_model_len,
-                                  sched.max_num_batched_tokens)
+        if runner is None:
+            faults = FaultInjector(config.faults, self.tokenizer) if config.faults else None
+            runner = ModelRunner(config.model, config.cache, self.tokenizer, sched.max_model_len,
+                                 sched.max_num_batched_tokens, faults)
+        self.runner = runner
+        self.faults = runner.faults  # tests only; None in production
         layout = self.runner.layout
         if layout.num_tokens < sched.max_model_len:
             raise ValueError(
@@ -134,6 +147,8 @@ class LLMEngine:
                 generator=make_generator(seed, self.runner.device),
                 stop_token_ids=tuple(self.eos_token_ids) + params.stop_token_ids)
             seqs.append(seq)
+        if self.faults is not None:
+            self.faults.arm(seqs, prompt_token_ids)
         self.scheduler.add_request(seqs)
         return seqs
 
@@ -145,6 +160,20 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def rebuild(self) -> LLMEngine:
+        """A fresh engine after a step failed in a way no single request explains: a new KV
+        pool, block manager and scheduler (the requests of this one are dropped: fail them).
+
+        The loaded weights are reused: nothing writes them after loading (every forward pass
+        runs under inference_mode and only writes activations and the KV pool), so a step that
+        raised cannot have left them half-changed. A fault that broke the device itself (a
+        CUDA error poisons the whole context) makes the new pool's probe forward pass raise,
+        and then only a new process helps. Runs on the step thread, like ``step``."""
+        if self.faults is not None:
+            self.faults.check_rebuild()
+        self.runner.reset_kv_cache()
+        return LLMEngine(self.config, self.tokenizer, runner=self.runner)
+
     # ---- the step loop -----------------------------------------------------------------------
 
     def step(self) -> list[SequenceUpdate]:
@@ -154,6 +183,7 @@ class LLMEngine:
             return updates
         self._note_first_scheduled(scheduled)
         model_output = self.runner.execute(scheduled)
+        updates += self._fail_pinned(scheduled, model_output)
         self.scheduler.update(scheduled, model_output)
         self._record_stats(scheduled)
         return updates + self._process(scheduled, model_output)
@@ -163,6 +193,22 @@ class LLMEngine:
                                seq.state.processor.finish(FinishReason.ERROR, error=reason))
                 for seq, reason in scheduled.rejected]
 
+    def _fail_pinned(self, scheduled: SchedulerOutput, output: ModelOutput) -> list[SequenceUpdate]:
+        """Finishes the sequences whose own sampling failed (before ``scheduler.update``, which
+        then skips them: they got no token)."""
+        return [self._fail(item.seq, output.errors[item.seq.seq_id])
+                for item in scheduled.scheduled
+                if item.seq.seq_id in output.errors and not item.seq.is_finished]
+
+    def _fail(self, seq: Sequence, error: str) -> SequenceUpdate:
+        """Finishes ``seq`` with an error and frees its blocks. The chunk is built here, not by
+        its output processor, which may be what failed."""
+        self.scheduler.finish(seq)
+        chunk = GenerateChunk(request_id=seq.request_id, text="", token_ids=(),
+                              usage=Usage(seq.num_prompt_tokens, len(seq.output_token_ids)),
+                              finish_reason=FinishReason.ERROR, error=error)
+        return SequenceUpdate(seq.request_id, seq.index, chunk)
+
     def _process(self, scheduled: SchedulerOutput, output: ModelOutput) -> list[SequenceUpdate]:
         updates = []
         by_seq = {item.seq.seq_id: item.seq for item in scheduled.scheduled}
@@ -171,20 +217,28 @@ class LLMEngine:
             by_seq[seq_id].state.pending_prompt_logprobs.extend(records)
         for seq_id, token_id, logprob in zip(output.seq_ids, output.token_ids, output.logprobs):
             seq = by_seq[seq_id]
-            if seq.is_finished:  # aborted while the step ran
+            if seq.is_finished:  # aborted while the step ran, or failed above
                 continue
-            state: SeqState = seq.state
-            chunk = state.processor.append([token_id], [logprob] if logprob is not None else None)
-            if state.pending_prompt_logprobs and seq.params.prompt_logprobs is not None:
-                chunk = replace(chunk, prompt_logprobs=tuple(state.pending_prompt_logprobs))
-                state.pending_prompt_logprobs = []
-            if not state.first_scheduled_time_sent:
-                chunk = replace(chunk, first_scheduled_time=state.first_scheduled_time)
-                state.first_scheduled_time_sent = True
+            try:
+                chunk = self._output_chunk(seq, token_id, logprob)
+            except Exception as exc:  # detokenizing, stop handling: this sequence's alone
+                updates.append(self._fail(seq, pinned_fault(seq, "output processing", exc)))
+                continue
             if chunk.finish_reason is not None:
                 self.scheduler.finish(seq)
             updates.append(SequenceUpdate(seq.request_id, seq.index, chunk))
         return updates
+
+    def _output_chunk(self, seq: Sequence, token_id: int, logprob: Any) -> GenerateChunk:
+        state: SeqState = seq.state
+        chunk = state.processor.append([token_id], [logprob] if logprob is not None else None)
+        if state.pending_prompt_logprobs and seq.params.prompt_logprobs is not None:
+            chunk = replace(chunk, prompt_logprobs=tuple(state.pending_prompt_logprobs))
+            state.pending_prompt_logprobs = []
+        if not state.first_scheduled_time_sent:
+            chunk = replace(chunk, first_scheduled_time=state.first_scheduled_time)
+            state.first_scheduled_time_sent = True
+        return chunk
 
     def _note_first_scheduled(self, scheduled: SchedulerOutput) -> None:
         now = time.monotonic()

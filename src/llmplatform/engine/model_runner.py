@@ -5,7 +5,10 @@ It owns the model weights and the paged KV cache tensors. Each step it
 2. flattens the scheduled chunks into one batch (no padding): input ids, positions, the slots
    where the new K/V go, and the attention metadata,
 3. runs the model, computes logits only for the rows that sample (and for prompt positions when
-   prompt logprobs were asked), and samples with the shared batched sampler.
+   prompt logprobs were asked), and samples with the shared batched sampler. Sampling and prompt
+   logprobs are per-sequence work: a sequence whose own share raises is reported in
+   ``ModelOutput.errors`` and the others keep their tokens (:mod:`.isolation`); anything else
+   that raises here fails the step.
 
 Layout of one step's batch (three sequences: a prefill chunk, two decodes):
 
@@ -23,6 +26,8 @@ from typing import Any
 import torch
 
 from llmplatform.engine.config import CacheConfig, ModelConfig
+from llmplatform.engine.faults import FaultInjector
+from llmplatform.engine.isolation import IsolatingSampler, pinned_fault
 from llmplatform.engine.outputs import ModelOutput, SchedulerOutput
 from llmplatform.kernels import AttentionMetadata
 from llmplatform.llm.base import TokenLogprob
@@ -54,7 +59,9 @@ def _name(dtype: torch.dtype) -> str:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, tokenizer: Any,
-                 max_model_len: int, max_num_batched_tokens: int) -> None:
+                 max_model_len: int, max_num_batched_tokens: int,
+                 faults: FaultInjector | None = None) -> None:
+        self.faults = faults  # tests only (engine.faults); None in production
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.block_size = cache_config.block_size
@@ -69,6 +76,7 @@ class ModelRunner:
             self.model.use_compute_dtype(self.compute_dtype)
         self.onednn_linears = use_onednn_weights(self.model) if self.device.type == "cpu" else 0
         self.sampler = Sampler(tokenizer)
+        self._sample = IsolatingSampler(self.sampler, faults)
         self._tokenizer = tokenizer
         bytes_per_block = self.model.kv_cache_bytes_per_block(self.block_size)
         num_blocks = self._num_blocks(cache_config, bytes_per_block, max_num_batched_tokens)
@@ -114,8 +122,30 @@ class ModelRunner:
                 f"--gpu-memory-utilization or lower --max-num-batched-tokens")
         return int(available // bytes_per_block)
 
+    def reset_kv_cache(self) -> None:
+        """A fresh, zeroed KV pool of the same layout (when the engine is rebuilt after a failed
+        step: blocks may hold half-written K/V), then one forward pass through it to show that
+        the device still works (a CUDA error that poisoned the context raises here)."""
+        self.kv_caches = []  # the old pool goes first, so the two never coexist in memory
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.kv_caches = self.model.allocate_kv_caches(self.layout.num_blocks, self.block_size,
+                                                       device=self.device)
+        self._probe()
+
+    @torch.inference_mode()
+    def _probe(self) -> None:
+        """One token through the model into block 0 (whose contents no sequence owns yet)."""
+        metadata = AttentionMetadata.build(context_lens=[0], query_lens=[1], block_tables=[[0]],
+                                           block_size=self.block_size, device=self.device)
+        ids = torch.zeros(1, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, torch.zeros_like(ids), self.kv_caches, metadata)
+        self.model.compute_logits(hidden).cpu()  # waits for the device
+
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
+        if self.faults is not None:
+            self.faults.check_step(scheduled)
         self._copy_blocks(scheduled.blocks_to_copy)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -124,7 +154,7 @@ class ModelRunner:
         block_tables: list[list[int]] = []
         sample_rows: list[int] = []
         sampling: list[SamplingRow] = []
-        sample_seq_ids: list[int] = []
+        sample_seqs: list[Any] = []
         # (seq, its first row, its first position, its number of new tokens)
         prompt_logprob_spans: list[tuple[Any, int, int, int]] = []
         for item in scheduled.scheduled:
@@ -148,7 +178,7 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(seq.state.sampling_row(seq))
-                sample_seq_ids.append(seq.seq_id)
+                sample_seqs.append(seq)
 
         metadata = AttentionMetadata.build(context_lens=context_lens, query_lens=query_lens,
                                            block_tables=block_tables, block_size=self.block_size,
@@ -157,16 +187,27 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids_t, pos_t, self.kv_caches, metadata)  # [num_tokens, hidden]
 
-        token_ids: list[int] = []
-        logprobs: list[TokenLogprob | None] = []
+        output = ModelOutput(seq_ids=[], token_ids=[], logprobs=[])
         if sample_rows:
             rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden[rows])  # [num_sampling, vocab]
-            token_ids, logprobs = self.sampler(logits, sampling)
-        prompt_logprobs = {seq.seq_id: self._prompt_logprobs(seq, hidden, first_row, start, num_new)
-                           for seq, first_row, start, num_new in prompt_logprob_spans}
-        return ModelOutput(seq_ids=sample_seq_ids, token_ids=token_ids, logprobs=logprobs,
-                           prompt_logprobs=prompt_logprobs)
+            sampled = self._sample(logits, sampling, sample_seqs)
+            for i, seq in enumerate(sample_seqs):
+                if i in sampled.errors:
+                    output.errors[seq.seq_id] = sampled.errors[i]
+                    continue
+                output.seq_ids.append(seq.seq_id)
+                output.token_ids.append(sampled.token_ids[i])
+                output.logprobs.append(sampled.logprobs[i])
+        for seq, first_row, start, num_new in prompt_logprob_spans:
+            if seq.seq_id in output.errors:
+                continue
+            try:
+                output.prompt_logprobs[seq.seq_id] = self._prompt_logprobs(seq, hidden, first_row,
+                                                                           start, num_new)
+            except Exception as exc:
+                output.errors[seq.seq_id] = pinned_fault(seq, "prompt logprobs", exc)
+        return output
 
     def _prompt_logprobs(self, seq: Any, hidden: torch.Tensor, first_row: int, start: int,
                          num_new: int) -> list[TokenLogprob]:

@@ -45,10 +45,14 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class ModelOutput:
-    """One sampled token per scheduled sequence that samples, in scheduling order."""
+    """One sampled token per scheduled sequence that samples, in scheduling order, except for
+    the sequences in ``errors``."""
 
     seq_ids: list[int]
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
     # Per sequence that asked for prompt logprobs and computed prompt tokens this step.
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    # Sequences whose own work in the runner (sampling, prompt logprobs) raised: seq id -> the
+    # error for their client. They got no token; the engine fails them alone.
+    errors: dict[int, str] = field(default_factory=dict)

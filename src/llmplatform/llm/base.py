@@ -111,6 +111,8 @@ class LoadStats:
     num_kv_blocks: int | None = None
     # Sequences preempted (KV cache freed, recomputed later), cumulative since start.
     num_preemptions: int | None = None
+    # Times the backend rebuilt its engine after a failure no single request explained.
+    num_engine_restarts: int | None = None
 
 
 @dataclass(frozen=True)
@@ -176,8 +178,16 @@ class LLM(abc.ABC):
         """Stop background work and fail whatever is still running."""
 
     def is_healthy(self) -> bool:
-        """False once the backend can no longer serve (e.g. its step loop died)."""
+        """False while the backend cannot serve: for a moment (it is rebuilding its engine after
+        a failure) or for good (see :meth:`wait_failed`)."""
         return True
+
+    async def wait_failed(self) -> str:
+        """Returns, with the reason, once the backend has failed for good: it cannot recover in
+        this process (a service should exit so that its supervisor starts a fresh one). Never
+        returns for a backend that cannot fail as a whole."""
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
 
     @abc.abstractmethod
     def load(self) -> LoadStats: ...

@@ -1,14 +1,23 @@
-"""The native backend: our paged-attention engine behind the unified LLM interface."""
+"""The native backend: our paged-attention engine behind the unified LLM interface.
+
+A step that fails as a whole makes the engine rebuild itself in-process (fresh KV cache, the
+in-flight requests failed with an error saying to retry; :mod:`llmplatform.engine.async_engine`),
+within ``EngineConfig.restart``'s bound; :meth:`PagedLLM.wait_failed` returns when it cannot. The
+test-only fault injection (:mod:`llmplatform.engine.faults`) is read from the environment here,
+once, when no config gives one.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 from typing import AsyncIterator, Sequence
 
 from llmplatform.engine.async_engine import AsyncEngine
 from llmplatform.engine.config import EngineConfig
+from llmplatform.engine.faults import faults_from_env
 from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.errors import EngineDeadError, InvalidRequestError
 from llmplatform.kernels import attention_backend
@@ -27,10 +36,13 @@ class PagedLLM(LLM):
     backend_name = "paged"
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.faults is None and (faults := faults_from_env()) is not None:
+            config = dataclasses.replace(config, faults=faults)
         # The engine is built (weights, KV cache, warm-up) on the thread that will run its steps.
         self._thread = torch_thread("engine-step")
+        self._async: AsyncEngine | None = None  # from start(); owns the engine from then on
         try:
-            self.engine = self._thread.submit(LLMEngine, config).result()
+            self._engine = self._thread.submit(LLMEngine, config).result()
         except BaseException:
             self._thread.shutdown(wait=True)
             raise
@@ -40,12 +52,16 @@ class PagedLLM(LLM):
                                  context_length=config.scheduler.max_model_len,
                                  vocab_size=int(model_config.vocab_size),
                                  eos_token_ids=self.engine.eos_token_ids)
-        self._async: AsyncEngine | None = None
         self._closed = False
 
     @property
     def facts(self) -> ModelFacts:
         return self._facts
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The current engine (a new one after each rebuild)."""
+        return self._async.engine if self._async is not None else self._engine
 
     @property
     def max_num_running(self) -> int:
@@ -55,7 +71,7 @@ class PagedLLM(LLM):
         if self._closed:
             raise EngineDeadError("the engine has been shut down")
         if self._async is None:
-            self._async = AsyncEngine(self.engine, self._thread)
+            self._async = AsyncEngine(self._engine, self._thread, restart=self._engine.config.restart)
             self._async.start()
 
     async def shutdown(self) -> None:
@@ -69,6 +85,12 @@ class PagedLLM(LLM):
     def is_healthy(self) -> bool:
         return self._async is None or self._async.is_healthy
 
+    async def wait_failed(self) -> str:
+        if self._async is None:
+            await self.start()
+        assert self._async is not None
+        return await self._async.wait_dead()
+
     def load(self) -> LoadStats:
         cache = self.engine.prefix_cache_stats
         if self._async is None:
@@ -81,7 +103,8 @@ class PagedLLM(LLM):
                          prefix_cache_hits=cache.num_hit_tokens,
                          num_free_kv_blocks=self.engine.block_manager.num_free_blocks,
                          num_kv_blocks=self.engine.block_manager.num_blocks,
-                         num_preemptions=self.engine.stats.num_preemptions)
+                         num_preemptions=self.engine.stats.num_preemptions,
+                         num_engine_restarts=self._async.num_restarts if self._async else 0)
 
     def backend_info(self) -> BackendInfo:
         layout = self.engine.runner.layout
@@ -101,7 +124,7 @@ class PagedLLM(LLM):
         if self._async is None:
             return self.engine.reset_prefix_cache()
         # Between two steps, like admissions and aborts: never during a step's lookups.
-        return await self._async.call_between_steps(self.engine.reset_prefix_cache)
+        return await self._async.call_between_steps(lambda engine: engine.reset_prefix_cache())
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         _one_output(params)
@@ -112,8 +135,7 @@ class PagedLLM(LLM):
             await self.start()
         assert self._async is not None
         _one_output(request.params)
-        if not self._async.is_healthy:
-            raise EngineDeadError(f"the engine has failed: {self._async.dead_reason}")
+        self._async.check_serving()
         prompt_ids = (list(request.prompt_token_ids) if request.prompt_token_ids is not None
                       else await self.encode(request.prompt or ""))
         updates = self._async.generate(request.request_id, prompt_ids, request.params)

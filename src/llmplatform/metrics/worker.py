@@ -3,14 +3,16 @@
 Two sources:
 
 * **Load, read at scrape time** (:class:`_LoadCollector`): running and waiting requests, KV-cache
-  usage, and the counters the engine keeps itself (prefix-cache queries and hits, preemptions).
+  usage, and the counters the engine keeps itself (prefix-cache queries and hits, preemptions,
+  engine restarts: ``llmplatform:engine_restarts_total``).
   Read when scraped, they are never stale and need no bookkeeping on the hot path.
 * **Per-request timings, observed by the worker** (:class:`RequestObserver`): time to first
   token, inter-token latency, end-to-end latency, queue time, token counters and finished
   requests by reason. The worker sees every backend's chunks the same way, so these mean the same
   for ``paged`` and ``hf``.
 
-A backend without a paged KV cache (``hf``) reports no KV usage, prefix cache or preemptions; those
+A backend without a paged KV cache (``hf``) reports no KV usage, prefix cache, preemptions or
+engine restarts (it has no engine to rebuild: a failed forward pass fails its request); those
 series are then absent rather than 0, so a dashboard never shows an idle cache that does not exist.
 Every series is labelled ``model_name`` (the worker's first model name).
 """
@@ -78,6 +80,11 @@ class _LoadCollector(Collector):
             yield self._counter("num_preemptions",
                                 "Sequences preempted (their KV cache freed, recomputed later).",
                                 stats.num_preemptions)
+        if stats.num_engine_restarts is not None:
+            yield self._counter("engine_restarts",
+                                "Times the engine was rebuilt in-process after a step failed "
+                                "as a whole (its in-flight requests failed).",
+                                stats.num_engine_restarts)
 
 
 class WorkerMetrics:

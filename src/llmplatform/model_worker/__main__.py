@@ -1,10 +1,15 @@
-"""``python -m llmplatform.model_worker``: serve one model over FastChat's worker protocol."""
+"""``python -m llmplatform.model_worker``: serve one model over FastChat's worker protocol.
+
+Exits with status 1 when its backend fails for good (its engine could not be rebuilt, or failed
+more often than ``RestartConfig`` allows), so that a supervisor starts a fresh process.
+"""
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
 import logging
+import os
 from urllib.parse import urlparse
 
 from llmplatform.engine.config import COMPUTE_DTYPES
@@ -110,6 +115,20 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+BACKEND_FAILURE_EXIT_STATUS = 1
+
+
+def _exit_after_backend_failure(reason: str) -> None:
+    logging.getLogger("llmplatform.worker").critical(
+        "exiting with status %d: the backend cannot serve any more (%s); a supervisor should "
+        "start this worker again", BACKEND_FAILURE_EXIT_STATUS, reason)
+    logging.shutdown()  # flush every handler: os._exit skips that
+    # os._exit, not sys.exit: a normal interpreter exit joins the executor threads first, and a
+    # step thread stuck in a broken device call would keep it waiting forever. Nothing is left
+    # to save: the worker already left its controller and its requests have their errors.
+    os._exit(BACKEND_FAILURE_EXIT_STATUS)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, args.log_format)
@@ -149,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
                               max_queue_len=args.max_queue_len,
                               retry_after=args.overload_retry_after,
                               cluster_secret=secret_from_env(args.cluster_secret))
-    app = create_app(llm, settings)
+    app = create_app(llm, settings, on_backend_failure=_exit_after_backend_failure)
     from llmplatform.utils.startup import listen_url, worker_summary
 
     log_summary(logging.getLogger("llmplatform.worker"), "llmplatform worker",

@@ -9,6 +9,10 @@ A closed connection aborts the request down to the backend (its generator is clo
 Refusals happen before any work, with an HTTP status (:mod:`.admission`): 429 + Retry-After when
 the queue is full, 503 when the engine is dead or the worker is draining. Draining (:func:`drain`,
 run when SIGTERM arrives) deregisters from the controller while in-flight requests finish.
+
+A backend rebuilding its engine after a failure answers 503 for a moment and stays registered;
+one that failed for good is handled by :mod:`.failure` (``on_backend_failure``: exit in service
+mode).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from llmplatform.metrics.worker import WorkerLoad, WorkerMetrics
 from llmplatform.model_worker.admission import (Ticket, TicketedStreamingResponse, WorkerState,
                                                refusal_response)
 from llmplatform.model_worker.conv import conv_template_for
+from llmplatform.model_worker.failure import FailureHandler, watch_backend
 from llmplatform.model_worker.registration import ControllerLink
 from llmplatform.model_worker.requests import (WORKER_PARAM_EXTENSIONS, Accepted, accept,
                                               check_model, id_in_use)
@@ -69,23 +74,32 @@ class WorkerSettings:
     """When set, every route but /health and /metrics needs it (X-LLMPlatform-Secret), and the
     worker sends it to the controller."""
 
+def create_app(llm: LLM, settings: WorkerSettings, *,
+               on_backend_failure: FailureHandler | None = None) -> FastAPI:
+    """``on_backend_failure(reason)``: called once the backend has failed for good, after the
+    worker left its controller (service mode exits the process there; see :mod:`.failure`)."""
 
-def create_app(llm: LLM, settings: WorkerSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await llm.start()
+        watcher = asyncio.get_running_loop().create_task(
+            watch_backend(app.state, llm, lambda: drain(app), on_backend_failure),
+            name="backend-watch")
         client = httpx.AsyncClient(timeout=httpx.Timeout(settings.controller_timeout),
                                    headers=secret_headers(settings.cluster_secret))
         if settings.register and settings.controller_address:
             link = ControllerLink(client, settings.controller_address,
                                   lambda: app.state.worker_address,
                                   lambda: _status(app), heartbeat_interval=settings.heartbeat_interval,
-                                  is_healthy=llm.is_healthy)
+                                  # Leave only when the backend failed for good: a rebuild
+                                  # takes seconds, and the worker serves again after it.
+                                  is_healthy=lambda: app.state.backend_failure is None)
             app.state.controller_link = link
             link.start()
         try:
             yield
         finally:
+            watcher.cancel()
             await drain(app)  # usually begun already, when the shutdown signal came
             await client.aclose()
             await llm.shutdown()
@@ -97,6 +111,7 @@ def create_app(llm: LLM, settings: WorkerSettings) -> FastAPI:
     app.state.worker = WorkerState(settings.limit_worker_concurrency, settings.max_queue_len,
                                    settings.retry_after)
     app.state.controller_link = None
+    app.state.backend_failure = None  # why the backend failed for good (.failure)
     app.state.generation_ids = set()  # ids of generations in progress (duplicates are refused)
     app.state.metrics = WorkerMetrics(llm.model_names[0], lambda: WorkerLoad(
         llm.load(), app.state.worker.num_accepted))
@@ -377,4 +392,6 @@ def _add_routes(app: FastAPI) -> None:
             return JSONResponse({"status": "draining"}, status_code=503)
         if llm.is_healthy():
             return JSONResponse({"status": "ok", "models": list(llm.model_names)})
+        if app.state.backend_failure is None:  # e.g. rebuilding its engine after a failure
+            return JSONResponse({"status": "unavailable"}, status_code=503)
         return JSONResponse({"status": "dead"}, status_code=503)

@@ -1,0 +1,102 @@
+"""Keeping one request's fault that request's.
+
+Some of a step's work is per request even when it runs batched: sampling (one row per
+sequence), prompt log-probabilities, detokenizing and stop handling. When that work raises, the
+fault can be pinned on the request whose row raised: that request fails alone (finish reason
+ERROR, its KV blocks freed) and every other sequence of the step goes on with the token it
+would have got anyway. Only a fault that cannot be pinned (the forward pass, the scheduler)
+fails the step; :mod:`.async_engine` then rebuilds the engine.
+
+:class:`IsolatingSampler` runs the batched sampler once; only if that raises does it sample the
+rows one by one to find the culprit(s). :func:`pinned_fault` is the one way a per-sequence fault
+is logged and turned into the client's error message.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from llmplatform.engine.faults import FaultInjector
+from llmplatform.engine.sequence import Sequence
+from llmplatform.llm.base import TokenLogprob
+from llmplatform.llm.sampler import Sampler, SamplingRow
+from llmplatform.utils.logs import request_context
+
+logger = logging.getLogger("llmplatform.engine")
+
+
+def pinned_fault(seq: Sequence, stage: str, exc: BaseException) -> str:
+    """Logs a fault pinned on ``seq`` (with its traceback, in its request's context) and returns
+    the error message its client gets."""
+    with request_context(seq.request_id):
+        logger.error("%s failed for output %d of this request; failing it alone, the other "
+                     "requests go on", stage, seq.index, exc_info=exc)
+    return (f"this request failed during {stage} ({type(exc).__name__}: {exc}); other requests "
+            "were not affected")
+
+
+@dataclass(frozen=True)
+class SampledRows:
+    """The sampler's answer per row: a token (and logprob record) or, for a row whose own
+    sampling raised, the error for its client. Rows keep their order."""
+
+    token_ids: list[int | None]
+    logprobs: list[TokenLogprob | None]
+    errors: dict[int, str]  # row index -> error message
+
+
+class IsolatingSampler:
+    def __init__(self, sampler: Sampler, faults: FaultInjector | None = None) -> None:
+        self._sampler = sampler
+        self._faults = faults
+
+    def __call__(self, logits: torch.Tensor, rows: Seq[SamplingRow],
+                 seqs: Seq[Sequence]) -> SampledRows:
+        """logits: [num_rows, vocab_size]; ``seqs[i]`` is the sequence row i samples for.
+
+        Raises only when no row can be blamed: every row also fails on its own (with more than
+        one row that looks like the device, not the requests)."""
+        # A seeded row's generator may have drawn before the batch raised; its retry must draw
+        # the same numbers as a run without the fault.
+        generator_states = [(row.generator, row.generator.get_state())
+                            for row in rows if row.generator is not None]
+        try:
+            token_ids, logprobs = self._sample(logits, rows, seqs)
+            return SampledRows(list(token_ids), list(logprobs), {})
+        except Exception as batch_exc:
+            for generator, state in generator_states:
+                generator.set_state(state)
+            return self._one_by_one(logits, rows, seqs, batch_exc)
+
+    def _one_by_one(self, logits: torch.Tensor, rows: Seq[SamplingRow], seqs: Seq[Sequence],
+                    batch_exc: Exception) -> SampledRows:
+        token_ids: list[int | None] = []
+        logprobs: list[TokenLogprob | None] = []
+        errors: dict[int, str] = {}
+        failures: list[tuple[int, Exception]] = []
+        for i, (row, seq) in enumerate(zip(rows, seqs)):
+            try:
+                ids, records = self._sample(logits[i:i + 1], [row], [seq])
+            except Exception as exc:
+                failures.append((i, exc))
+                token_ids.append(None)
+                logprobs.append(None)
+                continue
+            token_ids.append(ids[0])
+            logprobs.append(records[0])
+        if len(failures) == len(rows) and len(rows) > 1:
+            raise batch_exc  # not one request's fault
+        for i, exc in failures:
+            errors[i] = pinned_fault(seqs[i], "sampling", exc)
+        return SampledRows(token_ids, logprobs, errors)
+
+    def _sample(self, logits: torch.Tensor, rows: Seq[SamplingRow], seqs: Seq[Sequence]
+                ) -> tuple[list[int], list[TokenLogprob | None]]:
+        sampled = self._sampler(logits, rows)
+        if self._faults is not None:  # after the draws, as a fault in the logprob records would
+            self._faults.check_sampling(seqs)
+        return sampled
