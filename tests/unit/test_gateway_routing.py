@@ -32,7 +32,7 @@ from llmplatform.openai_api.routing import (
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.openai_api.worker_client import WorkerClient, with_failover
 from llmplatform.openai_api.worker_wire import WorkerUnavailableError
-from llmplatform.protocol.controller import ListWorkersResponse, WorkerDescription
+from llmplatform.protocol.controller import ListWorkersResponse, WorkerDescription, WorkerStatus
 
 from tests.unit.controller_fakes import A, B, C, FakeClock, FixedRandom
 
@@ -89,10 +89,12 @@ def test_only_workers_serving_the_model_are_candidates() -> None:
     assert table.models() == {"x", "m", "y"}
 
 
-async def register(http: httpx.AsyncClient, name: str, **status: Any) -> None:
-    body = {"worker_name": name, "check_heart_beat": True,
-            "worker_status": {"model_names": ["m"], "speed": 1, "queue_length": 0, **status}}
-    assert (await http.post("/register_worker", json=body)).status_code == 200
+async def register(app: Any, name: str, **status: Any) -> None:
+    """Put a worker into the controller's registry. Directly: over /register_worker the controller
+    would first confirm it with the worker's own /worker_get_status, and these workers are only
+    names (confirmation: tests/security/test_worker_confirmation.py)."""
+    app.state.registry.register(name, WorkerStatus.model_validate(
+        {"model_names": ["m"], "speed": 1, "queue_length": 0, **status}))
 
 
 @pytest.mark.parametrize("method", list(DispatchMethod))
@@ -110,7 +112,7 @@ async def test_a_burst_is_spread_exactly_as_the_controller_spreads_it(method: Di
                                     rng=random.Random(7))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url=CONTROLLER) as http:
             for name, status in facts.items():
-                await register(http, name, **status)
+                await register(app, name, **status)
             if side == "controller":
                 answers = [await http.post("/get_worker_address", json={"model": "m"})
                            for _ in range(12)]
@@ -365,9 +367,9 @@ async def test_failover_asks_the_controller_when_the_table_has_no_other_worker(m
 async def test_worker_addresses_lists_every_live_worker_of_the_model() -> None:
     app = create_controller_app(ControllerConfig(), clock=FakeClock(), rng=random.Random(0))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url=CONTROLLER) as http:
-        await register(http, A)
-        await register(http, B)
-        await register(http, C, model_names=["other"])
+        await register(app, A)
+        await register(app, B)
+        await register(app, C, model_names=["other"])
         client = WorkerClient(http, GatewaySettings(controller_address=CONTROLLER))
         assert sorted(await client.worker_addresses("m")) == sorted([A, B])
         assert await client.worker_addresses("other") == [C]

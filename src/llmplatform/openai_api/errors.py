@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmplatform.errors import ErrorCode, InvalidRequestError, LLMPlatformError, error_from_code
 from llmplatform.protocol.openai import ErrorResponse
+from llmplatform.utils.peer_text import invalid_response, is_known_error_code, safe_peer_text
 
 logger = logging.getLogger("llmplatform.openai_api")
 
@@ -95,25 +96,28 @@ def error_response(exc: LLMPlatformError) -> JSONResponse:
 def error_from_http(status_code: int, body: bytes, what: str) -> LLMPlatformError:
     """A typed error for a non-200 answer from a worker or the controller.
 
-    Our worker and FastChat's answer ``{"text": message, "error_code": code}``; anything else is
-    classified by its status alone.
+    Only a well-formed FastChat error object (``{"text": message, "error_code": code}`` with one
+    of FastChat's codes: what our worker and FastChat's answer) passes its text on, cut short and
+    without control characters (:mod:`llmplatform.utils.peer_text`). Anything else a peer sent is
+    never quoted to the client: the error says it answered with an invalid response, and its
+    status alone picks the error's type.
     """
-    message = body[:500].decode("utf-8", "replace")
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         data = None
-    if isinstance(data, dict) and isinstance(data.get("error_code"), int) and data["error_code"]:
-        return error_from_code(data["error_code"], str(data.get("text") or message))
-    if isinstance(data, dict) and isinstance(data.get("error"), dict):
-        message = str(data["error"].get("message") or message)
-    elif isinstance(data, dict) and isinstance(data.get("error"), str):
-        message = data["error"]
-    elif isinstance(data, dict) and data.get("detail") is not None:
-        message = str(data["detail"])
+    if isinstance(data, dict) and data.get("error_code"):
+        code, text = data.get("error_code"), data.get("text")
+        if is_known_error_code(code) and isinstance(text, str) and safe_peer_text(text):
+            error = error_from_code(code, safe_peer_text(text))
+            param = data.get("param")
+            if isinstance(param, str) and 0 < len(param) <= 128 and param.isprintable():
+                error.param = param
+            return error
+    message = invalid_response(what, status_code)
     if 400 <= status_code < 500:
-        return InvalidRequestError(f"{what} rejected the request (HTTP {status_code}): {message}")
-    return UpstreamError(f"{what} failed (HTTP {status_code}): {message}")
+        return InvalidRequestError(message)
+    return UpstreamError(message)
 
 
 def parse_request(model: type[M], raw: bytes) -> M:

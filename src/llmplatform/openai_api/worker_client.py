@@ -24,6 +24,7 @@ answer) and the stream ends with an :class:`UpstreamError` (502).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -32,7 +33,7 @@ import httpx
 from pydantic import ValidationError
 
 from llmplatform.conversation import ConvTemplate, render_chat_prompt
-from llmplatform.errors import LLMPlatformError, ModelNotFoundError, NoWorkerError, error_from_code
+from llmplatform.errors import LLMPlatformError, ModelNotFoundError, NoWorkerError
 from llmplatform.openai_api.errors import UpstreamError, error_from_http
 from llmplatform.openai_api.routing import RouteSource, RoutingTable
 from llmplatform.openai_api.settings import GatewaySettings
@@ -129,7 +130,7 @@ class WorkerClient:
         try:
             models = ListModelsResponse.model_validate(data).models
         except ValidationError:
-            raise UpstreamError(f"The controller's /list_models answer is malformed: {data!r:.200}") from None
+            raise UpstreamError("The controller's /list_models answer is malformed.") from None
         self._known_models.update(models)
         return models
 
@@ -146,8 +147,7 @@ class WorkerClient:
         try:
             listing = ListWorkersResponse.model_validate_json(response.content)
         except ValidationError:
-            body = response.content[:200]
-            raise UpstreamError(f"The controller's /list_workers answer is malformed: {body!r}") from None
+            raise UpstreamError("The controller's /list_workers answer is malformed.") from None
         self._known_models.update(name for worker in listing.workers for name in worker.model_names)
         return listing
 
@@ -185,7 +185,7 @@ class WorkerClient:
         try:
             address = GetWorkerAddressResponse.model_validate(data).address
         except ValidationError:
-            raise UpstreamError(f"The controller's /get_worker_address answer is malformed: {data!r:.200}") from None
+            raise UpstreamError("The controller's /get_worker_address answer is malformed.") from None
         if address:
             self._known_models.add(model)
             return address.rstrip("/")
@@ -225,7 +225,7 @@ class WorkerClient:
         except ValueError:
             raise UpstreamError(f"The worker at {url} answered with malformed JSON.") from None
         if not isinstance(data, dict) or not isinstance(data.get("success"), bool):
-            raise UpstreamError(f"The worker at {url} answered without a result: {data!r:.200}")
+            raise UpstreamError(f"The worker at {url} answered with an invalid response (no result).")
         return data["success"]
 
     # ---- prompts -----------------------------------------------------------------------------
@@ -278,10 +278,10 @@ class WorkerClient:
     async def count_tokens(self, address: str, model: str, prompt: str) -> int:
         url = f"{address}/count_token"
         data = await self._post_json("worker", url, {"model": model, "prompt": prompt}, self._worker_timeout)
-        if isinstance(data, dict) and data.get("error_code"):
-            raise error_from_code(int(data["error_code"]), str(data.get("text") or "count_token failed"))
+        if isinstance(data, dict) and data.get("error_code"):  # only a known code's text is shown
+            raise error_from_http(200, json.dumps(data).encode(), f"The worker at {url}")
         if not isinstance(data, dict) or not isinstance(data.get("count"), int):
-            raise UpstreamError(f"The worker at {url} answered without a token count: {data!r:.200}")
+            raise UpstreamError(f"The worker at {url} answered with an invalid response (no token count).")
         return data["count"]
 
     async def context_length(self, address: str, model: str) -> int:
@@ -304,7 +304,7 @@ class WorkerClient:
         url = f"{address}/model_details"
         data = await self._post_json("worker", url, {"model": model}, self._worker_timeout)
         if not isinstance(data, dict) or not isinstance(data.get("context_length"), int):
-            raise UpstreamError(f"The worker at {url} answered without a context length: {data!r:.200}")
+            raise UpstreamError(f"The worker at {url} answered with an invalid response (no context length).")
         extensions = data.get("params")
         self._cache_put(self._context_lengths, (address, model), data["context_length"])
         self._cache_put(self._extensions, (address, model), frozenset(

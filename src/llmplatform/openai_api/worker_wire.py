@@ -24,6 +24,7 @@ from llmplatform.errors import (
 )
 from llmplatform.openai_api.errors import UpstreamError, error_from_http
 from llmplatform.protocol.worker import NUL, WorkerChunk
+from llmplatform.utils.peer_text import is_known_error_code, safe_peer_text
 
 _MAX_RETRY_AFTER_S = 3600
 
@@ -52,13 +53,17 @@ class NulFrameDecoder:
 
 
 def parse_chunk(frame: bytes) -> WorkerChunk:
-    """One frame as a chunk; a FastChat error object raises its typed error."""
+    """One frame as a chunk; a FastChat error object raises its typed error. What the worker
+    sent is shown to the client only as a known FastChat error's text, cut short (see
+    utils.peer_text): a malformed frame or an unknown code is described, never quoted."""
     try:
         chunk = WorkerChunk.model_validate_json(frame)  # one pass, in pydantic's own JSON parser
     except (ValueError, ValidationError):
-        raise UpstreamError(f"the worker sent a malformed stream chunk: {frame[:200]!r}") from None
+        raise UpstreamError("The worker answered with an invalid response (a malformed stream chunk).") from None
+    if chunk.error_code and not is_known_error_code(chunk.error_code):
+        raise UpstreamError("The worker answered with an invalid response (an unknown error code).")
     if chunk.error_code:
-        raise error_from_code(chunk.error_code, chunk.text or f"worker error {chunk.error_code}")
+        raise error_from_code(chunk.error_code, safe_peer_text(chunk.text) or f"worker error {chunk.error_code}")
     return chunk
 
 
