@@ -218,6 +218,70 @@ def test_min_tokens_mask_does_not_leak_to_other_rows(sampler: Sampler) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# logit_bias
+
+
+def test_plus_100_forces_a_token_for_greedy_and_random_rows(sampler: Sampler) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(1, VOCAB) * 3
+    unlikely = int(logits.argmin())
+    original = logits.clone()
+    greedy = row(temperature=0.0, logit_bias={unlikely: 100})
+    assert sampler(logits, [greedy])[0] == [unlikely]
+    torch.testing.assert_close(logits, original)  # the caller's logits are not written to
+    counts = draw_counts(sampler, logits, 300, temperature=1.0, logit_bias={str(unlikely): 100.0})
+    assert counts == Counter({unlikely: 300})
+
+
+def test_minus_100_bans_the_argmax(sampler: Sampler) -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(1, VOCAB) * 3
+    top, second = logits[0].topk(2).indices.tolist()
+    assert sampler(logits, [row(temperature=0.0)])[0] == [top]
+    assert sampler(logits, [row(temperature=0.0, logit_bias={top: -100})])[0] == [second]
+    counts = draw_counts(sampler, logits, 300, logit_bias={top: -100})
+    assert top not in counts and len(counts) > 1
+
+
+def test_logit_bias_is_added_to_the_logits(sampler: Sampler) -> None:
+    # Equal logits; a bias of 1.0 on token 2 makes it e times as likely as each other token:
+    # added, not multiplied or clamped. Reported logprobs stay the raw distribution's.
+    logits = torch.zeros(1, VOCAB)
+    counts = draw_counts(sampler, logits, 4000, logit_bias={2: 1.0})
+    expected = [1.0] * VOCAB
+    expected[2] = math.e
+    probs = [p / sum(expected) for p in expected]
+    assert chi_square(counts, probs) < 30  # 9 degrees of freedom: p ~ 0.0004
+    _, records = sampler(logits, [row(temperature=0.0, logprobs=0, logit_bias={2: 100})])
+    assert records[0].token_id == 2 and records[0].logprob == pytest.approx(-math.log(VOCAB))
+
+
+def test_logit_bias_rows_are_independent(sampler: Sampler) -> None:
+    # Four rows of the same logits in one batch: each row's bias applies to that row only, and
+    # rows without a bias sample as they would alone.
+    torch.manual_seed(2)
+    logits = torch.randn(1, VOCAB).expand(5, -1).clone()
+    top = int(logits[0].argmax())
+    others = [t for t in logits[0].argsort(descending=True).tolist() if t != top]
+    rows = [row(temperature=0.0, logit_bias={others[3]: 100}),
+            row(temperature=0.0),
+            row(temperature=0.0, logit_bias={top: -100}),
+            row(temperature=0.0, logit_bias={others[5]: 100, top: -100}),
+            row(seed=5, logit_bias={others[1]: 100})]
+    ids, _ = sampler(logits, rows)
+    assert ids == [others[3], top, others[0], others[5], others[1]]
+
+
+def test_min_tokens_wins_over_a_forcing_bias(sampler: Sampler) -> None:
+    # A stop id may not be drawn before min_tokens, whatever its bias.
+    logits = torch.zeros(1, VOCAB)
+    early = row(output=[1], temperature=0.0, min_tokens=3, stop_token_ids=(4,), logit_bias={4: 100})
+    assert sampler(logits, [early])[0] != [4]
+    done = row(output=[1, 1, 1], temperature=0.0, min_tokens=3, stop_token_ids=(4,), logit_bias={4: 100})
+    assert sampler(logits, [done])[0] == [4]
+
+
+# ---------------------------------------------------------------------------------------------
 # Seeds
 
 

@@ -8,8 +8,9 @@ import math
 import pytest
 
 from llmplatform.errors import InvalidRequestError
-from llmplatform.llm.sampling import (GREEDY_TEMPERATURE, MAX_LOGPROBS, MAX_STOP_STRINGS,
-                                      SamplingParams)
+from llmplatform.llm.sampling import (GREEDY_TEMPERATURE, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS,
+                                      MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS, SamplingParams,
+                                      check_prompt_token_ids)
 
 
 def test_defaults_are_valid_and_frozen() -> None:
@@ -80,14 +81,26 @@ _INVALID = [
     ("presence_penalty", -2.01), ("presence_penalty", 2.01),
     ("frequency_penalty", -2.01), ("frequency_penalty", 2.01),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", 10.01),
-    ("seed", 1.5), ("seed", "42"), ("seed", True),
+    ("seed", 1.5), ("seed", "42"), ("seed", True), ("seed", 2**64), ("seed", -(2**63) - 1),
+    ("seed", 10**4000),
     ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 1.0), ("max_tokens", True),
     ("max_tokens", None),
     ("min_tokens", -1), ("min_tokens", 1.5), ("min_tokens", True),
     ("stop", ("ok", "")), ("stop", ("ok", 3)), ("stop", ("",)),
     ("stop", tuple(f"s{i}" for i in range(MAX_STOP_STRINGS + 1))),
+    ("stop", ("x" * (MAX_STOP_STRING_LENGTH + 1),)), ("stop", 5), ("stop", None),
     ("stop_token_ids", (1, -1)), ("stop_token_ids", (1.0,)), ("stop_token_ids", (True,)),
-    ("stop_token_ids", ("3",)),
+    ("stop_token_ids", ("3",)), ("stop_token_ids", "12"), ("stop_token_ids", 12),
+    ("stop_token_ids", {1: 2}),
+    ("n", 0), ("n", 129), ("n", 1.0), ("n", True), ("n", "2"),
+    ("logit_bias", {"-1": 5}), ("logit_bias", {-1: 5}), ("logit_bias", {"1.5": 5}),
+    ("logit_bias", {"abc": 5}), ("logit_bias", {"": 5}), ("logit_bias", {" 1": 5}),
+    ("logit_bias", {"1" * 11: 5}), ("logit_bias", {True: 5}), ("logit_bias", {1.0: 5}),
+    ("logit_bias", {"1": 100.5}), ("logit_bias", {"1": -101}), ("logit_bias", {"1": math.nan}),
+    ("logit_bias", {"1": math.inf}), ("logit_bias", {"1": "5"}), ("logit_bias", {"1": True}),
+    ("logit_bias", {"1": None}), ("logit_bias", {"1": 1, 1: 2}), ("logit_bias", [1, 2]),
+    ("logit_bias", "1:5"), ("logit_bias", 5),
+    ("logit_bias", {str(i): 1 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)}),
     ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", 1.0), ("logprobs", True),
     ("prompt_logprobs", -1), ("prompt_logprobs", MAX_LOGPROBS + 1), ("prompt_logprobs", "1"),
     ("prompt_logprobs", False),
@@ -117,7 +130,9 @@ _VALID_EDGES = [
     ("presence_penalty", -2.0), ("presence_penalty", 2.0),
     ("frequency_penalty", -2.0), ("frequency_penalty", 2.0),
     ("repetition_penalty", 1e-3), ("repetition_penalty", 10.0),
-    ("seed", 0), ("seed", -1), ("seed", 2**64 - 1),
+    ("seed", 0), ("seed", -1), ("seed", 2**64 - 1), ("seed", -(2**63)),
+    ("stop", ("x" * MAX_STOP_STRING_LENGTH,)),
+    ("n", 1), ("n", 128),
     ("max_tokens", 1),
     ("stop", tuple(f"s{i}" for i in range(MAX_STOP_STRINGS))),
     ("stop_token_ids", (0, 49151)),
@@ -135,3 +150,48 @@ def test_boundary_values_are_accepted(name: str, value: object) -> None:
 def test_error_is_a_value_error_for_generic_handlers() -> None:
     with pytest.raises(ValueError):
         SamplingParams(temperature=-1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# logit_bias and the vocabulary
+
+
+def test_logit_bias_keys_parse_and_pairs_are_sorted() -> None:
+    params = SamplingParams(logit_bias={"50": -100, "7": 100.0, 3: 0.5, "0": -0.0})
+    assert params.logit_bias == ((0, 0.0), (3, 0.5), (7, 100.0), (50, -100.0))
+    assert SamplingParams(logit_bias={}).logit_bias == ()
+    assert SamplingParams(logit_bias=None).logit_bias == ()  # type: ignore[arg-type]
+    # Normalised pairs pass through as they are (dataclasses.replace re-runs the checks).
+    assert dataclasses.replace(params, temperature=0.5).logit_bias == params.logit_bias
+    hash(params)
+    full = SamplingParams(logit_bias={str(i): 1 for i in range(MAX_LOGIT_BIAS_ENTRIES)})
+    assert len(full.logit_bias) == MAX_LOGIT_BIAS_ENTRIES
+
+
+VOCAB = 49152
+
+
+def test_check_vocab_names_the_field_of_an_id_outside_the_vocabulary() -> None:
+    SamplingParams(stop_token_ids=(0, VOCAB - 1), logit_bias={VOCAB - 1: 1}).check_vocab(VOCAB)
+    for params, field in [
+        (SamplingParams(stop_token_ids=(5, VOCAB)), "stop_token_ids"),
+        (SamplingParams(stop_token_ids=(60000,), min_tokens=2), "stop_token_ids"),  # the reproducer
+        (SamplingParams(logit_bias={"9999999999": 1}), "logit_bias"),
+        (SamplingParams(logit_bias={VOCAB: -100, 1: 1}), "logit_bias"),
+    ]:
+        with pytest.raises(InvalidRequestError) as excinfo:
+            params.check_vocab(VOCAB)
+        assert excinfo.value.param == field
+        assert field in excinfo.value.message and str(VOCAB) in excinfo.value.message
+
+
+@pytest.mark.parametrize("ids", [[1, VOCAB], [-1], [2**70], [1.0], [True], ["5"], [None]])
+def test_prompt_token_ids_outside_the_vocabulary_are_refused(ids: list) -> None:
+    with pytest.raises(InvalidRequestError) as excinfo:
+        check_prompt_token_ids(ids, VOCAB)
+    assert excinfo.value.param == "prompt"
+    assert len(excinfo.value.message) < 200  # a huge id is not echoed whole
+
+
+def test_prompt_token_ids_inside_the_vocabulary_pass() -> None:
+    check_prompt_token_ids([0, 1, VOCAB - 1], VOCAB)

@@ -31,7 +31,7 @@ from llmplatform.errors import ContextLengthExceededError, InvalidRequestError
 from llmplatform.llm.base import FinishReason, GenerateChunk, Usage
 from llmplatform.llm.output import OutputProcessor, eos_token_ids_of
 from llmplatform.llm.sampler import SamplingRow, make_generator
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.llm.sampling import SamplingParams, check_prompt_token_ids
 from llmplatform.utils.logs import request_context
 
 logger = logging.getLogger("llmplatform.engine")
@@ -117,9 +117,13 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises for a request that can never be served (before anything is allocated)."""
+        """Raises for a request that can never be served (before anything is allocated), every
+        token id it carries checked against the model's vocabulary (the logits' width)."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab_size = int(self.runner.model.lm_head_weight.shape[0])  # the logits' width
+        check_prompt_token_ids(prompt_token_ids, vocab_size)
+        params.check_vocab(vocab_size)
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ContextLengthExceededError(

@@ -138,6 +138,8 @@ class ModelFacts:
     names: tuple[str, ...]
     context_length: int
     vocab_size: int
+    """The width of the model's logits (its LM head's rows): every token id a request carries
+    must be in [0, vocab_size). It may differ from ``len(tokenizer)`` (padded embeddings)."""
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
 

@@ -21,7 +21,7 @@ from llmplatform.llm.base import (LLM, BackendInfo, FinishReason, GenerateChunk,
                                   LoadStats, ModelFacts, TokenLogprob)
 from llmplatform.llm.output import OutputProcessor, eos_token_ids_of, token_text
 from llmplatform.llm.sampler import Sampler, SamplingRow, make_generator
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.llm.sampling import SamplingParams, check_prompt_token_ids
 from llmplatform.llm.torch_utils import resolve_device, resolve_dtype
 
 logger = logging.getLogger("llmplatform.hf")
@@ -55,7 +55,7 @@ class HFTransformersLLM(LLM):
         if max_model_len is not None:
             limit = min(limit, max_model_len)
         self._facts = ModelFacts(names=tuple(model_names), context_length=limit,
-                                 vocab_size=int(self.model.config.vocab_size),
+                                 vocab_size=_logits_width(self.model),
                                  eos_token_ids=eos_token_ids_of(self.tokenizer, generation_config))
         self._sampler = Sampler(self.tokenizer)
         self._executor = ThreadPoolExecutor(max_workers=max_concurrency,
@@ -147,6 +147,8 @@ class HFTransformersLLM(LLM):
                                       param="n")
         if not prompt_token_ids:  # nothing to condition the first token on
             raise InvalidRequestError("the prompt is empty", param="prompt")
+        check_prompt_token_ids(prompt_token_ids, self.facts.vocab_size)
+        params.check_vocab(self.facts.vocab_size)
         self._check_fits(len(prompt_token_ids), params.max_tokens)
 
     def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -175,6 +177,14 @@ class HFTransformersLLM(LLM):
             prompt_records = (first, *records)
         token_ids, records = self._sampler(logits[-1:], [row])
         return token_ids[0], records[0], prompt_records
+
+
+def _logits_width(model: Any) -> int:
+    """Rows of the LM head: the token ids the model scores (``config.vocab_size`` unless the
+    embeddings were resized without it)."""
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if weight is not None else int(model.config.vocab_size)
 
 
 def _with_prompt_logprobs(chunk: GenerateChunk, records) -> GenerateChunk:

@@ -47,10 +47,9 @@ class PagedLLM(LLM):
             self._thread.shutdown(wait=True)
             raise
         self.tokenizer = self.engine.tokenizer
-        model_config = self.engine.runner.model.config
         self._facts = ModelFacts(names=config.model.model_names,
                                  context_length=config.scheduler.max_model_len,
-                                 vocab_size=int(model_config.vocab_size),
+                                 vocab_size=int(self.engine.runner.model.lm_head_weight.shape[0]),
                                  eos_token_ids=self.engine.eos_token_ids)
         self._closed = False
 

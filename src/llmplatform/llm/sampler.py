@@ -5,8 +5,13 @@ ops over the batch, with per-row Python only where a row needs its own random ge
 request must draw the same numbers whatever else is in the batch).
 
 Order of operations (the usual one, as in HF and vLLM):
-penalties -> min_tokens mask -> greedy argmax | temperature -> top-k -> top-p -> min-p -> draw.
-Reported log-probabilities are those of the model's raw distribution (before any processing).
+penalties -> logit_bias -> min_tokens mask -> greedy argmax | temperature -> top-k -> top-p ->
+min-p -> draw. The min_tokens mask comes after logit_bias so that no bias can bring back a stop
+id too early. Reported log-probabilities are those of the model's raw distribution (before any
+processing).
+
+Every token id a row carries (stop ids, logit_bias keys) has been checked against the model's
+vocabulary before the row gets here (``SamplingParams.check_vocab``, run by every backend).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
         logits = self._apply_penalties(logits, rows)
+        logits = self._apply_logit_bias(logits, rows)
         logits = self._mask_early_stops(logits, rows)
 
         greedy = torch.tensor([r.params.greedy for r in rows], device=device)
@@ -120,6 +126,24 @@ class Sampler:
             penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
             logits = torch.where(seen, penalised, logits)
         return logits
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """OpenAI's logit_bias: each row's biases added to its logits (one scatter for the batch,
+        into a new tensor: ``logits`` may still be the caller's)."""
+        row_index: list[int] = []
+        token_ids: list[int] = []
+        biases: list[float] = []
+        for i, row in enumerate(rows):
+            for token_id, bias in row.params.logit_bias:
+                row_index.append(i)
+                token_ids.append(token_id)
+                biases.append(bias)
+        if not row_index:
+            return logits
+        device = logits.device
+        return logits.index_put((torch.tensor(row_index, device=device), torch.tensor(token_ids, device=device)),
+                                torch.tensor(biases, device=device, dtype=logits.dtype), accumulate=True)
 
     @staticmethod
     def _mask_early_stops(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
