@@ -116,7 +116,8 @@ _BY_CODE: dict[int, type[LLMPlatformError]] = {
 }
 
 
-def error_from_code(error_code: int, message: str) -> LLMPlatformError:
-    """Rebuild a typed error from a FastChat error code found in a worker stream."""
+def error_from_code(error_code: int, message: str, param: str | None = None) -> LLMPlatformError:
+    """Rebuild a typed error from a FastChat error code found in a worker stream (``param``: the
+    field it names, when the worker said)."""
     cls = _BY_CODE.get(error_code, LLMPlatformError)
-    return cls(message)
+    return cls(message, param=param)

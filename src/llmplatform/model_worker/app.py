@@ -164,8 +164,8 @@ async def _json_body(request: Request, model: type[BaseModel]) -> Any:
     raw = await request.body()
     try:
         data = json.loads(raw) if raw.strip() else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError(f"malformed JSON body: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, an int of 5000 digits, deep nesting
+        raise InvalidRequestError(f"malformed JSON body: {str(exc)[:200]}") from exc
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -226,7 +226,7 @@ async def _generate_chunks(app: FastAPI, accepted: Accepted, ticket: Ticket) -> 
         if request_id in running_ids:  # taken by another request since the check
             exc = id_in_use(request_id)
             logger.info("refused: %s", exc.message)
-            yield error_chunk(exc.message, exc.error_code)
+            yield error_chunk(exc.message, exc.error_code, exc.param)
             return
         running_ids.add(request_id)
         owns_id = True
@@ -250,7 +250,7 @@ async def _generate_chunks(app: FastAPI, accepted: Accepted, ticket: Ticket) -> 
             except LLMPlatformError as exc:
                 observer.failed()
                 logger.info("failed: %s", exc.message)
-                yield error_chunk(exc.message, exc.error_code)
+                yield error_chunk(exc.message, exc.error_code, exc.param)
             except Exception as exc:  # a backend bug must not take the worker down
                 observer.failed()
                 logger.exception("generation %s failed", request.request_id)
@@ -278,7 +278,7 @@ def _add_routes(app: FastAPI) -> None:
         try:
             params = await _json_body(request, WorkerParams)
         except LLMPlatformError as exc:
-            return Response(error_chunk(exc.message, ErrorCode.VALIDATION_TYPE_ERROR))
+            return Response(error_chunk(exc.message, ErrorCode.VALIDATION_TYPE_ERROR, exc.param))
         try:
             ticket = app.state.worker.admit(llm)
         except LLMPlatformError as exc:
@@ -289,7 +289,7 @@ def _add_routes(app: FastAPI) -> None:
         except LLMPlatformError as exc:
             ticket.release()
             # As FastChat's workers answer: the error object is the whole stream, with HTTP 200.
-            return Response(error_chunk(exc.message, exc.error_code))
+            return Response(error_chunk(exc.message, exc.error_code, exc.param))
         except BaseException:
             ticket.release()
             raise
@@ -301,7 +301,8 @@ def _add_routes(app: FastAPI) -> None:
         try:
             params = await _json_body(request, WorkerParams)
         except LLMPlatformError as exc:
-            return JSONResponse({"text": exc.message, "error_code": ErrorCode.VALIDATION_TYPE_ERROR})
+            return Response(error_chunk(exc.message, ErrorCode.VALIDATION_TYPE_ERROR, exc.param).rstrip(b"\0"),
+                            media_type="application/json")
         try:
             ticket = app.state.worker.admit(llm)
         except LLMPlatformError as exc:
@@ -311,7 +312,7 @@ def _add_routes(app: FastAPI) -> None:
                                     metrics=app.state.metrics)
         except LLMPlatformError as exc:
             ticket.release()
-            return Response(error_chunk(exc.message, exc.error_code).rstrip(b"\0"),
+            return Response(error_chunk(exc.message, exc.error_code, exc.param).rstrip(b"\0"),
                             media_type="application/json")
         except BaseException:
             ticket.release()

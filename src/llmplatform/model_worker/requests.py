@@ -2,9 +2,11 @@
 
 A request is accepted (:func:`accept`) only once everything it can fail before generating has
 been checked: the model, its request id, its prompt rendered and counted (``openai_max_tokens``),
-its sampling params, and the backend's own checks (:meth:`LLM.check_request`). The worker then
-answers a refusal as the whole response and an accepted request with a stream whose first chunk
-is output (:data:`~llmplatform.protocol.worker.ACCEPTED_HEADER`).
+its sampling params, every token id they carry against the model's vocabulary (the worker is
+where the vocabulary is known, whoever sent the request), and the backend's own checks
+(:meth:`LLM.check_request`). The worker then answers a refusal as the whole response and an
+accepted request with a stream whose first chunk is output
+(:data:`~llmplatform.protocol.worker.ACCEPTED_HEADER`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from llmplatform.utils.logs import REQUEST_ID
 
 logger = logging.getLogger("llmplatform.worker")
 
-WORKER_PARAM_EXTENSIONS = ("messages", "openai_max_tokens")
-"""The params-dict additions this worker understands beyond FastChat's (``/model_details``)."""
+WORKER_PARAM_EXTENSIONS = ("messages", "openai_max_tokens", "logit_bias")
+"""The params-dict additions this worker understands beyond FastChat's (``/model_details``).
+A gateway sends a field that changes what must be generated (``logit_bias``) only to a worker
+that lists it: a stock worker would drop it silently."""
 
 
 def check_model(llm: LLM, model: str | None) -> None:
@@ -67,6 +71,9 @@ def sampling_params_from(params: WorkerParams, max_new_tokens: int | None = None
                                   param="images")
     if params.use_beam_search:
         raise InvalidRequestError("beam search is not supported", param="use_beam_search")
+    if params.best_of is not None and params.best_of != 1:
+        # One sequence per request here (the gateway fans n out); never pick silently from one.
+        raise InvalidRequestError("best_of other than 1 is not supported", param="best_of")
     stop = params.stop or ()
     return SamplingParams(
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
@@ -77,7 +84,7 @@ def sampling_params_from(params: WorkerParams, max_new_tokens: int | None = None
         stop=(stop,) if isinstance(stop, str) else tuple(stop),
         stop_token_ids=tuple(params.stop_token_ids or ()), ignore_eos=params.ignore_eos,
         logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
-        skip_special_tokens=params.skip_special_tokens)
+        skip_special_tokens=params.skip_special_tokens, logit_bias=params.logit_bias)
 
 
 @dataclass
@@ -107,6 +114,7 @@ async def accept(llm: LLM, params: WorkerParams, *, running_ids: set[str],
             raise id_in_use(request_id)
         prompt, prompt_ids, max_new_tokens = await render_prompt(llm, params)
         sampling = sampling_params_from(params, max_new_tokens)
+        sampling.check_vocab(llm.facts.vocab_size)
         if prompt_ids is not None:
             llm.check_request(prompt_ids, sampling)
     except LLMPlatformError as exc:

@@ -63,7 +63,8 @@ def parse_chunk(frame: bytes) -> WorkerChunk:
     if chunk.error_code and not is_known_error_code(chunk.error_code):
         raise UpstreamError("The worker answered with an invalid response (an unknown error code).")
     if chunk.error_code:
-        raise error_from_code(chunk.error_code, safe_peer_text(chunk.text) or f"worker error {chunk.error_code}")
+        raise error_from_code(chunk.error_code, safe_peer_text(chunk.text) or f"worker error {chunk.error_code}",
+                              chunk.param)
     return chunk
 
 

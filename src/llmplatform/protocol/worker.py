@@ -1,18 +1,28 @@
 """Messages between the gateway (or a controller) and a model worker: FastChat's wire format.
 
 The params dict is parsed once, at the worker's edge, into :class:`WorkerParams`; unknown fields
-are ignored (a newer peer may send more). Stream chunks are :class:`WorkerChunk` objects, each
+are ignored (a newer peer may send more), known ones are strict about their JSON types (a string
+is not a number: a client mistake is refused naming the field, never coerced or a 500). Ranges
+and what depends on the model (token ids against the vocabulary) are checked when the params
+become ``SamplingParams``. Stream chunks are :class:`WorkerChunk` objects, each
 serialised as JSON followed by one NUL byte. ``text`` is cumulative (all text so far), not a delta.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 NUL = b"\0"
+
+MAX_REQUEST_ID_LENGTH = 256
+"""Longest ``request_id`` a worker takes (it is logged and keys the request for aborts). The
+gateway's own ids (a client's ``X-Request-Id`` of up to 128 characters, an infix and the choice
+index) stay well under it."""
+_REQUEST_ID = re.compile(rf"[A-Za-z0-9._:\-]{{1,{MAX_REQUEST_ID_LENGTH}}}")
 
 ACCEPTED_HEADER = "x-llmplatform-accepted"
 """Our addition, on a ``/worker_generate_stream`` answer: the worker checked the whole request
@@ -32,7 +42,7 @@ class OpenAIMaxTokens(BaseModel):
     present, ``max_new_tokens`` is ignored.
     """
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     requested: int | None = Field(default=None, ge=1)
     default: int | None = Field(default=None, ge=1)
@@ -43,10 +53,10 @@ class WorkerParams(BaseModel):
     """The params dict of /worker_generate_stream and /worker_generate.
 
     Defaults are FastChat's: a stock worker treats a missing ``echo`` as true and a missing
-    ``max_new_tokens`` as 256. Everything after ``stop_token_ids`` is our addition.
+    ``max_new_tokens`` as 256. Everything after ``use_beam_search`` is our addition.
     """
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     prompt: str | None = None
@@ -77,6 +87,19 @@ class WorkerParams(BaseModel):
     """Chat messages the worker renders with its model's own chat template (instead of ``prompt``,
     which then must be absent): one round trip where a stock worker needs two."""
     openai_max_tokens: OpenAIMaxTokens | None = None
+    logit_bias: dict[str, float] | None = None
+    """OpenAI's map of token id (a decimal string, as JSON keys are) -> bias in [-100, 100]. It
+    changes what must be generated: a gateway sends it only to a worker that lists it in
+    ``/model_details`` ``params``."""
+
+    @field_validator("request_id")
+    @classmethod
+    def _request_id_shape(cls, value: str | None) -> str | None:
+        # It is logged on every line about the request and names it for /worker_abort.
+        if value is not None and not _REQUEST_ID.fullmatch(value):
+            raise ValueError(f"request_id must be 1 to {MAX_REQUEST_ID_LENGTH} characters from "
+                             "letters, digits and ._:-")
+        return value
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "WorkerParams":
@@ -118,14 +141,22 @@ class WorkerChunk(BaseModel):
     usage: ChunkUsage | None = None
     finish_reason: str | None = None
     logprobs: ChunkLogprobs | None = None
+    param: str | None = None
+    """Our addition, on an error object only: the request field the error is about."""
 
     def encode(self) -> bytes:
-        return self.model_dump_json(exclude_none=False).encode() + NUL
+        exclude = {"param"} if self.param is None else None
+        return self.model_dump_json(exclude_none=False, exclude=exclude).encode() + NUL
 
 
-def error_chunk(message: str, error_code: int) -> bytes:
-    """A FastChat error object: it travels inside the stream, with HTTP 200."""
-    return json.dumps({"text": message, "error_code": error_code}).encode() + NUL
+def error_chunk(message: str, error_code: int, param: str | None = None) -> bytes:
+    """A FastChat error object: it travels inside the stream, with HTTP 200. ``param`` (our
+    addition, a stock peer ignores it) names the request field at fault, so a gateway can put
+    it in OpenAI's error envelope."""
+    error: dict[str, Any] = {"text": message, "error_code": error_code}
+    if param is not None:
+        error["param"] = param
+    return json.dumps(error).encode() + NUL
 
 
 class CountTokenRequest(BaseModel):
