@@ -35,6 +35,8 @@ from llmplatform.openai_api.translate import (
     chat_messages,
     chat_params,
     check_chat_request,
+    check_unsupported,
+    check_worker_extensions,
     completion_params,
     completion_prompts,
     merge_stops,
@@ -244,6 +246,73 @@ def test_completion_params_echo_and_logprobs() -> None:
     assert wire["echo"] is False and wire["logprobs"] == 2 and "prompt_logprobs" not in wire
 
 
+def test_logit_bias_is_forwarded_as_the_worker_reads_it() -> None:
+    req = chat(logit_bias={"15": -100, "2": 100, "7": 0.5})
+    params = chat_params(req, PREPARED, max_new_tokens=5, request_id="r", choice_index=0)
+    wire = params_dict(params)
+    assert wire["logit_bias"] == {"15": -100.0, "2": 100.0, "7": 0.5}
+    assert WorkerParams.model_validate(json.loads(json.dumps(wire))) == params
+    for empty in (chat(), chat(logit_bias={}), chat(logit_bias=None)):
+        wire = params_dict(chat_params(empty, PREPARED, max_new_tokens=5, request_id="r", choice_index=0))
+        assert "logit_bias" not in wire
+    wire = params_dict(completion_params(completion(logit_bias={"3": 1}), PREPARED, max_new_tokens=4,
+                                         request_id="r", choice_index=0))
+    assert wire["logit_bias"] == {"3": 1.0}
+
+
+@pytest.mark.parametrize("raw, param", [
+    ({"logit_bias": {"1": 101}}, "logit_bias.1"),
+    ({"logit_bias": {"1": -100.5}}, "logit_bias.1"),
+    ({"logit_bias": {"1": "5"}}, "logit_bias.1"),
+    ({"logit_bias": {"1": True}}, "logit_bias.1"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
+    ({"logit_bias": "1:5"}, "logit_bias"),
+])
+def test_logit_bias_values_are_checked_when_parsed(raw: dict, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        chat(**raw)
+    assert info.value.param == param
+
+
+@pytest.mark.parametrize("bias", [{"-1": 1}, {"abc": 1}, {"1.5": 1}, {"": 1}, {"１": 1},
+                                  {"12345678901": 1}, {str(i): 1 for i in range(1025)}])
+def test_logit_bias_keys_must_be_token_ids(bias: dict) -> None:
+    for request in (chat(logit_bias=bias), completion(logit_bias=bias)):
+        with pytest.raises(InvalidRequestError) as info:
+            check_unsupported(request)
+        assert info.value.param == "logit_bias"
+    check_unsupported(chat(logit_bias={"0": -100, "4294967295": 100}))  # the worker checks the range
+
+
+@pytest.mark.parametrize("field, value", [("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
+                                          ("allowed_token_ids", []), ("bad_words", "x")])
+def test_token_lists_we_do_not_serve_are_refused_not_dropped(field: str, value: object) -> None:
+    for request in (chat(**{field: value}), completion(**{field: value})):
+        with pytest.raises(InvalidRequestError) as info:
+            check_unsupported(request)
+        assert info.value.param == field
+    check_unsupported(chat(allowed_token_ids=None, bad_words=None))  # null means "not given"
+
+
+def test_logit_bias_needs_a_worker_that_announced_it() -> None:
+    check_worker_extensions(chat(), frozenset())
+    check_worker_extensions(chat(logit_bias={}), frozenset())
+    check_worker_extensions(chat(logit_bias={"1": 5}), frozenset({"messages", "logit_bias"}))
+    with pytest.raises(InvalidRequestError) as info:
+        check_worker_extensions(chat(logit_bias={"1": 5}), frozenset({"messages", "openai_max_tokens"}))
+    assert info.value.param == "logit_bias" and info.value.http_status == 400
+
+
+def test_seeds_stay_in_the_workers_range_for_every_choice() -> None:
+    top = 2**64 - 1
+    seeds = [params_dict(chat_params(chat(seed=top), PREPARED, max_new_tokens=5, request_id="r",
+                                     choice_index=i))["seed"] for i in range(3)]
+    assert seeds == [top, 0, 1]  # seed + i modulo 2**64, as generators use it
+    low = -(2**63)
+    assert params_dict(chat_params(chat(seed=low), PREPARED, max_new_tokens=5, request_id="r",
+                                   choice_index=2))["seed"] == low + 2
+
+
 def test_merge_stops() -> None:
     assert merge_stops(None) is None
     assert merge_stops("a", ["a", "b", ""]) == ["a", "b"]
@@ -356,6 +425,10 @@ def test_error_chunks_map_to_typed_errors() -> None:
         assert info.value.http_status == status and info.value.message == "boom"
     with pytest.raises(UpstreamError):
         parse_chunk(b"not json")
+    # Our addition: the field the worker refused, kept for the error envelope's `param`.
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chunk(json.dumps({"text": "no such token", "error_code": 40302, "param": "logit_bias"}).encode())
+    assert info.value.param == "logit_bias"
 
 
 def test_error_from_http() -> None:

@@ -26,6 +26,8 @@ from llmplatform.openai_api.translate import (
     chat_params,
     check_chat_request,
     check_limits,
+    check_unsupported,
+    check_worker_extensions,
     new_id,
     params_dict,
     max_new_tokens_for,
@@ -51,6 +53,7 @@ async def create_chat_completion(request: Request) -> Response:
     body = parse_request(ChatCompletionRequest, await request.body())
     messages = chat_messages(body.messages)
     check_chat_request(body)
+    check_unsupported(body)
     check_limits(body, request.app.state.settings.limits)
     client: WorkerClient = request.app.state.worker_client
 
@@ -60,6 +63,7 @@ async def create_chat_completion(request: Request) -> Response:
     response_id = new_id("chatcmpl")
 
     async def start_on(address: str) -> tuple[PreparedPrompt, ChoiceStreams]:
+        check_worker_extensions(body, await client.worker_extensions(address, body.model))
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         prepared = await client.prepare_chat(address, body.model, messages, requested=requested)
         max_new_tokens = max_new_tokens_for(prepared, requested, default=None, prompt_param="messages")

@@ -25,6 +25,8 @@ from llmplatform.openai_api.translate import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     PreparedPrompt,
     check_limits,
+    check_unsupported,
+    check_worker_extensions,
     completion_params,
     completion_prompts,
     new_id,
@@ -48,6 +50,7 @@ logger = logging.getLogger("llmplatform.openai_api")
 async def create_completion(request: Request) -> Response:
     body = parse_request(CompletionRequest, await request.body())
     prompts = completion_prompts(body)
+    check_unsupported(body)
     check_limits(body, request.app.state.settings.limits, num_prompts=len(prompts))
     client: WorkerClient = request.app.state.worker_client
 
@@ -58,6 +61,8 @@ async def create_completion(request: Request) -> Response:
     response_id = new_id("cmpl")
 
     async def start_on(address: str) -> tuple[list[PreparedPrompt], ChoiceStreams]:
+        check_worker_extensions(body, await client.worker_extensions(address, body.model))
+
         def prepare(prompt: str) -> Awaitable[PreparedPrompt]:
             return client.prepare_completion(address, body.model, prompt, requested=body.max_tokens,
                                              default=DEFAULT_COMPLETION_MAX_TOKENS)

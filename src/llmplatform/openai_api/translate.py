@@ -1,9 +1,14 @@
 """OpenAI requests -> worker params dicts: pure functions, no I/O.
 
 The route handlers call these in order: check the request's own consistency
-(:func:`chat_messages`, :func:`check_chat_request`, :func:`completion_prompts`), then, once the
-prompt's token count and the model's context are known, :func:`resolve_max_new_tokens`, then one
-params object per choice (:func:`chat_params`, :func:`completion_params`).
+(:func:`chat_messages`, :func:`check_chat_request`, :func:`completion_prompts`), then, once a
+worker is chosen, whether it understands every field the request needs
+(:func:`check_worker_extensions`), then, once the prompt's token count and the model's context are
+known, :func:`resolve_max_new_tokens`, then one params object per choice (:func:`chat_params`,
+:func:`completion_params`).
+
+Token ids (``stop_token_ids``, ``logit_bias`` keys) are checked here only for their shape: the
+worker, which knows the model's vocabulary, checks their range and refuses naming the field.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmplatform.errors import InvalidRequestError
+from llmplatform.llm.sampling import MAX_LOGIT_BIAS_ENTRIES, MAX_SEED
 from llmplatform.llm.context import resolve_max_new_tokens
 from llmplatform.openai_api.settings import RequestLimits
 from llmplatform.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -91,6 +97,40 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
             text = "\n".join(texts)
         normalized.append({"role": role, "content": text})
     return normalized
+
+
+def check_unsupported(request: ChatCompletionRequest | CompletionRequest) -> None:
+    """Fields a client may send that this server does not serve: refused, never dropped (each
+    would change which tokens may be generated)."""
+    for name in ("allowed_token_ids", "bad_words"):
+        if getattr(request, name) is not None:
+            raise InvalidRequestError(f"Invalid value for '{name}': {name} is not supported.", param=name)
+    bias = request.logit_bias or {}
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(
+            f"Invalid value for 'logit_bias': {len(bias)} entries are more than this server's limit "
+            f"of {MAX_LOGIT_BIAS_ENTRIES}.", param="logit_bias")
+    for key in bias:
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise InvalidRequestError(
+                f"Invalid value for 'logit_bias': keys must be token ids (non-negative integers), "
+                f"got {key[:40]!r}.", param="logit_bias")
+
+
+def required_extensions(request: ChatCompletionRequest | CompletionRequest) -> frozenset[str]:
+    """The params-dict additions a worker must understand to serve this request as asked."""
+    return frozenset({"logit_bias"}) if request.logit_bias else frozenset()
+
+
+def check_worker_extensions(request: ChatCompletionRequest | CompletionRequest,
+                            announced: frozenset[str]) -> None:
+    """Refuse a request whose generation-changing fields the chosen worker did not announce
+    (``/model_details`` ``params``): a stock worker would ignore them and generate anyway."""
+    missing = sorted(required_extensions(request) - announced)
+    if missing:
+        raise InvalidRequestError(
+            f"Invalid value for '{missing[0]}': the worker serving model {request.model!r} does "
+            f"not support {missing[0]}.", param=missing[0])
 
 
 def check_chat_request(request: ChatCompletionRequest) -> None:
@@ -231,10 +271,16 @@ def _common(
         "stop_token_ids": stop_token_ids or None,
         "ignore_eos": bool(request.ignore_eos),
         "min_tokens": request.min_tokens or 0,
-        # Each choice samples on its own; with a seed, choice i uses seed + i so they differ.
-        "seed": None if request.seed is None else request.seed + choice_index,
+        # Each choice samples on its own; with a seed, choice i uses seed + i so they differ
+        # (modulo 2**64, as generators take seeds: the sum stays in the range workers accept).
+        "seed": None if request.seed is None else _wrap_seed(request.seed + choice_index),
+        "logit_bias": request.logit_bias or None,
         "request_id": request_id,
     }
+
+
+def _wrap_seed(seed: int) -> int:
+    return seed - 2**64 if seed > MAX_SEED else seed
 
 
 def chat_params(

@@ -291,6 +291,10 @@ class WorkerClient:
             cached = self._context_lengths[(address, model)]
         return cached
 
+    async def worker_extensions(self, address: str, model: str) -> frozenset[str]:
+        """The params-dict additions the worker announced in /model_details (cached)."""
+        return await self._worker_extensions(address, model)
+
     async def _worker_extensions(self, address: str, model: str) -> frozenset[str]:
         cached = self._extensions.get((address, model))
         if cached is None:

@@ -23,6 +23,8 @@ _INT32_MAX = 2**31 - 1
 # Token ids and top_k travel on to tensors: bounded here so a huge integer is a 400, not an
 # overflow inside the engine.
 TokenId = Annotated[int, Field(ge=0, le=_INT32_MAX)]
+# logit_bias values: OpenAI's range; -100 effectively bans a token, +100 effectively forces it.
+LogitBias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 
 
 class _Request(BaseModel):
@@ -67,6 +69,9 @@ class _SamplingRequest(_Request):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     seed: int | None = Field(default=None, ge=_INT64_MIN, le=_UINT64_MAX)
     user: str | None = None
+    logit_bias: dict[str, LogitBias] | None = Field(
+        default=None, description="Token id (a decimal string) -> bias added to its logit. Checked "
+        "against the model's vocabulary by the worker; sent only to a worker that announced it.")
     # ---- extensions ----
     top_k: int | None = Field(default=None, ge=-1, le=_INT32_MAX, description="-1 or 0: off.")
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -74,6 +79,10 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = Field(default=None, ge=0)
+    # vLLM's token lists, parsed only to be refused (translate.check_unsupported): dropping them
+    # silently would generate tokens the client banned or did not allow.
+    allowed_token_ids: Any = None
+    bad_words: Any = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
