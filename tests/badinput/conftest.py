@@ -1,11 +1,74 @@
 """Hypothesis keeps caches in `.hypothesis/` under the working directory; keep them out of the
-repository (and the example database off: the property tests are derandomized)."""
+repository (and the example database off: the property tests are derandomized).
+
+`two_backends`: the tiny model on the paged and the hf backend behind real workers, a controller
+and a gateway, shared by the tests that need real token ids checked against a real vocabulary.
+"""
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import httpx
+import pytest
 from hypothesis.configuration import set_hypothesis_home_dir
 
 set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "llmplatform-hypothesis")
+
+
+# ---- a real cluster with the tiny model on both backends ------------------------------------------
+
+BACKENDS = ("paged", "hf")
+TINY_VOCAB_SIZE = 49152  # the tiny model's logits: SmolLM2's tokenizer length
+TINY_CONTEXT_LENGTH = 512
+
+
+def model_name(backend: str) -> str:
+    return f"tiny-{backend}"
+
+
+@dataclass
+class TwoBackendCluster:
+    gateway_url: str
+    worker_urls: dict[str, str]
+    """backend -> the URL of the worker serving the tiny model on it."""
+    tokenizer: Any
+
+    def assert_all_serving(self) -> None:
+        """Every worker's /health is 200 and each still generates, straight and via the gateway."""
+        for backend, url in self.worker_urls.items():
+            health = httpx.get(f"{url}/health", timeout=10)
+            assert health.status_code == 200, (backend, health.text)
+            last = httpx.post(f"{url}/worker_generate", timeout=60, json={
+                "model": model_name(backend), "prompt": "The sea is", "max_new_tokens": 2,
+                "temperature": 0, "echo": False})
+            body = last.json()
+            assert last.status_code == 200 and body["error_code"] == 0, (backend, body)
+            assert body["usage"]["completion_tokens"] >= 1
+            reply = httpx.post(f"{self.gateway_url}/v1/completions", timeout=60, json={
+                "model": model_name(backend), "prompt": "The sea is", "max_tokens": 2})
+            assert reply.status_code == 200, (backend, reply.text)
+
+
+@pytest.fixture(scope="session")
+def two_backends(tiny_model_dir: Any) -> Iterator[TwoBackendCluster]:
+    """The tiny model (real tokenizer, random weights) on the paged and the hf backend, each
+    behind its own real worker, with a real controller and gateway, all on 127.0.0.1."""
+    from transformers import AutoTokenizer
+
+    from llmplatform.model_worker.backends import BackendConfig, build_llm
+    from tests.integration.cluster import running_cluster
+
+    with running_cluster() as cluster:
+        urls = {}
+        for backend in BACKENDS:
+            extra = {"kv_cache_memory": "64MiB"} if backend == "paged" else {"max_concurrency": 2}
+            llm = build_llm(BackendConfig(model_path=str(tiny_model_dir), model_names=(model_name(backend),),
+                                          backend=backend, device="cpu", dtype="float32", **extra))
+            assert llm.facts.vocab_size == TINY_VOCAB_SIZE
+            urls[backend] = cluster.add_worker(llm)
+        yield TwoBackendCluster(cluster.gateway_url, urls, AutoTokenizer.from_pretrained(tiny_model_dir))

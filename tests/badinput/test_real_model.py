@@ -86,13 +86,21 @@ def test_caps_with_the_openai_client(client: openai.OpenAI) -> None:
 
 
 def test_values_that_reach_the_engine_do_not_hurt_it(client: openai.OpenAI) -> None:
-    # The largest top_k the API accepts, with top_p so the top-k path runs; stop token ids far
-    # outside the 49152-token vocabulary (they simply never match).
+    # The largest top_k the API accepts, with top_p so the top-k path runs, and the last stop
+    # token id of the 49152-token vocabulary.
     reply = client.chat.completions.create(
         model=MODEL, messages=USER, max_tokens=3, top_p=0.5, seed=2**64 - 1,
-        extra_body={"top_k": 2**31 - 1, "stop_token_ids": [2**31 - 1, 10**6], "ignore_eos": True},
+        extra_body={"top_k": 2**31 - 1, "stop_token_ids": [49151], "ignore_eos": True},
     )
     assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 3
+    # Stop ids outside the vocabulary are refused by the worker, which knows it (with min_tokens
+    # they once indexed the sampler's mask and killed the engine); tests/badinput/test_token_ids.py
+    # has the whole battery.
+    for ids in ([2**31 - 1], [10**6], [49152]):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2,
+                                           extra_body={"stop_token_ids": ids, "min_tokens": 1})
+        assert info.value.param == "stop_token_ids"
     for extra in ({"top_k": 2**31}, {"stop_token_ids": [2**31]}, {"stop_token_ids": [-1]}):
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, extra_body=extra)
