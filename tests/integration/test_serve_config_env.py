@@ -14,6 +14,7 @@ import httpx
 import openai
 
 from llmplatform.serve.launcher import build_parser
+from llmplatform.utils.cluster_secret import SECRET_ENV, SECRET_HEADER
 from tests.integration.test_serve_cli import (
     start_serve,
     stop_and_check_no_orphans,
@@ -37,6 +38,9 @@ def test_serve_config_with_env_overrides(tiny_model_dir, tmp_path, monkeypatch) 
     monkeypatch.setenv("LLMPLATFORM_MAX_NUM_SEQS", "3")
     monkeypatch.setenv("LLMPLATFORM_API_KEYS", "env-key")
     monkeypatch.setenv("LLMPLATFORM_PORT", "1")  # would break every service if it leaked
+    # Registration is closed by default; a secret of our own lets this test ask the services.
+    monkeypatch.setenv(SECRET_ENV, "config-env-test-secret")
+    inside = {SECRET_HEADER: "config-env-test-secret"}
     args = ["--config", str(config), "--controller-port", str(flag_cport)]
     if "--no-webui" in build_parser().format_usage():
         args.append("--no-webui")
@@ -46,9 +50,11 @@ def test_serve_config_with_env_overrides(tiny_model_dir, tmp_path, monkeypatch) 
         wait_for_line(proc, "OpenAI API at", lines)
         assert any(f"controller ready at http://127.0.0.1:{flag_cport}" in line for line in lines)
         assert any(f"api ready at http://127.0.0.1:{env_api}" in line for line in lines)
-        status = httpx.post(f"http://127.0.0.1:{worker_port}/worker_get_status", timeout=10).json()
+        status = httpx.post(f"http://127.0.0.1:{worker_port}/worker_get_status", json={},
+                            headers=inside, timeout=10).json()
         assert status["max_num_running"] == 3  # LLMPLATFORM_MAX_NUM_SEQS over the file's 8
-        models = httpx.post(f"http://127.0.0.1:{flag_cport}/list_models", timeout=10).json()
+        models = httpx.post(f"http://127.0.0.1:{flag_cport}/list_models", json={}, headers=inside,
+                            timeout=10).json()
         assert models["models"] == ["tiny"]
         base = f"http://127.0.0.1:{env_api}/v1"
         client = openai.OpenAI(base_url=base, api_key="env-key", max_retries=0)

@@ -7,8 +7,10 @@ test sets `os.environ` with monkeypatch, and every expectation is exact.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -324,7 +326,8 @@ def resolved(argv: list[str]) -> dict[str, argparse.Namespace]:
     for service in launcher.services_for(spec):
         module_at = service.argv.index("-m") + 1
         parser = parsers[kinds[service.argv[module_at]]]
-        out[service.name] = parser.parse_args(service.argv[module_at + 1:])
+        with mock.patch.dict(os.environ, service.env):  # its secrets travel in its environment
+            out[service.name] = parser.parse_args(service.argv[module_at + 1:])
     return out
 
 
@@ -370,9 +373,10 @@ def test_serve_env_keys_stay_off_the_command_line(cluster_file: Path, monkeypatc
     monkeypatch.setenv("LLMPLATFORM_API_KEYS", "secret-key")
     spec = launcher.spec_from_args(launcher.build_parser().parse_args(["--config", str(cluster_file)]))
     assert all("secret-key" not in arg for s in launcher.services_for(spec) for arg in s.argv)
-    # A flag's keys do go on (the only way to reach the gateway).
+    # A flag's keys (and the file's) reach the gateway in its environment, not its argv.
     spec = launcher.spec_from_args(launcher.build_parser().parse_args(["--api-keys", "flag-key"]))
-    assert spec.api_args[-2:] == ["--api-keys", "flag-key"]
+    api = next(s for s in launcher.services_for(spec) if s.name == "api")
+    assert "flag-key" not in " ".join(api.argv) and api.env["LLMPLATFORM_API_KEYS"] == "flag-key"
 
 
 def test_serve_workers_from_env(monkeypatch: pytest.MonkeyPatch, cluster_file: Path) -> None:

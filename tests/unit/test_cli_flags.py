@@ -51,7 +51,8 @@ def test_serve_config_file(tmp_path):
     assert controller[-2:] == ["--dispatch-method", "lottery"] and "3000" in controller
     assert w0[-2:] == ["--model-names", "x,y"] and w0[w0.index("--port") + 1] == "21002"
     assert w1[w1.index("--port") + 1] == "3005" and w1[-2:] == ["--backend", "hf"]
-    assert api[-2:] == ["--api-keys", "a,b"] and "3001" in api
+    assert "--api-keys" not in api and "3001" in api
+    assert services[3].env["LLMPLATFORM_API_KEYS"] == "a,b"  # a secret travels in the environment
 
 
 def test_serve_config_without_workers_is_an_error(tmp_path):

@@ -1,12 +1,14 @@
 """``llmplatform serve``: a controller, one or more model workers and the gateway, one command.
 
 Each service runs in its own process (as in a real deployment, and so one model's crash cannot
-take the others down). The launcher starts them in dependency order, waits until each answers,
-prints where each listens, and on Ctrl-C/SIGTERM, or when any service dies, stops them all:
-each gets SIGTERM and its `--shutdown-timeout` to finish in-flight requests (workers deregister
-at once), and whatever is still running after that (plus a small margin) is killed.
-Children also get SIGTERM if the launcher itself is killed (Linux parent-death signal), so no
-orphan keeps a port or a model in memory.
+take the others down). This module turns serve's flags and cluster file into each service's
+command line and environment; ``supervisor.py`` runs them: starts them in dependency order,
+restarts one that dies (with backoff, a bounded number of times a minute) and on Ctrl-C/SIGTERM
+stops them all, each with its `--shutdown-timeout` to finish in-flight requests.
+
+Registration is closed by default: without a cluster secret (flag, variable or cluster file),
+serve makes a random one for the run. Secrets (that one, API keys, any secret flag of a
+service) reach the services in their environment, never on a command line (``secret_flags.py``).
 """
 
 from __future__ import annotations
@@ -14,15 +16,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import shlex
 import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+from llmplatform.serve.secret_flags import move_secrets_to_env, redacted
+from llmplatform.serve.supervisor import RestartPolicy, ServiceSpec, Supervisor
 from llmplatform.utils.cli import apply_env_defaults, argv_from_mapping, env_var_for, find_action
 from llmplatform.utils.cluster_secret import SECRET_ENV, secret_from_env
 from llmplatform.utils.logs import add_logging_flags, configure_logging
@@ -31,16 +33,8 @@ logger = logging.getLogger("llmplatform.serve")
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 """Passed on to every service as its --shutdown-timeout (in-flight requests' grace period)."""
-STOP_MARGIN_S = 5.0
-"""Beyond a service's shutdown timeout: time for its lifespan shutdown before it is killed."""
-
-
-@dataclass
-class ServiceSpec:
-    name: str
-    argv: list[str]
-    health_url: str
-    url: str
+API_KEYS_ENV = "LLMPLATFORM_API_KEYS"
+WEBUI_KEY_ENV = "LLMPLATFORM_API_KEY"
 
 
 @dataclass
@@ -57,6 +51,7 @@ class ClusterSpec:
     webui_args: list[str] = field(default_factory=list)
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     log_args: list[str] = field(default_factory=list)  # --log-level/--log-format for every service
+    cluster_secret: str | None = None  # handed to every service in $LLMPLATFORM_CLUSTER_SECRET
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,9 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--webui-port", type=int, default=7860,
                         help="port of the web UI (default: %(default)s)")
     parser.add_argument("--cluster-secret", default=None,
-                        help="a shared secret for the controller, workers and gateway (registration, "
-                             "heartbeats and every call between them carry it); passed to them in "
-                             f"${SECRET_ENV}, never on a command line. Default: ${SECRET_ENV}")
+                        help="a shared secret for the controller, workers, gateway and web UI "
+                             "(registration, heartbeats and every call between them carry it); "
+                             f"passed to them in ${SECRET_ENV}, never on a command line. Default: "
+                             f"${SECRET_ENV}, else the file's cluster_secret, else a random one "
+                             "made for this run and shown nowhere (registration stays closed; "
+                             "give one to add workers started elsewhere or to call the "
+                             "controller yourself)")
+    parser.add_argument("--max-restarts-per-minute", type=int, default=5, metavar="N",
+                        help="a service that exits while serve runs is restarted after a backoff "
+                             "(1 s, doubling up to 30 s); one that exits more than N times within "
+                             "a minute stops everything, and serve exits non-zero. 0: stop "
+                             "everything at the first exit (default: %(default)s)")
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="write each service's output to LOG_DIR/<service>.log (appended "
+                             "across restarts) instead of serve's own stderr")
     parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         metavar="SECONDS",
                         help="on Ctrl-C/SIGTERM, how long every service may let in-flight requests "
@@ -147,6 +154,8 @@ def service_flags(table: dict, parser: argparse.ArgumentParser, *, source: str,
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if not args.shutdown_timeout > 0:
         raise SystemExit("error: --shutdown-timeout must be > 0")
+    if args.max_restarts_per_minute < 0:
+        raise SystemExit("error: --max-restarts-per-minute must be >= 0")
     spec = ClusterSpec(host=args.host, controller_port=args.controller_port,
                        api_port=args.api_port, worker_port_base=args.worker_port_base,
                        webui=args.webui, webui_port=args.webui_port,
@@ -158,6 +167,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         from llmplatform.openai_api.__main__ import build_parser as api_parser
 
         data = _read_cluster_file(args.config)
+        _refuse_per_service_secret(data, args.config)
         # Ports (and the top-level keys) are already in args: file < env < flag.
         controller = {k: v for k, v in data.get("controller", {}).items() if k != "port"}
         api = {k: v for k, v in data.get("api", {}).items() if k != "port"}
@@ -176,14 +186,25 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
                         for i, w in enumerate(workers)]
     if args.worker:
         spec.workers = ([] if args.config is None else spec.workers) + [shlex.split(w) for w in args.worker]
-    # Keys that came from LLMPLATFORM_API_KEYS reach the gateway by inheritance (and stay out of
-    # `ps`); only a flag's keys need passing on.
-    if args.api_keys and args.api_keys != os.environ.get("LLMPLATFORM_API_KEYS", "").strip():
+    # Keys that came from LLMPLATFORM_API_KEYS reach the gateway by inheritance; a flag's (or
+    # the file's top-level api_keys) are passed on, and services_for moves them into the
+    # gateway's environment like every secret flag.
+    if args.api_keys and args.api_keys != os.environ.get(API_KEYS_ENV, "").strip():
         spec.api_args += ["--api-keys", args.api_keys]
     return spec
 
 
-def services_for(spec: ClusterSpec) -> list[ServiceSpec]:
+def _refuse_per_service_secret(data: dict, path: Path) -> None:
+    """One cluster, one secret: a service table's own cluster_secret would lock the others out."""
+    for table, value in data.items():
+        tables = value if isinstance(value, list) else [value]
+        if any(isinstance(t, dict) and "cluster_secret" in t for t in tables):
+            raise SystemExit(f"error: {path} [{table}]: cluster_secret is shared by every "
+                             "service; set it once at the top of the file")
+
+
+def _command_lines(spec: ClusterSpec) -> list[ServiceSpec]:
+    """Every service with its full command line, secrets still in it (see services_for)."""
     py = [sys.executable, "-m"]
     host = spec.host
     # Before each service's own flags, so that a per-service value (config file) wins.
@@ -228,93 +249,61 @@ def services_for(spec: ClusterSpec) -> list[ServiceSpec]:
     return services
 
 
-def _gateway_key(spec: ClusterSpec) -> str | None:
-    """One of the gateway's API keys (from its flags or LLMPLATFORM_API_KEYS), for the web UI."""
-    args = spec.api_args
-    keys = args[args.index("--api-keys") + 1] if "--api-keys" in args else os.environ.get(
-        "LLMPLATFORM_API_KEYS", "")
+
+def _service_parsers() -> dict[str, argparse.ArgumentParser]:
+    from llmplatform.controller.__main__ import build_parser as controller_parser
+    from llmplatform.model_worker.__main__ import build_parser as worker_parser
+    from llmplatform.openai_api.__main__ import build_parser as api_parser
+    from llmplatform.webui.__main__ import build_parser as webui_parser
+
+    return {"llmplatform.controller": controller_parser(),
+            "llmplatform.model_worker": worker_parser(),
+            "llmplatform.openai_api": api_parser(), "llmplatform.webui": webui_parser()}
+
+
+def services_for(spec: ClusterSpec) -> list[ServiceSpec]:
+    """Every service serve starts: its command line (no secret in it), the variables that carry
+    its secrets instead, and the line serve prints for it (any secret left shown as ***)."""
+    parsers = _service_parsers()
+    services = _command_lines(spec)
+    for service in services:
+        parser = parsers[service.argv[service.argv.index("-m") + 1]]
+        service.argv, service.env = move_secrets_to_env(service.argv, parser)
+        if spec.cluster_secret is not None:
+            service.env.setdefault(SECRET_ENV, spec.cluster_secret)
+        service.shown_argv = redacted(service.argv, parser)
+    api = next(s for s in services if s.name == "api")
+    webui = next((s for s in services if s.name == "webui"), None)
+    key = _gateway_key(api)
+    if webui is not None and key is not None and WEBUI_KEY_ENV not in webui.env \
+            and not os.environ.get(WEBUI_KEY_ENV, "").strip():
+        webui.env[WEBUI_KEY_ENV] = key  # the web UI's --api-key: one of the gateway's keys
+    return services
+
+
+def _gateway_key(api: ServiceSpec) -> str | None:
+    """One of the gateway's API keys (from serve's flags, the file or LLMPLATFORM_API_KEYS)."""
+    keys = api.env.get(API_KEYS_ENV) or os.environ.get(API_KEYS_ENV, "")
     return next((k.strip() for k in keys.split(",") if k.strip()), None)
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except Exception:
-        pass
-
-
-class Cluster:
-    def __init__(self, services: list[ServiceSpec], startup_timeout: float,
-                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
-        self.services = services
-        self.startup_timeout = startup_timeout
-        self.shutdown_timeout = shutdown_timeout
-        self.procs: list[tuple[ServiceSpec, subprocess.Popen]] = []
-
-    def start(self) -> None:
-        for service in self.services:
-            logger.info("starting %s: %s", service.name, shlex.join(service.argv))
-            proc = subprocess.Popen(service.argv, preexec_fn=_die_with_parent if os.name == "posix" else None)
-            self.procs.append((service, proc))
-            self._wait_healthy(service, proc)
-            print(f"llmplatform serve: {service.name} ready at {service.url}", flush=True)
-
-    def _wait_healthy(self, service: ServiceSpec, proc: subprocess.Popen) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{service.name} exited with code {proc.returncode} during startup")
-            try:
-                if httpx.get(service.health_url, timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"{service.name} did not become healthy within {self.startup_timeout:.0f} s")
-
-    def wait(self) -> int:
-        """Blocks until a service exits; returns its exit code."""
-        while True:
-            for service, proc in self.procs:
-                code = proc.poll()
-                if code is not None:
-                    print(f"llmplatform serve: {service.name} exited with code {code}; stopping",
-                          file=sys.stderr, flush=True)
-                    return code or 1
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        # All at once: each drains its own in-flight requests (the gateway's streams come from
-        # workers that are draining too), so the whole cluster is down within one timeout.
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + self.shutdown_timeout + STOP_MARGIN_S
-        for service, proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in time; killing it", service.name)
-                proc.kill()
-                proc.wait()
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, args.log_format)
-    secret = secret_from_env(args.cluster_secret)
-    if secret is not None:
-        # Children inherit the environment: the secret reaches every service without showing
-        # in any process's command line (ps, /proc/PID/cmdline).
-        os.environ[SECRET_ENV] = secret
     spec = spec_from_args(args)
-    key = _gateway_key(spec) if spec.webui else None
-    if key is not None and not os.environ.get("LLMPLATFORM_API_KEY"):
-        os.environ["LLMPLATFORM_API_KEY"] = key  # the web UI's --api-key, kept out of `ps`
-    cluster = Cluster(services_for(spec), args.startup_timeout, spec.shutdown_timeout)
+    spec.cluster_secret = secret_from_env(args.cluster_secret)
+    if spec.cluster_secret is None:
+        # Closed by default: without a secret anyone who can reach the controller could register
+        # a worker and receive prompts. The secret is shown nowhere; it lives in the services'
+        # environment only.
+        spec.cluster_secret = secrets.token_urlsafe(32)
+        logger.info("made a random cluster secret for this run (registration is closed; give "
+                    "--cluster-secret or $%s to add workers started elsewhere)", SECRET_ENV)
+    services = services_for(spec)
+    supervisor = Supervisor(services, startup_timeout=args.startup_timeout,
+                            shutdown_timeout=spec.shutdown_timeout,
+                            policy=RestartPolicy(max_restarts_per_minute=args.max_restarts_per_minute),
+                            log_dir=args.log_dir)
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -324,17 +313,17 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
     try:
-        cluster.start()
-        urls = {service.name: service.url for service in cluster.services}
+        supervisor.start()
+        urls = {service.name: service.url for service in services}
         print(f"llmplatform serve: OpenAI API at {urls['api']}/v1  (Ctrl-C stops everything)",
               flush=True)
         if "webui" in urls:
             print(f"llmplatform serve: web UI at {urls['webui']}  (open it in a browser)",
                   flush=True)
-        metrics = " ".join(f"{service.url}/metrics" for service in cluster.services
-                           if "llmplatform.webui" not in service.argv)  # the UI has none
+        metrics = " ".join(f"{url}/metrics" for name, url in urls.items()
+                           if name != "webui")  # the UI has none
         print(f"llmplatform serve: Prometheus metrics at {metrics}", flush=True)
-        code = cluster.wait()
+        code = supervisor.run()
     except KeyboardInterrupt:
         print("llmplatform serve: stopping", file=sys.stderr, flush=True)
     except RuntimeError as exc:
@@ -343,5 +332,5 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        cluster.stop()
+        supervisor.stop()
     raise SystemExit(code)

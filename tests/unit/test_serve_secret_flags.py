@@ -1,0 +1,96 @@
+"""What `llmplatform serve` puts on its services' command lines: no secret, whatever its source
+(serve's flags, the cluster file, a --worker string); the secrets go to their environment."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import pytest
+
+from llmplatform.serve import launcher
+from llmplatform.serve.secret_flags import is_secret_flag, move_secrets_to_env, redacted
+from llmplatform.serve.supervisor import RestartPolicy, exit_description
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in os.environ if n.startswith("LLMPLATFORM_")]:
+        monkeypatch.delenv(name)
+
+
+def gateway_parser() -> argparse.ArgumentParser:
+    from llmplatform.openai_api.__main__ import build_parser
+
+    return build_parser()
+
+
+def test_which_flags_are_secret() -> None:
+    secret = {a.dest for a in gateway_parser()._actions if is_secret_flag(a)}
+    assert secret == {"api_keys", "admin_api_keys", "cluster_secret"}
+    from llmplatform.webui.__main__ import build_parser as webui
+
+    assert {a.dest for a in webui()._actions if is_secret_flag(a)} == {"api_key", "cluster_secret"}
+
+
+@pytest.mark.parametrize("argv", [
+    ["--port", "1", "--api-keys", "k1,k2", "--admin-api-keys", "adm"],
+    ["--port", "1", "--api-keys=k1,k2", "--admin-api-keys=adm"],
+    ["--api-keys", "old", "--port", "1", "--api-key", "k1,k2", "--admin-api-k", "adm"],  # prefixes
+])
+def test_secret_flags_move_to_the_environment(argv: list[str]) -> None:
+    kept, env = move_secrets_to_env(argv, gateway_parser())
+    assert kept == ["--port", "1"]
+    assert env == {"LLMPLATFORM_API_KEYS": "k1,k2", "LLMPLATFORM_ADMIN_API_KEYS": "adm"}
+
+
+def test_redacted_hides_every_spelling() -> None:
+    argv = ["--port", "1", "--api-keys", "k1", "--cluster-secret=s3", "--max-n", "4"]
+    assert redacted(argv, gateway_parser()) == ["--port", "1", "--api-keys", "***",
+                                                "--cluster-secret=***", "--max-n", "4"]
+
+
+def test_no_secret_from_any_source_reaches_a_command_line(tmp_path: Path) -> None:
+    config = tmp_path / "cluster.toml"
+    config.write_text('cluster_secret = "file-secret"\n'
+                      '[api]\napi_keys = ["file-key"]\nadmin_api_keys = ["file-admin"]\n'
+                      '[webui]\napi_key = "ui-key"\n'
+                      '[[worker]]\nmodel_names = ["m"]\n')
+    args = launcher.build_parser().parse_args(
+        ["--config", str(config), "--worker", "--model-names w --cluster-secret worker-secret"])
+    assert args.cluster_secret == "file-secret"
+    spec = launcher.spec_from_args(args)
+    spec.cluster_secret = args.cluster_secret
+    services = {s.name: s for s in launcher.services_for(spec)}
+    secrets = ("file-secret", "file-key", "file-admin", "ui-key", "worker-secret")
+    for service in services.values():
+        line = " ".join(service.argv + (service.shown_argv or []))
+        assert not any(secret in line for secret in secrets), (service.name, line)
+    assert services["api"].env == {"LLMPLATFORM_API_KEYS": "file-key",
+                                   "LLMPLATFORM_ADMIN_API_KEYS": "file-admin",
+                                   "LLMPLATFORM_CLUSTER_SECRET": "file-secret"}
+    assert services["webui"].env == {"LLMPLATFORM_API_KEY": "ui-key",
+                                     "LLMPLATFORM_CLUSTER_SECRET": "file-secret"}
+    assert services["worker 0"].env == {"LLMPLATFORM_CLUSTER_SECRET": "file-secret"}
+    # A --worker string's own secret is the user's choice for that worker, but not on argv.
+    assert services["worker 1"].env == {"LLMPLATFORM_CLUSTER_SECRET": "worker-secret"}
+
+
+def test_the_web_ui_gets_a_gateway_key_in_its_environment() -> None:
+    spec = launcher.spec_from_args(launcher.build_parser().parse_args(["--api-keys", "k1,k2"]))
+    webui = next(s for s in launcher.services_for(spec) if s.name == "webui")
+    assert webui.env["LLMPLATFORM_API_KEY"] == "k1" and "k1" not in " ".join(webui.argv)
+
+
+def test_a_service_tables_own_cluster_secret_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "cluster.toml"
+    config.write_text('[controller]\ncluster_secret = "c"\n[[worker]]\nmodel_names = ["m"]\n')
+    with pytest.raises(SystemExit, match=r"\[controller\]: cluster_secret is shared"):
+        launcher.spec_from_args(launcher.build_parser().parse_args(["--config", str(config)]))
+
+
+def test_restart_backoff_doubles_to_its_cap() -> None:
+    policy = RestartPolicy(initial_backoff_s=1.0, max_backoff_s=10.0)
+    assert [policy.backoff_s(n) for n in range(1, 7)] == [1, 2, 4, 8, 10, 10]
+    assert exit_description(-9) == "killed by SIGKILL" and exit_description(3) == "exit code 3"
