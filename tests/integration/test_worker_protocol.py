@@ -92,7 +92,8 @@ def test_errors_travel_in_the_stream_with_http_200(worker_url, params, code):
 
 
 def test_malformed_json_is_an_error_chunk(worker_url):
-    response = httpx.post(f"{worker_url}/worker_generate_stream", content=b"{oops", timeout=30)
+    response = httpx.post(f"{worker_url}/worker_generate_stream", content=b"{oops",
+                          headers={"Content-Type": "application/json"}, timeout=30)
     assert response.status_code == 200
     obj = json.loads(response.content.rstrip(b"\0"))
     assert obj["error_code"] == 40001

@@ -17,7 +17,12 @@ from llmplatform.model_worker.backends import BACKENDS, BackendConfig, build_llm
 from llmplatform.utils.cli import apply_env_defaults
 from llmplatform.utils.cluster_secret import SECRET_ENV, SECRET_HEADER, secret_from_env
 from llmplatform.utils.logs import add_logging_flags, configure_logging, log_summary
-from llmplatform.utils.server import DEFAULT_SHUTDOWN_TIMEOUT_S
+from llmplatform.utils.request_guard import add_request_guard_flags, guard_config_from_args
+from llmplatform.utils.server import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    add_connection_flags,
+    connection_limits_from_args,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                         default=True,
                         help="reuse the KV cache of prompt prefixes seen before (default: on; "
                              "--no-enable-prefix-caching turns it off)")
+    add_request_guard_flags(parser)
+    add_connection_flags(parser)
     add_logging_flags(parser)
     return apply_env_defaults(parser)  # every flag also from LLMPLATFORM_<FLAG>
 
@@ -141,6 +148,11 @@ def main(argv: list[str] | None = None) -> None:
     if not args.shutdown_timeout > 0:
         raise SystemExit("error: --shutdown-timeout must be > 0")
     address = worker_address_from(args)
+    try:
+        guard = guard_config_from_args(args, own_names=[urlparse(address).hostname])
+        limits = connection_limits_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from exc
     from llmplatform.model_worker.app import WorkerSettings, create_app, drain
     from llmplatform.utils.server import run_server
 
@@ -167,14 +179,15 @@ def main(argv: list[str] | None = None) -> None:
                               heartbeat_interval=args.heartbeat_interval,
                               max_queue_len=args.max_queue_len,
                               retry_after=args.overload_retry_after,
-                              cluster_secret=secret_from_env(args.cluster_secret))
+                              cluster_secret=secret_from_env(args.cluster_secret),
+                              guard=guard)
     app = create_app(llm, settings, on_backend_failure=_exit_after_backend_failure)
     from llmplatform.utils.startup import listen_url, worker_summary
 
     log_summary(logging.getLogger("llmplatform.worker"), "llmplatform worker",
                 worker_summary(llm, settings, listen_url(args.host, args.port)))
     run_server(app, host=args.host, port=args.port, log_level=args.log_level,
-               shutdown_timeout=args.shutdown_timeout, on_drain=lambda: drain(app))
+               shutdown_timeout=args.shutdown_timeout, on_drain=lambda: drain(app), limits=limits)
 
 
 if __name__ == "__main__":

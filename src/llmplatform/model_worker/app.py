@@ -46,6 +46,7 @@ from llmplatform.protocol.worker import (ACCEPTED_HEADER, AbortRequest, ApplyCha
                                          WorkerParams, error_chunk)
 from llmplatform.utils.logs import request_context
 from llmplatform.utils.cluster_secret import ClusterSecretMiddleware, secret_headers
+from llmplatform.utils.request_guard import RequestGuard, RequestGuardConfig
 from llmplatform.utils.request_id import RequestIdMiddleware
 
 logger = logging.getLogger("llmplatform.worker")
@@ -73,6 +74,10 @@ class WorkerSettings:
     cluster_secret: str | None = None
     """When set, every route but /health and /metrics needs it (X-LLMPlatform-Secret), and the
     worker sends it to the controller."""
+    guard: RequestGuardConfig = RequestGuardConfig()
+    """What a request must be to reach a route: Host, Origin, JSON body, body size (see
+    `request_guard`); `__main__` sets the allowed hosts from the bind address."""
+
 
 def create_app(llm: LLM, settings: WorkerSettings, *,
                on_backend_failure: FailureHandler | None = None) -> FastAPI:
@@ -117,6 +122,7 @@ def create_app(llm: LLM, settings: WorkerSettings, *,
         llm.load(), app.state.worker.num_accepted))
     add_metrics_route(app, app.state.metrics.registry)
     app.add_middleware(RequestIdMiddleware, generate=False)
+    app.add_middleware(RequestGuard, config=settings.guard)  # Host, Origin, JSON only, body cap
     if settings.cluster_secret:  # outermost: refused before anything else runs
         app.add_middleware(ClusterSecretMiddleware, secret=settings.cluster_secret,
                            exempt_paths=("/health", "/metrics"))

@@ -9,11 +9,19 @@ its controller there, so no new work is routed to it while it drains).
 `serve_in_thread` serves tests and embedded use: real servers on ephemeral ports (house style);
 this is the one place that knows how to start such a server, learn its port, and stop it without
 leaking threads or sockets.
+
+Both serve through the services' protocol (:mod:`llmplatform.utils.http_protocol`) under a
+:class:`ConnectionLimits`: deadlines for a request's head and body, for a client that stops
+reading, and a cap on open connections. `add_connection_flags` gives a service's `__main__`
+the flags for them, `connection_limits_from_args` reads them back.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import logging
+import resource
 import sys
 import threading
 import time
@@ -24,7 +32,16 @@ from typing import Any
 
 import uvicorn
 
-from llmplatform.utils.http_protocol import CoalescingHttpToolsProtocol
+from llmplatform.utils.http_protocol import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEAD_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_WRITE_STALL_TIMEOUT_S,
+    ConnectionLimits,
+    protocol_for,
+)
+
+logger = logging.getLogger("llmplatform.server")
 
 STARTUP_TIMEOUT_S = 30.0
 """How long to wait for the server to bind and finish its lifespan startup."""
@@ -35,6 +52,11 @@ JOIN_TIMEOUT_S = 10.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 """Services' default `--shutdown-timeout`: how long in-flight requests may run after SIGTERM
 (Kubernetes' default grace period is 30 s too, after which it sends SIGKILL)."""
+
+_FDS_PER_CONNECTION = 2
+"""A gateway's client connection usually has a worker connection behind it."""
+_SPARE_FDS = 256
+"""Descriptors besides connections: model files, logs, the controller's and workers' pools."""
 
 DrainHook = Callable[[], Awaitable[None]]
 
@@ -78,6 +100,7 @@ def run_server(
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     on_drain: DrainHook | None = None,
     access_log: bool = True,
+    limits: ConnectionLimits = ConnectionLimits(),
 ) -> None:
     """Serve `app` until SIGTERM/SIGINT, then shut down gracefully (see the module doc).
 
@@ -93,8 +116,9 @@ def run_server(
         app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=shutdown_timeout,
         # The service configured logging (utils.logs.configure_logging): uvicorn's records go to
         # that handler, in that format (text or JSON), instead of uvicorn's own.
-        log_config=None, access_log=access_log, http=CoalescingHttpToolsProtocol,
+        log_config=None, access_log=access_log, http=protocol_for(limits),
     )
+    _fit_file_limit(limits.max_connections)
     server = _DrainingServer(config, on_drain)
     server.run()
     if not server.started:
@@ -116,7 +140,9 @@ def _stop(server: uvicorn.Server, thread: threading.Thread) -> None:
 
 
 @contextmanager
-def serve_in_thread(app: Any, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+def serve_in_thread(
+    app: Any, host: str = "127.0.0.1", port: int = 0, *, limits: ConnectionLimits = ConnectionLimits()
+) -> Iterator[str]:
     """Serve `app` on `host` at `port` (0: a free port the OS picks); yield the base URL
     (http://HOST:PORT). A fixed port lets a test restart a service at the same address.
 
@@ -131,7 +157,7 @@ def serve_in_thread(app: Any, host: str = "127.0.0.1", port: int = 0) -> Iterato
         port=port,
         log_level="warning",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        http=CoalescingHttpToolsProtocol,
+        http=protocol_for(limits),
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"uvicorn-{host}", daemon=True)
@@ -152,3 +178,59 @@ def serve_in_thread(app: Any, host: str = "127.0.0.1", port: int = 0) -> Iterato
         yield f"http://{_url_host(host)}:{port}"
     finally:
         _stop(server, thread)
+
+
+def add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    """A service's flags for its :class:`ConnectionLimits` (read back by
+    `connection_limits_from_args`); 0 turns a deadline or the cap off."""
+    group = parser.add_argument_group("connections (slow and greedy clients; 0 turns one off)")
+    group.add_argument(
+        "--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+        help="open connections at most; one more is refused as it is accepted, with a 503 "
+        "(default: %(default)s)")
+    group.add_argument(
+        "--request-head-timeout", type=float, default=DEFAULT_HEAD_TIMEOUT_S, metavar="SECONDS",
+        help="a request's headers must arrive within this long of the connection opening (of its "
+        "first byte on a kept-alive connection), or the connection is closed (default: %(default)s)")
+    group.add_argument(
+        "--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
+        help="a request's body must arrive within this long of its headers, or the connection is "
+        "closed (default: %(default)s)")
+    group.add_argument(
+        "--write-stall-timeout", type=float, default=DEFAULT_WRITE_STALL_TIMEOUT_S, metavar="SECONDS",
+        help="a client that stops reading its response (a stream included) for this long is cut "
+        "off and its request aborted, freeing its worker slot (default: %(default)s)")
+
+
+def connection_limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
+    """The limits `add_connection_flags` asked for; ValueError on a negative value."""
+    def off_if_zero(value: float) -> float | None:
+        if value < 0:
+            raise ValueError(f"connection limits must be >= 0 (0: off), got {value}")
+        return value or None
+
+    return ConnectionLimits(
+        max_connections=off_if_zero(args.max_connections),  # type: ignore[arg-type]
+        head_timeout_s=off_if_zero(args.request_head_timeout),
+        body_timeout_s=off_if_zero(args.request_body_timeout),
+        write_stall_timeout_s=off_if_zero(args.write_stall_timeout),
+    )
+
+
+def _fit_file_limit(max_connections: int | None) -> None:
+    """Raise the soft limit on open files toward what `max_connections` needs (up to the hard
+    limit, which only root can raise): a cap the process cannot reach protects nothing, and
+    accept() failing with EMFILE is worse than a 503."""
+    if max_connections is None:
+        return
+    needed = max_connections * _FDS_PER_CONNECTION + _SPARE_FDS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < needed:
+        logger.warning("--max-connections %d needs about %d open files, but this process may open "
+                       "only %d (ulimit -n); lower the cap or raise the limit", max_connections,
+                       needed, target)
