@@ -63,3 +63,31 @@ def test_star_with_credentials_is_refused_on_the_command_line(capsys: pytest.Cap
         main(["--allowed-origins", "*", "--allow-credentials"])
     assert info.value.code == 2
     assert "credentials" in capsys.readouterr().err
+
+
+def test_the_host_check_leaves_cors_for_listed_origins_alone() -> None:
+    """A gateway bound to loopback checks Host (DNS rebinding); a listed origin's preflight and
+    request, sent to the gateway's own name, work exactly as before."""
+    from llmplatform.utils.request_guard import allowed_hosts_for
+
+    with fake_cluster(allowed_origins=("https://app.example",),
+                      allowed_hosts=allowed_hosts_for("127.0.0.1")) as cluster:
+        listed = {**PREFLIGHT, "Origin": "https://app.example"}
+        ok = httpx.options(f"{cluster.gateway}/v1/chat/completions", headers=listed)
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+        simple = httpx.get(f"{cluster.gateway}/v1/models", headers={"Origin": "https://app.example"})
+        assert simple.status_code == 200 and simple.headers["access-control-allow-origin"] == "https://app.example"
+        rebound = httpx.options(f"{cluster.gateway}/v1/chat/completions",
+                                headers={**listed, "Host": "app.example"})
+        assert rebound.status_code == 400 and "access-control-allow-origin" not in rebound.headers
+        assert "host" in rebound.json()["error"]["message"].lower()
+
+
+def test_the_cli_checks_host_when_bound_to_loopback_only() -> None:
+    from llmplatform.openai_api.__main__ import build_parser, settings_from_args
+
+    assert settings_from_args(build_parser().parse_args([])).allowed_hosts == {"127.0.0.1", "localhost", "[::1]"}
+    assert settings_from_args(build_parser().parse_args(["--host", "0.0.0.0"])).allowed_hosts is None
+    named = settings_from_args(build_parser().parse_args(["--host", "0.0.0.0", "--allowed-hosts", "api.example"]))
+    assert named.allowed_hosts == {"api.example"}
+    assert settings_from_args(build_parser().parse_args(["--allowed-hosts", "*"])).allowed_hosts is None

@@ -12,8 +12,14 @@ from llmplatform.openai_api.settings import GatewaySettings, RequestLimits, Rout
 from llmplatform.utils.cli import apply_env_defaults
 from llmplatform.utils.cluster_secret import SECRET_ENV, secret_from_env
 from llmplatform.utils.logs import add_logging_flags, configure_logging, log_summary
+from llmplatform.utils.request_guard import add_request_guard_flags, allowed_hosts_for
 from llmplatform.utils.startup import gateway_summary, listen_url
-from llmplatform.utils.server import DEFAULT_SHUTDOWN_TIMEOUT_S, run_server
+from llmplatform.utils.server import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    add_connection_flags,
+    connection_limits_from_args,
+    run_server,
+)
 
 API_KEYS_ENV = "LLMPLATFORM_API_KEYS"
 _LIMITS = RequestLimits()
@@ -84,6 +90,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--max-request-bytes", type=int, default=_LIMITS.max_request_bytes,
         help="largest request body in bytes; larger is refused with 413 unread (default: %(default)s)",
     )
+    limits.add_argument(
+        "--max-streams-per-key", type=int, default=0, metavar="N",
+        help="streamed generations one caller may have open at once; one more gets 429. The "
+        "caller is its API key; without --api-keys, its client address (behind a proxy: the "
+        "proxy's, shared by all). 0: no cap (default: %(default)s)",
+    )
     parser.add_argument(
         "--worker-timeout",
         type=float,
@@ -123,6 +135,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="on SIGTERM: stop accepting, let in-flight requests run this long, then exit "
         "(default: %(default)s)",
     )
+    add_request_guard_flags(parser, body_cap=False)  # --allowed-hosts (--max-request-bytes is above)
+    add_connection_flags(parser)
     add_logging_flags(parser)
     return apply_env_defaults(parser)  # every flag also from LLMPLATFORM_<FLAG>
 
@@ -149,7 +163,15 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         max_worker_attempts=args.max_worker_attempts,
         routing=RoutingMode(args.routing),
         worker_refresh_interval=args.worker_refresh_interval,
+        allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts.split(",")),
+        max_streams_per_key=_positive_or_none(args.max_streams_per_key, "--max-streams-per-key"),
     )
+
+
+def _positive_or_none(value: int, flag: str) -> int | None:
+    if value < 0:
+        raise ValueError(f"{flag} must be >= 0 (0: no cap), got {value}")
+    return value or None
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -158,6 +180,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_logging(args.log_level, args.log_format)
     try:
         settings = settings_from_args(args)
+        limits = connection_limits_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
     if not args.shutdown_timeout > 0:
@@ -168,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # GatewayMetricsMiddleware logs one line per request, with its model and duration;
     # uvicorn's own access line would be a second one, written before the first byte is sent.
     run_server(app, host=args.host, port=args.port, log_level=args.log_level,
-               shutdown_timeout=args.shutdown_timeout, access_log=False)
+               shutdown_timeout=args.shutdown_timeout, access_log=False, limits=limits)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -21,7 +22,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from llmplatform.metrics.common import add_metrics_route
 from llmplatform.metrics.gateway import GatewayMetrics, GatewayMetricsMiddleware
 from llmplatform.openai_api.auth import ApiKeyMiddleware
-from llmplatform.openai_api.errors import install_exception_handlers
+from llmplatform.openai_api.errors import error_payload, install_exception_handlers
 from llmplatform.openai_api.limits import RequestBodyMiddleware
 from llmplatform.controller.dispatch import RandomSource
 from llmplatform.openai_api.hot_routes import GatewayApp
@@ -30,6 +31,7 @@ from llmplatform.openai_api.routing import RoutingTable, TableRefresher, max_tab
 from llmplatform.openai_api.settings import GatewaySettings, RoutingMode
 from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.utils.cluster_secret import secret_headers
+from llmplatform.utils.request_guard import RequestGuard, RequestGuardConfig
 from llmplatform.utils.request_id import RequestIdMiddleware, tag_outgoing_request
 
 logger = logging.getLogger("llmplatform.openai_api")
@@ -76,8 +78,11 @@ def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | N
     app.state.created = int(time.time())
     install_exception_handlers(app)
     # Added innermost first: CORS (preflights answered before any key check), then the API key
-    # check, then the body guard, so an unauthenticated body is never read.
-    app.add_middleware(RequestBodyMiddleware, max_bytes=settings.limits.max_request_bytes)
+    # check, then the body guard, so an unauthenticated body is never read (nor a stream counted
+    # against a key that is not one).
+    app.add_middleware(RequestBodyMiddleware, max_bytes=settings.limits.max_request_bytes,
+                       max_streams_per_key=settings.max_streams_per_key, stream_paths=HOT_ROUTES,
+                       keyed=bool(settings.api_keys))
     if settings.api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=settings.api_keys + settings.admin_api_keys)
     if settings.allowed_origins:
@@ -88,6 +93,12 @@ def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | N
             allow_headers=list(settings.allowed_headers),
             allow_credentials=settings.allow_credentials,
         )
+    if settings.allowed_hosts is not None:
+        # The Host check only (DNS rebinding): browsers on listed origins are CORS's to allow,
+        # and bodies are the body guard's.
+        app.add_middleware(RequestGuard, config=RequestGuardConfig(
+            allowed_hosts=settings.allowed_hosts, same_origin_only=False, json_bodies_only=False,
+            max_body_bytes=None, render=lambda exc: json.dumps(error_payload(exc)).encode()))
     # Outermost: every answer (a refusal by the middlewares above included) is counted, and
     # carries its request id in the header and in every log line about it.
     app.state.metrics = GatewayMetrics()

@@ -94,6 +94,12 @@ class GatewaySettings:
     """Seconds between two reads of the controller's live-worker list (`routing` local). Load
     facts are as fresh as workers' heartbeats (~3 s) anyway; between reads the gateway adds
     its own picks to them."""
+    allowed_hosts: frozenset[str] | None = None
+    """Host names a request may name in its `Host` header (DNS rebinding); None: any. `__main__`
+    sets the loopback names when the gateway is bound to loopback (`request_guard`)."""
+    max_streams_per_key: int | None = None
+    """Streamed generations one caller may have open at once (429 beyond); the caller is its API
+    key, or its address on a gateway without keys (see `limits`). None: no cap."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "routing", RoutingMode(self.routing))
@@ -117,6 +123,11 @@ class GatewaySettings:
             isinstance(self.max_worker_attempts, int) and self.max_worker_attempts >= 1
         ):
             raise ValueError(f"max_worker_attempts must be an integer >= 1, got {self.max_worker_attempts!r}")
+        if self.allowed_hosts is not None:
+            object.__setattr__(self, "allowed_hosts", frozenset(self.allowed_hosts))
+        streams = self.max_streams_per_key
+        if streams is not None and (isinstance(streams, bool) or not isinstance(streams, int) or streams < 1):
+            raise ValueError(f"max_streams_per_key must be an integer >= 1 or None, got {streams!r}")
         for name in ("worker_timeout", "controller_timeout", "connect_timeout", "abort_timeout",
                      "worker_refresh_interval"):
             value = getattr(self, name)
