@@ -3,11 +3,24 @@ and a TCP listener on 127.0.0.1 that counts the connections it is offered."""
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import threading
 import time
 
 import httpx
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address in any numeric spelling the C library reads (or
+    `localhost`); names are not resolved here."""
+    if host == "localhost":
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, flags=socket.AI_NUMERICHOST)
+    except (OSError, UnicodeError):
+        return False
+    return all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
 
 class RecordingTransport(httpx.AsyncBaseTransport):
@@ -21,7 +34,7 @@ class RecordingTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
-        if request.url.host not in ("127.0.0.1", "::1", "localhost"):
+        if not _is_loopback(request.url.host):
             raise httpx.ConnectError(f"test transport: {request.url.host} is not dialled", request=request)
         return await self._inner.handle_async_request(request)
 
