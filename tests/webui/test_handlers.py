@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from llmplatform.webui.app import Handlers
+from llmplatform.webui.arena import ALREADY_VOTED, ArenaSession
 from llmplatform.webui.gateway import GatewayClient, GatewayError, SamplingControls
 from llmplatform.webui.messages import ERROR_ID, ERROR_PREFIX, is_error
 from llmplatform.webui.settings import WebUISettings
@@ -64,14 +65,15 @@ async def test_list_models_reads_the_gateway(handlers):
 
 
 async def test_list_models_reports_an_unreachable_gateway(tmp_path):
-    # A port nobody listens on: the status line says which gateway could not be reached.
+    # A port nobody listens on: the status line says the gateway cannot be reached (not where:
+    # visitors see it).
     handlers = Handlers(WebUISettings(api_base="http://127.0.0.1:9/v1", log_dir=tmp_path))
     try:
         models, status = await handlers.chat.list_models()
     finally:
         await handlers.close()
     assert models == []
-    assert "cannot reach the gateway at http://127.0.0.1:9/v1" in status
+    assert "the gateway cannot be reached" in status and "127.0.0.1" not in status
 
 
 # ---- chat --------------------------------------------------------------------------------------
@@ -212,12 +214,15 @@ async def test_arena_streams_both_models_concurrently_and_logs_votes(stack, tmp_
     try:
         prompt = "Name three colors."
         _, a, b = handlers.arena.add_user_message(prompt, [], [])
+        session = ArenaSession()
         # No answer yet: nothing to vote on, and nothing written.
-        assert "Nothing to vote on" in await handlers.arena.vote("tie", PAGED_MODEL, HF_MODEL, a, b)
+        status, _ = await handlers.arena.vote("tie", session)
+        assert "Nothing to vote on" in status
         assert not settings.votes_path.exists()
 
-        updates = await collect(handlers.arena.respond(PAGED_MODEL, HF_MODEL, 0.0, 1.0, 12, a, b))
-        a, b = updates[-1]
+        updates = await collect(handlers.arena.respond(PAGED_MODEL, HF_MODEL, 0.0, 1.0, 12, a, b,
+                                                       session))
+        a, b, _ = updates[-1]
         messages = [{"role": "user", "content": prompt}]
         answer_a = expected_answer(direct, PAGED_MODEL, messages, 12)
         answer_b = expected_answer(direct, HF_MODEL, messages, 12)
@@ -226,12 +231,13 @@ async def test_arena_streams_both_models_concurrently_and_logs_votes(stack, tmp_
         assert len({u[0][-1]["content"] for u in updates}) > 2
         assert len({u[1][-1]["content"] for u in updates}) > 2
 
-        status = await handlers.arena.vote("a_better", PAGED_MODEL, HF_MODEL, a, b)
+        status, _ = await handlers.arena.vote("a_better", session)
         assert "A is better" in status
-        await handlers.arena.vote("both_bad", PAGED_MODEL, HF_MODEL, a, b)
+        # One vote per answered pair.
+        assert await handlers.arena.vote("both_bad", session) == (ALREADY_VOTED, session)
         lines = settings.votes_path.read_text(encoding="utf-8").splitlines()
         records = [json.loads(line) for line in lines]
-        assert [r["vote"] for r in records] == ["a_better", "both_bad"]
+        assert [r["vote"] for r in records] == ["a_better"]
         first = records[0]
         assert first["models"] == {"a": PAGED_MODEL, "b": HF_MODEL}
         assert first["prompt"] == prompt
@@ -240,23 +246,26 @@ async def test_arena_streams_both_models_concurrently_and_logs_votes(stack, tmp_
         assert stamp.tzinfo is not None
         assert abs((dt.datetime.now(dt.timezone.utc) - stamp).total_seconds()) < 600
         with pytest.raises(ValueError):
-            await handlers.arena.vote("a_is_great", PAGED_MODEL, HF_MODEL, a, b)
+            await handlers.arena.vote("a_is_great", session)
     finally:
         await handlers.close()
 
 
 async def test_arena_shows_each_sides_error_on_its_own_side(handlers):
     _, a, b = handlers.arena.add_user_message("Hello", [], [])
-    a, b = (await collect(handlers.arena.respond("no-such-model", HF_MODEL, 0.0, 1.0, 4, a, b)))[-1]
+    session = ArenaSession()
+    a, b, _ = (await collect(handlers.arena.respond("no-such-model", HF_MODEL, 0.0, 1.0, 4, a, b,
+                                                    session)))[-1]
     assert is_error(a[-1]) and "no-such-model" in a[-1]["content"]
     assert not is_error(b[-1]) and b[-1]["content"]
+    assert session.pair is None  # one side failed: nothing to vote on
 
 
 async def test_stopping_the_arena_aborts_both_requests(stack, handlers):
     stack.wait_idle(PAGED_MODEL)
     _, a, b = handlers.arena.add_user_message("Write a very long story.", [], [])
     answer = handlers.arena.respond(PAGED_MODEL, HF_MODEL, 0.0, 1.0, 400, a, b)
-    async for side_a, side_b in answer:
+    async for side_a, side_b, _ in answer:
         if len(side_a[-1]["content"]) > 10 and len(side_b[-1]["content"]) > 10:
             break
     await answer.aclose()

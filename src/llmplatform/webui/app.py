@@ -7,6 +7,12 @@ machine may be reached) and it is never shared through Gradio's tunnel; the page
 from disk except Gradio's own assets (no upload component, uploads refused, no `allowed_paths`),
 and the votes log is explicitly blocked.
 
+Model text reaches the page only through `components.SafeChatbot` and `SafeMarkdown`, which make
+it inert on the server (`safe_markdown`); every response also carries headers that keep the
+browser from fetching anything for it (`SECURITY_HEADERS`: images, media and frames from the
+page's own origin only, no DNS prefetching of links, no Referer). A handler's exception shows as
+Gradio's bare "Error", never its text (`show_error=False`): the log has the details.
+
 The page is wiring only: the handlers live in `chat`, `arena` and `cluster`, free of Gradio.
 """
 
@@ -23,15 +29,49 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr  # noqa: E402
 import pandas as pd  # noqa: E402  (a Gradio dependency; Dataframe values)
 from fastapi import FastAPI  # noqa: E402
+from starlette.types import ASGIApp, Message, Receive, Scope, Send  # noqa: E402
 
-from llmplatform.webui.arena import VOTES, ArenaHandlers, VoteLog  # noqa: E402
+from llmplatform.webui.arena import VOTES, ArenaHandlers, ArenaSession, VoteLog  # noqa: E402
 from llmplatform.webui.chat import ChatHandlers  # noqa: E402
 from llmplatform.webui.cluster import COLUMNS, ClusterView  # noqa: E402
+from llmplatform.webui.components import SafeChatbot, SafeMarkdown  # noqa: E402
 from llmplatform.webui.gateway import GatewayClient  # noqa: E402
-from llmplatform.webui.messages import drop_last_answer, last_exchange  # noqa: E402
+from llmplatform.webui.messages import drop_last_answer  # noqa: E402
 from llmplatform.webui.settings import WebUISettings  # noqa: E402
 
 TITLE = "llmplatform"
+
+SECURITY_HEADERS: tuple[tuple[bytes, bytes], ...] = (
+    # Whatever a page shows, the browser loads images, media, frames and plugins only from the
+    # UI itself (and inline data), so a way through the server's sanitising still fetches nothing.
+    (b"content-security-policy",
+     b"img-src 'self' data: blob:; media-src 'self' data: blob:; frame-src 'self'; "
+     b"object-src 'none'; base-uri 'self'; form-action 'self'"),
+    (b"x-dns-prefetch-control", b"off"),    # links in answers are not looked up before a click
+    (b"referrer-policy", b"no-referrer"),   # nor does a click tell the target where it came from
+    (b"x-content-type-options", b"nosniff"),
+)
+
+
+class SecurityHeadersMiddleware:
+    """Adds `SECURITY_HEADERS` to every HTTP response (pure ASGI: streams stay streams)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                names = {name.lower() for name, _ in message.get("headers", [])}
+                extra = [(n, v) for n, v in SECURITY_HEADERS if n not in names]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
 
 
 class Handlers:
@@ -81,20 +121,19 @@ def build_blocks(handlers: Handlers) -> gr.Blocks:
     chat, arena, cluster = handlers.chat, handlers.arena, handlers.cluster
 
     with gr.Blocks(title=TITLE, analytics_enabled=False) as demo:
-        gr.Markdown(f"## {TITLE}  \nChat with the models served by the gateway at "
-                    f"`{settings.api_base}`.")
+        SafeMarkdown(f"## {TITLE}  \nChat with the models this platform serves.")
         with gr.Row():
             refresh_models = gr.Button("Refresh models", size="sm", scale=0,
                                        elem_id="refresh-models")
-            models_status = gr.Markdown(elem_id="models-status")
+            models_status = SafeMarkdown(elem_id="models-status")
 
         # ---- Chat -------------------------------------------------------------------------------
         with gr.Tab("Chat", id="chat", elem_id="tab-chat") as chat_tab:
             chat_model = _model_dropdown("Model", "chat-model")
             system_prompt = gr.Textbox(label="System prompt (optional)", lines=1,
                                        elem_id="chat-system")
-            chatbot = gr.Chatbot(label="Chat", height=420, elem_id="chat-chatbot",
-                                 buttons=["copy"])
+            chatbot = SafeChatbot(label="Chat", height=420, elem_id="chat-chatbot",
+                                  buttons=["copy"])
             with gr.Row():
                 chat_input = gr.Textbox(show_label=False, scale=8, elem_id="chat-input",
                                         placeholder="Type a message and press Enter")
@@ -107,20 +146,21 @@ def build_blocks(handlers: Handlers) -> gr.Blocks:
 
         # ---- Arena ------------------------------------------------------------------------------
         with gr.Tab("Arena", id="arena", elem_id="tab-arena") as arena_tab:
-            gr.Markdown("Two models answer the same prompt side by side. Vote for the better one; "
-                        f"votes are logged to `{settings.votes_path}`.")
+            SafeMarkdown("Two models answer the same prompt side by side. Vote for the better "
+                         "one; votes are logged on the server.")
+            arena_session = gr.State(None)  # an ArenaSession, held server-side by Gradio
             with gr.Row():
                 arena_model_a = _model_dropdown("Model A", "arena-model-a")
                 arena_model_b = _model_dropdown("Model B", "arena-model-b")
             with gr.Row():
-                chatbot_a = gr.Chatbot(label="Model A", height=360, elem_id="arena-chatbot-a")
-                chatbot_b = gr.Chatbot(label="Model B", height=360, elem_id="arena-chatbot-b")
+                chatbot_a = SafeChatbot(label="Model A", height=360, elem_id="arena-chatbot-a")
+                chatbot_b = SafeChatbot(label="Model B", height=360, elem_id="arena-chatbot-b")
             with gr.Row():
                 vote_buttons = {
                     kind: gr.Button(label, interactive=False, elem_id=f"vote-{kind}")
                     for kind, label in VOTES.items()
                 }
-            vote_status = gr.Markdown(elem_id="arena-vote-status")
+            vote_status = SafeMarkdown(elem_id="arena-vote-status")
             with gr.Row():
                 arena_input = gr.Textbox(show_label=False, scale=8, elem_id="arena-input",
                                          placeholder="Type a prompt for both models")
@@ -133,7 +173,7 @@ def build_blocks(handlers: Handlers) -> gr.Blocks:
 
         # ---- Cluster ----------------------------------------------------------------------------
         with gr.Tab("Cluster", id="cluster", elem_id="tab-cluster") as cluster_tab:
-            cluster_summary = gr.Markdown(elem_id="cluster-summary")
+            cluster_summary = SafeMarkdown(elem_id="cluster-summary")
             cluster_table = gr.Dataframe(value=pd.DataFrame([], columns=COLUMNS),
                                          interactive=False, wrap=True, elem_id="cluster-table")
             cluster_refresh = gr.Button("Refresh now", size="sm", elem_id="cluster-refresh")
@@ -174,8 +214,8 @@ def build_blocks(handlers: Handlers) -> gr.Blocks:
         # ---- Events: arena ----------------------------------------------------------------------
         votes_out = list(vote_buttons.values())
 
-        def votes_enabled(history_a: Any, history_b: Any) -> list[Any]:
-            ready = last_exchange(history_a) is not None and last_exchange(history_b) is not None
+        def votes_enabled(session: ArenaSession | None) -> list[Any]:
+            ready = isinstance(session, ArenaSession) and session.can_vote
             return [gr.update(interactive=ready) for _ in votes_out]
 
         def votes_disabled() -> list[Any]:
@@ -185,12 +225,13 @@ def build_blocks(handlers: Handlers) -> gr.Blocks:
             return [""] + votes_disabled()
 
         arena_args = [arena_model_a, arena_model_b, arena_temperature, arena_top_p,
-                      arena_max_tokens, chatbot_a, chatbot_b]
+                      arena_max_tokens, chatbot_a, chatbot_b, arena_session]
+        arena_out = [chatbot_a, chatbot_b, arena_session]
         arena_runs = [
             trigger(arena.add_user_message, [arena_input, chatbot_a, chatbot_b],
                     [arena_input, chatbot_a, chatbot_b], queue=False)
             .then(new_answers, None, [vote_status] + votes_out, queue=False)
-            .then(arena.respond, arena_args, [chatbot_a, chatbot_b])
+            .then(arena.respond, arena_args, arena_out)
             for trigger in (arena_input.submit, arena_send.click)
         ]
 
@@ -201,25 +242,28 @@ def build_blocks(handlers: Handlers) -> gr.Blocks:
             arena_regenerate.click(drop_both, [chatbot_a, chatbot_b], [chatbot_a, chatbot_b],
                                    queue=False)
             .then(new_answers, None, [vote_status] + votes_out, queue=False)
-            .then(arena.respond, arena_args, [chatbot_a, chatbot_b]))
+            .then(arena.respond, arena_args, arena_out))
         for run in arena_runs:
-            run.then(votes_enabled, [chatbot_a, chatbot_b], votes_out, queue=False)
-        arena_stop.click(votes_enabled, [chatbot_a, chatbot_b], votes_out, cancels=arena_runs,
+            run.then(votes_enabled, arena_session, votes_out, queue=False)
+        # A stopped round has no complete pair: nothing to vote on.
+        arena_stop.click(votes_enabled, arena_session, votes_out, cancels=arena_runs,
                          queue=False)
-        arena_clear.click(lambda: ([], [], "", ""), None,
-                          [chatbot_a, chatbot_b, arena_input, vote_status], queue=False,
-                          cancels=arena_runs).then(votes_disabled, None, votes_out, queue=False)
+        arena_clear.click(lambda: ([], [], "", "", None), None,
+                          [chatbot_a, chatbot_b, arena_input, vote_status, arena_session],
+                          queue=False, cancels=arena_runs
+                          ).then(votes_disabled, None, votes_out, queue=False)
 
         def vote_handler(kind: str) -> Callable[..., Coroutine[Any, Any, list[Any]]]:
-            async def record(model_a: str | None, model_b: str | None, history_a: Any,
-                             history_b: Any) -> list[Any]:
-                status = await arena.vote(kind, model_a, model_b, history_a, history_b)
-                return [status] + votes_disabled()  # one vote per answer pair
+            # The vote's kind is the button's own (no input), and the pair is the session's:
+            # a caller of the API endpoint has nothing to pass but its session.
+            async def record(session: ArenaSession | None) -> list[Any]:
+                status, session = await arena.vote(kind, session)
+                return [status, session] + votes_disabled()  # one vote per answered pair
             return record
 
         for kind, button in vote_buttons.items():
-            button.click(vote_handler(kind), [arena_model_a, arena_model_b, chatbot_a, chatbot_b],
-                         [vote_status] + votes_out)
+            button.click(vote_handler(kind), arena_session,
+                         [vote_status, arena_session] + votes_out)
 
         # ---- Events: cluster --------------------------------------------------------------------
         async def update_cluster() -> tuple[str, pd.DataFrame]:
@@ -251,6 +295,7 @@ def create_app(settings: WebUISettings, handlers: Handlers | None = None) -> Fas
             await handlers.close()
 
     app = FastAPI(title="llmplatform web UI", lifespan=lifespan)
+    app.add_middleware(SecurityHeadersMiddleware)
     app.state.settings = settings
     app.state.handlers = handlers
     app.state.blocks = blocks
@@ -265,7 +310,7 @@ def create_app(settings: WebUISettings, handlers: Handlers | None = None) -> Fas
         allowed_paths=[],           # serve no file from disk beyond Gradio's own assets
         blocked_paths=[str(settings.log_dir.resolve())],
         max_file_size=1,            # bytes: Gradio's upload route stays open, but nothing fits
-        show_error=True,            # a handler bug shows its message instead of a blank "Error"
+        show_error=False,           # an exception's text never reaches the page (the log has it)
         ssr_mode=False,             # no Node.js server
         mcp_server=False,
         pwa=False,

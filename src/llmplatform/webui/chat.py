@@ -25,6 +25,7 @@ from llmplatform.webui.messages import (
 logger = logging.getLogger("llmplatform.webui")
 
 NO_MODEL = "No model selected. Pick one above (press Refresh if the list is empty)."
+UNEXPECTED = "the answer failed; try again"
 
 
 def controls_from(temperature: Any, top_p: Any, max_tokens: Any) -> SamplingControls:
@@ -65,10 +66,15 @@ async def stream_answer(
             async for delta in deltas:
                 text += delta
                 yield base + [assistant_message(text)]
-    except GatewayError as exc:
-        logger.info("chat with %s failed: %s", model, exc)
-        answered = [assistant_message(text)] if text else []
-        yield base + answered + [error_message(str(exc))]
+    except GatewayError as exc:  # already logged, with its details, by the client
+        shown = str(exc)
+    except Exception:  # noqa: BLE001 - e.g. a garbled stream: the visitor sees no internals
+        logger.exception("chat with %r failed", model)
+        shown = UNEXPECTED
+    else:
+        return
+    answered = [assistant_message(text)] if text else []
+    yield base + answered + [error_message(shown)]
 
 
 class ChatHandlers:

@@ -77,7 +77,7 @@ class ClusterView:
             response.raise_for_status()
             workers = ListWorkersResponse.model_validate(response.json()).workers
         except (httpx.HTTPError, ValueError) as exc:
-            logger.info("cluster view: %s: %s", type(exc).__name__, exc)
+            logger.warning("cluster view: %s: %s", type(exc).__name__, exc)
             return ClusterSnapshot([], f"Cannot read the controller at {base}: {_reason(exc)}")
         models = sorted({name for w in workers for name in w.model_names})
         summary = (
@@ -99,6 +99,12 @@ class ClusterView:
 
 
 def _reason(exc: Exception) -> str:
+    """What the page says went wrong: a status or a kind of failure, never what the controller
+    (or whatever answers at its address) said; the log has that."""
     if isinstance(exc, httpx.HTTPStatusError):
-        return f"HTTP {exc.response.status_code}: {exc.response.text[:200]}"
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return f"HTTP {exc.response.status_code}"
+    if isinstance(exc, httpx.TimeoutException):
+        return "no answer in time"
+    if isinstance(exc, httpx.TransportError):
+        return "cannot connect"
+    return "unreadable answer"

@@ -23,7 +23,7 @@ CONNECT_TIMEOUT_S = 5.0
 
 
 class GatewayError(Exception):
-    """The gateway refused or failed a request; `str()` is the gateway's own message."""
+    """The gateway refused or failed a request; `str()` is safe to show to the visitor."""
 
 
 @dataclass(frozen=True)
@@ -35,27 +35,78 @@ class SamplingControls:
     max_tokens: int = 512
 
 
-def describe_error(exc: BaseException, api_base: str) -> str:
-    """The error's own text, as the gateway put it, for showing in the chat.
+MAX_SHOWN_MESSAGE_CHARS = 300
+"""The longest refusal text of the gateway the visitor sees (the rest is cut)."""
 
-    The gateway answers OpenAI's envelope `{"error": {"message", ...}}`; the openai client keeps
-    the inner object as `body`, so its `message` is what the gateway said. An error inside a
-    stream (an `error` event) arrives as a plain APIError whose message is already that text.
+_VISITORS_OWN = frozenset({400, 404, 409, 413, 422})
+"""Statuses that answer the visitor's own request (a bad value, an unknown model, a prompt too
+long): the gateway's `message` says what to change. Anything else is the platform's business."""
+
+
+def describe_error(exc: BaseException) -> str:
+    """A short message for the visitor; the details go to the log (`log_error`).
+
+    Only a refusal of the visitor's own request shows the gateway's words (OpenAI's error
+    `message`). Everything else (a 5xx, an auth failure of the UI's own key, a timeout, no
+    connection, an error inside a stream) shows a fixed sentence with the status at most: no
+    exception text, no address, nothing a worker said.
     """
     if isinstance(exc, openai.APIStatusError):
-        body = exc.body
-        if isinstance(body, dict) and isinstance(body.get("message"), str):
-            return f"{body['message']} (HTTP {exc.status_code})"
-        return exc.message
+        status = exc.status_code
+        if status in _VISITORS_OWN:
+            message = _gateway_message(exc.body)
+            if message:
+                return f"{_shorten(message)} (HTTP {status})"
+        if status == 429:
+            return "too many requests right now (HTTP 429); try again shortly"
+        return f"the model is unavailable (HTTP {status}); try again"
     if isinstance(exc, openai.APITimeoutError):
-        return f"the gateway at {api_base} did not answer in time"
+        return "the model did not answer in time; try again"
     if isinstance(exc, openai.APIConnectionError):
-        cause = exc.__cause__
-        detail = f": {type(cause).__name__}: {cause}" if cause else ""
-        return f"cannot reach the gateway at {api_base}{detail}"
-    if isinstance(exc, openai.APIError):
-        return exc.message
-    return f"{type(exc).__name__}: {exc}"
+        return "the model is unavailable (the gateway cannot be reached); try again"
+    if isinstance(exc, openai.APIError):  # an `error` event inside the stream
+        code = _status_code(exc.body)
+        message = _gateway_message(exc.body)
+        if code in _VISITORS_OWN and message:
+            return f"{_shorten(message)} (HTTP {code})"
+        return "the answer failed part-way; try again"
+    return "the model is unavailable; try again"
+
+
+def log_error(what: str, exc: BaseException) -> None:
+    """The whole story for the operator: the exception, its status and body, its cause."""
+    status = getattr(exc, "status_code", None)
+    body = getattr(exc, "body", None)
+    logger.warning("%s failed: %s: %s (status=%s body=%r cause=%r)", what, type(exc).__name__,
+                   exc, status, body, exc.__cause__)
+
+
+def _gateway_message(body: object) -> str | None:
+    # The openai client keeps the envelope's inner object (`{"message", "type", "code"}`) as
+    # `body`; some servers put the envelope itself there.
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        body = body["error"]
+    if isinstance(body, dict) and isinstance(body.get("message"), str):
+        return body["message"].strip() or None
+    return None
+
+
+def _status_code(body: object) -> int | None:
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        body = body["error"]
+    code = body.get("code") if isinstance(body, dict) else None
+    if isinstance(code, int):
+        return code
+    if isinstance(code, str) and code.isdigit():
+        return int(code)
+    return None
+
+
+def _shorten(text: str) -> str:
+    text = " ".join(text.split())
+    if len(text) <= MAX_SHOWN_MESSAGE_CHARS:
+        return text
+    return text[: MAX_SHOWN_MESSAGE_CHARS - 3] + "..."
 
 
 class GatewayClient:
@@ -81,7 +132,8 @@ class GatewayClient:
             page = await self._client.models.list()
             return sorted(model.id for model in page.data)
         except openai.OpenAIError as exc:
-            raise GatewayError(describe_error(exc, self.api_base)) from exc
+            log_error("listing models", exc)
+            raise GatewayError(describe_error(exc)) from exc
 
     async def stream_chat(
         self, model: str, messages: Sequence[dict[str, str]], controls: SamplingControls
@@ -97,13 +149,15 @@ class GatewayClient:
                 stream=True,
             )
         except openai.OpenAIError as exc:
-            raise GatewayError(describe_error(exc, self.api_base)) from exc
+            log_error(f"chat with {model!r}", exc)
+            raise GatewayError(describe_error(exc)) from exc
         try:
             async for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
                     yield chunk.choices[0].delta.content
         except openai.OpenAIError as exc:
-            raise GatewayError(describe_error(exc, self.api_base)) from exc
+            log_error(f"chat with {model!r} (streaming)", exc)
+            raise GatewayError(describe_error(exc)) from exc
         finally:
             # Runs on GeneratorExit (aclose) and CancelledError (Stop) too: the disconnect is the
             # abort signal, so the stream must never be left open for the GC to find.
