@@ -67,6 +67,11 @@ def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | N
             app.state.routing_table = table
             logger.debug("gateway up: controller=%s auth=%s routing=%s", settings.controller_address,
                          bool(settings.api_keys), settings.routing.value)
+            if settings.admin_api_keys and not settings.api_keys:
+                # Admin keys alone guard /v1/admin only: easy to mistake for a locked gateway.
+                logger.warning("/v1 is OPEN: --admin-api-keys guards only /v1/admin; every other "
+                               "/v1 route answers anyone who can reach this port. Set --api-keys "
+                               "(or LLMPLATFORM_API_KEYS) to require a key there too.")
             async with _refreshing(table, client, settings.worker_refresh_interval):
                 try:
                     yield
