@@ -28,6 +28,7 @@ import uvicorn
 
 from llmplatform.openai_api.worker_stream import WorkerStreamClient
 from llmplatform.protocol.worker import ACCEPTED_HEADER
+from llmplatform.utils.cluster_secret import secret_from_env, secret_headers
 from llmplatform.utils.http_protocol import CoalescingHttpToolsProtocol
 
 
@@ -63,7 +64,7 @@ class BareProxy:
                   "openai_max_tokens": {"requested": request.get("max_tokens"), "default": 16, "param": "prompt"}, "temperature": request.get("temperature", 1.0),
                   "ignore_eos": bool(request.get("ignore_eos")), "echo": False, "request_id": uuid.uuid4().hex}
         if self.pool is None:
-            self.pool = WorkerStreamClient(headers={}, connect_timeout=5.0, read_timeout=600.0, max_connections=1024)
+            self.pool = WorkerStreamClient(headers=secret_headers(secret_from_env(None)), connect_timeout=5.0, read_timeout=600.0, max_connections=1024)
         response_id, created, sent, pending = f"cmpl-{uuid.uuid4().hex}", int(time.time()), 0, b""
         started = False
         async with self.pool.stream(self.url, params) as stream:

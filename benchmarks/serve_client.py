@@ -31,6 +31,8 @@ from typing import Any
 import httpx
 import numpy as np
 
+from llmplatform.utils.cluster_secret import secret_from_env, secret_headers
+
 CONNECT_TIMEOUT_S = 10.0
 
 
@@ -238,7 +240,8 @@ async def run_requests(target: Target, requests: Sequence[BenchRequest], *, conc
     limits = httpx.Limits(max_connections=in_flight + 4, max_keepalive_connections=in_flight + 4)
     timeout = httpx.Timeout(request_timeout_s, connect=CONNECT_TIMEOUT_S)
     results: list[RequestResult | None] = [None] * len(requests)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False,
+                                 headers=secret_headers(secret_from_env(None))) as client:
         start = time.perf_counter()
 
         async def one(index: int) -> None:

@@ -14,6 +14,7 @@ Also here: :class:`CoresMonitor`, which says who used the CPU during a run.
 from __future__ import annotations
 
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -27,6 +28,8 @@ from pathlib import Path
 import httpx
 
 from cpu_usage import machine_cpu_seconds
+
+from llmplatform.utils.cluster_secret import SECRET_ENV
 
 STOP_GRACE_S = 30.0
 
@@ -163,6 +166,9 @@ class LLMPlatformCluster:
 def start_llmplatform(model_path: str, model_name: str, worker_args: str, log_path: Path,
                       startup_timeout_s: float) -> LLMPlatformCluster:
     controller_port, api_port, worker_port = free_ports(3)
+    # serve closes registration with a secret; the benchmark calls the worker directly too, so it
+    # chooses the secret (inherited by serve and the bare proxy; sent by serve_client's clients).
+    os.environ.setdefault(SECRET_ENV, secrets.token_urlsafe(32))
     worker = f"--model-path {shlex.quote(model_path)} --model-names {shlex.quote(model_name)} {worker_args}"
     argv = [sys.executable, "-m", "llmplatform.cli", "serve", "--host", "127.0.0.1",
             "--controller-port", str(controller_port), "--api-port", str(api_port),

@@ -204,7 +204,9 @@ def test_serve_sigterm_drains_and_leaves_no_orphans(tiny_model_dir, tmp_path, ne
          "--api-port", str(api_port), "--shutdown-timeout", "30", "--no-webui",
          "--worker", f"--model-path {tiny_model_dir} --model-names {MODEL} --port {worker_port} "
                      "--dtype float32 --backend paged --kv-cache-memory 64MiB --limit-worker-concurrency 1"],
-        stdout=log, stderr=subprocess.STDOUT)
+        stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "LLMPLATFORM_CLUSTER_SECRET": "shutdown-test-secret"})  # to ask the worker
+    inside = {"X-LLMPlatform-Secret": "shutdown-test-secret"}
     output = lambda: (tmp_path / "serve.log").read_text(errors="replace")[-4000:]  # noqa: E731
     children: list[int] = []
     try:
@@ -222,7 +224,8 @@ def test_serve_sigterm_drains_and_leaves_no_orphans(tiny_model_dir, tmp_path, ne
 
         with ThreadPoolExecutor(3) as pool:
             pending = [pool.submit(stream, i) for i in range(3)]
-            wait_until(lambda: worker_status(worker_url)["num_accepted"] == 3, timeout=30,
+            wait_until(lambda: httpx.post(f"{worker_url}/worker_get_status", json={}, headers=inside,
+                                          timeout=10).json()["num_accepted"] == 3, timeout=30,
                        what="three requests on the worker")
             proc.send_signal(signal.SIGTERM)
             for future in pending:
