@@ -185,6 +185,11 @@ CHAT_CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ("chat-template-empty", {"chat_template": ""}, "chat_template"),
     ("chat-template-kwargs", {"chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}, "chat_template_kwargs"),
     ("chat-template-kwargs-other", {"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+    # constraints not served (yet) are refused by name, never dropped
+    ("response-format-json", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("tool-choice-required", {"tool_choice": "required"}, "tool_choice"),
+    ("guided-choice", {"guided_choice": ["a", "b"]}, "guided_choice"),
 ]
 
 

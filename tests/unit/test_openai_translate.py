@@ -451,3 +451,34 @@ def test_error_envelope() -> None:
     auth = error_payload(AuthenticationError("no key"))["error"]
     assert (auth["type"], auth["code"]) == ("invalid_request_error", "invalid_api_key")
     assert AuthenticationError("x").http_status == 401
+
+
+@pytest.mark.parametrize("field, value", [
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a", "b"]),
+    ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"regex": "a"}),
+    ("logits_processors", ["x"]), ("use_beam_search", True), ("include_stop_str_in_output", True),
+])
+def test_generation_constraints_we_do_not_serve_are_refused_not_dropped(field: str, value: object) -> None:
+    for request in (chat(**{field: value}), completion(**{field: value})):
+        with pytest.raises(InvalidRequestError) as info:
+            check_unsupported(request)
+        assert info.value.param == field
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}), ("functions", [{"name": "f"}]),
+    ("function_call", "auto"), ("modalities", ["text", "audio"]), ("audio", {"voice": "x"}),
+])
+def test_tool_calling_is_refused_by_name_until_served(field: str, value: object) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        check_unsupported(chat(**{field: value}))
+    assert info.value.param == field
+
+
+def test_neutral_values_of_unserved_fields_ask_for_nothing() -> None:
+    check_unsupported(chat(response_format={"type": "text"}, tools=[], tool_choice="none",
+                           function_call="none", use_beam_search=False, modalities=["text"],
+                           include_stop_str_in_output=False))

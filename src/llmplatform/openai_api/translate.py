@@ -99,11 +99,33 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
     return normalized
 
 
+_UNSUPPORTED = ("allowed_token_ids", "bad_words", "response_format", "guided_json", "guided_regex",
+                "guided_choice", "guided_grammar", "structured_outputs", "logits_processors",
+                "use_beam_search", "include_stop_str_in_output", "tools", "tool_choice", "functions",
+                "function_call", "modalities", "audio")
+
+
+def _is_neutral(name: str, value: Any) -> bool:
+    """The values of an unsupported field that ask for nothing beyond plain text generation."""
+    if name == "response_format":
+        return value == {"type": "text"}
+    if name in ("tools", "functions"):
+        return value == []
+    if name in ("tool_choice", "function_call"):
+        return value == "none"
+    if name in ("use_beam_search", "include_stop_str_in_output"):
+        return value is False
+    if name == "modalities":
+        return value == ["text"]
+    return False
+
+
 def check_unsupported(request: ChatCompletionRequest | CompletionRequest) -> None:
     """Fields a client may send that this server does not serve: refused, never dropped (each
     would change which tokens may be generated)."""
-    for name in ("allowed_token_ids", "bad_words"):
-        if getattr(request, name) is not None:
+    for name in _UNSUPPORTED:
+        value = getattr(request, name, None)
+        if value is not None and not _is_neutral(name, value):
             raise InvalidRequestError(f"Invalid value for '{name}': {name} is not supported.", param=name)
     bias = request.logit_bias or {}
     if len(bias) > MAX_LOGIT_BIAS_ENTRIES:

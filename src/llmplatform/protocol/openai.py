@@ -83,6 +83,17 @@ class _SamplingRequest(_Request):
     # silently would generate tokens the client banned or did not allow.
     allowed_token_ids: Any = None
     bad_words: Any = None
+    # Constraints on what is generated that this server does not serve yet, parsed only to be
+    # refused by name (translate.check_unsupported) rather than silently ignored.
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    logits_processors: Any = None
+    use_beam_search: Any = None
+    include_stop_str_in_output: Any = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -96,6 +107,13 @@ class ChatCompletionRequest(_SamplingRequest):
     # request-supplied Jinja template would run client code in the worker's template engine.
     chat_template: Any = None
     chat_template_kwargs: Any = None
+    # Tool calling is not served yet: refused by name (translate.check_unsupported).
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
 
 
 class CompletionRequest(_SamplingRequest):
