@@ -69,7 +69,8 @@ class WorkerState:
         if self.draining:
             raise WorkerDrainingError("This worker is shutting down; send the request to another worker.")
         if not llm.is_healthy():
-            raise EngineDeadError("This worker's engine has failed and cannot serve requests.")
+            raise EngineDeadError("This worker's engine is not serving (it failed, and is restarting or has stopped); "
+                                  "retry the request.")
         queued = self.num_queued(llm.load().num_waiting)
         if queued >= self.max_queue_len:
             raise WorkerOverloadedError(
