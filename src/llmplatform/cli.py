@@ -8,7 +8,8 @@ import sys
 USAGE = """\
 usage: llmplatform {serve,controller,worker,api,webui} [options]
 
-  serve       start a controller, model worker(s), the OpenAI gateway and the web UI
+  serve       start a controller, model worker(s), the OpenAI gateway and the web UI;
+              restart any that dies (closed to outside workers: a random cluster secret)
   controller  run the controller (worker registry)
   worker      run one model worker
   api         run the OpenAI-compatible gateway

@@ -41,7 +41,7 @@ ENV_PREFIX = "LLMPLATFORM_"
 
 RESERVED_ENV_VARS = frozenset(
     {
-        "LLMPLATFORM_CACHE",  # where converted models live (llm/resolve.py)
+        "LLMPLATFORM_CACHE",  # converted models, compiled kernels (utils/cache_folder.py)
         "LLMPLATFORM_ATTENTION_BACKEND",  # forces triton or torch kernels (kernels/__init__.py)
         "LLMPLATFORM_PROGRESS",  # forces progress bars on or off (utils/logs.py)
         "LLMPLATFORM_ONEDNN_LINEARS",  # 0: float32 CPU projections stay on F.linear (models/layers.py)
