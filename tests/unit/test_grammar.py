@@ -307,6 +307,17 @@ async def test_what_does_not_compile_is_a_400_naming_the_field(compiler, build, 
     assert words in e.value.message
 
 
+async def test_requests_sharing_a_failed_compile_each_get_their_own_field(compiler):
+    errors = await asyncio.gather(
+        compiler.compile(StructuredOutputSpec.regex("a{3,1}", param="guided_regex")),
+        compiler.compile(StructuredOutputSpec.regex("a{3,1}", param="structured_outputs.regex")),
+        return_exceptions=True)
+    assert [type(e) for e in errors] == [InvalidRequestError, InvalidRequestError]
+    assert [e.param for e in errors] == ["guided_regex", "structured_outputs.regex"]
+    assert all(e.message.startswith(e.param + ": the regular expression") for e in errors)
+    assert errors[0] is not errors[1]
+
+
 @pytest.mark.parametrize("kwargs, param, words", [
     (dict(guided_json={"type": 5}), "guided_json", "invalid JSON schema"),
     (dict(guided_json="{not json"), "guided_json", "not valid JSON"),

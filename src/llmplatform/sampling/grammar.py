@@ -199,6 +199,8 @@ class GrammarCompiler:
             return await asyncio.wait_for(waiter, timeout_s)
         except TimeoutError:
             raise _too_slow(spec, timeout_s) from None
+        except _CompileError as e:
+            raise e.for_request(spec) from None
         finally:
             self._leave(key, flight)
 
@@ -215,6 +217,8 @@ class GrammarCompiler:
             return flight.future.result(timeout_s)
         except concurrent.futures.TimeoutError:
             raise _too_slow(spec, timeout_s) from None
+        except _CompileError as e:
+            raise e.for_request(spec) from None
         finally:
             self._leave(key, flight)
 
@@ -264,7 +268,8 @@ class GrammarCompiler:
 
     def _compile_now(self, spec: StructuredOutputSpec) -> xgr.CompiledGrammar:
         """The xgrammar call itself, on a pool thread. Its errors are the client's (a schema,
-        regex or grammar that does not compile), translated to a 400 naming the field."""
+        regex or grammar that does not compile); each waiter turns one into a 400 naming its own
+        request's field."""
         kind = spec.kind
         try:
             if kind is StructuredOutputKind.JSON_SCHEMA:
@@ -284,8 +289,14 @@ class GrammarCompiler:
             return self._xgr.compile_structural_tag(spec.source)
         except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError,
                 xgr.InvalidStructuralTagError) as e:
-            raise InvalidRequestError(f"{spec.param}: {_WHAT[kind]} does not compile: "
-                                      f"{_first_line(e)}", param=spec.param) from None
+            raise _CompileError(f"{_WHAT[kind]} does not compile: {_first_line(e)}") from None
+
+
+class _CompileError(Exception):
+    """A spec xgrammar refused, shared by every caller waiting for that compile."""
+
+    def for_request(self, spec: StructuredOutputSpec) -> InvalidRequestError:
+        return InvalidRequestError(f"{spec.param}: {self}", param=spec.param)
 
 
 # ---------------------------------------------------------------------------- helpers
