@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send  # noqa: E402
 from llmplatform.webui.arena import VOTES, ArenaHandlers, ArenaSession, VoteLog  # noqa: E402
 from llmplatform.webui.chat import ChatHandlers  # noqa: E402
 from llmplatform.webui.cluster import COLUMNS, ClusterView  # noqa: E402
-from llmplatform.webui.components import SafeChatbot, SafeMarkdown  # noqa: E402
+from llmplatform.webui.components import safe_chatbot, safe_markdown  # noqa: E402
 from llmplatform.webui.gateway import GatewayClient  # noqa: E402
 from llmplatform.webui.messages import drop_last_answer  # noqa: E402
 from llmplatform.webui.settings import WebUISettings  # noqa: E402
@@ -121,18 +121,18 @@ def build_blocks(handlers: Handlers) -> gr.Blocks:
     chat, arena, cluster = handlers.chat, handlers.arena, handlers.cluster
 
     with gr.Blocks(title=TITLE, analytics_enabled=False) as demo:
-        SafeMarkdown(f"## {TITLE}  \nChat with the models this platform serves.")
+        safe_markdown(f"## {TITLE}  \nChat with the models this platform serves.")
         with gr.Row():
             refresh_models = gr.Button("Refresh models", size="sm", scale=0,
                                        elem_id="refresh-models")
-            models_status = SafeMarkdown(elem_id="models-status")
+            models_status = safe_markdown(elem_id="models-status")
 
         # ---- Chat -------------------------------------------------------------------------------
         with gr.Tab("Chat", id="chat", elem_id="tab-chat") as chat_tab:
             chat_model = _model_dropdown("Model", "chat-model")
             system_prompt = gr.Textbox(label="System prompt (optional)", lines=1,
                                        elem_id="chat-system")
-            chatbot = SafeChatbot(label="Chat", height=420, elem_id="chat-chatbot",
+            chatbot = safe_chatbot(label="Chat", height=420, elem_id="chat-chatbot",
                                   buttons=["copy"])
             with gr.Row():
                 chat_input = gr.Textbox(show_label=False, scale=8, elem_id="chat-input",
@@ -146,21 +146,21 @@ def build_blocks(handlers: Handlers) -> gr.Blocks:
 
         # ---- Arena ------------------------------------------------------------------------------
         with gr.Tab("Arena", id="arena", elem_id="tab-arena") as arena_tab:
-            SafeMarkdown("Two models answer the same prompt side by side. Vote for the better "
+            safe_markdown("Two models answer the same prompt side by side. Vote for the better "
                          "one; votes are logged on the server.")
             arena_session = gr.State(None)  # an ArenaSession, held server-side by Gradio
             with gr.Row():
                 arena_model_a = _model_dropdown("Model A", "arena-model-a")
                 arena_model_b = _model_dropdown("Model B", "arena-model-b")
             with gr.Row():
-                chatbot_a = SafeChatbot(label="Model A", height=360, elem_id="arena-chatbot-a")
-                chatbot_b = SafeChatbot(label="Model B", height=360, elem_id="arena-chatbot-b")
+                chatbot_a = safe_chatbot(label="Model A", height=360, elem_id="arena-chatbot-a")
+                chatbot_b = safe_chatbot(label="Model B", height=360, elem_id="arena-chatbot-b")
             with gr.Row():
                 vote_buttons = {
                     kind: gr.Button(label, interactive=False, elem_id=f"vote-{kind}")
                     for kind, label in VOTES.items()
                 }
-            vote_status = SafeMarkdown(elem_id="arena-vote-status")
+            vote_status = safe_markdown(elem_id="arena-vote-status")
             with gr.Row():
                 arena_input = gr.Textbox(show_label=False, scale=8, elem_id="arena-input",
                                          placeholder="Type a prompt for both models")
@@ -173,7 +173,7 @@ def build_blocks(handlers: Handlers) -> gr.Blocks:
 
         # ---- Cluster ----------------------------------------------------------------------------
         with gr.Tab("Cluster", id="cluster", elem_id="tab-cluster") as cluster_tab:
-            cluster_summary = SafeMarkdown(elem_id="cluster-summary")
+            cluster_summary = safe_markdown(elem_id="cluster-summary")
             cluster_table = gr.Dataframe(value=pd.DataFrame([], columns=COLUMNS),
                                          interactive=False, wrap=True, elem_id="cluster-table")
             cluster_refresh = gr.Button("Refresh now", size="sm", elem_id="cluster-refresh")

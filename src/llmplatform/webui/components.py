@@ -23,14 +23,18 @@ _RENDERED_METADATA = ("title", "log")
 """Metadata fields Gradio shows as text in a message's header."""
 
 
+def safe_chatbot(**kwargs: Any) -> SafeChatbot:
+    """A `SafeChatbot` with Gradio's own sanitising on and no custom tags kept."""
+    return SafeChatbot(sanitize_html=True, allow_tags=False, render_markdown=True, **kwargs)
+
+
+def safe_markdown(value: Any = None, **kwargs: Any) -> SafeMarkdown:
+    return SafeMarkdown(value, sanitize_html=True, **kwargs)
+
+
+# No `__init__` of their own: Gradio reads a component's props off its `__init__` signature.
 class SafeChatbot(gr.Chatbot):
     is_template = True  # rendered by the front end as a plain "chatbot"
-
-    def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("sanitize_html", True)
-        kwargs.setdefault("allow_tags", False)
-        kwargs.setdefault("render_markdown", True)
-        super().__init__(**kwargs)
 
     def postprocess(self, value: Any) -> ChatbotDataMessages:
         data = super().postprocess(value)
@@ -57,10 +61,6 @@ class SafeChatbot(gr.Chatbot):
 
 class SafeMarkdown(gr.Markdown):
     is_template = True  # rendered by the front end as a plain "markdown"
-
-    def __init__(self, value: Any = None, **kwargs: Any) -> None:
-        kwargs.setdefault("sanitize_html", True)
-        super().__init__(value, **kwargs)
 
     def postprocess(self, value: Any) -> Any:
         processed = super().postprocess(value)
