@@ -79,6 +79,7 @@ def test_killed_services_are_restarted_and_traffic_resumes(tiny_model_dir) -> No
             # next heartbeat is told it is unknown and registers again.
             wait_until(lambda: chat_works(client), timeout=120, interval=1.0,
                        what=f"a chat completion after {name} was restarted")
+            assert any(f"restarting {name} (restart {attempt}): " in line for line in lines)
             wait_until(lambda: any(f"{name} ready again" in line for line in lines), timeout=30,
                        interval=0.1, what=f"serve saying {name} is back")
         # Ctrl-C while a restart waits out its backoff (the worker's 2nd restart: 2 s) stops
@@ -93,7 +94,7 @@ def test_killed_services_are_restarted_and_traffic_resumes(tiny_model_dir) -> No
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0, "\n".join(lines)
         wait_until(lambda: not any(alive(c) for c in children), timeout=10, what="no orphans")
-        assert not any("restarting (restart 2)" in line for line in lines), "\n".join(lines)
+        assert not any("restarting worker 0 (restart 2)" in line for line in lines), "\n".join(lines)
     finally:
         if proc.poll() is None:
             stop_and_check_no_orphans(proc)

@@ -121,7 +121,7 @@ class Supervisor:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         for service in self.services:
-            self._spawn(service, "starting")
+            self._spawn(service, f"starting {service.spec.name}")
             self._wait_healthy(service)
             print(f"llmplatform serve: {service.spec.name} ready at {service.spec.url}", flush=True)
 
@@ -134,7 +134,7 @@ class Supervisor:
         assert self.log_dir is not None
         return self.log_dir / (re.sub(r"[^A-Za-z0-9_.-]+", "-", spec.name) + ".log")
 
-    def _spawn(self, service: _Service, verb: str) -> None:
+    def _spawn(self, service: _Service, what: str) -> None:
         spec = service.spec
         output: IO[bytes] | None = None
         if self.log_dir is not None:
@@ -142,7 +142,7 @@ class Supervisor:
             self._logs.append(output)
         shown = shlex.join(spec.shown_argv if spec.shown_argv is not None else spec.argv)
         secrets = " ".join(f"${name}" for name in sorted(spec.env))
-        logger.info("%s %s: %s%s", verb, spec.name, shown, f"  (secrets in {secrets})" if secrets else "")
+        logger.info("%s: %s%s", what, shown, f"  (secrets in {secrets})" if secrets else "")
         # A Ctrl-C between Popen and the assignment would leave an unrecorded child that stop()
         # never stops: the stop signals wait until the process is on record.
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
@@ -210,7 +210,7 @@ class Supervisor:
                       f"within {RESTART_WINDOW_S:.0f} s; {self.log_location(spec)})")
         elif service.proc is None and service.restart_at is not None and now >= service.restart_at:
             service.restart_at = None
-            self._spawn(service, f"restarting (restart {len(service.restart_times)})")
+            self._spawn(service, f"restarting {spec.name} (restart {len(service.restart_times)})")
             service.awaiting_health = True
         elif service.awaiting_health and self._healthy(spec, 1.0):
             service.awaiting_health = False
