@@ -76,7 +76,7 @@ class AsyncEngine:
         whole, within this bound; None: such a failure is final."""
         self.engine = engine
         self._streams: dict[str, _Stream] = {}
-        self._pending_adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._pending_adds: list[tuple[str, list[int], SamplingParams, Any]] = []
         self._pending_aborts: list[str] = []
         self._pending_calls: list[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = []
         self._wakeup = asyncio.Event()
@@ -127,16 +127,18 @@ class AsyncEngine:
     # ---- requests ----------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[SequenceUpdate]:
+                       params: SamplingParams, grammar: Any = None
+                       ) -> AsyncIterator[SequenceUpdate]:
         """Yields the request's updates (for all n outputs) until each has finished. Closing the
-        iterator early aborts the request and frees its blocks before the next step."""
+        iterator early aborts the request and frees its blocks before the next step.
+        ``grammar``: the request's compiled output constraint (``LLMEngine.add_request``)."""
         self.check_serving()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         self.engine.validate(prompt_token_ids, params)  # raises before anything is queued
         stream = _Stream(asyncio.Queue(), params.n)
         self._streams[request_id] = stream
-        self._pending_adds.append((request_id, prompt_token_ids, params))
+        self._pending_adds.append((request_id, prompt_token_ids, params, grammar))
         self._wakeup.set()
         try:
             while stream.num_unfinished:
@@ -183,12 +185,12 @@ class AsyncEngine:
     def _apply_pending(self) -> None:
         """Applies queued adds and aborts (only ever between steps)."""
         adds, self._pending_adds = self._pending_adds, []
-        for request_id, prompt_token_ids, params in adds:
+        for request_id, prompt_token_ids, params, grammar in adds:
             if request_id not in self._streams:  # the client left before it was added
                 continue
             with request_context(request_id):
                 try:
-                    self.engine.add_request(request_id, prompt_token_ids, params)
+                    self.engine.add_request(request_id, prompt_token_ids, params, grammar)
                 except Exception as exc:  # validated already; anything here is a bad request too
                     self._streams[request_id].queue.put_nowait(exc)
                     continue

@@ -8,7 +8,9 @@ would have got anyway. Only a fault that cannot be pinned (the forward pass, the
 fails the step; :mod:`.async_engine` then rebuilds the engine.
 
 :class:`IsolatingSampler` runs the batched sampler once; only if that raises does it sample the
-rows one by one to find the culprit(s). :func:`pinned_fault` is the one way a per-sequence fault
+rows one by one to find the culprit(s). The rows' grammars (structured outputs) advance only
+once their tokens are final, so a retry never advances one twice; a row whose grammar refuses
+its token fails alone like any other row. :func:`pinned_fault` is the one way a per-sequence fault
 is logged and turned into the client's error message.
 """
 
@@ -23,7 +25,7 @@ import torch
 from llmplatform.engine.faults import FaultInjector
 from llmplatform.engine.sequence import Sequence
 from llmplatform.llm.base import TokenLogprob
-from llmplatform.llm.sampler import Sampler, SamplingRow
+from llmplatform.llm.sampler import Sampler, SamplingRow, advance_grammars
 from llmplatform.utils.logs import request_context
 
 logger = logging.getLogger("llmplatform.engine")
@@ -66,11 +68,15 @@ class IsolatingSampler:
                             for row in rows if row.generator is not None]
         try:
             token_ids, logprobs = self._sample(logits, rows, seqs)
-            return SampledRows(list(token_ids), list(logprobs), {})
+            sampled = SampledRows(list(token_ids), list(logprobs), {})
         except Exception as batch_exc:
             for generator, state in generator_states:
                 generator.set_state(state)
-            return self._one_by_one(logits, rows, seqs, batch_exc)
+            sampled = self._one_by_one(logits, rows, seqs, batch_exc)
+        for i, exc in advance_grammars(rows, sampled.token_ids).items():
+            sampled.token_ids[i] = sampled.logprobs[i] = None
+            sampled.errors[i] = pinned_fault(seqs[i], "structured output", exc)
+        return sampled
 
     def _one_by_one(self, logits: torch.Tensor, rows: Seq[SamplingRow], seqs: Seq[Sequence],
                     batch_exc: Exception) -> SampledRows:

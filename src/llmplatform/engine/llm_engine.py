@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmplatform.engine.block_manager import BlockManager
 from llmplatform.engine.config import EngineConfig
@@ -33,6 +33,10 @@ from llmplatform.llm.output import OutputProcessor, eos_token_ids_of
 from llmplatform.llm.sampler import SamplingRow, make_generator
 from llmplatform.llm.sampling import SamplingParams, check_prompt_token_ids
 from llmplatform.utils.logs import request_context
+
+if TYPE_CHECKING:
+    from llmplatform.sampling.grammar import CompiledGrammar
+    from llmplatform.sampling.grammar_matcher import SequenceGrammar
 
 logger = logging.getLogger("llmplatform.engine")
 
@@ -56,11 +60,18 @@ class SeqState:
     # worker can tell queue time from compute time.
     first_scheduled_time: float | None = None
     first_scheduled_time_sent: bool = False
+    # The sequence's walk through its output grammar (structured outputs), if it has one. It
+    # has accepted exactly the sequence's output tokens: preemption keeps those (recompute only
+    # rebuilds their KV cache), so the walk survives it unchanged.
+    grammar: SequenceGrammar | None = None
 
     def sampling_row(self, seq: Sequence) -> SamplingRow:
+        grammar = self.grammar
+        if grammar is not None and grammar.num_accepted != len(seq.output_token_ids):
+            grammar.replay(seq.output_token_ids)  # never expected: the walk follows the output
         return SamplingRow(params=seq.params, prompt_token_ids=seq.prompt_token_ids,
                            output_token_ids=seq.output_token_ids, generator=self.generator,
-                           stop_token_ids=self.stop_token_ids)
+                           stop_token_ids=self.stop_token_ids, grammar=grammar)
 
 
 @dataclass
@@ -137,19 +148,26 @@ class LLMEngine:
                 param="n")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> list[Sequence]:
+                    params: SamplingParams, grammar: CompiledGrammar | None = None
+                    ) -> list[Sequence]:
+        """``grammar``: the output constraint, compiled already (compiling is no step's work);
+        each of the ``n`` sequences walks it with a matcher of its own."""
         self.validate(prompt_token_ids, params)
         seqs = []
+        stop_token_ids = tuple(self.eos_token_ids) + params.stop_token_ids
         for index in range(params.n):
             seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                            params=params, index=index)
             # With a seed, output i draws from seed + i: reproducible, and the n outputs differ.
             seed = None if params.seed is None else params.seed + index
+            matcher = (grammar.new_matcher(stop_token_ids=stop_token_ids)
+                       if grammar is not None else None)
             seq.state = SeqState(
                 processor=OutputProcessor(request_id, self.tokenizer, params, prompt_token_ids,
-                                          self.eos_token_ids, self.max_model_len),
+                                          self.eos_token_ids, self.max_model_len,
+                                          grammar=matcher),
                 generator=make_generator(seed, self.runner.device),
-                stop_token_ids=tuple(self.eos_token_ids) + params.stop_token_ids)
+                stop_token_ids=stop_token_ids, grammar=matcher)
             seqs.append(seq)
         if self.faults is not None:
             self.faults.arm(seqs, prompt_token_ids)

@@ -15,10 +15,14 @@ import abc
 import asyncio
 import enum
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 from llmplatform.errors import InvalidRequestError
 from llmplatform.llm.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from llmplatform.sampling.grammar import CompiledGrammar, GrammarCompiler
+    from llmplatform.sampling.structured_output import StructuredOutputSpec
 
 
 class FinishReason(str, enum.Enum):
@@ -68,6 +72,9 @@ class GenerateRequest:
     params: SamplingParams
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
+    # The output's constraint (structured outputs, forced tool calls), compiled at admission
+    # (:meth:`LLM.compile_grammar`): the backend never compiles on its step path.
+    grammar: CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
         if self.prompt is None and self.prompt_token_ids is None:
@@ -152,6 +159,14 @@ class LLM(abc.ABC):
     default_concurrency: int = 5
     # Which implementation this is, as workers report it (the web UI's Cluster tab shows it).
     backend_name: str = "custom"
+    # The chat template that replaces the tokenizer's own (--chat-template, or the shipped
+    # tool-capable one for the default model; llm.tool_support), and the tool-call syntax the
+    # template teaches (a key of sampling.tool_calls.TOOL_CALL_FORMATS); None: the model's own
+    # template, and no tool calling.
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
+    _grammar_compiler: GrammarCompiler | None = None
+    _grammar_compiler_lock: asyncio.Lock | None = None
 
     @property
     def max_num_running(self) -> int | None:
@@ -221,6 +236,31 @@ class LLM(abc.ABC):
         prompt. False when this backend has no prefix cache."""
         return False
 
+    # ---- structured outputs, shared by every backend -------------------------------------------
+
+    async def grammar_compiler(self) -> GrammarCompiler:
+        """This model's grammar compiler, built on first use in a thread (xgrammar reads the
+        whole vocabulary: about a second for 50k tokens). The worker starts it at startup."""
+        if self._grammar_compiler is None:
+            if self._grammar_compiler_lock is None:
+                self._grammar_compiler_lock = asyncio.Lock()
+            async with self._grammar_compiler_lock:
+                if self._grammar_compiler is None:
+                    self._grammar_compiler = await asyncio.to_thread(self._new_grammar_compiler)
+        return self._grammar_compiler
+
+    def _new_grammar_compiler(self) -> GrammarCompiler:
+        from llmplatform.sampling.grammar import GrammarCompiler
+
+        facts = self.facts
+        return GrammarCompiler(self.tokenizer, facts.vocab_size,
+                               stop_token_ids=facts.eos_token_ids)
+
+    async def compile_grammar(self, spec: StructuredOutputSpec) -> CompiledGrammar:
+        """``spec`` compiled for this model (cached; off the event loop and the step thread).
+        Raises InvalidRequestError naming the request field when it does not compile in time."""
+        return await (await self.grammar_compiler()).compile(spec)
+
     # ---- tokenizer-side helpers, shared by every backend --------------------------------------
 
     async def encode(self, text: str) -> list[int]:
@@ -242,11 +282,15 @@ class LLM(abc.ABC):
 
     def apply_chat_template_sync(self, messages: Sequence[dict[str, Any]],
                                  add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render messages with the tokenizer's own chat template (never a hand-written one)."""
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        """Render messages with the model's chat template (the tokenizer's own, or the one the
+        operator chose: ``chat_template``), never a hand-written one. ``tools=[...]`` (OpenAI
+        function tools) go to the template, which shows them to the model."""
+        if self.chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError(
                 f"model {self.model_names[0]!r} has no chat template; use /v1/completions",
                 param="messages")
+        if self.chat_template is not None:
+            kwargs.setdefault("chat_template", self.chat_template)
         try:
             return self.tokenizer.apply_chat_template(
                 list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)

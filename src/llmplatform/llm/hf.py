@@ -20,7 +20,7 @@ from llmplatform.errors import ContextLengthExceededError, EngineDeadError, Inva
 from llmplatform.llm.base import (LLM, BackendInfo, FinishReason, GenerateChunk, GenerateRequest,
                                   LoadStats, ModelFacts, TokenLogprob)
 from llmplatform.llm.output import OutputProcessor, eos_token_ids_of, token_text
-from llmplatform.llm.sampler import Sampler, SamplingRow, make_generator
+from llmplatform.llm.sampler import Sampler, SamplingRow, advance_grammars, make_generator
 from llmplatform.llm.sampling import SamplingParams, check_prompt_token_ids
 from llmplatform.llm.torch_utils import resolve_device, resolve_dtype
 
@@ -106,12 +106,16 @@ class HFTransformersLLM(LLM):
         prompt_ids = (list(request.prompt_token_ids) if request.prompt_token_ids is not None
                       else await self.encode(request.prompt or ""))
         self.check_request(prompt_ids, params)
+        stop_token_ids = tuple(self.facts.eos_token_ids) + params.stop_token_ids
+        grammar = (request.grammar.new_matcher(stop_token_ids=stop_token_ids)
+                   if request.grammar is not None else None)
         processor = OutputProcessor(request.request_id, self.tokenizer, params, prompt_ids,
-                                    self.facts.eos_token_ids, self.context_length)
+                                    self.facts.eos_token_ids, self.context_length,
+                                    grammar=grammar)
         row = SamplingRow(params=params, prompt_token_ids=prompt_ids,
                           output_token_ids=processor.output_ids,
                           generator=make_generator(params.seed, self.device),
-                          stop_token_ids=tuple(self.facts.eos_token_ids) + params.stop_token_ids)
+                          stop_token_ids=stop_token_ids, grammar=grammar)
         loop = asyncio.get_running_loop()
         request_id = request.request_id
         self._active.add(request_id)
@@ -176,6 +180,8 @@ class HFTransformersLLM(LLM):
             first = TokenLogprob(input_ids[0], token_text(self.tokenizer, input_ids[0]), None)
             prompt_records = (first, *records)
         token_ids, records = self._sampler(logits[-1:], [row])
+        for exc in advance_grammars([row], token_ids).values():
+            raise exc
         return token_ids[0], records[0], prompt_records
 
 

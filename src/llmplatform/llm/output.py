@@ -4,6 +4,8 @@ Per request, :class:`OutputProcessor` owns
 - incremental detokenization that never splits a UTF-8 character (a token that ends mid-character
   decodes to U+FFFD; its text is held back until the next token completes it),
 - stop conditions: EOS (unless ``ignore_eos``), stop token ids, stop strings, ``max_tokens``,
+  and, for a constrained output, its grammar's end (the stop token that completes it ends the
+  output whatever ``ignore_eos`` and ``min_tokens`` say: nothing may follow it),
 - stop-string hold-back: text that might be the beginning of a stop string is not emitted until
   it is known not to be, and a matched stop string is never emitted.
 
@@ -13,10 +15,13 @@ Backends call :meth:`OutputProcessor.append` with each step's new token ids and 
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from llmplatform.llm.base import FinishReason, GenerateChunk, TokenLogprob, Usage
 from llmplatform.llm.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from llmplatform.sampling.grammar_matcher import SequenceGrammar
 
 _REPLACEMENT = "\ufffd"
 # Prompt tokens kept in front of the output when decoding, so that tokenizers that drop a leading
@@ -85,8 +90,11 @@ class OutputProcessor:
 
     def __init__(self, request_id: str, tokenizer: Any, params: SamplingParams,
                  prompt_token_ids: Sequence[int], eos_token_ids: Iterable[int],
-                 max_total_tokens: int | None = None):
+                 max_total_tokens: int | None = None, grammar: SequenceGrammar | None = None):
+        """``grammar``: the output's constraint, advanced by the sampler before each token gets
+        here (read only, to end the output where the grammar ends)."""
         self.request_id = request_id
+        self._grammar = grammar
         self.params = params
         self.num_prompt_tokens = len(prompt_token_ids)
         self.output_ids: list[int] = []
@@ -145,7 +153,9 @@ class OutputProcessor:
     def _push(self, token_id: int) -> None:
         self.output_ids.append(token_id)
         num_output = len(self.output_ids)
-        if num_output > self.params.min_tokens and (token_id in self._eos or token_id in self._stop_ids):
+        is_stop = token_id in self._eos or token_id in self._stop_ids
+        if ((num_output > self.params.min_tokens and is_stop)
+                or (self._grammar is not None and self._grammar.is_terminated())):
             # The stop token itself counts as generated but contributes no text.
             self.finish_reason = FinishReason.STOP
             self._add_text(self._detok.flush())

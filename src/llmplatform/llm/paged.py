@@ -137,7 +137,8 @@ class PagedLLM(LLM):
         self._async.check_serving()
         prompt_ids = (list(request.prompt_token_ids) if request.prompt_token_ids is not None
                       else await self.encode(request.prompt or ""))
-        updates = self._async.generate(request.request_id, prompt_ids, request.params)
+        updates = self._async.generate(request.request_id, prompt_ids, request.params,
+                                       request.grammar)
         try:
             async for update in updates:
                 yield update.chunk

@@ -5,10 +5,18 @@ ops over the batch, with per-row Python only where a row needs its own random ge
 request must draw the same numbers whatever else is in the batch).
 
 Order of operations (the usual one, as in HF and vLLM):
-penalties -> logit_bias -> min_tokens mask -> greedy argmax | temperature -> top-k -> top-p ->
-min-p -> draw. The min_tokens mask comes after logit_bias so that no bias can bring back a stop
-id too early. Reported log-probabilities are those of the model's raw distribution (before any
-processing).
+penalties -> logit_bias -> grammar mask -> min_tokens mask -> greedy argmax | temperature ->
+top-k -> top-p -> min-p -> draw. The min_tokens mask comes after logit_bias so that no bias can
+bring back a stop id too early. Reported log-probabilities are those of the model's raw
+distribution (before any processing).
+
+Constrained rows (a row with a ``grammar``: structured outputs, forced tool calls) get their
+grammar's bitmask applied after the biases, so that no bias can bring back a forbidden token;
+the batch's free rows are untouched. Their stop tokens are left to the grammar (no min_tokens
+mask, whatever ``ignore_eos`` says): a complete output allows only its stop tokens, and one that
+is not complete allows none. The sampled tokens advance the grammars afterwards
+(:func:`advance_grammars`), once the whole batch has sampled, so that a batch sampled again
+row by row (the engine's fault isolation) never advances a grammar twice.
 
 Every token id a row carries (stop ids, logit_bias keys) has been checked against the model's
 vocabulary before the row gets here (``SamplingParams.check_vocab``, run by every backend).
@@ -24,6 +32,9 @@ import torch
 from llmplatform.llm.base import TokenLogprob, TopLogprob
 from llmplatform.llm.output import token_text
 from llmplatform.llm.sampling import SamplingParams
+from llmplatform.sampling.grammar_matcher import (
+    SequenceGrammar, allocate_bitmask, apply_bitmask, fill_bitmasks,
+)
 
 
 @dataclass
@@ -35,6 +46,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None
     stop_token_ids: Sequence[int] = ()  # EOS + params.stop_token_ids, masked before min_tokens
+    grammar: SequenceGrammar | None = None  # the row's output constraint, if any
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -63,6 +75,7 @@ class Sampler:
 
         logits = self._apply_penalties(logits, rows)
         logits = self._apply_logit_bias(logits, rows)
+        logits = self._apply_grammars(logits, rows)
         logits = self._mask_early_stops(logits, rows)
 
         greedy = torch.tensor([r.params.greedy for r in rows], device=device)
@@ -146,16 +159,52 @@ class Sampler:
                                 torch.tensor(biases, device=device, dtype=logits.dtype), accumulate=True)
 
     @staticmethod
+    def _apply_grammars(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Each constrained row's grammar mask (a copy: ``logits`` may still be the caller's)."""
+        constrained = [(i, row.grammar) for i, row in enumerate(rows) if row.grammar is not None]
+        if not constrained:
+            return logits
+        bitmask = allocate_bitmask(len(rows), logits.shape[1])
+        indices = fill_bitmasks(constrained, bitmask)
+        logits = logits.clone()
+        apply_bitmask(logits, bitmask, indices)
+        return logits
+
+    @staticmethod
     def _mask_early_stops(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Stop ids may not be drawn before min_tokens. Masks a copy: ``logits`` may still be the
-        caller's tensor (``.float()`` of float32 logits is the same tensor)."""
+        """Stop ids may not be drawn before min_tokens (a constrained row's grammar decides
+        instead). Masks a copy: ``logits`` may still be the caller's tensor (``.float()`` of
+        float32 logits is the same tensor)."""
         masked: torch.Tensor | None = None
         for i, row in enumerate(rows):
+            if row.grammar is not None:
+                continue
             if len(row.output_token_ids) < row.params.min_tokens and row.stop_token_ids:
                 if masked is None:
                     masked = logits.clone()
                 masked[i, list(row.stop_token_ids)] = float("-inf")
         return logits if masked is None else masked
+
+
+class GrammarRejectedError(RuntimeError):
+    """A sampled token the row's grammar does not allow: its mask was not applied (a bug), never
+    the client's doing."""
+
+
+def advance_grammars(rows: Sequence[SamplingRow], token_ids: Sequence[int | None]
+                     ) -> dict[int, GrammarRejectedError]:
+    """Advance each constrained row's grammar by its sampled token (None: the row got none).
+    Returns the rows whose grammar refused its token, which must not go on (their state is
+    unchanged); the other rows are advanced."""
+    refused: dict[int, GrammarRejectedError] = {}
+    for i, (row, token_id) in enumerate(zip(rows, token_ids)):
+        if row.grammar is None or token_id is None:
+            continue
+        if not row.grammar.accept(token_id):
+            refused[i] = GrammarRejectedError(
+                f"token {token_id} is not allowed by the output's grammar after "
+                f"{row.grammar.num_accepted} accepted tokens")
+    return refused
 
 
 def _token_counts(histories: Sequence[Sequence[int]], vocab_size: int, device: torch.device

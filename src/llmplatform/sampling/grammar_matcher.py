@@ -38,6 +38,10 @@ class SequenceGrammar:
         return tuple(self._accepted)
 
     @property
+    def num_accepted(self) -> int:
+        return len(self._accepted)
+
+    @property
     def stop_token_ids(self) -> list[int]:
         return list(self._matcher.stop_token_ids)
 
