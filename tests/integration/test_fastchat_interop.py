@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import pytest
 
-pytest.importorskip("fastchat")
+import fastchat  # noqa: E402,F401  (the test extra pins fschat: a broken install must fail, not skip)
 
 import openai  # noqa: E402
 from fastchat.conversation import Conversation, SeparatorStyle  # noqa: E402

@@ -64,7 +64,7 @@ def load_kernel_modules(*, interpreted: bool) -> None:
 def triton_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> torch.device:
     """The device a test runs the Triton kernels on: CPU through the interpreter, or CUDA
     (marked ``gpu``, skipped without a CUDA device)."""
-    pytest.importorskip("triton")
+    import triton  # noqa: F401  (installed by the test extra: a broken install fails)
     interpreted = request.param == "cpu"
     if not interpreted and not HAS_CUDA:
         pytest.skip("needs a CUDA device")
@@ -80,7 +80,7 @@ def triton_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
 @pytest.fixture
 def compiled_kernel_modules(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel modules with compiled (not interpreted) kernels, whatever the device."""
-    triton = pytest.importorskip("triton")
+    import triton
     from triton.runtime.jit import JITFunction
 
     if not isinstance(triton.language.standard._elementwise_max, JITFunction):

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
-pytest.importorskip("triton")
+import triton  # noqa: E402,F401  (the test extra installs it: a broken install must fail, not skip)
 
 import llmplatform.kernels as kernels  # noqa: E402
 from llmplatform.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402

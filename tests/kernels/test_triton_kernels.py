@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-pytest.importorskip("triton")
+import triton  # noqa: E402,F401  (the test extra installs it: a broken install must fail, not skip)
 
 from llmplatform.kernels import (  # noqa: E402
     BACKEND_ENV_VAR,

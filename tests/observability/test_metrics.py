@@ -4,6 +4,8 @@ openai client: the numbers move by exactly what the requests did."""
 
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 
@@ -49,20 +51,27 @@ def _finished(worker_url: str, before, reason: str) -> bool:
 
 def test_a_completion_moves_every_worker_and_gateway_series(cluster, client, worker_url):
     worker_before, gateway_before = scrape(worker_url), scrape(cluster.gateway_url)
+    started = time.monotonic()
     completion = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8,
                                            temperature=0, extra_body={"ignore_eos": True})
     usage = completion.usage
     assert usage.completion_tokens == 8
     # The request's last accounting runs as its stream closes, just after the client has it.
     wait_for(lambda: _finished(worker_url, worker_before, "length"), "the request to be counted")
+    elapsed = time.monotonic() - started  # the worker's accounting ends inside this span
     after = scrape(worker_url)
 
     assert delta(worker_before, after, "llmplatform:prompt_tokens_total", **M) == usage.prompt_tokens
     assert delta(worker_before, after, "llmplatform:generation_tokens_total", **M) == 8
+    sums = {}
     for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
                       "request_queue_time_seconds"):
         assert delta(worker_before, after, f"llmplatform:{histogram}_count", **M) == 1, histogram
-        assert delta(worker_before, after, f"llmplatform:{histogram}_sum", **M) >= 0
+        sums[histogram] = delta(worker_before, after, f"llmplatform:{histogram}_sum", **M)
+    # One request's times, each measured inside the test's own wait for it: ordered, and
+    # neither zero (a clock never read) nor beyond what the client waited.
+    assert 0 < sums["request_queue_time_seconds"] <= sums["time_to_first_token_seconds"], sums
+    assert sums["time_to_first_token_seconds"] < sums["e2e_request_latency_seconds"] <= elapsed, sums
     # One gap per token after the first.
     assert delta(worker_before, after, "llmplatform:inter_token_latency_seconds_count", **M) == 7
     assert delta(worker_before, after, "llmplatform:request_success_total",
