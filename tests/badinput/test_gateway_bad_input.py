@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.badinput.fake_worker import CONTEXT_LENGTH, MODEL, FakeCluster, assert_envelope, fake_cluster
+from tests.fake_worker import CONTEXT_LENGTH, MODEL, FakeCluster, assert_envelope, fake_cluster, reply
 
 USER = [{"role": "user", "content": "hello there"}]
 
@@ -38,7 +38,7 @@ def still_serving(http: httpx.Client) -> Iterator[None]:
     yield
     response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": USER, "max_tokens": 2})
     assert response.status_code == 200, response.text
-    assert response.json()["choices"][0]["message"]["content"] == "alpha beta"
+    assert response.json()["choices"][0]["message"]["content"] == reply(2)
 
 
 def chat(**fields: Any) -> dict[str, Any]:

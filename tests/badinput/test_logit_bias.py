@@ -13,8 +13,9 @@ import openai
 import pytest
 
 from tests.badinput.conftest import BACKENDS, TwoBackendCluster, model_name
-from tests.badinput.fake_worker import MODEL as FAKE_MODEL
-from tests.badinput.fake_worker import FakeCluster, fake_cluster
+from tests.fake_worker import MODEL as FAKE_MODEL
+from tests.fake_worker import FakeCluster, fake_cluster
+from tests.fake_worker import reply as fake_reply
 
 PROMPT = "The weather today is"
 
@@ -104,7 +105,7 @@ def test_a_worker_that_did_not_announce_it_never_gets_it(stock: FakeCluster) -> 
     # Without it (or with an empty map, which asks for nothing) the same worker serves.
     reply = client.chat.completions.create(model=FAKE_MODEL, messages=[{"role": "user", "content": "Hi"}],
                                            max_tokens=2, logit_bias={})
-    assert reply.choices[0].message.content == "alpha beta"
+    assert reply.choices[0].message.content == fake_reply(2)
     assert "logit_bias" not in stock.worker.params[-1]
 
 

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.badinput.fake_worker import MODEL, FakeCluster, fake_cluster
+from tests.fake_worker import MODEL, FakeCluster, fake_cluster
 
 PATHS = ["/v1/chat/completions", "/v1/completions"]
 CLIENT_ERRORS = {400, 404, 413}

@@ -2,58 +2,27 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi import FastAPI
 
 from llmplatform.controller import ControllerConfig, create_app
 from llmplatform.controller.dispatch import DispatchMethod
 from llmplatform.utils.server import serve_in_thread
+from tests.fake_worker import FULL_REPLY, FakeWorkerState, make_fake_worker
+from tests.polling import wait_until
 from tests.stub_workers import StubWorkers, stub_workers
 
 FAKE_MODEL = "fake-model"
 TIMEOUT = httpx.Timeout(5.0)
-
-
-def fake_worker_app() -> FastAPI:
-    """A minimal worker: status, and a stream of two NUL-delimited chunks echoing the params."""
-    app = FastAPI()
-    app.state.closed_streams = []  # request_ids of streams whose client went away
-
-    @app.post("/worker_get_status")
-    async def worker_get_status() -> dict[str, Any]:
-        return {"model_names": [FAKE_MODEL], "speed": 1, "queue_length": 2, "extra": "ignored"}
-
-    @app.post("/worker_generate_stream")
-    async def worker_generate_stream(request: Request) -> StreamingResponse:
-        params = await request.json()
-
-        async def chunks() -> AsyncIterator[bytes]:
-            if params.get("endless"):
-                try:
-                    while True:
-                        yield json.dumps({"text": "...", "error_code": 0}).encode() + b"\0"
-                        await asyncio.sleep(0.02)
-                finally:
-                    app.state.closed_streams.append(params.get("request_id"))
-            for text in ("Hel", "Hello"):
-                chunk = {"text": text, "error_code": 0, "echo_params": params}
-                yield json.dumps(chunk).encode() + b"\0"
-                await asyncio.sleep(0.01)
-
-        return StreamingResponse(chunks())
-
-    return app
 
 
 def closed_port_url() -> str:
@@ -64,25 +33,17 @@ def closed_port_url() -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
 @pytest.fixture(scope="module")
-def fake_worker_and_app() -> Iterator[tuple[str, FastAPI]]:
-    app = fake_worker_app()
+def fake_worker_and_state() -> Iterator[tuple[str, FakeWorkerState]]:
+    """A fake worker (tests/fake_worker.py) serving FAKE_MODEL, and what it has received."""
+    app, state = make_fake_worker([FAKE_MODEL])
     with serve_in_thread(app) as url:
-        yield url, app
+        yield url, state
 
 
 @pytest.fixture
-def fake_worker(fake_worker_and_app: tuple[str, FastAPI]) -> str:
-    return fake_worker_and_app[0]
+def fake_worker(fake_worker_and_state: tuple[str, FakeWorkerState]) -> str:
+    return fake_worker_and_state[0]
 
 
 @pytest.fixture(scope="module")
@@ -205,11 +166,12 @@ def test_register_with_status_then_list_and_address(controller: Controller, stub
     assert controller.address("unknown") == ""
 
 
-def test_register_without_status_polls_the_worker(controller: Controller, fake_worker: str) -> None:
-    response = controller.register(fake_worker + "/")  # trailing slash: same worker
+def test_register_without_status_polls_the_worker(controller: Controller, stubs: StubWorkers) -> None:
+    worker = stubs.url("polled", [FAKE_MODEL], queue_length=2, extra="ignored")
+    response = controller.register(worker + "/")  # trailing slash: same worker
     assert response.status_code == 200, response.text
     assert controller.models() == [FAKE_MODEL]
-    assert controller.address(FAKE_MODEL) == fake_worker
+    assert controller.address(FAKE_MODEL) == worker
     status = controller.post("/worker_get_status").json()
     assert status == {"model_names": [FAKE_MODEL], "speed": 1, "queue_length": 3}  # 2 + the pick
 
@@ -225,7 +187,8 @@ def test_register_unreachable_worker_is_never_routed(start_controller: StartCont
     else:  # a stock FastChat worker registers before it listens: held, not routed
         assert response.status_code == 200 and response.json()["pending"] is True
         assert controller.app.state.confirmations.is_pending(dead)
-        assert wait_until(lambda: not controller.app.state.confirmations.is_pending(dead))
+        wait_until(lambda: not controller.app.state.confirmations.is_pending(dead),
+                   what="the unconfirmed registration dropped")
     assert controller.models() == [] and controller.address("ghost") == ""
     assert controller.heartbeat(dead) is False
 
@@ -311,11 +274,12 @@ def test_silent_worker_expires(start_controller: StartController, stubs: StubWor
     stubs.statuses.pop("silent")  # gone: its status polls fail from now on
     registry = controller.app.state.registry
     start = time.monotonic()
-    # The background sweep removes the silent worker; the other keeps beating and stays.
-    while worker in registry and time.monotonic() - start < 5.0:
+
+    def silent_one_expired() -> bool:  # the other keeps beating and must stay
         assert controller.heartbeat(beating) is True
-        time.sleep(0.1)
-    assert worker not in registry
+        return worker not in registry
+
+    wait_until(silent_one_expired, interval_s=0.1, what="the background sweep to remove the silent worker")
     assert time.monotonic() - start >= 0.5
     assert controller.models() == ["alive"]
     assert controller.heartbeat(worker) is False
@@ -338,7 +302,10 @@ def test_refresh_all_workers_drops_unreachable(
 # ---- streaming proxy ------------------------------------------------------------------------------
 
 
-def test_generate_stream_is_proxied_to_the_worker(controller: Controller, fake_worker: str) -> None:
+def test_generate_stream_is_proxied_to_the_worker(
+    controller: Controller, fake_worker_and_state: tuple[str, FakeWorkerState]
+) -> None:
+    fake_worker, fake_worker_state = fake_worker_and_state
     controller.register(fake_worker)
     params = {"model": FAKE_MODEL, "prompt": "hi", "request_id": "r-1", "unknown_field": [1, 2]}
     url = controller.url + "/worker_generate_stream"
@@ -346,22 +313,24 @@ def test_generate_stream_is_proxied_to_the_worker(controller: Controller, fake_w
         assert response.status_code == 200
         data = b"".join(response.iter_bytes())
     chunks = parse_stream(data)
-    assert [c["text"] for c in chunks] == ["Hel", "Hello"]
-    assert all(c["echo_params"] == params for c in chunks)  # forwarded untouched
+    assert chunks[-1]["text"] == "hi" + FULL_REPLY  # the prompt echoed: FastChat's default
+    assert chunks[-1]["finish_reason"] == "stop"
+    assert fake_worker_state.params[-1] == params  # forwarded untouched
 
 
 def test_client_disconnect_closes_the_worker_stream(
-    controller: Controller, fake_worker_and_app: tuple[str, FastAPI]
+    controller: Controller, fake_worker_and_state: tuple[str, FakeWorkerState]
 ) -> None:
-    fake_worker, worker_app = fake_worker_and_app
+    fake_worker, worker_state = fake_worker_and_state
     controller.register(fake_worker)
-    params = {"model": FAKE_MODEL, "prompt": "hi", "request_id": "endless-1", "endless": True}
+    # SLOW: a tick every 50 ms, 10000 of them: the stream outlasts the test unless closed.
+    params = {"model": FAKE_MODEL, "prompt": "SLOW", "request_id": "endless-1", "max_new_tokens": 10000}
     url = controller.url + "/worker_generate_stream"
     with controller.client.stream("POST", url, json=params) as response:
         first = next(response.iter_bytes())
         assert first.startswith(b'{"text"')
     # Leaving the block closes our connection; the controller must close its upstream one.
-    assert wait_until(lambda: "endless-1" in worker_app.state.closed_streams)
+    wait_until(lambda: "endless-1" in worker_state.closed_early, what="the worker's stream closed early")
 
 
 def test_generate_stream_without_worker(controller: Controller) -> None:
@@ -373,7 +342,7 @@ def test_generate_stream_without_worker(controller: Controller) -> None:
 
 def test_generate_stream_worker_down(controller: Controller) -> None:
     # A worker that answered its status poll, then went away.
-    with serve_in_thread(fake_worker_app()) as doomed:
+    with serve_in_thread(make_fake_worker([FAKE_MODEL])[0]) as doomed:
         assert controller.register(doomed).status_code == 200
     dead = doomed
     assert controller.address(FAKE_MODEL) == dead

@@ -133,7 +133,7 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
     content = result.choices[0].logprobs.content
     assert [t.token for t in content] == ["Hello", ","]
     assert content[0].logprob == -0.5 and content[0].bytes == list(b"Hello")
-    assert [t.token for t in content[0].top_logprobs] == ["Hello", "other"]
+    assert [t.token for t in content[0].top_logprobs] == ["Hello", "other1"]
     stream = client.chat.completions.create(
         model=MODEL, messages=USER, logprobs=True, top_logprobs=1, stream=True
     )

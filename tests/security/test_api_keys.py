@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.badinput.fake_worker import MODEL, FakeCluster, assert_envelope, fake_cluster
+from tests.fake_worker import MODEL, FakeCluster, assert_envelope, fake_cluster, reply
 
 KEY = "sk-right-key-0123"
 ADMIN_KEY = "sk-admin-key-4567"
@@ -51,7 +51,7 @@ def raw_request(base_url: str, method: str, target: str, headers: dict[str, str]
 def test_the_right_key_works(cluster: FakeCluster) -> None:
     client = openai.OpenAI(base_url=f"{cluster.gateway}/v1", api_key=KEY, max_retries=0)
     assert [m.id for m in client.models.list()] == [MODEL]
-    assert client.chat.completions.create(**CHAT).choices[0].message.content == "alpha"
+    assert client.chat.completions.create(**CHAT).choices[0].message.content == reply(1)
     # The admin key works for /v1 too.
     admin = openai.OpenAI(base_url=f"{cluster.gateway}/v1", api_key=ADMIN_KEY, max_retries=0)
     assert [m.id for m in admin.models.list()] == [MODEL]

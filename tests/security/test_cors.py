@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from llmplatform.openai_api import GatewaySettings
-from tests.badinput.fake_worker import MODEL, fake_cluster
+from tests.fake_worker import MODEL, fake_cluster
 
 PREFLIGHT = {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST",
              "Access-Control-Request-Headers": "authorization, content-type"}
