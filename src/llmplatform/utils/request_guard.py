@@ -144,6 +144,17 @@ def allowed_hosts_for(bind_host: str, extra: Iterable[str] = ()) -> frozenset[st
     return frozenset(_normal_host(n) for n in names) if names else None
 
 
+def guard_config(host: str, allowed_hosts: Iterable[str], *, max_body_bytes: int | None,
+                 own_names: Iterable[str | None] = ()) -> RequestGuardConfig:
+    """The guard of a service bound to ``host`` that also lets ``allowed_hosts`` through (see
+    :func:`allowed_hosts_for`). ``own_names`` (the host of the address a worker announces) are
+    allowed too whenever Host is checked at all."""
+    allowed = allowed_hosts_for(host, allowed_hosts)
+    if allowed is not None:
+        allowed |= {_normal_host(name) for name in own_names if name}
+    return RequestGuardConfig(allowed_hosts=allowed, max_body_bytes=max_body_bytes)
+
+
 def add_request_guard_flags(parser: argparse.ArgumentParser, *, body_cap: bool = True) -> None:
     """``--allowed-hosts`` (and, with ``body_cap``, ``--max-request-bytes``) for a service."""
     parser.add_argument(
