@@ -13,7 +13,6 @@ import os
 import httpx
 import openai
 
-from llmplatform.serve.launcher import build_parser
 from llmplatform.utils.cluster_secret import SECRET_ENV, SECRET_HEADER
 from tests.integration.test_serve_cli import (
     start_serve,
@@ -41,9 +40,7 @@ def test_serve_config_with_env_overrides(tiny_model_dir, tmp_path, monkeypatch) 
     # Registration is closed by default; a secret of our own lets this test ask the services.
     monkeypatch.setenv(SECRET_ENV, "config-env-test-secret")
     inside = {SECRET_HEADER: "config-env-test-secret"}
-    args = ["--config", str(config), "--controller-port", str(flag_cport)]
-    if "--no-webui" in build_parser().format_usage():
-        args.append("--no-webui")
+    args = ["--config", str(config), "--controller-port", str(flag_cport), "--no-webui"]
     proc = start_serve(args)  # inherits this process's (patched) environment
     lines: list[str] = []
     try:

@@ -10,7 +10,6 @@ that counts the connections it is offered.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +27,7 @@ from llmplatform.openai_api import GatewaySettings
 from llmplatform.openai_api import create_app as create_gateway_app
 from llmplatform.utils.cluster_secret import SECRET_ENV, SECRET_HEADER
 from llmplatform.utils.server import serve_in_thread
+from tests.polling import wait_until
 from tests.security.helpers import ConnectionCounter, RecordingTransport
 from tests.stub_workers import stub_workers
 
@@ -35,15 +35,6 @@ SECRET = "cluster-secret-for-tests"
 GOOD = {SECRET_HEADER: SECRET}
 MODEL = "tiny"
 STATUS = {"model_names": ["m"], "speed": 1, "queue_length": 0}
-
-
-def wait_until(predicate: Any, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.fixture
@@ -154,7 +145,8 @@ def secret_cluster(tiny_model_dir: Any) -> Iterator[dict[str, Any]]:
             limit_worker_concurrency=8))
         worker = stack.enter_context(serve_in_thread(worker_app))
         worker_app.state.worker_address = worker
-        assert wait_until(lambda: httpx.post(f"{controller}/list_models", headers=GOOD).json()["models"] == [MODEL])
+        wait_until(lambda: httpx.post(f"{controller}/list_models", headers=GOOD).json()["models"] == [MODEL],
+                   what="the worker registered with the secret")
         yield {"controller": controller, "gateway": gateway, "worker": worker, "worker_app": worker_app}
 
 
@@ -266,16 +258,16 @@ def test_serve_passes_the_secret_in_the_environment_not_on_command_lines(monkeyp
     assert not any("s3cret-value" in arg for arg in seen["argv"])
 
 
-@pytest.mark.parametrize("module", ["llmplatform.controller.__main__", "llmplatform.openai_api.__main__"])
+@pytest.mark.parametrize("module", ["llmplatform.controller", "llmplatform.model_worker",
+                                    "llmplatform.openai_api", "llmplatform.webui"])
 def test_the_secret_flag_and_environment(monkeypatch: pytest.MonkeyPatch, module: str) -> None:
-    import importlib
+    from llmplatform.serve.launcher import service_settings_models
 
-    from llmplatform.utils.cluster_secret import secret_from_env
-
-    main = importlib.import_module(module)
-    args = main.build_parser().parse_args(["--cluster-secret", "from-flag"])
-    assert secret_from_env(args.cluster_secret) == "from-flag"
+    settings = service_settings_models()[module]
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    assert settings.parse(["--cluster-secret", "from-flag"]).cluster_secret == "from-flag"
     monkeypatch.setenv(SECRET_ENV, "from-env")
-    assert secret_from_env(main.build_parser().parse_args([]).cluster_secret) == "from-env"
+    assert settings.parse([]).cluster_secret == "from-env"
+    assert settings.parse(["--cluster-secret", "from-flag"]).cluster_secret == "from-flag"
     monkeypatch.setenv(SECRET_ENV, "  ")
-    assert secret_from_env(main.build_parser().parse_args([]).cluster_secret) is None
+    assert settings.parse([]).cluster_secret is None

@@ -193,14 +193,15 @@ def test_without_an_allow_list_names_are_resolved_and_every_address_checked(cont
 
 
 def test_allow_list_settings_and_flag() -> None:
-    from llmplatform.controller.__main__ import build_parser
+    from llmplatform.controller.__main__ import ControllerServiceSettings
 
     with pytest.raises(ValueError, match="not-a-network"):
         ControllerConfig(allowed_worker_networks=("not-a-network",))
     config = ControllerConfig(allowed_worker_networks=("10.0.0.0/8", " 127.0.0.1 "))
     assert [str(n) for n in config.allowed_worker_networks] == ["10.0.0.0/8", "127.0.0.1/32"]
-    args = build_parser().parse_args(["--allowed-worker-networks", "10.0.0.0/8,192.168.0.0/16"])
-    assert args.allowed_worker_networks == "10.0.0.0/8,192.168.0.0/16"
+    settings = ControllerServiceSettings.parse(["--allowed-worker-networks", "10.0.0.0/8, 192.168.0.0/16"])
+    assert [str(n) for n in settings.controller_config.allowed_worker_networks] == [
+        "10.0.0.0/8", "192.168.0.0/16"]
 
 
 # ---- one address, one worker ---------------------------------------------------------------------------

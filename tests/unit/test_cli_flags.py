@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from llmplatform.model_worker.__main__ import build_parser, worker_address_from
+from llmplatform.model_worker.settings import WorkerServiceSettings
 from llmplatform.serve import launcher
 
 
 def address(*argv: str) -> str:
-    return worker_address_from(build_parser().parse_args(list(argv)))
+    return WorkerServiceSettings.parse(list(argv)).announced_address
 
 
 def test_worker_address_defaults_to_host_and_port():
@@ -24,13 +24,14 @@ def test_worker_address_defaults_to_host_and_port():
     ("--host", "::"),
     ("--worker-address", "http://0.0.0.0:21002"),
 ])
-def test_worker_refuses_to_announce_a_bind_all_address(argv):
-    with pytest.raises(SystemExit, match="bind address"):
+def test_worker_refuses_to_announce_a_bind_all_address(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
         address(*argv)
+    assert exc.value.code == 2 and "is a bind address, not one others can reach" in capsys.readouterr().err
 
 
 def test_serve_default_is_one_default_worker():
-    spec = launcher.spec_from_args(launcher.build_parser().parse_args([]))
+    spec = launcher.cluster_spec(launcher.ServeSettings.parse([]))
     services = launcher.services_for(spec)
     assert [s.name for s in services] == ["controller", "worker 0", "api", "webui"]
     worker = services[1].argv
@@ -45,7 +46,7 @@ def test_serve_config_file(tmp_path):
                       '[api]\nport = 3001\napi_keys = ["a", "b"]\n'
                       '[[worker]]\nmodel_names = ["x", "y"]\n'
                       '[[worker]]\nmodel_path = "/m"\nport = 3005\nbackend = "hf"\n')
-    spec = launcher.spec_from_args(launcher.build_parser().parse_args(["--config", str(config)]))
+    spec = launcher.cluster_spec(launcher.ServeSettings.parse(["--config", str(config)]))
     services = launcher.services_for(spec)
     controller, w0, w1, api, _webui = (s.argv for s in services)
     assert controller[-2:] == ["--dispatch-method", "lottery"] and "3000" in controller
@@ -59,4 +60,4 @@ def test_serve_config_without_workers_is_an_error(tmp_path):
     config = tmp_path / "cluster.toml"
     config.write_text("[controller]\nport = 3000\n")
     with pytest.raises(SystemExit, match="no \\[\\[worker\\]\\]"):
-        launcher.spec_from_args(launcher.build_parser().parse_args(["--config", str(config)]))
+        launcher.cluster_spec(launcher.ServeSettings.parse(["--config", str(config)]))

@@ -11,7 +11,7 @@ from fractions import Fraction
 
 import pytest
 
-from llmplatform.controller.__main__ import build_parser
+from llmplatform.controller.__main__ import ControllerServiceSettings
 from llmplatform.controller.config import ControllerConfig
 from llmplatform.controller.dispatch import (
     KV_CACHE_PRESSURE,
@@ -219,9 +219,9 @@ def test_protocol_capacity_is_optional_and_positive() -> None:
 
 def test_controller_defaults_to_least_load() -> None:
     assert ControllerConfig().dispatch_method is DispatchMethod.LEAST_LOAD
-    assert build_parser().parse_args([]).dispatch_method == "least_load"
+    assert ControllerServiceSettings.parse([]).dispatch_method is DispatchMethod.LEAST_LOAD
     for method in ("least_load", "shortest_queue", "lottery"):
-        assert build_parser().parse_args(["--dispatch-method", method]).dispatch_method == method
+        assert ControllerServiceSettings.parse(["--dispatch-method", method]).dispatch_method == method
 
 
 def test_aggregate_queue_counts_dispatches_since_heartbeat(registry: WorkerRegistry) -> None:

@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
 import pytest
 
 from llmplatform.serve import launcher
-from llmplatform.serve.secret_flags import is_secret_flag, move_secrets_to_env, redacted
+from llmplatform.serve.secret_flags import move_secrets_to_env, redacted, secret_settings
 from llmplatform.serve.supervisor import RestartPolicy, exit_description
 
 
@@ -20,18 +19,19 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name)
 
 
-def gateway_parser() -> argparse.ArgumentParser:
-    from llmplatform.openai_api.__main__ import build_parser
+def gateway():
+    from llmplatform.openai_api.__main__ import GatewayServiceSettings
 
-    return build_parser()
+    return GatewayServiceSettings
 
 
 def test_which_flags_are_secret() -> None:
-    secret = {a.dest for a in gateway_parser()._actions if is_secret_flag(a)}
-    assert secret == {"api_keys", "admin_api_keys", "cluster_secret"}
-    from llmplatform.webui.__main__ import build_parser as webui
-
-    assert {a.dest for a in webui()._actions if is_secret_flag(a)} == {"api_key", "cluster_secret"}
+    assert secret_settings(gateway()) == {"api_keys", "admin_api_keys", "cluster_secret"}
+    models = launcher.service_settings_models()
+    assert secret_settings(models["llmplatform.webui"]) == {"api_key", "cluster_secret"}
+    assert secret_settings(models["llmplatform.controller"]) == {"cluster_secret"}
+    assert secret_settings(models["llmplatform.model_worker"]) == {"cluster_secret"}
+    assert secret_settings(launcher.ServeSettings) == {"api_keys", "cluster_secret"}
 
 
 @pytest.mark.parametrize("argv", [
@@ -40,14 +40,14 @@ def test_which_flags_are_secret() -> None:
     ["--api-keys", "old", "--port", "1", "--api-key", "k1,k2", "--admin-api-k", "adm"],  # prefixes
 ])
 def test_secret_flags_move_to_the_environment(argv: list[str]) -> None:
-    kept, env = move_secrets_to_env(argv, gateway_parser())
+    kept, env = move_secrets_to_env(argv, gateway())
     assert kept == ["--port", "1"]
     assert env == {"LLMPLATFORM_API_KEYS": "k1,k2", "LLMPLATFORM_ADMIN_API_KEYS": "adm"}
 
 
 def test_redacted_hides_every_spelling() -> None:
     argv = ["--port", "1", "--api-keys", "k1", "--cluster-secret=s3", "--max-n", "4"]
-    assert redacted(argv, gateway_parser()) == ["--port", "1", "--api-keys", "***",
+    assert redacted(argv, gateway()) == ["--port", "1", "--api-keys", "***",
                                                 "--cluster-secret=***", "--max-n", "4"]
 
 
@@ -57,11 +57,11 @@ def test_no_secret_from_any_source_reaches_a_command_line(tmp_path: Path) -> Non
                       '[api]\napi_keys = ["file-key"]\nadmin_api_keys = ["file-admin"]\n'
                       '[webui]\napi_key = "ui-key"\n'
                       '[[worker]]\nmodel_names = ["m"]\n')
-    args = launcher.build_parser().parse_args(
+    settings = launcher.ServeSettings.parse(
         ["--config", str(config), "--worker", "--model-names w --cluster-secret worker-secret"])
-    assert args.cluster_secret == "file-secret"
-    spec = launcher.spec_from_args(args)
-    spec.cluster_secret = args.cluster_secret
+    assert settings.cluster_secret == "file-secret"
+    spec = launcher.cluster_spec(settings)
+    spec.cluster_secret = settings.cluster_secret
     services = {s.name: s for s in launcher.services_for(spec)}
     secrets = ("file-secret", "file-key", "file-admin", "ui-key", "worker-secret")
     for service in services.values():
@@ -78,7 +78,7 @@ def test_no_secret_from_any_source_reaches_a_command_line(tmp_path: Path) -> Non
 
 
 def test_the_web_ui_gets_a_gateway_key_in_its_environment() -> None:
-    spec = launcher.spec_from_args(launcher.build_parser().parse_args(["--api-keys", "k1,k2"]))
+    spec = launcher.cluster_spec(launcher.ServeSettings.parse(["--api-keys", "k1,k2"]))
     webui = next(s for s in launcher.services_for(spec) if s.name == "webui")
     assert webui.env["LLMPLATFORM_API_KEY"] == "k1" and "k1" not in " ".join(webui.argv)
 
@@ -87,7 +87,7 @@ def test_a_service_tables_own_cluster_secret_is_refused(tmp_path: Path) -> None:
     config = tmp_path / "cluster.toml"
     config.write_text('[controller]\ncluster_secret = "c"\n[[worker]]\nmodel_names = ["m"]\n')
     with pytest.raises(SystemExit, match=r"\[controller\]: cluster_secret is shared"):
-        launcher.spec_from_args(launcher.build_parser().parse_args(["--config", str(config)]))
+        launcher.cluster_spec(launcher.ServeSettings.parse(["--config", str(config)]))
 
 
 def test_restart_backoff_doubles_to_its_cap() -> None:

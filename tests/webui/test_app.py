@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from llmplatform.utils.server import serve_in_thread
-from llmplatform.webui.__main__ import build_parser, settings_from_args
+from llmplatform.webui.__main__ import WebUIServiceSettings
 from llmplatform.webui.app import create_app
 from llmplatform.webui.settings import WebUISettings
 
@@ -61,21 +61,20 @@ def test_uploads_are_refused(served):
 def test_flags_default_to_loopback_and_parse_into_settings(tmp_path, monkeypatch):
     monkeypatch.delenv("LLMPLATFORM_API_KEY", raising=False)
     monkeypatch.delenv("LLMPLATFORM_CLUSTER_SECRET", raising=False)
-    args = build_parser().parse_args([])
-    assert args.host == "127.0.0.1" and args.port == 7860
-    settings = settings_from_args(args)
+    service = WebUIServiceSettings.parse([])
+    assert service.host == "127.0.0.1" and service.port == 7860
+    settings = service.webui_settings
     assert settings.api_base == "http://127.0.0.1:8000/v1" and settings.api_key is None
-    args = build_parser().parse_args([
+    settings = WebUIServiceSettings.parse([
         "--api-base", "http://gw:9000", "--api-key", "k1", "--controller-address", "none",
-        "--log-dir", str(tmp_path), "--max-tokens", "64", "--cluster-refresh", "0.5"])
-    settings = settings_from_args(args)
+        "--log-dir", str(tmp_path), "--max-tokens", "64", "--cluster-refresh", "0.5"]).webui_settings
     assert settings.api_base == "http://gw:9000/v1"  # no path: the OpenAI /v1 is added
     assert settings.api_key == "k1" and settings.controller_address is None
     assert settings.votes_path == tmp_path / "votes.jsonl"
     assert settings.default_max_tokens == 64 and settings.cluster_refresh_s == 0.5
     monkeypatch.setenv("LLMPLATFORM_API_KEY", "from-env")
     monkeypatch.setenv("LLMPLATFORM_CLUSTER_SECRET", "s3cret")
-    settings = settings_from_args(build_parser().parse_args([]))
+    settings = WebUIServiceSettings.parse([]).webui_settings
     assert settings.api_key == "from-env" and settings.cluster_secret == "s3cret"
 
 

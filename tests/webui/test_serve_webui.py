@@ -7,7 +7,7 @@ import json
 
 import httpx
 
-from llmplatform.serve.launcher import build_parser, services_for, spec_from_args
+from llmplatform.serve.launcher import ServeSettings, cluster_spec, services_for
 from tests.integration.test_serve_cli import (
     start_serve,
     stop_and_check_no_orphans,
@@ -33,7 +33,7 @@ def call_gradio(url: str, api_name: str, data: list) -> list:
 
 
 def test_services_include_the_webui_unless_told_not_to():
-    spec = spec_from_args(build_parser().parse_args(["--api-port", "8100", "--webui-port", "7999"]))
+    spec = cluster_spec(ServeSettings.parse(["--api-port", "8100", "--webui-port", "7999"]))
     services = services_for(spec)
     assert [s.name for s in services] == ["controller", "worker 0", "api", "webui"]
     webui = services[-1]
@@ -42,7 +42,7 @@ def test_services_include_the_webui_unless_told_not_to():
     assert argv[argv.index("--api-base") + 1] == "http://127.0.0.1:8100/v1"
     assert argv[argv.index("--controller-address") + 1] == "http://127.0.0.1:21001"
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
-    spec = spec_from_args(build_parser().parse_args(["--no-webui"]))
+    spec = cluster_spec(ServeSettings.parse(["--no-webui"]))
     assert [s.name for s in services_for(spec)] == ["controller", "worker 0", "api"]
 
 
@@ -50,7 +50,7 @@ def test_a_cluster_file_configures_the_webui(tmp_path):
     config = tmp_path / "cluster.toml"
     config.write_text('[webui]\nport = 7901\nmax_tokens = 64\nlog_dir = "votes-here"\n'
                       '[[worker]]\nmodel_names = ["smol"]\n')
-    webui = services_for(spec_from_args(build_parser().parse_args(["--config", str(config)])))[-1]
+    webui = services_for(cluster_spec(ServeSettings.parse(["--config", str(config)])))[-1]
     assert webui.name == "webui" and webui.url == "http://127.0.0.1:7901"
     argv = webui.argv
     assert argv[argv.index("--max-tokens") + 1] == "64"

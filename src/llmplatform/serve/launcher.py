@@ -13,7 +13,6 @@ service) reach the services in their environment, never on a command line (``sec
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import secrets
@@ -22,12 +21,23 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from llmplatform.serve.secret_flags import move_secrets_to_env, redacted
 from llmplatform.serve.supervisor import RestartPolicy, ServiceSpec, Supervisor
-from llmplatform.utils.cli import apply_env_defaults, argv_from_mapping, env_var_for, find_action
-from llmplatform.utils.cluster_secret import SECRET_ENV, secret_from_env
-from llmplatform.utils.logs import add_logging_flags, configure_logging
+from llmplatform.utils.cluster_secret import SECRET_ENV
+from llmplatform.utils.logs import configure_logging
+from llmplatform.utils.service_settings import LoggingSettings
+from llmplatform.utils.settings import (
+    CommaList,
+    OptionalText,
+    ServiceSettings,
+    SettingsError,
+    argv_for,
+    env_var,
+    option,
+    read_toml,
+)
 
 logger = logging.getLogger("llmplatform.serve")
 
@@ -35,6 +45,63 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 """Passed on to every service as its --shutdown-timeout (in-flight requests' grace period)."""
 API_KEYS_ENV = "LLMPLATFORM_API_KEYS"
 WEBUI_KEY_ENV = "LLMPLATFORM_API_KEY"
+
+
+class ServeSettings(LoggingSettings):
+    """`llmplatform serve`'s own settings; its cluster file's top-level keys and each table's
+    `port` are their file layer (`file_settings`), the tables themselves the services' flags."""
+
+    cli_prog = "llmplatform serve"
+    cli_description = ("Start a controller, model worker(s) and the OpenAI-compatible gateway. "
+                       "With no --worker/--config: one worker serving the embedded default model.")
+    config_file_setting = "config"
+
+    host: str = option("127.0.0.1", "bind address of every service")
+    controller_port: int = option(21001, "the controller's port (default: %(default)s)")
+    api_port: int = option(8000, "the gateway's port (default: %(default)s)")
+    worker_port_base: int = option(21002, "workers without --port get consecutive ports from here")
+    worker: list[str] | None = option(
+        None, "one worker, given as its own flags in one quoted string, e.g. --worker "
+        "'--model-path ./m --model-names m --backend hf'. Repeatable.", metavar="'WORKER FLAGS'",
+        repeatable=True)
+    config: Path | None = option(None, "a cluster TOML file (see docs/serve.md: [controller], "
+                                 "[api], [webui], [[worker]])")
+    api_keys: CommaList = option((), "comma-separated API keys for the gateway", secret=True)
+    no_webui: bool = option(False, "do not start the web UI (started by default, after the "
+                            "gateway)")
+    webui_port: int = option(7860, "port of the web UI (default: %(default)s)")
+    cluster_secret: OptionalText = option(
+        None, "a shared secret for the controller, workers, gateway and web UI (registration, "
+        "heartbeats and every call between them carry it); passed to them in "
+        f"${SECRET_ENV}, never on a command line. Default: ${SECRET_ENV}, else the file's "
+        "cluster_secret, else a random one made for this run and shown nowhere (registration "
+        "stays closed; give one to add workers started elsewhere or to call the controller "
+        "yourself)", secret=True)
+    max_restarts_per_minute: int = option(
+        5, "a service that exits while serve runs is restarted after a backoff (1 s, doubling up "
+        "to 30 s); one that exits more than N times within a minute stops everything, and serve "
+        "exits non-zero. 0: stop everything at the first exit (default: %(default)s)",
+        metavar="N", ge=0)
+    log_dir: Path | None = option(None, "write each service's output to LOG_DIR/<service>.log "
+                                  "(appended across restarts) instead of serve's own stderr")
+    shutdown_timeout: float = option(
+        DEFAULT_SHUTDOWN_TIMEOUT_S, "on Ctrl-C/SIGTERM, how long every service may let in-flight "
+        "requests run before it exits (passed on as each one's --shutdown-timeout); a service "
+        "still running after that is killed (default: %(default)s)", metavar="SECONDS", gt=0)
+    startup_timeout: float = option(
+        900.0, "seconds to wait for each service (the first start converts the default model "
+        "once)", gt=0)
+
+    @classmethod
+    def file_settings(cls, path: Path) -> dict[str, Any]:
+        """The cluster file's settings for serve itself: top-level keys (`host`, `worker_port_base`,
+        ...) and each service table's `port` as serve's `--<table>-port` (`[api] port = 8000`)."""
+        data = read_toml(path)
+        settings = {key: value for key, value in data.items() if not _is_table(value)}
+        for table, value in data.items():
+            if isinstance(value, dict) and "port" in value:
+                settings[f"{table}_port"] = value["port"]
+        return settings
 
 
 @dataclass
@@ -54,79 +121,9 @@ class ClusterSpec:
     cluster_secret: str | None = None  # handed to every service in $LLMPLATFORM_CLUSTER_SECRET
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="llmplatform serve",
-        description="Start a controller, model worker(s) and the OpenAI-compatible gateway. "
-                    "With no --worker/--config: one worker serving the embedded default model.")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address of every service")
-    parser.add_argument("--controller-port", type=int, default=21001)
-    parser.add_argument("--api-port", type=int, default=8000)
-    parser.add_argument("--worker-port-base", type=int, default=21002,
-                        help="workers without --port get consecutive ports from here")
-    parser.add_argument("--worker", action="append", default=None, metavar="'WORKER FLAGS'",
-                        help="one worker, given as its own flags in one quoted string, e.g. "
-                             "--worker '--model-path ./m --model-names m --backend hf'. Repeatable.")
-    parser.add_argument("--config", type=Path, default=None,
-                        help="a cluster TOML file (see README: [controller], [api], [[worker]])")
-    parser.add_argument("--api-keys", default=None, help="comma-separated API keys for the gateway")
-    parser.add_argument("--no-webui", dest="webui", action="store_false",
-                        help="do not start the web UI (started by default, after the gateway)")
-    parser.add_argument("--webui-port", type=int, default=7860,
-                        help="port of the web UI (default: %(default)s)")
-    parser.add_argument("--cluster-secret", default=None,
-                        help="a shared secret for the controller, workers, gateway and web UI "
-                             "(registration, heartbeats and every call between them carry it); "
-                             f"passed to them in ${SECRET_ENV}, never on a command line. Default: "
-                             f"${SECRET_ENV}, else the file's cluster_secret, else a random one "
-                             "made for this run and shown nowhere (registration stays closed; "
-                             "give one to add workers started elsewhere or to call the "
-                             "controller yourself)")
-    parser.add_argument("--max-restarts-per-minute", type=int, default=5, metavar="N",
-                        help="a service that exits while serve runs is restarted after a backoff "
-                             "(1 s, doubling up to 30 s); one that exits more than N times within "
-                             "a minute stops everything, and serve exits non-zero. 0: stop "
-                             "everything at the first exit (default: %(default)s)")
-    parser.add_argument("--log-dir", type=Path, default=None,
-                        help="write each service's output to LOG_DIR/<service>.log (appended "
-                             "across restarts) instead of serve's own stderr")
-    parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-                        metavar="SECONDS",
-                        help="on Ctrl-C/SIGTERM, how long every service may let in-flight requests "
-                             "run before it exits (passed on as each one's --shutdown-timeout); "
-                             "a service still running after that is killed (default: %(default)s)")
-    parser.add_argument("--startup-timeout", type=float, default=900.0,
-                        help="seconds to wait for each service (the first start converts the "
-                             "default model once)")
-    add_logging_flags(parser)  # serve's own, passed on to every service
-    # flag > env > file > default: the file's top-level keys and [controller]/[api] ports are
-    # this parser's file layer; its service tables become the services' flags (spec_from_args).
-    return apply_env_defaults(parser, config_flag="--config", load_config=_serve_settings_from_file)
-
-
 MANAGED_KEYS = frozenset({"host", "port", "controller_address", "worker_address"})
 """Service settings serve always passes on itself: their variables (LLMPLATFORM_PORT, ...) are
 meant for a service run alone and never override a cluster file's value, nor serve's own."""
-
-
-def _read_cluster_file(path: Path) -> dict:
-    import tomllib
-
-    try:
-        return tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise SystemExit(f"error: cannot read {path}: {exc}") from exc
-
-
-def _serve_settings_from_file(path: Path) -> dict:
-    """The cluster file's settings for serve itself: top-level keys (`host`, `worker_port_base`,
-    ...) and each service table's `port` as serve's `--<table>-port` (`[api] port = 8000`)."""
-    data = _read_cluster_file(path)
-    settings = {key: value for key, value in data.items() if not _is_table(value)}
-    for table, value in data.items():
-        if isinstance(value, dict) and "port" in value:
-            settings[f"{table}_port"] = value["port"]
-    return settings
 
 
 def _is_table(value: object) -> bool:
@@ -134,63 +131,70 @@ def _is_table(value: object) -> bool:
         isinstance(value, list) and any(isinstance(v, dict) for v in value))
 
 
-def service_flags(table: dict, parser: argparse.ArgumentParser, *, source: str,
-                  environ: dict[str, str] | None = None) -> list[str]:
+def service_settings_models() -> dict[str, type[ServiceSettings]]:
+    """Each service's settings model, by the module serve runs it as."""
+    from llmplatform.controller.__main__ import ControllerServiceSettings
+    from llmplatform.model_worker.settings import WorkerServiceSettings
+    from llmplatform.openai_api.__main__ import GatewayServiceSettings
+    from llmplatform.webui.__main__ import WebUIServiceSettings
+
+    return {"llmplatform.controller": ControllerServiceSettings,
+            "llmplatform.model_worker": WorkerServiceSettings,
+            "llmplatform.openai_api": GatewayServiceSettings,
+            "llmplatform.webui": WebUIServiceSettings}
+
+
+def service_flags(table: dict, model: type[ServiceSettings], *, source: str) -> list[str]:
     """A service table of the cluster file as that service's flags, minus what the environment
     sets: the child inherits serve's environment, and env beats file (flag > env > file)."""
-    env = os.environ if environ is None else environ
 
-    def overridden(key: str) -> bool:
-        action = find_action(parser, key)
-        name = env_var_for(action) if action is not None else None
-        if key in MANAGED_KEYS or name is None or not env.get(name, "").strip():
+    def overridden(name: str) -> bool:
+        variable = env_var(name)
+        if name in MANAGED_KEYS or variable is None or not os.environ.get(variable, "").strip():
             return False
-        logger.info("%s: %s from the file is overridden by $%s", source, key, name)
+        logger.info("%s: %s from the file is overridden by $%s", source, name, variable)
         return True
 
-    return argv_from_mapping(parser, table, source=source, skip=overridden)
+    try:
+        return argv_for(model, table, source=source, skip=overridden)
+    except SettingsError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
-def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
-    if not args.shutdown_timeout > 0:
-        raise SystemExit("error: --shutdown-timeout must be > 0")
-    if args.max_restarts_per_minute < 0:
-        raise SystemExit("error: --max-restarts-per-minute must be >= 0")
-    spec = ClusterSpec(host=args.host, controller_port=args.controller_port,
-                       api_port=args.api_port, worker_port_base=args.worker_port_base,
-                       webui=args.webui, webui_port=args.webui_port,
-                       shutdown_timeout=args.shutdown_timeout,
-                       log_args=["--log-level", args.log_level, "--log-format", args.log_format])
-    if args.config is not None:
-        from llmplatform.controller.__main__ import build_parser as controller_parser
-        from llmplatform.model_worker.__main__ import build_parser as worker_parser
-        from llmplatform.openai_api.__main__ import build_parser as api_parser
+def cluster_spec(settings: ServeSettings) -> ClusterSpec:
+    """What serve starts: each service's own flags, from serve's settings and the cluster file."""
+    spec = ClusterSpec(host=settings.host, controller_port=settings.controller_port,
+                       api_port=settings.api_port, worker_port_base=settings.worker_port_base,
+                       webui=not settings.no_webui, webui_port=settings.webui_port,
+                       shutdown_timeout=settings.shutdown_timeout,
+                       log_args=["--log-level", settings.log_level,
+                                 "--log-format", settings.log_format])
+    if settings.config is not None:
+        models = service_settings_models()
+        data = read_toml(settings.config)
+        _refuse_per_service_secret(data, settings.config)
 
-        data = _read_cluster_file(args.config)
-        _refuse_per_service_secret(data, args.config)
-        # Ports (and the top-level keys) are already in args: file < env < flag.
-        controller = {k: v for k, v in data.get("controller", {}).items() if k != "port"}
-        api = {k: v for k, v in data.get("api", {}).items() if k != "port"}
-        spec.controller_args = service_flags(controller, controller_parser(),
-                                             source=f"{args.config} [controller]")
-        spec.api_args = service_flags(api, api_parser(), source=f"{args.config} [api]")
-        from llmplatform.webui.__main__ import build_parser as webui_parser
+        def table_flags(table: str, module: str) -> list[str]:
+            # Ports are serve's own settings already (file < env < flag).
+            values = {k: v for k, v in data.get(table, {}).items() if k != "port"}
+            return service_flags(values, models[module], source=f"{settings.config} [{table}]")
 
-        webui = {k: v for k, v in data.get("webui", {}).items() if k != "port"}
-        spec.webui_args = service_flags(webui, webui_parser(), source=f"{args.config} [webui]")
+        spec.controller_args = table_flags("controller", "llmplatform.controller")
+        spec.api_args = table_flags("api", "llmplatform.openai_api")
+        spec.webui_args = table_flags("webui", "llmplatform.webui")
         workers = data.get("worker", data.get("workers", []))
         if not isinstance(workers, list) or not workers:
-            raise SystemExit(f"error: {args.config} has no [[worker]] tables")
-        spec.workers = [service_flags(dict(w), worker_parser(),
-                                      source=f"{args.config} [[worker]] {i}")
+            raise SystemExit(f"error: {settings.config} has no [[worker]] tables")
+        spec.workers = [service_flags(dict(w), models["llmplatform.model_worker"],
+                                      source=f"{settings.config} [[worker]] {i}")
                         for i, w in enumerate(workers)]
-    if args.worker:
-        spec.workers = ([] if args.config is None else spec.workers) + [shlex.split(w) for w in args.worker]
-    # Keys that came from LLMPLATFORM_API_KEYS reach the gateway by inheritance; a flag's (or
-    # the file's top-level api_keys) are passed on, and services_for moves them into the
-    # gateway's environment like every secret flag.
-    if args.api_keys and args.api_keys != os.environ.get(API_KEYS_ENV, "").strip():
-        spec.api_args += ["--api-keys", args.api_keys]
+    if settings.worker:
+        spec.workers = ([] if settings.config is None else spec.workers) + [
+            shlex.split(w) for w in settings.worker]
+    # Serve's keys (flag, variable or the file's top level) reach the gateway in its environment:
+    # services_for moves them there like every secret flag.
+    if settings.api_keys:
+        spec.api_args += ["--api-keys", ",".join(settings.api_keys)]
     return spec
 
 
@@ -250,28 +254,17 @@ def _command_lines(spec: ClusterSpec) -> list[ServiceSpec]:
 
 
 
-def _service_parsers() -> dict[str, argparse.ArgumentParser]:
-    from llmplatform.controller.__main__ import build_parser as controller_parser
-    from llmplatform.model_worker.__main__ import build_parser as worker_parser
-    from llmplatform.openai_api.__main__ import build_parser as api_parser
-    from llmplatform.webui.__main__ import build_parser as webui_parser
-
-    return {"llmplatform.controller": controller_parser(),
-            "llmplatform.model_worker": worker_parser(),
-            "llmplatform.openai_api": api_parser(), "llmplatform.webui": webui_parser()}
-
-
 def services_for(spec: ClusterSpec) -> list[ServiceSpec]:
     """Every service serve starts: its command line (no secret in it), the variables that carry
     its secrets instead, and the line serve prints for it (any secret left shown as ***)."""
-    parsers = _service_parsers()
+    models = service_settings_models()
     services = _command_lines(spec)
     for service in services:
-        parser = parsers[service.argv[service.argv.index("-m") + 1]]
-        service.argv, service.env = move_secrets_to_env(service.argv, parser)
+        model = models[service.argv[service.argv.index("-m") + 1]]
+        service.argv, service.env = move_secrets_to_env(service.argv, model)
         if spec.cluster_secret is not None:
             service.env.setdefault(SECRET_ENV, spec.cluster_secret)
-        service.shown_argv = redacted(service.argv, parser)
+        service.shown_argv = redacted(service.argv, model)
     api = next(s for s in services if s.name == "api")
     webui = next((s for s in services if s.name == "webui"), None)
     key = _gateway_key(api)
@@ -283,15 +276,15 @@ def services_for(spec: ClusterSpec) -> list[ServiceSpec]:
 
 def _gateway_key(api: ServiceSpec) -> str | None:
     """One of the gateway's API keys (from serve's flags, the file or LLMPLATFORM_API_KEYS)."""
-    keys = api.env.get(API_KEYS_ENV) or os.environ.get(API_KEYS_ENV, "")
+    keys = api.env.get(API_KEYS_ENV, "")
     return next((k.strip() for k in keys.split(",") if k.strip()), None)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    configure_logging(args.log_level, args.log_format)
-    spec = spec_from_args(args)
-    spec.cluster_secret = secret_from_env(args.cluster_secret)
+    settings = ServeSettings.parse(argv)
+    configure_logging(settings.log_level, settings.log_format)
+    spec = cluster_spec(settings)
+    spec.cluster_secret = settings.cluster_secret
     if spec.cluster_secret is None:
         # Closed by default: without a secret anyone who can reach the controller could register
         # a worker and receive prompts. The secret is shown nowhere; it lives in the services'
@@ -300,10 +293,10 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("made a random cluster secret for this run (registration is closed; give "
                     "--cluster-secret or $%s to add workers started elsewhere)", SECRET_ENV)
     services = services_for(spec)
-    supervisor = Supervisor(services, startup_timeout=args.startup_timeout,
-                            shutdown_timeout=spec.shutdown_timeout,
-                            policy=RestartPolicy(max_restarts_per_minute=args.max_restarts_per_minute),
-                            log_dir=args.log_dir)
+    supervisor = Supervisor(
+        services, startup_timeout=settings.startup_timeout, shutdown_timeout=spec.shutdown_timeout,
+        policy=RestartPolicy(max_restarts_per_minute=settings.max_restarts_per_minute),
+        log_dir=settings.log_dir)
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt

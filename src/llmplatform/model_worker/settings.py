@@ -1,0 +1,135 @@
+"""The model worker's settings: every flag of `llmplatform worker`, declared once.
+
+`WorkerServiceSettings` is the single source of each flag's name, type, default, help, variable
+(`LLMPLATFORM_<FLAG>`) and cluster-file key (`[[worker]]` tables; `utils/settings.py`). It holds
+no torch: `llmplatform serve` reads it to turn a cluster file into workers' flags.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from functools import cached_property
+from typing import Literal
+from urllib.parse import urlparse
+
+from pydantic import model_validator
+
+from llmplatform.engine.config import COMPUTE_DTYPES
+from llmplatform.model_worker.backends import BACKENDS, BackendConfig
+from llmplatform.utils.cluster_secret import SECRET_HEADER
+from llmplatform.utils.request_guard import RequestGuardConfig
+from llmplatform.utils.server import DEFAULT_SHUTDOWN_TIMEOUT_S
+from llmplatform.utils.service_settings import ServerSettings
+from llmplatform.utils.settings import CommaList, OptionalText, option
+
+Backend = Literal[BACKENDS]  # type: ignore[valid-type]
+ComputeDtype = Literal[COMPUTE_DTYPES]  # type: ignore[valid-type]
+_ENGINE = "native engine (--backend paged)"
+
+
+class WorkerServiceSettings(ServerSettings):
+    cli_prog = "llmplatform worker"
+    cli_description = "Serve one model as a FastChat-compatible model worker."
+
+    model_path: str | None = option(None, "local HF directory, hub id, or .gguf file (default: "
+                                    "the embedded SmolLM2-135M-Instruct)")
+    model_names: CommaList = option((), "comma-separated names to serve the model under "
+                                    "(default: its directory name)")
+    backend: Backend = option("auto", "inference backend (auto picks the best available)")
+    port: int = option(21002, "bind port; 0 picks a free one (default: %(default)s)")
+    worker_address: str | None = option(
+        None, "URL the controller and gateway reach this worker at (default: http://HOST:PORT; "
+        "required when binding 0.0.0.0)")
+    controller_address: str = option("http://127.0.0.1:21001",
+                                     "the controller's URL (default: %(default)s)")
+    no_register: bool = option(False, "do not register with a controller")
+    limit_worker_concurrency: int | None = option(
+        None, "requests let through to the backend at once; more wait in the worker's queue "
+        "(default: 5 for hf, 1024 for paged, which batches)", ge=1)
+    heartbeat_interval: float = option(3.0, "seconds between heartbeats to the controller", gt=0)
+    max_queue_len: int = option(
+        512, "requests that may wait (for a concurrency slot or in the engine's queue) before "
+        "new ones are refused at once with HTTP 429 and Retry-After (default: %(default)s)", ge=0)
+    overload_retry_after: int = option(
+        1, "the Retry-After a refused (429) request is given (default: %(default)s)",
+        metavar="SECONDS", ge=0)
+    shutdown_timeout: float = option(
+        DEFAULT_SHUTDOWN_TIMEOUT_S, "on SIGTERM: deregister at once, then let in-flight requests "
+        "run this long before cancelling them (default: %(default)s)", metavar="SECONDS", gt=0)
+    cluster_secret: OptionalText = option(
+        None, f"the cluster's shared secret: sent to the controller, and required "
+        f"({SECRET_HEADER}) on every route but /health and /metrics; default: "
+        "$LLMPLATFORM_CLUSTER_SECRET (prefer it: flags show in ps)", secret=True)
+    trust_remote_code: bool = option(
+        False, "run Python code shipped with the checkpoint (transformers' trust_remote_code; hf "
+        "backend). Off by default: only for models whose code you have read")
+    device: Literal["auto", "cpu", "cuda"] = option("auto", "(default: %(default)s)")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = option(
+        "auto", "weights and activations dtype (auto: bfloat16)")
+    max_model_len: int | None = option(
+        None, "cap on prompt + output tokens (default: the model's context length)", ge=1)
+    chat_template: str | None = option(
+        None, "a Jinja chat template replacing the model's own (e.g. one that handles tools); "
+        "default: the model's own, or for SmolLM2-Instruct (the default model) the shipped "
+        "ChatML template with Hermes tools", metavar="FILE")
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = option(
+        None, "the syntax the model writes tool calls in (read from its output; forced for "
+        "tool_choice required/named). Default: read from the chat template (<tool_call>: "
+        "hermes); without one the model serves no tools")
+    compute_dtype: ComputeDtype = option(
+        "auto", "dtype of the matrix products. auto: the model dtype, except bf16/fp16 on a CPU "
+        "without bf16/fp16 matrix instructions (no AMX or AVX512-BF16), where float32 is several "
+        "times faster (projection weights are then held in float32: twice the bf16 memory); "
+        "model: always the model dtype; float32: always float32", group=_ENGINE)
+    max_num_seqs: int = option(64, "sequences batched together at most", group=_ENGINE, ge=1)
+    max_num_batched_tokens: int = option(
+        2048, "tokens computed per engine step (prefill chunks + decodes)", group=_ENGINE, ge=1)
+    block_size: int = option(16, "tokens per KV-cache block", group=_ENGINE, ge=1)
+    kv_cache_memory: str = option("2GiB", "KV-cache size on CPU, e.g. 2GiB or 512MiB",
+                                  group=_ENGINE)
+    gpu_memory_utilization: float = option(
+        0.9, "fraction of GPU memory for weights, activations and KV cache (CUDA)", group=_ENGINE)
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV cache of prompt prefixes seen before (default: on; "
+        "--no-enable-prefix-caching turns it off)", group=_ENGINE, negatable=True)
+
+    @cached_property
+    def announced_address(self) -> str:
+        """The URL others reach this worker at; a bind-all address is never announced."""
+        if self.worker_address:
+            address = self.worker_address.rstrip("/")
+            host = urlparse(address).hostname or ""
+        else:
+            host = self.host
+            address = f"http://{_bracket(host)}:{self.port}"
+        if _is_unspecified(host):
+            raise ValueError(f"{address} is a bind address, not one others can reach; pass "
+                             "--worker-address http://<reachable-host>:<port>")
+        return address
+
+    @cached_property
+    def backend_config(self) -> BackendConfig:
+        """What `build_llm` loads, and how."""
+        return self.section(BackendConfig, model_names=self.model_names or None,
+                            max_concurrency=self.limit_worker_concurrency)
+
+    @cached_property
+    def worker_guard(self) -> RequestGuardConfig:
+        """The request guard; the announced address's host is always an allowed Host."""
+        return self.guard_config(own_names=[urlparse(self.announced_address).hostname])
+
+    @model_validator(mode="after")
+    def _check_sections(self) -> WorkerServiceSettings:
+        self.worker_guard  # noqa: B018 - a bad address fails here, with the flags' usage
+        return self
+
+
+def _is_unspecified(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
