@@ -289,14 +289,14 @@ def test_cap_settings_are_validated(kwargs: dict[str, int], message: str) -> Non
 
 
 def test_cap_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmplatform.openai_api.__main__ import build_parser, settings_from_args
+    from llmplatform.openai_api.__main__ import GatewayServiceSettings
 
-    defaults = settings_from_args(build_parser().parse_args([])).limits
+    defaults = GatewayServiceSettings.parse([]).gateway_settings.limits
     assert (defaults.max_n, defaults.max_logprobs, defaults.max_stop_sequences) == (16, 20, 4)
     assert defaults.max_stop_length == 256 and defaults.max_request_bytes == 4 * 1024 * 1024
-    args = build_parser().parse_args(["--max-n", "3", "--max-logprobs", "5", "--max-stop-sequences", "2",
-                                      "--max-stop-length", "9", "--max-request-bytes", "1000"])
-    limits = settings_from_args(args).limits
+    limits = GatewayServiceSettings.parse(["--max-n", "3", "--max-logprobs", "5", "--max-stop-sequences", "2",
+                                           "--max-stop-length", "9", "--max-request-bytes", "1000"]
+                                          ).gateway_settings.limits
     assert (limits.max_n, limits.max_logprobs, limits.max_stop_sequences, limits.max_stop_length,
             limits.max_request_bytes) == (3, 5, 2, 9, 1000)
 

@@ -174,14 +174,14 @@ def test_admin_routes_need_an_admin_key(cluster: FakeCluster) -> None:
 
 
 def test_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmplatform.openai_api.__main__ import build_parser, settings_from_args
+    from llmplatform.openai_api.__main__ import GatewayServiceSettings
 
     monkeypatch.setenv("LLMPLATFORM_API_KEYS", "sk-a, sk-b ,")
-    assert settings_from_args(build_parser().parse_args([])).api_keys == ("sk-a", "sk-b")
+    assert GatewayServiceSettings.parse([]).gateway_settings.api_keys == ("sk-a", "sk-b")
     # The flag wins over the environment.
-    assert settings_from_args(build_parser().parse_args(["--api-keys", "sk-c"])).api_keys == ("sk-c",)
+    assert GatewayServiceSettings.parse(["--api-keys", "sk-c"]).gateway_settings.api_keys == ("sk-c",)
     monkeypatch.delenv("LLMPLATFORM_API_KEYS")
-    assert settings_from_args(build_parser().parse_args([])).api_keys == ()
+    assert GatewayServiceSettings.parse([]).gateway_settings.api_keys == ()
 
 
 def test_keys_are_compared_as_digests_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,9 +32,9 @@ def test_cors_is_off_by_default(default_gateway: str) -> None:
 
 
 def test_the_cli_default_is_off_too() -> None:
-    from llmplatform.openai_api.__main__ import build_parser, settings_from_args
+    from llmplatform.openai_api.__main__ import GatewayServiceSettings
 
-    assert settings_from_args(build_parser().parse_args([])).allowed_origins == ()
+    assert GatewayServiceSettings.parse([]).gateway_settings.allowed_origins == ()
 
 
 def test_listed_origins_with_credentials() -> None:
@@ -84,10 +84,10 @@ def test_the_host_check_leaves_cors_for_listed_origins_alone() -> None:
 
 
 def test_the_cli_checks_host_when_bound_to_loopback_only() -> None:
-    from llmplatform.openai_api.__main__ import build_parser, settings_from_args
+    from llmplatform.openai_api.__main__ import GatewayServiceSettings
 
-    assert settings_from_args(build_parser().parse_args([])).allowed_hosts == {"127.0.0.1", "localhost", "[::1]"}
-    assert settings_from_args(build_parser().parse_args(["--host", "0.0.0.0"])).allowed_hosts is None
-    named = settings_from_args(build_parser().parse_args(["--host", "0.0.0.0", "--allowed-hosts", "api.example"]))
+    assert GatewayServiceSettings.parse([]).gateway_settings.allowed_hosts == {"127.0.0.1", "localhost", "[::1]"}
+    assert GatewayServiceSettings.parse(["--host", "0.0.0.0"]).gateway_settings.allowed_hosts is None
+    named = GatewayServiceSettings.parse(["--host", "0.0.0.0", "--allowed-hosts", "api.example"]).gateway_settings
     assert named.allowed_hosts == {"api.example"}
-    assert settings_from_args(build_parser().parse_args(["--allowed-hosts", "*"])).allowed_hosts is None
+    assert GatewayServiceSettings.parse(["--allowed-hosts", "*"]).gateway_settings.allowed_hosts is None
