@@ -17,7 +17,7 @@ import pytest
 
 from llmplatform.webui.app import Handlers
 from llmplatform.webui.arena import ALREADY_VOTED, ArenaSession
-from llmplatform.webui.gateway import GatewayClient, GatewayError, SamplingControls
+from llmplatform.webui.gateway import GatewayClient, GatewayError, RequestControls
 from llmplatform.webui.messages import ERROR_ID, ERROR_PREFIX, is_error
 from llmplatform.webui.settings import WebUISettings
 from tests.webui.stack import HF_MODEL, PAGED_MODEL, running_stack
@@ -198,12 +198,12 @@ class GatedClient(GatewayClient):
         self.b_started = asyncio.Event()
 
     async def stream_chat(self, model, messages, controls):
-        async for delta in super().stream_chat(model, messages, controls):
+        async for reply in super().stream_chat(model, messages, controls):
             if model == PAGED_MODEL:
                 await asyncio.wait_for(self.b_started.wait(), timeout=30)
             else:
                 self.b_started.set()
-            yield delta
+            yield reply
 
 
 async def test_arena_streams_both_models_concurrently_and_logs_votes(stack, tmp_path, direct):
@@ -306,6 +306,6 @@ async def test_gateway_error_type_is_gateway_error(stack, tmp_path):
     try:
         with pytest.raises(GatewayError, match="no-such-model"):
             await collect(client.stream_chat("no-such-model", [{"role": "user", "content": "x"}],
-                                             SamplingControls(max_tokens=4)))
+                                             RequestControls(max_tokens=4)))
     finally:
         await client.close()

@@ -32,7 +32,7 @@ from fastapi import FastAPI  # noqa: E402
 from starlette.types import ASGIApp, Message, Receive, Scope, Send  # noqa: E402
 
 from llmplatform.webui.arena import VOTES, ArenaHandlers, ArenaSession, VoteLog  # noqa: E402
-from llmplatform.webui.chat import ChatHandlers  # noqa: E402
+from llmplatform.webui.chat import TOOL_CHOICES, ChatHandlers  # noqa: E402
 from llmplatform.webui.cluster import COLUMNS, ClusterView  # noqa: E402
 from llmplatform.webui.components import safe_chatbot, safe_markdown  # noqa: E402
 from llmplatform.webui.gateway import GatewayClient  # noqa: E402
@@ -104,16 +104,31 @@ def _model_dropdown(label: str, elem_id: str) -> gr.Dropdown:
     return gr.Dropdown(label=label, choices=[], allow_custom_value=True, elem_id=elem_id)
 
 
-def _sampling_controls(
+def _request_controls(
     settings: WebUISettings, prefix: str
-) -> tuple[gr.Slider, gr.Slider, gr.Slider]:
+) -> tuple[gr.Slider, gr.Slider, gr.Slider, gr.Checkbox]:
     with gr.Accordion("Parameters", open=False):
         temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="Temperature",
                                 elem_id=f"{prefix}-temperature")
         top_p = gr.Slider(0.0, 1.0, value=1.0, step=0.05, label="Top p", elem_id=f"{prefix}-top-p")
         max_tokens = gr.Slider(1, settings.max_tokens_limit, value=settings.default_max_tokens,
                                step=1, label="Max new tokens", elem_id=f"{prefix}-max-tokens")
-    return temperature, top_p, max_tokens
+        json_mode = gr.Checkbox(False, label="JSON mode (the answer is a JSON object)",
+                                elem_id=f"{prefix}-json-mode")
+    return temperature, top_p, max_tokens, json_mode
+
+
+def _tools_controls() -> tuple[gr.Textbox, gr.Dropdown]:
+    with gr.Accordion("Tools (advanced)", open=False):
+        tools = gr.Textbox(label="Tools (JSON)", lines=4, max_lines=20, elem_id="chat-tools",
+                           placeholder='[{"type": "function", "function": {"name": "get_weather",'
+                                       ' "parameters": {"type": "object", "properties": '
+                                       '{"city": {"type": "string"}}}}}]',
+                           info="An OpenAI tools list sent with each message. The page runs "
+                                "no tool: it shows the calls the model makes.")
+        tool_choice = gr.Dropdown(list(TOOL_CHOICES), value=TOOL_CHOICES[0], label="Tool choice",
+                                  elem_id="chat-tool-choice")
+    return tools, tool_choice
 
 
 def build_blocks(handlers: Handlers) -> gr.Blocks:
@@ -142,7 +157,9 @@ def build_blocks(handlers: Handlers) -> gr.Blocks:
                 chat_stop = gr.Button("Stop", variant="stop", elem_id="chat-stop")
                 chat_regenerate = gr.Button("Regenerate", elem_id="chat-regenerate")
                 chat_clear = gr.Button("Clear", elem_id="chat-clear")
-            chat_temperature, chat_top_p, chat_max_tokens = _sampling_controls(settings, "chat")
+            chat_temperature, chat_top_p, chat_max_tokens, chat_json = _request_controls(
+                settings, "chat")
+            chat_tools, chat_tool_choice = _tools_controls()
 
         # ---- Arena ------------------------------------------------------------------------------
         with gr.Tab("Arena", id="arena", elem_id="tab-arena") as arena_tab:
@@ -169,7 +186,8 @@ def build_blocks(handlers: Handlers) -> gr.Blocks:
                 arena_stop = gr.Button("Stop", variant="stop", elem_id="arena-stop")
                 arena_regenerate = gr.Button("Regenerate", elem_id="arena-regenerate")
                 arena_clear = gr.Button("Clear", elem_id="arena-clear")
-            arena_temperature, arena_top_p, arena_max_tokens = _sampling_controls(settings, "arena")
+            arena_temperature, arena_top_p, arena_max_tokens, arena_json = _request_controls(
+                settings, "arena")
 
         # ---- Cluster ----------------------------------------------------------------------------
         with gr.Tab("Cluster", id="cluster", elem_id="tab-cluster") as cluster_tab:
@@ -198,7 +216,7 @@ def build_blocks(handlers: Handlers) -> gr.Blocks:
 
         # ---- Events: chat -----------------------------------------------------------------------
         chat_args = [chat_model, system_prompt, chat_temperature, chat_top_p, chat_max_tokens,
-                     chatbot]
+                     chatbot, chat_json, chat_tools, chat_tool_choice]
         chat_runs = [
             trigger(chat.add_user_message, [chat_input, chatbot], [chat_input, chatbot],
                     queue=False).then(chat.respond, chat_args, chatbot)
@@ -225,7 +243,7 @@ def build_blocks(handlers: Handlers) -> gr.Blocks:
             return [""] + votes_disabled()
 
         arena_args = [arena_model_a, arena_model_b, arena_temperature, arena_top_p,
-                      arena_max_tokens, chatbot_a, chatbot_b, arena_session]
+                      arena_max_tokens, chatbot_a, chatbot_b, arena_session, arena_json]
         arena_out = [chatbot_a, chatbot_b, arena_session]
         arena_runs = [
             trigger(arena.add_user_message, [arena_input, chatbot_a, chatbot_b],

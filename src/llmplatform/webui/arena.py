@@ -3,6 +3,8 @@
 Both answers stream at once: each side runs in its own task and posts its latest history to
 one queue; the handler yields the pair whenever either side moved. Stopping (Gradio cancels the
 handler or closes it) cancels both tasks, and each closes its own gateway stream on the way out.
+The *JSON mode* switch asks both models for JSON (`response_format`), shown as the Chat tab shows
+it; the Arena sends no tools.
 
 Votes are checked on the server: a session's `ArenaSession` (a `gr.State`, which Gradio keeps on
 the server and never takes from a request) holds the pair of answers the server itself streamed
@@ -133,13 +135,14 @@ class ArenaHandlers:
         history_a: Sequence[Any] | None,
         history_b: Sequence[Any] | None,
         session: ArenaSession | None = None,
+        json_mode: Any = False,
     ) -> AsyncIterator[tuple[list[Message], list[Message], ArenaSession]]:
         """Stream both answers concurrently; yield (history_a, history_b, session) as they grow.
 
         The session's pair is cleared at once and set only when both answers completed."""
         session = session if isinstance(session, ArenaSession) else ArenaSession()
         session.pair = None
-        controls = controls_from(temperature, top_p, max_tokens)
+        controls = controls_from(temperature, top_p, max_tokens, json_mode)
         latest = [normalize_history(history_a), normalize_history(history_b)]
         updates: asyncio.Queue[tuple[int, list[Message] | None]] = asyncio.Queue()
 

@@ -1,8 +1,9 @@
 """The web UI's only way to generate: the official OpenAI async client against the gateway.
 
-`GatewayClient.stream_chat` yields text deltas and closes the HTTP stream however the consumer
-stops (exhaustion, an exception, `aclose()`, or the consuming task being cancelled by Gradio's
-Stop). Closing the stream is what aborts the request server-side: the gateway sees the client
+`GatewayClient.stream_chat` yields the answer so far (`replies.Reply`: text, tool calls, finish
+reason; the openai library's own accumulator joins the chunks) and closes the HTTP stream however
+the consumer stops (exhaustion, an exception, `aclose()`, or the consuming task being cancelled
+by Gradio's Stop). Closing the stream is what aborts the request server-side: the gateway sees the client
 disconnect and aborts the generation on the worker, freeing its KV blocks.
 """
 
@@ -11,10 +12,13 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import openai
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
+from llmplatform.webui.replies import Reply, reply_of
 from llmplatform.webui.settings import WebUISettings
 
 logger = logging.getLogger("llmplatform.webui")
@@ -27,12 +31,29 @@ class GatewayError(Exception):
 
 
 @dataclass(frozen=True)
-class SamplingControls:
-    """What the UI's sliders set, passed as-is to the chat completions request."""
+class RequestControls:
+    """What the UI's controls set, passed as-is to the chat completions request."""
 
     temperature: float = 0.7
     top_p: float = 1.0
     max_tokens: int = 512
+    json_mode: bool = False
+    """Ask for `response_format={"type": "json_object"}` (nothing is sent when off)."""
+    tools: tuple[dict[str, Any], ...] = ()
+    """OpenAI `tools`, as the visitor wrote them (the gateway validates them); none: not sent."""
+    tool_choice: str | None = None
+    """Sent with `tools` only; None leaves the gateway's default ("auto")."""
+
+    def optional_fields(self) -> dict[str, Any]:
+        """The request's fields that are sent only when set."""
+        fields: dict[str, Any] = {}
+        if self.json_mode:
+            fields["response_format"] = {"type": "json_object"}
+        if self.tools:
+            fields["tools"] = list(self.tools)
+            if self.tool_choice is not None:
+                fields["tool_choice"] = self.tool_choice
+        return fields
 
 
 MAX_SHOWN_MESSAGE_CHARS = 300
@@ -136,9 +157,9 @@ class GatewayClient:
             raise GatewayError(describe_error(exc)) from exc
 
     async def stream_chat(
-        self, model: str, messages: Sequence[dict[str, str]], controls: SamplingControls
-    ) -> AsyncIterator[str]:
-        """Yield the answer's text deltas as they arrive; raises GatewayError."""
+        self, model: str, messages: Sequence[dict[str, str]], controls: RequestControls
+    ) -> AsyncIterator[Reply]:
+        """Yield the answer so far each time it grows; raises GatewayError."""
         try:
             stream = await self._client.chat.completions.create(
                 model=model,
@@ -147,14 +168,25 @@ class GatewayClient:
                 top_p=controls.top_p,
                 max_tokens=controls.max_tokens,
                 stream=True,
+                **controls.optional_fields(),
             )
         except openai.OpenAIError as exc:
             log_error(f"chat with {model!r}", exc)
             raise GatewayError(describe_error(exc)) from exc
+        # No tools or response format given to the accumulator: it only joins, never parses (a
+        # parse failure or a "length" finish would raise).
+        state: ChatCompletionStreamState[Any] = ChatCompletionStreamState()
+        reply = Reply()
         try:
             async for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    yield chunk.choices[0].delta.content
+                state.handle_chunk(chunk)
+                choices = state.current_completion_snapshot.choices
+                if not choices:
+                    continue
+                latest = reply_of(choices[0].message, choices[0].finish_reason)
+                if latest != reply:
+                    reply = latest
+                    yield reply
         except openai.OpenAIError as exc:
             log_error(f"chat with {model!r} (streaming)", exc)
             raise GatewayError(describe_error(exc)) from exc
