@@ -182,14 +182,14 @@ def test_greedy_identical_on_the_default_model(default_model_dir):
 
 def test_the_switch_reaches_the_engine_from_the_worker_flag_and_the_offline_api(tiny_model_dir):
     from llmplatform import LLM
-    from llmplatform.model_worker.__main__ import build_parser
-    from llmplatform.model_worker.backends import BackendConfig, build_llm
+    from llmplatform.model_worker.backends import build_llm
+    from llmplatform.model_worker.settings import WorkerServiceSettings
 
-    assert build_parser().parse_args([]).enable_prefix_caching is True
-    args = build_parser().parse_args(["--no-enable-prefix-caching"])
-    llm = build_llm(BackendConfig(model_path=str(tiny_model_dir), backend="paged", device="cpu",
-                                  dtype="float32", kv_cache_memory="16MiB",
-                                  enable_prefix_caching=args.enable_prefix_caching))
+    assert WorkerServiceSettings.parse([]).backend_config.enable_prefix_caching is True
+    settings = WorkerServiceSettings.parse([
+        "--model-path", str(tiny_model_dir), "--backend", "paged", "--device", "cpu",
+        "--dtype", "float32", "--kv-cache-memory", "16MiB", "--no-enable-prefix-caching"])
+    llm = build_llm(settings.backend_config)
     assert not llm.engine.block_manager.enable_prefix_caching
     offline = LLM(str(tiny_model_dir), dtype="float32", device="cpu", kv_cache_memory="16MiB")
     assert offline.engine.block_manager.enable_prefix_caching and offline.reset_prefix_cache()

@@ -91,10 +91,10 @@ def test_trust_remote_code_reaches_transformers_only_when_asked(
 
 
 def test_the_worker_flag() -> None:
-    from llmplatform.model_worker.__main__ import build_parser
+    from llmplatform.model_worker.settings import WorkerServiceSettings
 
-    assert build_parser().parse_args([]).trust_remote_code is False
-    assert build_parser().parse_args(["--trust-remote-code"]).trust_remote_code is True
+    assert WorkerServiceSettings.parse([]).backend_config.trust_remote_code is False
+    assert WorkerServiceSettings.parse(["--trust-remote-code"]).backend_config.trust_remote_code is True
 
 
 @pytest.fixture
