@@ -11,8 +11,6 @@ import logging
 from collections.abc import Sequence
 from functools import cached_property
 
-from pydantic import model_validator
-
 from llmplatform.controller.app import create_app
 from llmplatform.controller.config import ControllerConfig
 from llmplatform.controller.dispatch import DEFAULT_DISPATCH_METHOD, DispatchMethod
@@ -30,6 +28,7 @@ DEFAULT_PORT = 21001
 class ControllerServiceSettings(ServerSettings):
     cli_prog = "python -m llmplatform.controller"
     cli_description = "Run the llmplatform controller (FastChat-compatible worker registry)."
+    sections = ("controller_config",)
 
     port: int = option(DEFAULT_PORT, "bind port; 0 picks a free one (default: %(default)s)")
     dispatch_method: DispatchMethod = option(
@@ -61,11 +60,6 @@ class ControllerServiceSettings(ServerSettings):
     def controller_config(self) -> ControllerConfig:
         """The app's section of these settings (checked when the settings are made)."""
         return self.section(ControllerConfig, guard=self.guard_config())
-
-    @model_validator(mode="after")
-    def _check_sections(self) -> ControllerServiceSettings:
-        self.controller_config  # noqa: B018 - a bad combination fails here, with the flags' usage
-        return self
 
 
 def main(argv: Sequence[str] | None = None) -> None:

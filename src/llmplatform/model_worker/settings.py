@@ -12,8 +12,6 @@ from functools import cached_property
 from typing import Literal
 from urllib.parse import urlparse
 
-from pydantic import model_validator
-
 from llmplatform.engine.config import COMPUTE_DTYPES
 from llmplatform.model_worker.backends import BACKENDS, BackendConfig
 from llmplatform.utils.cluster_secret import SECRET_HEADER
@@ -30,6 +28,7 @@ _ENGINE = "native engine (--backend paged)"
 class WorkerServiceSettings(ServerSettings):
     cli_prog = "llmplatform worker"
     cli_description = "Serve one model as a FastChat-compatible model worker."
+    sections = ("worker_guard", "backend_config")
 
     model_path: str | None = option(None, "local HF directory, hub id, or .gguf file (default: "
                                     "the embedded SmolLM2-135M-Instruct)")
@@ -117,11 +116,6 @@ class WorkerServiceSettings(ServerSettings):
     def worker_guard(self) -> RequestGuardConfig:
         """The request guard; the announced address's host is always an allowed Host."""
         return self.guard_config(own_names=[urlparse(self.announced_address).hostname])
-
-    @model_validator(mode="after")
-    def _check_sections(self) -> WorkerServiceSettings:
-        self.worker_guard  # noqa: B018 - a bad address fails here, with the flags' usage
-        return self
 
 
 def _is_unspecified(host: str) -> bool:

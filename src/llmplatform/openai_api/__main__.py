@@ -11,8 +11,6 @@ import logging
 from collections.abc import Sequence
 from functools import cached_property
 
-from pydantic import model_validator
-
 from llmplatform.openai_api.app import create_app
 from llmplatform.openai_api.settings import GatewaySettings, RequestLimits, RoutingMode
 from llmplatform.utils.logs import configure_logging, log_summary
@@ -27,6 +25,7 @@ _LIMITS = "request limits (a request over one is a 400; the body cap a 413)"
 class GatewayServiceSettings(ServerSettings):
     cli_prog = "python -m llmplatform.openai_api"
     cli_description = "OpenAI-compatible API gateway."
+    sections = ("gateway_settings",)
 
     port: int = option(8000, "bind port; 0 picks a free one (default: %(default)s)")
     controller_address: str = option(GatewaySettings.controller_address,
@@ -90,11 +89,6 @@ class GatewayServiceSettings(ServerSettings):
         return self.section(GatewaySettings, limits=self.section(RequestLimits),
                             allowed_hosts=self.allowed_host_names(),  # a name, another meaning
                             max_streams_per_key=self.max_streams_per_key or None)
-
-    @model_validator(mode="after")
-    def _check_sections(self) -> GatewayServiceSettings:
-        self.gateway_settings  # noqa: B018 - a bad combination fails here, with the flags' usage
-        return self
 
 
 def build_parser() -> argparse.ArgumentParser:

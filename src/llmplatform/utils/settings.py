@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError
+from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -111,6 +111,15 @@ class ServiceSettings(BaseSettings):
     cli_description: ClassVar[str] = ""
     config_file_setting: ClassVar[str | None] = None
     """The field that names a config file for this model, if it reads one."""
+    sections: ClassVar[tuple[str, ...]] = ()
+    """Cached properties that build components' configs from these settings; they are built
+    when the settings are made, so that a bad combination is reported like a bad flag."""
+
+    @model_validator(mode="after")
+    def _build_sections(self) -> typing.Self:
+        for name in self.sections:
+            getattr(self, name)
+        return self
 
     @classmethod
     def settings_customise_sources(

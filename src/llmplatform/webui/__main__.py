@@ -11,8 +11,6 @@ from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 
-from pydantic import model_validator
-
 from llmplatform.utils.service_settings import LoggingSettings
 from llmplatform.utils.settings import OptionalText, option
 from llmplatform.webui.settings import DEFAULT_PORT, WebUISettings
@@ -24,6 +22,7 @@ SHUTDOWN_GRACE_S = 3.0
 class WebUIServiceSettings(LoggingSettings):
     cli_prog = "python -m llmplatform.webui"
     cli_description = "The chat web UI (Chat, Arena and Cluster tabs), a client of the gateway."
+    sections = ("webui_settings",)
 
     api_base: str = option(WebUISettings.api_base, "the gateway's OpenAI base URL; a URL without "
                            "a path gets /v1 (default: %(default)s)")
@@ -62,11 +61,6 @@ class WebUIServiceSettings(LoggingSettings):
             default_max_tokens=self.max_tokens,
             max_tokens_limit=max(WebUISettings.max_tokens_limit, self.max_tokens),
             cluster_refresh_s=self.cluster_refresh)
-
-    @model_validator(mode="after")
-    def _check_sections(self) -> WebUIServiceSettings:
-        self.webui_settings  # noqa: B018 - a bad combination fails here, with the flags' usage
-        return self
 
 
 def main(argv: Sequence[str] | None = None) -> None:
