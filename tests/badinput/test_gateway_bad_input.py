@@ -147,7 +147,7 @@ CHAT_CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ("content-part-no-text", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
     ("role-missing", {"messages": [{"content": "x"}]}, "messages[0].role"),
     ("role-unknown", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-    ("role-tool", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ("role-tool-without-call-id", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ("user-without-content", {"messages": [{"role": "user"}]}, "messages[0].content"),
     ("messages-empty", {"messages": []}, "messages"),
     # ranges
@@ -185,11 +185,25 @@ CHAT_CASES: list[tuple[str, dict[str, Any], str | None]] = [
     ("chat-template-empty", {"chat_template": ""}, "chat_template"),
     ("chat-template-kwargs", {"chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}, "chat_template_kwargs"),
     ("chat-template-kwargs-other", {"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
-    # constraints not served (yet) are refused by name, never dropped
+    # constraints and tools: malformed ones name the field; valid ones reach a worker that did
+    # not announce them (the fake one, like a stock FastChat worker) only as a 400 naming it
     ("response-format-json", {"response_format": {"type": "json_object"}}, "response_format"),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("tool-history", {"messages": [{"role": "user", "content": "x"},
+                                   {"role": "tool", "tool_call_id": "c", "content": "1"}]}, "messages"),
     ("tool-choice-required", {"tool_choice": "required"}, "tool_choice"),
     ("guided-choice", {"guided_choice": ["a", "b"]}, "guided_choice"),
+    ("response-format-bad-schema", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nope"}}}}, "response_format"),
+    ("response-format-unsupported-keyword", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "if": {}}}}}, "response_format"),
+    ("response-format-unknown-type", {"response_format": {"type": "yaml"}}, "response_format"),
+    ("tool-without-name", {"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools"),
+    ("tool-duplicate-names", {"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools"),
+    ("tool-choice-unknown-tool", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                                  "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ("two-constraints", {"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+    ("legacy-functions", {"functions": [{"name": "f"}]}, "functions"),
 ]
 
 

@@ -30,6 +30,7 @@ from llmplatform.openai_api.errors import (
     param_path,
     parse_request,
 )
+from llmplatform.openai_api.constraints import request_constraints
 from llmplatform.openai_api.translate import (
     PreparedPrompt,
     chat_messages,
@@ -140,7 +141,9 @@ def test_chat_messages_normalized() -> None:
     ("message", "param"),
     [
         ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "messages[0].content[0].type"),
-        ({"role": "tool", "content": "x"}, "messages[0].role"),
+        ({"role": "tool", "content": "x"}, "messages[0].tool_call_id"),
+        ({"role": "user", "content": "x", "tool_calls": [{"id": "c", "type": "function",
+          "function": {"name": "f", "arguments": "{}"}}]}, "messages[0].tool_calls"),
         ({"role": "user", "content": None}, "messages[0].content"),
         ({"role": "user", "content": [{"type": "text"}]}, "messages[0].content[0].text"),
     ],
@@ -454,10 +457,6 @@ def test_error_envelope() -> None:
 
 
 @pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a", "b"]),
-    ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"regex": "a"}),
     ("logits_processors", ["x"]), ("use_beam_search", True), ("include_stop_str_in_output", True),
 ])
 def test_generation_constraints_we_do_not_serve_are_refused_not_dropped(field: str, value: object) -> None:
@@ -468,17 +467,92 @@ def test_generation_constraints_we_do_not_serve_are_refused_not_dropped(field: s
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
-    ("tool_choice", {"type": "function", "function": {"name": "f"}}), ("functions", [{"name": "f"}]),
-    ("function_call", "auto"), ("modalities", ["text", "audio"]), ("audio", {"voice": "x"}),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("modalities", ["text", "audio"]),
+    ("audio", {"voice": "x"}),
 ])
-def test_tool_calling_is_refused_by_name_until_served(field: str, value: object) -> None:
+def test_legacy_function_calling_and_audio_are_refused_by_name(field: str, value: object) -> None:
     with pytest.raises(InvalidRequestError) as info:
         check_unsupported(chat(**{field: value}))
     assert info.value.param == field
 
 
 def test_neutral_values_of_unserved_fields_ask_for_nothing() -> None:
-    check_unsupported(chat(response_format={"type": "text"}, tools=[], tool_choice="none",
-                           function_call="none", use_beam_search=False, modalities=["text"],
-                           include_stop_str_in_output=False))
+    check_unsupported(chat(functions=[], function_call="none", use_beam_search=False,
+                           modalities=["text"], include_stop_str_in_output=False))
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}}}}
+SERVING = frozenset({"messages", "structured_output", "tools"})
+
+
+@pytest.mark.parametrize("field, value, extension", [
+    ("response_format", {"type": "json_object"}, "structured_output"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+     "structured_output"),
+    ("guided_json", {"type": "object"}, "structured_output"),
+    ("guided_regex", "a+", "structured_output"), ("guided_choice", ["a", "b"], "structured_output"),
+    ("guided_grammar", "root ::= 'a'", "structured_output"),
+    ("structured_outputs", {"regex": "a"}, "structured_output"),
+])
+def test_output_constraints_need_a_worker_that_announced_them(field: str, value: object,
+                                                              extension: str) -> None:
+    for request in (chat(**{field: value}), completion(**{field: value})):
+        check_unsupported(request)
+        constraints = request_constraints(request)
+        with pytest.raises(InvalidRequestError) as info:  # a stock FastChat worker
+            constraints.for_worker("m", frozenset(), None)
+        assert info.value.param == field.split(".")[0] or info.value.param.startswith(field)
+        assert "does not support" in info.value.message
+        constraint = constraints.for_worker("m", SERVING, "hermes")
+        assert constraint.structured_output["param"].startswith(field)
+        assert constraint.tools is None and constraint.new_parser() is None
+
+
+def test_tools_need_a_tool_capable_worker_and_force_calls_in_its_syntax() -> None:
+    required = request_constraints(chat(tools=[TOOL], tool_choice="required"))
+    for announced, parser in ((frozenset({"structured_output"}), None), (SERVING, None)):
+        with pytest.raises(InvalidRequestError) as info:
+            required.for_worker("m", announced, parser)
+        assert info.value.param == "tools"
+    constraint = required.for_worker("m", SERVING, "llama3_json")
+    assert constraint.structured_output["type"] == "structural_tag"
+    assert '\\"parameters\\": ' in constraint.structured_output["source"]
+    assert constraint.tools == [TOOL]
+    auto = request_constraints(chat(tools=[TOOL])).for_worker("m", SERVING, "hermes")
+    assert auto.structured_output is None and auto.new_parser() is not None
+    none = request_constraints(chat(tools=[TOOL], tool_choice="none"))
+    assert none.for_worker("m", frozenset(), None).tools is None  # nothing asked of the worker
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "function", "function": {}}]}, "tools"),
+    ({"tools": [TOOL, TOOL]}, "tools"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+     "response_format"),
+    ({"guided_json": {"type": "object", "not": {}}}, "guided_json"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+])
+def test_bad_tools_and_constraints_name_the_field(fields: dict, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        request_constraints(chat(**fields))
+    assert info.value.param == param
+
+
+def test_tool_history_needs_a_tool_capable_worker() -> None:
+    history = chat(messages=[
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                              "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "1"}])
+    messages = chat_messages(history.messages)
+    assert messages[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}
+    assert messages[2] == {"role": "tool", "content": "1", "tool_call_id": "c"}
+    with pytest.raises(InvalidRequestError) as info:
+        request_constraints(history).for_worker("m", frozenset({"structured_output"}), None)
+    assert info.value.param == "messages"

@@ -71,6 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="weights and activations dtype (auto: bfloat16)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="cap on prompt + output tokens (default: the model's context length)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a Jinja chat template replacing the model's own (e.g. one that "
+                             "handles tools); default: the model's own, or for SmolLM2-Instruct "
+                             "(the default model) the shipped ChatML template with Hermes tools")
+    parser.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json"),
+                        help="the syntax the model writes tool calls in (read from its output; "
+                             "forced for tool_choice required/named). Default: read from the "
+                             "chat template (<tool_call>: hermes); without one the model serves "
+                             "no tools")
     engine = parser.add_argument_group("native engine (--backend paged)")
     engine.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, default="auto",
                         help="dtype of the matrix products. auto: the model dtype, except bf16/fp16 "
@@ -169,7 +178,9 @@ def main(argv: list[str] | None = None) -> None:
                                       kv_cache_memory=args.kv_cache_memory,
                                       gpu_memory_utilization=args.gpu_memory_utilization,
                                       enable_prefix_caching=args.enable_prefix_caching,
-                                      trust_remote_code=args.trust_remote_code))
+                                      trust_remote_code=args.trust_remote_code,
+                                      chat_template=args.chat_template,
+                                      tool_call_parser=args.tool_call_parser))
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from exc
     settings = WorkerSettings(worker_address=address, controller_address=args.controller_address,
@@ -180,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
                               max_queue_len=args.max_queue_len,
                               retry_after=args.overload_retry_after,
                               cluster_secret=secret_from_env(args.cluster_secret),
-                              guard=guard)
+                              guard=guard, prepare_grammars=True)
     app = create_app(llm, settings, on_backend_failure=_exit_after_backend_failure)
     from llmplatform.utils.startup import listen_url, worker_summary
 

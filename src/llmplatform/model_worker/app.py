@@ -38,7 +38,7 @@ from llmplatform.model_worker.admission import (Ticket, TicketedStreamingRespons
 from llmplatform.model_worker.conv import conv_template_for
 from llmplatform.model_worker.failure import FailureHandler, watch_backend
 from llmplatform.model_worker.registration import ControllerLink
-from llmplatform.model_worker.requests import (WORKER_PARAM_EXTENSIONS, Accepted, accept,
+from llmplatform.model_worker.requests import (Accepted, accept, model_details_of,
                                               check_model, id_in_use)
 from llmplatform.protocol.worker import (ACCEPTED_HEADER, AbortRequest, ApplyChatTemplateRequest,
                                          ApplyChatTemplateResponse, ChunkLogprobs, ChunkUsage,
@@ -77,6 +77,9 @@ class WorkerSettings:
     guard: RequestGuardConfig = RequestGuardConfig()
     """What a request must be to reach a route: Host, Origin, JSON body, body size (see
     `request_guard`); `__main__` sets the allowed hosts from the bind address."""
+    prepare_grammars: bool = False
+    """Build the grammar compiler (structured outputs, forced tool calls) at startup, in a
+    thread, rather than on the first request that needs it (about a second of CPU)."""
 
 
 def create_app(llm: LLM, settings: WorkerSettings, *,
@@ -87,6 +90,9 @@ def create_app(llm: LLM, settings: WorkerSettings, *,
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await llm.start()
+        if settings.prepare_grammars:
+            app.state.grammar_warmup = asyncio.get_running_loop().create_task(
+                _prepare_grammars(llm), name="grammar-compiler")
         watcher = asyncio.get_running_loop().create_task(
             watch_backend(app.state, llm, lambda: drain(app), on_backend_failure),
             name="backend-watch")
@@ -154,6 +160,14 @@ def _status(app: FastAPI) -> dict[str, Any]:
         "num_free_kv_blocks": load.num_free_kv_blocks,
         "num_kv_blocks": load.num_kv_blocks,
     }
+
+
+async def _prepare_grammars(llm: LLM) -> None:
+    try:
+        await llm.grammar_compiler()
+    except Exception:  # the first structured request will try again and report it
+        logger.warning(
+            "could not prepare the grammar compiler", exc_info=True)
 
 
 async def drain(app: FastAPI) -> None:
@@ -354,7 +368,9 @@ def _add_routes(app: FastAPI) -> None:
             return _error_response(exc)
         # `params`: the params-dict additions this worker understands beyond FastChat's, so a
         # gateway can send one request where a stock worker needs a count or a render first.
-        return JSONResponse({"context_length": llm.context_length, "params": list(WORKER_PARAM_EXTENSIONS)})
+        # `tool_call_parser` (our addition): the syntax this model writes tool calls in; the
+        # gateway forces and reads calls in it. Absent: this model serves no tools.
+        return JSONResponse(model_details_of(llm))
 
     @app.post("/worker_get_conv_template")
     async def worker_get_conv_template() -> dict[str, Any]:

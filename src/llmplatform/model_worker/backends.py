@@ -32,10 +32,25 @@ class BackendConfig:
     # Run Python code shipped with a checkpoint (HF `trust_remote_code`); hf backend only, since
     # the paged backend serves only its own built-in architectures.
     trust_remote_code: bool = False
+    # Tool calling (llm.tool_support): a chat template file replacing the model's, and the
+    # tool-call syntax; None: decided from the model's own template.
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
 
 
 def build_llm(config: BackendConfig) -> LLM:
-    """Resolves the model (local dir, hub id, .gguf, or the embedded default) and loads it."""
+    """Resolves the model (local dir, hub id, .gguf, or the embedded default), loads it, and
+    sets its chat template and tool-call syntax."""
+    from llmplatform.llm.tool_support import check_tool_flags, configure_tool_support
+
+    template = check_tool_flags(config.chat_template, config.tool_call_parser)  # before loading
+    llm = _load(config)
+    configure_tool_support(llm, chat_template=template, template_source=config.chat_template,
+                           tool_call_parser=config.tool_call_parser)
+    return llm
+
+
+def _load(config: BackendConfig) -> LLM:
     from llmplatform.llm.resolve import resolve_model
 
     resolved = resolve_model(config.model_path)

@@ -3,7 +3,9 @@
 A request is accepted (:func:`accept`) only once everything it can fail before generating has
 been checked: the model, its request id, its prompt rendered and counted (``openai_max_tokens``),
 its sampling params, every token id they carry against the model's vocabulary (the worker is
-where the vocabulary is known, whoever sent the request), and the backend's own checks
+where the vocabulary is known, whoever sent the request), its output constraint compiled
+(``structured_output``: the request waits here while its grammar compiles, off the event loop,
+and no other request's steps wait for it), and the backend's own checks
 (:meth:`LLM.check_request`). The worker then answers a refusal as the whole response and an
 accepted request with a stream whose first chunk is output
 (:data:`~llmplatform.protocol.worker.ACCEPTED_HEADER`).
@@ -15,6 +17,7 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from llmplatform.errors import InvalidRequestError, LLMPlatformError, ModelNotFoundError
 from llmplatform.llm.base import LLM, GenerateRequest
@@ -26,10 +29,25 @@ from llmplatform.utils.logs import REQUEST_ID
 
 logger = logging.getLogger("llmplatform.worker")
 
-WORKER_PARAM_EXTENSIONS = ("messages", "openai_max_tokens", "logit_bias")
+WORKER_PARAM_EXTENSIONS = ("messages", "openai_max_tokens", "logit_bias", "structured_output")
 """The params-dict additions this worker understands beyond FastChat's (``/model_details``).
-A gateway sends a field that changes what must be generated (``logit_bias``) only to a worker
-that lists it: a stock worker would drop it silently."""
+A gateway sends a field that changes what must be generated (``logit_bias``,
+``structured_output``, ``tools``) only to a worker that lists it: a stock worker would drop it
+silently. ``tools`` is listed only by a worker whose model serves tool calls."""
+
+
+def model_details_of(llm: LLM) -> dict[str, Any]:
+    """``/model_details``: the context length, the params additions understood and, for a model
+    that serves tools, ``tool_call_parser``: the syntax its calls are written in, which the
+    gateway forces (tool_choice required/named) and parses. The gateway parses, not the worker:
+    it already turns the worker's text into OpenAI's shapes (n choices, deltas, logprobs), so
+    the worker's stream stays FastChat's text chunks and any worker of ours serves tools."""
+    params = list(WORKER_PARAM_EXTENSIONS)
+    details: dict[str, Any] = {"context_length": llm.context_length, "params": params}
+    if llm.tool_call_parser is not None:
+        params.append("tools")
+        details["tool_call_parser"] = llm.tool_call_parser
+    return details
 
 
 def check_model(llm: LLM, model: str | None) -> None:
@@ -51,8 +69,22 @@ async def render_prompt(llm: LLM, params: WorkerParams) -> tuple[str, list[int] 
     budget = params.openai_max_tokens
 
     def render() -> tuple[str, list[int] | None]:
-        text = params.prompt if params.prompt is not None else llm.apply_chat_template_sync(params.messages or [])
+        if params.prompt is not None:
+            text = params.prompt
+        elif params.tools:
+            text = llm.apply_chat_template_sync(params.messages or [], tools=params.tools)
+        else:
+            text = llm.apply_chat_template_sync(params.messages or [])
         return text, (llm.encode_sync(text) if budget is not None else None)
+
+    if params.tools is not None:
+        if llm.tool_call_parser is None:
+            raise InvalidRequestError(
+                f"model {llm.model_names[0]!r} is served without a tool-capable chat template; "
+                "its worker needs --chat-template and --tool-call-parser for tools",
+                param="tools")
+        if params.messages is None:
+            raise InvalidRequestError("tools need chat messages, not a prompt", param="tools")
 
     if params.prompt is not None and budget is None:
         return params.prompt, None, params.max_new_tokens
@@ -87,6 +119,16 @@ def sampling_params_from(params: WorkerParams, max_new_tokens: int | None = None
         skip_special_tokens=params.skip_special_tokens, logit_bias=params.logit_bias)
 
 
+async def compile_constraint(llm: LLM, params: WorkerParams) -> Any:
+    """The request's compiled output grammar (None without ``structured_output``); a spec that
+    is malformed, does not compile or compiles too slowly is a 400 naming the client's field."""
+    if params.structured_output is None:
+        return None
+    from llmplatform.sampling.structured_output import StructuredOutputSpec
+
+    return await llm.compile_grammar(StructuredOutputSpec.from_wire(params.structured_output))
+
+
 @dataclass
 class Accepted:
     """A request the worker has checked and will generate."""
@@ -117,9 +159,11 @@ async def accept(llm: LLM, params: WorkerParams, *, running_ids: set[str],
         sampling.check_vocab(llm.facts.vocab_size)
         if prompt_ids is not None:
             llm.check_request(prompt_ids, sampling)
+        grammar = await compile_constraint(llm, params)
     except LLMPlatformError as exc:
         logger.info("refused: %s", exc.message)  # never handed over: the observer counts nothing
         raise
     request = GenerateRequest(request_id=request_id, params=sampling, prompt=prompt,
-                              prompt_token_ids=tuple(prompt_ids) if prompt_ids is not None else None)
+                              prompt_token_ids=tuple(prompt_ids) if prompt_ids is not None else None,
+                              grammar=grammar)
     return Accepted(request, params, observer, checked=prompt_ids is not None)

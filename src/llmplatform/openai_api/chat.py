@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -17,6 +18,7 @@ from llmplatform.openai_api.deltas import (
     finish_reason,
     sum_usage,
 )
+from llmplatform.openai_api.constraints import WorkerConstraint, request_constraints
 from llmplatform.openai_api.errors import error_payload, parse_request
 from llmplatform.openai_api.sse import DONE, EventStreamResponse, sse_event
 from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_naming, until_disconnected
@@ -41,8 +43,10 @@ from llmplatform.protocol.openai import (
     ChatCompletionStreamChoice,
     ChatDelta,
     ChatResponseMessage,
+    ResponseToolCall,
     Usage,
 )
+from llmplatform.sampling.tool_parsers import ContentDelta, ToolParser, accumulate
 from llmplatform.protocol.worker import WorkerChunk
 from llmplatform.utils.request_id import worker_request_id_prefix
 
@@ -54,6 +58,7 @@ async def create_chat_completion(request: Request) -> Response:
     messages = chat_messages(body.messages)
     check_chat_request(body)
     check_unsupported(body)
+    constraints = request_constraints(body)
     check_limits(body, request.app.state.settings.limits)
     client: WorkerClient = request.app.state.worker_client
 
@@ -62,15 +67,19 @@ async def create_chat_completion(request: Request) -> Response:
     trace_id = worker_request_id_prefix(request)
     response_id = new_id("chatcmpl")
 
-    async def start_on(address: str) -> tuple[PreparedPrompt, ChoiceStreams]:
-        check_worker_extensions(body, await client.worker_extensions(address, body.model))
+    async def start_on(address: str) -> tuple[_Prepared, ChoiceStreams]:
+        announced = await client.worker_extensions(address, body.model)
+        check_worker_extensions(body, announced)
+        constraint = constraints.for_worker(body.model, announced,
+                                            await client.tool_call_parser(address, body.model))
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         prepared = await client.prepare_chat(address, body.model, messages, requested=requested)
         max_new_tokens = max_new_tokens_for(prepared, requested, default=None, prompt_param="messages")
         params = [
             params_dict(
                 chat_params(
-                    body, prepared, max_new_tokens=max_new_tokens, request_id=f"{trace_id}-{i}", choice_index=i
+                    body, prepared, max_new_tokens=max_new_tokens, request_id=f"{trace_id}-{i}", choice_index=i,
+                    constraint=constraint,
                 )
             )
             for i in range(body.n or 1)
@@ -80,7 +89,7 @@ async def create_chat_completion(request: Request) -> Response:
         # word that it checked the request), so early errors get a proper status and a worker
         # that cannot take the request is replaced by another (with_failover).
         await start_naming(streams, "messages", early=bool(body.stream))
-        return prepared, streams
+        return _Prepared(prepared, constraint), streams
 
     streams = RequestStreams(client, body.model, start_on)
     await streams.start(address)
@@ -95,11 +104,18 @@ async def create_chat_completion(request: Request) -> Response:
     return JSONResponse(stream.response(final_chunks).model_dump())
 
 
+class _Prepared(NamedTuple):
+    prompt: PreparedPrompt
+    constraint: WorkerConstraint
+
+
 class _ChatStream:
-    """Builds the chunks and the full response of one chat completion."""
+    """Builds the chunks and the full response of one chat completion. With tools, each
+    choice's text goes through the model's tool-call parser: calls become ``tool_calls``
+    (streamed as OpenAI's fragments) and the rest stays content."""
 
     def __init__(self, body: ChatCompletionRequest, response_id: str, *,
-                 prepared: Callable[[], PreparedPrompt]) -> None:
+                 prepared: Callable[[], _Prepared]) -> None:
         self.body = body
         self.response_id = response_id
         self.created = int(time.time())
@@ -110,18 +126,33 @@ class _ChatStream:
 
     @property
     def prompt_tokens(self) -> int:
-        return self._prepared().prompt_tokens
+        return self._prepared().prompt.prompt_tokens
+
+    def _new_parser(self) -> ToolParser | None:
+        return self._prepared().constraint.new_parser()
 
     def response(self, final_chunks: list[WorkerChunk]) -> ChatCompletionResponse:
-        choices = [
-            ChatCompletionChoice(
+        choices = []
+        for index, chunk in enumerate(final_chunks):
+            message = ChatResponseMessage(content=chunk.text)
+            reason = finish_reason(chunk.finish_reason)
+            parser = self._new_parser()
+            if parser is not None:
+                parsed = accumulate(parser.feed(chunk.text) + parser.finish())
+                if parsed.tool_calls:
+                    message = ChatResponseMessage(
+                        content=parsed.content or None,
+                        tool_calls=[ResponseToolCall.model_validate(call.to_openai())
+                                    for call in parsed.tool_calls])
+                    reason = _with_calls(reason)
+                else:
+                    message = ChatResponseMessage(content=parsed.content)
+            choices.append(ChatCompletionChoice(
                 index=index,
-                message=ChatResponseMessage(content=chunk.text),
+                message=message,
                 logprobs=chat_logprobs(chunk.logprobs, self.num_top_logprobs) if self.want_logprobs else None,
-                finish_reason=finish_reason(chunk.finish_reason),
-            )
-            for index, chunk in enumerate(final_chunks)
-        ]
+                finish_reason=reason,
+            ))
         return ChatCompletionResponse(
             id=self.response_id,
             created=self.created,
@@ -143,6 +174,7 @@ class _ChatStream:
     async def events(self, streams: RequestStreams[PreparedPrompt]) -> AsyncIterator[bytes]:
         n = streams.num_choices
         trackers = [DeltaTracker() for _ in range(n)]
+        parsers = [self._new_parser() for _ in range(n)]
         started = [False] * n
         final_chunks: list[WorkerChunk | None] = [None] * n
         try:
@@ -158,17 +190,23 @@ class _ChatStream:
                 delta = trackers[index].advance(
                     chunk.text, chunk.logprobs if self.want_logprobs else None, final=final
                 )
-                if delta.text or delta.has_tokens:
-                    logprobs = chat_logprobs(delta.logprobs, self.num_top_logprobs) if self.want_logprobs else None
+                parser = parsers[index]
+                logprobs = (chat_logprobs(delta.logprobs, self.num_top_logprobs)
+                            if self.want_logprobs and delta.has_tokens else None)
+                if parser is not None:
+                    for event in self._parsed_events(index, parser, delta.text, logprobs, final):
+                        yield event
+                elif delta.text or delta.has_tokens:
                     yield self._event(
                         ChatCompletionStreamChoice(index=index, delta=ChatDelta(content=delta.text), logprobs=logprobs)
                     )
                 if final:
                     final_chunks[index] = chunk
+                    reason = finish_reason(chunk.finish_reason)
+                    if parser is not None and parser.num_calls:
+                        reason = _with_calls(reason)
                     yield self._event(
-                        ChatCompletionStreamChoice(
-                            index=index, delta=ChatDelta(), finish_reason=finish_reason(chunk.finish_reason)
-                        )
+                        ChatCompletionStreamChoice(index=index, delta=ChatDelta(), finish_reason=reason)
                     )
             if self.include_usage:
                 yield self._event(None, usage=sum_usage(final_chunks, [self.prompt_tokens], n))
@@ -180,3 +218,27 @@ class _ChatStream:
         finally:
             streams.cancel()
         yield DONE
+
+    def _parsed_events(self, index: int, parser: ToolParser, text: str, logprobs: Any,
+                       final: bool) -> list[bytes]:
+        """A choice's text delta through its tool-call parser: the content it lets through in
+        one chunk (with the delta's logprobs), then one chunk per tool-call fragment, as OpenAI
+        streams them."""
+        parsed = parser.feed(text) if text else []
+        if final:
+            parsed += parser.finish()
+        content = "".join(e.text for e in parsed if isinstance(e, ContentDelta))
+        events = []
+        if content or logprobs is not None:
+            events.append(self._event(ChatCompletionStreamChoice(
+                index=index, delta=ChatDelta(content=content), logprobs=logprobs)))
+        for fragment in parsed:
+            if not isinstance(fragment, ContentDelta):
+                events.append(self._event(ChatCompletionStreamChoice(
+                    index=index, delta=ChatDelta(tool_calls=[fragment.to_openai()]))))
+        return events
+
+
+def _with_calls(reason: str) -> str:
+    """A reply that made calls finished with "tool_calls", unless it was cut short."""
+    return "length" if reason == "length" else "tool_calls"

@@ -18,6 +18,7 @@ from llmplatform.openai_api.deltas import (
     finish_reason,
     sum_usage,
 )
+from llmplatform.openai_api.constraints import request_constraints
 from llmplatform.openai_api.errors import error_payload, parse_request
 from llmplatform.openai_api.sse import DONE, EventStreamResponse, sse_event
 from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_naming, until_disconnected
@@ -51,6 +52,7 @@ async def create_completion(request: Request) -> Response:
     body = parse_request(CompletionRequest, await request.body())
     prompts = completion_prompts(body)
     check_unsupported(body)
+    constraints = request_constraints(body)  # response_format and vLLM's guided_* extras
     check_limits(body, request.app.state.settings.limits, num_prompts=len(prompts))
     client: WorkerClient = request.app.state.worker_client
 
@@ -61,7 +63,9 @@ async def create_completion(request: Request) -> Response:
     response_id = new_id("cmpl")
 
     async def start_on(address: str) -> tuple[list[PreparedPrompt], ChoiceStreams]:
-        check_worker_extensions(body, await client.worker_extensions(address, body.model))
+        announced = await client.worker_extensions(address, body.model)
+        check_worker_extensions(body, announced)
+        constraint = constraints.for_worker(body.model, announced, None)
 
         def prepare(prompt: str) -> Awaitable[PreparedPrompt]:
             return client.prepare_completion(address, body.model, prompt, requested=body.max_tokens,
@@ -76,7 +80,8 @@ async def create_completion(request: Request) -> Response:
             for i in range(n):
                 # Choices are numbered prompt by prompt, as OpenAI does: index = p * n + i.
                 worker_params = completion_params(
-                    body, prompt, max_new_tokens=max_new_tokens, request_id=f"{trace_id}-{p * n + i}", choice_index=i
+                    body, prompt, max_new_tokens=max_new_tokens, request_id=f"{trace_id}-{p * n + i}", choice_index=i,
+                    constraint=constraint,
                 )
                 params.append(params_dict(worker_params))
         streams = ChoiceStreams(client, address, params)

@@ -21,6 +21,7 @@ from typing import Any
 from llmplatform.errors import InvalidRequestError
 from llmplatform.llm.sampling import MAX_LOGIT_BIAS_ENTRIES, MAX_SEED
 from llmplatform.llm.context import resolve_max_new_tokens
+from llmplatform.openai_api.constraints import WorkerConstraint
 from llmplatform.openai_api.settings import RequestLimits
 from llmplatform.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 from llmplatform.protocol.worker import OpenAIMaxTokens, WorkerParams
@@ -28,7 +29,8 @@ from llmplatform.protocol.worker import OpenAIMaxTokens, WorkerParams
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's default `max_tokens` for /v1/completions."""
 
-_ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+                 "tool": "tool"}
 
 
 @dataclass(frozen=True)
@@ -56,19 +58,21 @@ def new_id(prefix: str) -> str:
 # ---- request checks -------------------------------------------------------------------------------
 
 
-def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """OpenAI messages as `[{"role", "content": str}]`, the shape chat templates take.
 
     `developer` becomes `system`; a content list must hold only text parts, which are joined with
-    newlines (as FastChat and vLLM do). Only an assistant message may have no content.
+    newlines (as FastChat and vLLM do). Only an assistant message may have no content. An
+    assistant message keeps its `tool_calls` and a `tool` message its `tool_call_id`: the
+    model's template renders them (a worker that announced `tools` only).
     """
-    normalized: list[dict[str, str]] = []
+    normalized: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
         role = _ROLE_ALIASES.get(message.role)
         if role is None:
             raise InvalidRequestError(
                 f"Invalid value for 'messages[{index}].role': {message.role!r} is not supported; "
-                "use 'system', 'developer', 'user' or 'assistant'.",
+                "use 'system', 'developer', 'user', 'assistant' or 'tool'.",
                 param=f"messages[{index}].role",
             )
         content = message.content
@@ -95,23 +99,33 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
                     raise InvalidRequestError(f"Missing required parameter: '{where}.text'.", param=f"{where}.text")
                 texts.append(part.text)
             text = "\n".join(texts)
-        normalized.append({"role": role, "content": text})
+        entry: dict[str, Any] = {"role": role, "content": text}
+        if message.tool_calls:
+            if role != "assistant":
+                raise InvalidRequestError(
+                    f"Invalid value for 'messages[{index}].tool_calls': only assistant messages "
+                    "carry tool calls.", param=f"messages[{index}].tool_calls")
+            entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        if role == "tool":
+            if message.tool_call_id is None:
+                raise InvalidRequestError(
+                    f"Missing required parameter: 'messages[{index}].tool_call_id'.",
+                    param=f"messages[{index}].tool_call_id")
+            entry["tool_call_id"] = message.tool_call_id
+        normalized.append(entry)
     return normalized
 
 
-_UNSUPPORTED = ("allowed_token_ids", "bad_words", "response_format", "guided_json", "guided_regex",
-                "guided_choice", "guided_grammar", "structured_outputs", "logits_processors",
-                "use_beam_search", "include_stop_str_in_output", "tools", "tool_choice", "functions",
-                "function_call", "modalities", "audio")
+_UNSUPPORTED = ("allowed_token_ids", "bad_words", "logits_processors", "use_beam_search",
+                "include_stop_str_in_output", "functions", "function_call", "modalities", "audio")
+"""Not served (tools and output constraints are: openai_api.constraints)."""
 
 
 def _is_neutral(name: str, value: Any) -> bool:
     """The values of an unsupported field that ask for nothing beyond plain text generation."""
-    if name == "response_format":
-        return value == {"type": "text"}
-    if name in ("tools", "functions"):
+    if name == "functions":
         return value == []
-    if name in ("tool_choice", "function_call"):
+    if name == "function_call":
         return value == "none"
     if name in ("use_beam_search", "include_stop_str_in_output"):
         return value is False
@@ -273,6 +287,7 @@ def _common(
     max_new_tokens: int,
     request_id: str,
     choice_index: int,
+    constraint: WorkerConstraint | None = None,
 ) -> dict[str, object]:
     top_k = request.top_k if request.top_k not in (None, 0) else -1
     stop_token_ids = list(dict.fromkeys([*(request.stop_token_ids or []), *prepared.stop_token_ids]))
@@ -298,6 +313,8 @@ def _common(
         "seed": None if request.seed is None else _wrap_seed(request.seed + choice_index),
         "logit_bias": request.logit_bias or None,
         "request_id": request_id,
+        "structured_output": constraint.structured_output if constraint is not None else None,
+        "tools": constraint.tools if constraint is not None else None,
     }
 
 
@@ -312,6 +329,7 @@ def chat_params(
     max_new_tokens: int,
     request_id: str,
     choice_index: int,
+    constraint: WorkerConstraint | None = None,
 ) -> WorkerParams:
     common = _common(
         request,
@@ -319,6 +337,7 @@ def chat_params(
         max_new_tokens=max_new_tokens,
         request_id=request_id,
         choice_index=choice_index,
+        constraint=constraint,
     )
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     return WorkerParams(**common, echo=False, logprobs=logprobs)
@@ -331,6 +350,7 @@ def completion_params(
     max_new_tokens: int,
     request_id: str,
     choice_index: int,
+    constraint: WorkerConstraint | None = None,
 ) -> WorkerParams:
     common = _common(
         request,
@@ -338,6 +358,7 @@ def completion_params(
         max_new_tokens=max_new_tokens,
         request_id=request_id,
         choice_index=choice_index,
+        constraint=constraint,
     )
     echo = bool(request.echo)
     prompt_logprobs = request.logprobs if (echo and request.logprobs is not None) else None

@@ -95,6 +95,8 @@ class WorkerClient:
         # Which params-dict additions (our protocol's `messages`, `openai_max_tokens`) a worker
         # understands, from its /model_details: a stock FastChat worker lists none.
         self._extensions: dict[tuple[str, str], frozenset[str]] = {}
+        # The syntax each worker's model writes tool calls in (/model_details' tool_call_parser).
+        self._tool_call_parsers: dict[tuple[str, str], str | None] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._streams: WorkerStreamClient | None = None  # generate_stream's connection pool
 
@@ -295,6 +297,12 @@ class WorkerClient:
         """The params-dict additions the worker announced in /model_details (cached)."""
         return await self._worker_extensions(address, model)
 
+    async def tool_call_parser(self, address: str, model: str) -> str | None:
+        """The tool-call syntax the worker's model writes (None: it serves no tools)."""
+        if (address, model) not in self._tool_call_parsers:
+            await self._model_details(address, model)
+        return self._tool_call_parsers.get((address, model))
+
     async def _worker_extensions(self, address: str, model: str) -> frozenset[str]:
         cached = self._extensions.get((address, model))
         if cached is None:
@@ -313,6 +321,9 @@ class WorkerClient:
         self._cache_put(self._context_lengths, (address, model), data["context_length"])
         self._cache_put(self._extensions, (address, model), frozenset(
             e for e in extensions if isinstance(e, str)) if isinstance(extensions, list) else frozenset())
+        parser = data.get("tool_call_parser")
+        self._cache_put(self._tool_call_parsers, (address, model),
+                        parser if isinstance(parser, str) else None)
 
     async def _conv_template(self, address: str, model: str) -> ConvTemplate:
         cached = self._conv_templates.get((address, model))

@@ -44,11 +44,29 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str
+    """JSON text, as the model wrote it."""
+
+
+class ToolCall(_Request):
+    """A function call in an assistant message (history) or a reply."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: str
-    """system, developer (treated as system), user or assistant."""
+    """system, developer (treated as system), user, assistant or tool."""
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """Assistant messages: the calls the model made."""
+    tool_call_id: str | None = None
+    """Tool messages: the call this is the result of."""
 
 
 class _SamplingRequest(_Request):
@@ -83,14 +101,16 @@ class _SamplingRequest(_Request):
     # silently would generate tokens the client banned or did not allow.
     allowed_token_ids: Any = None
     bad_words: Any = None
-    # Constraints on what is generated that this server does not serve yet, parsed only to be
-    # refused by name (translate.check_unsupported) rather than silently ignored.
+    # Output constraints, validated into one grammar by openai_api.constraints (OpenAI's
+    # response_format; vLLM's guided_* extras and structured_outputs object).
     response_format: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    # Not served: parsed only to be refused by name (translate.check_unsupported) rather than
+    # silently ignored.
     logits_processors: Any = None
     use_beam_search: Any = None
     include_stop_str_in_output: Any = None
@@ -107,9 +127,11 @@ class ChatCompletionRequest(_SamplingRequest):
     # request-supplied Jinja template would run client code in the worker's template engine.
     chat_template: Any = None
     chat_template_kwargs: Any = None
-    # Tool calling is not served yet: refused by name (translate.check_unsupported).
+    # Function tools, validated by openai_api.constraints (sampling.tool_calls).
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # The legacy function-calling fields are not served: refused by name.
     functions: Any = None
     function_call: Any = None
     modalities: Any = None
@@ -151,9 +173,28 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionChoice(BaseModel):
@@ -177,6 +218,9 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """OpenAI's fragments: ``index``, then ``id``, ``type`` and ``function.name`` once per call,
+    ``function.arguments`` in pieces (``ToolCallDelta.to_openai``)."""
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -91,6 +91,13 @@ class WorkerParams(BaseModel):
     """OpenAI's map of token id (a decimal string, as JSON keys are) -> bias in [-100, 100]. It
     changes what must be generated: a gateway sends it only to a worker that lists it in
     ``/model_details`` ``params``."""
+    structured_output: dict[str, Any] | None = None
+    """The output's constraint (``StructuredOutputSpec.to_wire``: ``type``, ``source``,
+    ``strict``, ``param``), enforced token by token; sent only to a worker that lists it."""
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI function tools, for the chat template to show the model (with ``messages`` only);
+    sent only to a worker that lists it. Whether a call is forced travels in
+    ``structured_output``."""
 
     @field_validator("request_id")
     @classmethod
