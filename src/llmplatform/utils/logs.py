@@ -1,5 +1,6 @@
 """Logging shared by every service: one line per event (text or JSON), each line about a request
-tagged with its request id, and the ``--log-level`` / ``--log-format`` flags.
+tagged with its request id. (Every service's ``--log-level`` / ``--log-format`` settings are
+declared once, in ``service_settings.LoggingSettings``.)
 
 The request id travels in a :class:`contextvars.ContextVar`: whoever handles a request sets it
 (:func:`request_context`), and a log-record factory copies it onto every record created while it
@@ -9,7 +10,6 @@ Code that logs about a request from elsewhere (the engine's step loop) sets it a
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import contextvars
 import datetime
@@ -186,16 +186,6 @@ def uvicorn_log_options(level: str) -> dict[str, Any]:
     """Keyword arguments for ``uvicorn.run`` that keep the logging :func:`configure_logging` set
     up (uvicorn's records then propagate to our handler, in our format)."""
     return {"log_config": None, "log_level": level.lower()}
-
-
-def add_logging_flags(parser: argparse.ArgumentParser) -> None:
-    """``--log-level`` and ``--log-format``, the same on every service."""
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info",
-                        help="lowest level logged (default: %(default)s)")
-    parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
-                        help="text: one human-readable line per event; json: one JSON object "
-                             "per line (time, level, logger, message, request_id, ...) "
-                             "(default: %(default)s)")
 
 
 def progress(iterable: Iterable[T], *, total: int | None, desc: str, unit: str = "it") -> Iterable[T]:

@@ -31,7 +31,6 @@ cannot carry another request.
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import json
 import logging
@@ -153,32 +152,6 @@ def guard_config(host: str, allowed_hosts: Iterable[str], *, max_body_bytes: int
     if allowed is not None:
         allowed |= {_normal_host(name) for name in own_names if name}
     return RequestGuardConfig(allowed_hosts=allowed, max_body_bytes=max_body_bytes)
-
-
-def add_request_guard_flags(parser: argparse.ArgumentParser, *, body_cap: bool = True) -> None:
-    """``--allowed-hosts`` (and, with ``body_cap``, ``--max-request-bytes``) for a service."""
-    parser.add_argument(
-        "--allowed-hosts", default="", metavar="NAMES",
-        help="comma-separated host names the service may be called by (the Host header; any "
-        "port). Bound to loopback, 127.0.0.1, localhost and [::1] are always allowed and any other "
-        "name is refused (DNS rebinding); bound elsewhere, no check unless names are given here. "
-        "'*' turns the check off")
-    if body_cap:
-        parser.add_argument(
-            "--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-            help="largest request body in bytes; larger is refused with 413 before it is read "
-            "whole (default: %(default)s)")
-
-
-def guard_config_from_args(args: argparse.Namespace, *, own_names: Iterable[str | None] = ()
-                           ) -> RequestGuardConfig:
-    """The guard of a service from its ``--host`` and the flags of :func:`add_request_guard_flags`.
-    ``own_names`` (the host of the address a worker announces) are allowed too whenever Host is
-    checked at all."""
-    allowed = allowed_hosts_for(args.host, args.allowed_hosts.split(","))
-    if allowed is not None:
-        allowed |= {_normal_host(name) for name in own_names if name}
-    return RequestGuardConfig(allowed_hosts=allowed, max_body_bytes=args.max_request_bytes)
 
 
 class RequestGuard:
