@@ -210,10 +210,10 @@ def test_without_keys_the_cap_is_per_client_address() -> None:
 
 
 def test_the_cap_is_off_by_default() -> None:
-    from llmplatform.openai_api.__main__ import build_parser, settings_from_args
+    from llmplatform.openai_api.__main__ import GatewayServiceSettings
 
-    assert settings_from_args(build_parser().parse_args([])).max_streams_per_key is None
-    assert settings_from_args(build_parser().parse_args(["--max-streams-per-key", "2"])).max_streams_per_key == 2
+    assert GatewayServiceSettings.parse([]).gateway_settings.max_streams_per_key is None
+    assert GatewayServiceSettings.parse(["--max-streams-per-key", "2"]).gateway_settings.max_streams_per_key == 2
     with _stream_cluster(api_keys=(KEY_A,)) as cluster:
         a = _client(cluster.gateway, KEY_A)
         with _held_stream(a), _held_stream(a):

@@ -141,11 +141,10 @@ def test_bodies_arrive_whole_through_a_real_server(size: int) -> None:
 
 # ---- slow and greedy clients (ConnectionLimits) -----------------------------------------------------
 
-import argparse  # noqa: E402
 import time  # noqa: E402
 
 from llmplatform.utils.http_protocol import ConnectionLimits  # noqa: E402
-from llmplatform.utils.server import add_connection_flags, connection_limits_from_args  # noqa: E402
+from llmplatform.utils.service_settings import ServerSettings  # noqa: E402
 from tests.faults.harness import wait_until  # noqa: E402
 from tests.security.raw_http import connect, read_response, wait_closed_by_server  # noqa: E402
 
@@ -155,15 +154,14 @@ def test_connection_limits_are_checked_and_zero_turns_one_off() -> None:
                 dict(send_buffer_bytes=True)):
         with pytest.raises(ValueError):
             ConnectionLimits(**bad)  # type: ignore[arg-type]
-    parser = argparse.ArgumentParser()
-    add_connection_flags(parser)
-    assert connection_limits_from_args(parser.parse_args([])) == ConnectionLimits()
-    limits = connection_limits_from_args(parser.parse_args(
-        ["--max-connections", "0", "--request-head-timeout", "2.5", "--write-stall-timeout", "0"]))
+    assert ServerSettings.parse([]).connection_limits() == ConnectionLimits()
+    limits = ServerSettings.parse(
+        ["--max-connections", "0", "--request-head-timeout", "2.5", "--write-stall-timeout", "0"]
+    ).connection_limits()
     assert limits.max_connections is None and limits.head_timeout_s == 2.5
     assert limits.write_stall_timeout_s is None
-    with pytest.raises(ValueError):
-        connection_limits_from_args(parser.parse_args(["--request-body-timeout", "-1"]))
+    with pytest.raises(SystemExit):
+        ServerSettings.parse(["--request-body-timeout", "-1"])
 
 
 class _BodyReader:

@@ -6,7 +6,6 @@ cluster-file key, `utils/settings.py`); its `gateway_settings` is the app's sect
 
 from __future__ import annotations
 
-import argparse
 import logging
 from collections.abc import Sequence
 from functools import cached_property
@@ -16,7 +15,7 @@ from llmplatform.openai_api.settings import GatewaySettings, RequestLimits, Rout
 from llmplatform.utils.logs import configure_logging, log_summary
 from llmplatform.utils.server import DEFAULT_SHUTDOWN_TIMEOUT_S
 from llmplatform.utils.service_settings import ServerSettings
-from llmplatform.utils.settings import CommaList, OptionalText, cli_parser, option
+from llmplatform.utils.settings import CommaList, OptionalText, option
 from llmplatform.utils.startup import gateway_summary, listen_url
 
 _LIMITS = "request limits (a request over one is a 400; the body cap a 413)"
@@ -89,18 +88,6 @@ class GatewayServiceSettings(ServerSettings):
         return self.section(GatewaySettings, limits=self.section(RequestLimits),
                             allowed_hosts=self.allowed_host_names(),  # a name, another meaning
                             max_streams_per_key=self.max_streams_per_key or None)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The gateway's command line (generated from `GatewayServiceSettings`)."""
-    return cli_parser(GatewayServiceSettings)
-
-
-def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
-    """The app's settings from flags parsed by `build_parser()`, over the environment.
-    Compatibility for callers written against the argparse parser; new code uses
-    `GatewayServiceSettings.parse(argv).gateway_settings`."""
-    return GatewayServiceSettings(**vars(args)).gateway_settings
 
 
 def main(argv: Sequence[str] | None = None) -> None:

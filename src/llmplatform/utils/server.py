@@ -12,13 +12,12 @@ leaking threads or sockets.
 
 Both serve through the services' protocol (:mod:`llmplatform.utils.http_protocol`) under a
 :class:`ConnectionLimits`: deadlines for a request's head and body, for a client that stops
-reading, and a cap on open connections. `add_connection_flags` gives a service's `__main__`
-the flags for them, `connection_limits_from_args` reads them back.
+reading, and a cap on open connections (every service's flags for them are declared once, in
+`service_settings.ServerSettings`).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import resource
@@ -178,43 +177,6 @@ def serve_in_thread(
         yield f"http://{_url_host(host)}:{port}"
     finally:
         _stop(server, thread)
-
-
-def add_connection_flags(parser: argparse.ArgumentParser) -> None:
-    """A service's flags for its :class:`ConnectionLimits` (read back by
-    `connection_limits_from_args`); 0 turns a deadline or the cap off."""
-    group = parser.add_argument_group("connections (slow and greedy clients; 0 turns one off)")
-    group.add_argument(
-        "--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
-        help="open connections at most; one more is refused as it is accepted, with a 503 "
-        "(default: %(default)s)")
-    group.add_argument(
-        "--request-head-timeout", type=float, default=DEFAULT_HEAD_TIMEOUT_S, metavar="SECONDS",
-        help="a request's headers must arrive within this long of the connection opening (of its "
-        "first byte on a kept-alive connection), or the connection is closed (default: %(default)s)")
-    group.add_argument(
-        "--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
-        help="a request's body must arrive within this long of its headers, or the connection is "
-        "closed (default: %(default)s)")
-    group.add_argument(
-        "--write-stall-timeout", type=float, default=DEFAULT_WRITE_STALL_TIMEOUT_S, metavar="SECONDS",
-        help="a client that stops reading its response (a stream included) for this long is cut "
-        "off and its request aborted, freeing its worker slot (default: %(default)s)")
-
-
-def connection_limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
-    """The limits `add_connection_flags` asked for; ValueError on a negative value."""
-    def off_if_zero(value: float) -> float | None:
-        if value < 0:
-            raise ValueError(f"connection limits must be >= 0 (0: off), got {value}")
-        return value or None
-
-    return ConnectionLimits(
-        max_connections=off_if_zero(args.max_connections),  # type: ignore[arg-type]
-        head_timeout_s=off_if_zero(args.request_head_timeout),
-        body_timeout_s=off_if_zero(args.request_body_timeout),
-        write_stall_timeout_s=off_if_zero(args.write_stall_timeout),
-    )
 
 
 def _fit_file_limit(max_connections: int | None) -> None:
