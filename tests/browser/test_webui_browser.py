@@ -18,6 +18,7 @@ import pytest
 
 from llmplatform.utils.server import serve_in_thread
 from llmplatform.webui.app import create_app
+from tests.polling import wait_until
 from tests.webui.stack import HF_MODEL, PAGED_MODEL, running_stack
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -96,13 +97,14 @@ def test_chat_arena_and_cluster_in_a_real_browser(ui, page):
     page.locator("#chat-chatbot .message.user").get_by_text("Tell me a long story").wait_for()
 
     lengths: list[int] = []
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and len(set(lengths) - {0}) < 3:
+
+    def grew_three_times() -> bool:
         texts = bot_texts(page, "chat-chatbot")
         lengths.append(len(texts[-1].strip()) if texts else 0)
-        time.sleep(0.02)
-    grown = sorted(set(lengths) - {0})
-    assert len(grown) >= 3, f"the answer should appear token by token, saw lengths {lengths}"
+        return len(set(lengths) - {0}) >= 3
+
+    wait_until(grew_three_times, interval_s=0.02, what="the answer to appear token by token",
+               context=lambda: f"lengths seen: {lengths}")
     page.screenshot(path=str(ARTIFACTS / "01-chat-streaming.png"), full_page=True)
 
     page.locator("#chat-stop").click()
@@ -125,9 +127,7 @@ def test_chat_arena_and_cluster_in_a_real_browser(ui, page):
     # Regenerate asks the last question again: one more request, the same two questions shown.
     requests_before = len(stack.records)
     page.locator("#chat-regenerate").click()
-    deadline = time.monotonic() + 20
-    while len(stack.records) == requests_before and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: len(stack.records) > requests_before, what="Regenerate to send a request")
     assert len(stack.records) == requests_before + 1
     stack.wait_idle(PAGED_MODEL)
     expect(page.locator("#chat-chatbot .message.user")).to_have_count(2)

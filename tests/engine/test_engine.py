@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from llmplatform.engine.config import CacheConfig, EngineConfig, ModelConfig, Sc
 from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.errors import ContextLengthExceededError, EngineDeadError
 from llmplatform.llm.sampling import SamplingParams
+from tests.polling import wait_until, wait_until_async
 
 NUM_PROMPTS = 16
 
@@ -190,11 +190,8 @@ async def test_async_engine_streams_aborts_and_frees_blocks(tiny_model_dir, toke
                                        consume(2, 7), consume(3, 5))
         assert [len(results[0]), len(results[2]), len(results[3])] == [10, 7, 5]
         assert results[0][-1].finish_reason == "length"
-        for _ in range(100):
-            if not engine.has_unfinished():
-                break
-            await asyncio.sleep(0.02)
-        assert not engine.has_unfinished()
+        await wait_until_async(lambda: not engine.has_unfinished(), interval_s=0.02,
+                               what="every request finished or aborted")
         assert_all_blocks_free(engine)
     finally:
         await async_engine.shutdown()
@@ -280,11 +277,7 @@ def test_worker_rebuilds_a_failed_engine_and_answers_503_once_it_cannot(tiny_mod
         return httpx.get(f"{url}/health", timeout=10).status_code
 
     def wait_health(code: int) -> None:
-        for _ in range(400):
-            if health() == code:
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"/health never answered {code}")
+        wait_until(lambda: health() == code, what=f"/health answering {code}")
 
     with serve_in_thread(create_app(llm, WorkerSettings(register=False))) as url:
         assert health() == 200

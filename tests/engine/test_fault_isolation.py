@@ -25,6 +25,7 @@ from llmplatform.llm.base import FinishReason
 from llmplatform.llm.sampler import Sampler, SamplingRow
 from llmplatform.llm.sampling import SamplingParams
 from tests.engine.test_engine import assert_all_blocks_free, varied_prompts
+from tests.polling import wait_until_async
 
 SAMPLING_MARK = "zebra sampling fault"
 PROCESSING_MARK = "zebra processing fault"
@@ -160,11 +161,9 @@ async def test_a_failed_step_rebuilds_the_engine_and_fails_the_requests_in_fligh
         with pytest.raises(EngineRestartingError, match="retry the request"):
             await asyncio.wait_for(long_request, 30)
 
-        for _ in range(300):  # the rebuild runs on the step thread; bounded wait
-            if async_engine.is_healthy:
-                break
-            await asyncio.sleep(0.05)
-        assert async_engine.is_healthy and async_engine.num_restarts == 1
+        # The rebuild runs on the step thread.
+        await wait_until_async(lambda: async_engine.is_healthy, what="the engine rebuilt")
+        assert async_engine.num_restarts == 1
         new_engine = async_engine.engine
         assert new_engine is not engine and new_engine.runner is engine.runner  # weights reused
         assert_all_blocks_free(new_engine)
@@ -190,10 +189,7 @@ async def test_an_engine_that_cannot_be_rebuilt_is_dead_for_good(tiny_model_dir,
         if case == "over the bound":  # the first failure is rebuilt, the second within a minute not
             with pytest.raises(EngineRestartingError):
                 await collect(async_engine, "first", fatal, params)
-            for _ in range(300):
-                if async_engine.is_healthy:
-                    break
-                await asyncio.sleep(0.05)
+            await wait_until_async(lambda: async_engine.is_healthy, what="the first failure rebuilt")
             assert async_engine.num_restarts == 1
         with pytest.raises(EngineDeadError):
             await collect(async_engine, "fatal", fatal, params)

@@ -1,8 +1,8 @@
 """Real parts for the fault tests: services as subprocesses (so that killing one really cuts its
-sockets), in-process servers on ephemeral ports, and bounded waits.
+sockets) and in-process servers on ephemeral ports.
 
-Every wait here is bounded in time and polls at a fixed period; every process started here is
-killed and reaped on exit, whatever the test did to it.
+Waits go through tests/polling.py (bounded, failing with what was awaited); every process started
+here is killed and reaped on exit, whatever the test did to it.
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
@@ -29,29 +28,13 @@ from llmplatform.openai_api.app import create_app as create_gateway_app
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.utils.server import serve_in_thread
 
+from tests.polling import wait_until
 from tests.processes import free_port
 
 MODEL = "tiny"
 SUBPROCESS_START_TIMEOUT_S = 120.0
 """A worker subprocess imports torch and loads the tiny model: seconds when idle, longer on a
 loaded 2-core CI machine."""
-
-T = TypeVar("T")
-
-
-
-
-def wait_until(predicate: Callable[[], T], *, timeout: float, interval: float = 0.05,
-               what: str = "condition") -> T:
-    """Poll `predicate` until it returns something truthy; TimeoutError after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {timeout} s")
-        time.sleep(interval)
 
 
 def list_models(controller_url: str) -> list[str]:
@@ -155,19 +138,14 @@ def start_service(module: str, args: list[str], log: Path, health_url: str, url:
     return Service(proc, url, log, health_url)
 
 
-def wait_healthy(service: Service, timeout: float = SUBPROCESS_START_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if service.proc.poll() is not None:
-            raise RuntimeError(f"{service.url} exited with {service.proc.returncode}:\n{service.output()}")
-        try:
-            if httpx.get(service.health_url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{service.url} not healthy within {timeout} s:\n{service.output()}")
-        time.sleep(0.1)
+def wait_healthy(service: Service, timeout_s: float = SUBPROCESS_START_TIMEOUT_S) -> None:
+    def healthy() -> bool:
+        if service.proc.poll() is not None:  # it will never be healthy: fail now
+            raise AssertionError(f"{service.url} exited with {service.proc.returncode}:\n{service.output()}")
+        return httpx.get(service.health_url, timeout=2).status_code == 200
+
+    wait_until(healthy, timeout_s=timeout_s, interval_s=0.1, retry_on=(httpx.HTTPError,),
+               what=f"{service.url} healthy", context=service.output)
 
 
 @contextlib.contextmanager
@@ -197,8 +175,3 @@ def start_worker(model_dir: Path, controller_url: str, log_dir: Path, *, name: s
             "--heartbeat-interval", "0.5", "--log-level", "info", *(extra or [])]
     return start_service("llmplatform.model_worker", args, log_dir / f"{name}.log",
                          f"{url}/health", url, env)
-
-
-
-
-

@@ -22,6 +22,7 @@ from tests.faults.harness import (
     MODEL, controller_app, gateway_app, idle, serve_worker, worker_app,
 )
 from tests.integration.cluster import paged_tiny_llm, wait_for_models
+from tests.polling import wait_until_async
 
 STEP_DELAY_S = 0.03
 LONG = 480  # tokens: with the delay, >= 14 s of generation if nobody aborts it
@@ -57,14 +58,14 @@ def baseline_of(status: dict[str, Any]) -> dict[str, Any]:
 
 
 async def until_idle(http: httpx.AsyncClient, worker_url: str, timeout: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        status = await status_of(http, worker_url)
-        if idle(status) == baseline_of(status):
-            return status
-        if time.monotonic() > deadline:
-            raise AssertionError(f"worker not back at baseline after {timeout} s: {idle(status)}")
-        await asyncio.sleep(0.05)
+    last: dict[str, Any] = {}
+
+    async def back_at_baseline() -> dict[str, Any] | None:
+        last.update(await status_of(http, worker_url))
+        return dict(last) if idle(last) == baseline_of(last) else None
+
+    return await wait_until_async(back_at_baseline, timeout_s=timeout, what="the worker back at its baseline",
+                                  context=lambda: f"last load facts: {idle(last)}")
 
 
 def long_stream_args(i: int) -> dict[str, Any]:

@@ -26,9 +26,9 @@ import pytest
 
 from llmplatform.engine.faults import FAULTS_ENV
 from llmplatform.utils.server import serve_in_thread
-from tests.faults.harness import (MODEL, Service, controller_app, gateway_app, services,
-                                  start_worker, wait_until)
+from tests.faults.harness import MODEL, Service, controller_app, gateway_app, services, start_worker
 from tests.integration.cluster import wait_for_models
+from tests.polling import wait_until
 
 STEP_MARK = "zebra-step-fault"
 SERVING_AGAIN_WITHIN_S = 10.0
@@ -80,7 +80,7 @@ def test_a_failed_step_restarts_the_engine_and_the_worker_serves_again(
             assert next(iter(stream)).choices[0].delta.role == "assistant"
             direct = pool.submit(generate_direct, worker.url, "Hello", 480)
             wait_until(lambda: httpx.post(f"{worker.url}/worker_get_status", timeout=5)
-                       .json()["num_running"] == 2, timeout=30, what="two requests running")
+                       .json()["num_running"] == 2, timeout_s=30, what="two requests running")
 
             with pytest.raises(openai.APIError):  # the request whose step failed
                 client.completions.create(model=MODEL, prompt=f"Go {STEP_MARK}", max_tokens=4)
@@ -97,7 +97,7 @@ def test_a_failed_step_restarts_the_engine_and_the_worker_serves_again(
         # Serving again within seconds: /health, then a real request through the gateway (the
         # worker stayed registered).
         wait_until(lambda: httpx.get(worker.health_url, timeout=5).status_code == 200,
-                   timeout=SERVING_AGAIN_WITHIN_S, what="the worker healthy again")
+                   timeout_s=SERVING_AGAIN_WITHIN_S, what="the worker healthy again")
         remaining_s = max(1.0, SERVING_AGAIN_WITHIN_S - (time.monotonic() - failed_at))
         answer = new_client(gateway_url, timeout=remaining_s).completions.create(
             model=MODEL, prompt="Once", max_tokens=8, temperature=0)
@@ -123,7 +123,7 @@ def test_an_engine_that_cannot_recover_makes_the_worker_exit_non_zero(
             assert "injected fault: the forward pass failed" in error["text"]
             if i < num_failures - 1:
                 wait_until(lambda: httpx.get(worker.health_url, timeout=5).status_code == 200,
-                           timeout=SERVING_AGAIN_WITHIN_S, what="the worker healthy again")
+                           timeout_s=SERVING_AGAIN_WITHIN_S, what="the worker healthy again")
         assert worker.wait(timeout=60) == 1
         log = worker.output()
         assert "exiting with status 1" in log, log
@@ -131,4 +131,4 @@ def test_an_engine_that_cannot_recover_makes_the_worker_exit_non_zero(
         assert expected_reason in log, log
         # It left the controller on the way out, so nothing is routed to it any more.
         wait_until(lambda: MODEL not in httpx.post(f"{controller_url}/list_models", timeout=5)
-                   .json()["models"], timeout=10, what="the worker deregistered")
+                   .json()["models"], timeout_s=10, what="the worker deregistered")

@@ -25,9 +25,10 @@ from llmplatform.controller import create_app as create_controller_app
 from llmplatform.controller.dispatch import DispatchMethod
 from llmplatform.utils.server import serve_in_thread
 from tests.faults.harness import (
-    MODEL, FirstCandidate, gateway_app, serve_worker, wait_until, worker_app, worker_status,
+    MODEL, FirstCandidate, gateway_app, serve_worker, worker_app, worker_status,
 )
 from tests.integration.cluster import paged_tiny_llm, wait_for_models
+from tests.polling import wait_until
 
 STEP_DELAY_S = 0.03
 RETRY_AFTER_S = 7
@@ -59,10 +60,10 @@ def cluster(tiny_model_dir):
         urls = [stack.enter_context(serve_worker(worker_app(
             slowed(paged_tiny_llm(tiny_model_dir)), controller_url, **settings))) for _ in range(2)]
         wait_for_models(controller_url, [MODEL])
-        wait_until(lambda: worker_status(controller_url)["speed"] == 2, timeout=10,
+        wait_until(lambda: worker_status(controller_url)["speed"] == 2, timeout_s=10,
                    what="both workers registered")  # the controller's aggregate: speeds summed
         # ... and both in the gateway's routing table (read once a second), so it ranks the pair.
-        wait_until(lambda: len(gateway.state.routing_table.workers()) == 2, timeout=10,
+        wait_until(lambda: len(gateway.state.routing_table.workers()) == 2, timeout_s=10,
                    what="both workers in the gateway's routing table")
         first, second = sorted(urls)
         yield {"gateway": gateway_url, "first": first, "second": second}
@@ -79,12 +80,12 @@ def filled(worker_url: str) -> Iterator[None]:
             assert response.status_code == 200
             # A request waits (and counts against the queue) until the engine runs it: the
             # second may only come once the first is running.
-            wait_until(lambda n=num_accepted: _accepted_one_running(worker_url, n), timeout=10,
+            wait_until(lambda n=num_accepted: _accepted_one_running(worker_url, n), timeout_s=10,
                        what=f"{num_accepted} request(s) accepted, one running")
         status = worker_status(worker_url)
         assert (status["num_slots_in_use"], status["num_running"]) == (1, 1)
         yield
-    wait_until(lambda: worker_status(worker_url)["num_accepted"] == 0, timeout=10,
+    wait_until(lambda: worker_status(worker_url)["num_accepted"] == 0, timeout_s=10,
                what="the filling requests aborted")
 
 

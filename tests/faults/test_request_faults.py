@@ -20,8 +20,9 @@ import pytest
 from llmplatform.engine.faults import FAULTS_ENV
 from llmplatform.utils.server import serve_in_thread
 from tests.faults.harness import (MODEL, controller_app, gateway_app, idle, serve_worker,
-                                  wait_until, worker_app, worker_status)
+                                  worker_app, worker_status)
 from tests.integration.cluster import paged_tiny_llm, wait_for_models
+from tests.polling import wait_until
 
 SAMPLING_MARK = "zebra-sampling-fault"
 PROCESSING_MARK = "zebra-processing-fault"
@@ -82,7 +83,7 @@ def test_a_request_whose_own_work_raises_fails_alone(cluster, new_client, mark, 
 
     assert httpx.get(f"{worker}/health", timeout=10).status_code == 200
     # Its resources came back (KV blocks, slots), and the worker still serves.
-    wait_until(lambda: idle(worker_status(worker)) == baseline, timeout=10,
+    wait_until(lambda: idle(worker_status(worker)) == baseline, timeout_s=10,
                what="every request's resources released")
     assert complete(client, PROMPTS[3]) == expected[3]
 

@@ -16,9 +16,10 @@ from llmplatform.openai_api.settings import RoutingMode
 from llmplatform.utils.server import serve_in_thread
 from tests.faults.harness import (
     MODEL, controller_app, gateway_app, list_models, services, start_service, start_worker,
-    serve_worker, wait_until, worker_app,
+    serve_worker, worker_app,
 )
 from tests.integration.cluster import paged_tiny_llm, wait_for_models
+from tests.polling import wait_until
 from tests.processes import free_port
 from tests.stub_workers import stub_workers
 
@@ -43,7 +44,7 @@ def test_killed_worker_leaves_routing_within_the_configured_expiry(tiny_model_di
         worker.kill()  # no deregistration, no more heartbeats: only expiry can remove it
         killed_at = time.monotonic()
         wait_until(lambda: address_for(controller_url) == "" and MODEL not in list_models(controller_url),
-                   timeout=EXPIRATION_S + 3, interval=0.05, what="the dead worker out of routing")
+                   timeout_s=EXPIRATION_S + 3, interval_s=0.05, what="the dead worker out of routing")
         # Its last heartbeat was at most one interval (0.5 s) before the kill; the default
         # expiry (10 s) would not pass.
         assert time.monotonic() - killed_at <= EXPIRATION_S + 2.5
@@ -63,7 +64,7 @@ def test_controller_restart_is_survived(tiny_model_dir, new_client, routing):
         stack.enter_context(serve_worker(worker_app(llm, controller_url, heartbeat_interval=HEARTBEAT_S)))
         wait_for_models(controller_url, [MODEL])
         if routing is RoutingMode.LOCAL:
-            wait_until(lambda: MODEL in gateway.state.routing_table.models(), timeout=10,
+            wait_until(lambda: MODEL in gateway.state.routing_table.models(), timeout_s=10,
                        what="the gateway's read of the worker list")
         client = new_client(gateway_url, timeout=30)
         assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].finish_reason
@@ -81,7 +82,7 @@ def test_controller_restart_is_survived(tiny_model_dir, new_client, routing):
 
         controller.enter_context(serve_in_thread(controller_app(), port=port))  # a fresh one
         restarted = time.monotonic()
-        wait_until(lambda: MODEL in list_models(controller_url), timeout=HEARTBEAT_S + 5,
+        wait_until(lambda: MODEL in list_models(controller_url), timeout_s=HEARTBEAT_S + 5,
                    what="the worker registered again")
         # The worker's next heartbeat hears "unknown" and registers at once.
         assert time.monotonic() - restarted <= HEARTBEAT_S + 2.5

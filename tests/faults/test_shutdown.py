@@ -27,9 +27,10 @@ import pytest
 from llmplatform.utils.server import serve_in_thread
 from tests.faults.harness import (
     MODEL, controller_app, list_models, services, start_service, start_worker, serve_worker,
-    wait_until, worker_app, worker_status,
+    worker_app, worker_status,
 )
 from tests.integration.cluster import paged_tiny_llm, wait_for_models
+from tests.polling import wait_until
 from tests.processes import alive, children_of, free_port
 
 STOPPED = (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down gracefully
@@ -93,13 +94,13 @@ def test_worker_sigterm_drains_and_deregisters(controller_url, tiny_model_dir, t
         assert children_of(worker.pid) == []
         streams = [pool.submit(read_worker_stream, worker.url) for _ in range(3)]
         # One runs, two wait for the slot: seconds of work left when the signal comes.
-        wait_until(lambda: worker_status(worker.url)["num_accepted"] == 3, timeout=20,
+        wait_until(lambda: worker_status(worker.url)["num_accepted"] == 3, timeout_s=20,
                    what="three requests accepted")
         worker.terminate()
-        wait_until(lambda: MODEL not in list_models(controller_url), timeout=5,
+        wait_until(lambda: MODEL not in list_models(controller_url), timeout_s=5,
                    what="the worker deregistered")
         assert not all(s.done() for s in streams), "still serving after deregistering"
-        wait_until(lambda: refused(worker.url), timeout=5, what="new connections refused")
+        wait_until(lambda: refused(worker.url), timeout_s=5, what="new connections refused")
         finals = [s.result(timeout=60) for s in streams]
         assert [f.get("finish_reason") for f in finals] == ["length"] * 3, finals
         assert all(f["usage"]["completion_tokens"] == LONG["max_new_tokens"] for f in finals)
@@ -114,7 +115,7 @@ def test_worker_sigterm_cuts_what_outlasts_the_shutdown_timeout(controller_url, 
     with services(worker), ThreadPoolExecutor(num) as pool:
         wait_for_models(controller_url, [MODEL])
         streams = [pool.submit(read_worker_stream, worker.url) for _ in range(num)]
-        wait_until(lambda: worker_status(worker.url)["num_accepted"] >= num - 1, timeout=20,
+        wait_until(lambda: worker_status(worker.url)["num_accepted"] >= num - 1, timeout_s=20,
                    what="requests queued")
         signalled = time.monotonic()
         worker.terminate()
@@ -151,7 +152,7 @@ def test_controller_sigterm_lets_proxied_streams_finish(tiny_model_dir, tmp_path
         proxied: Future[dict[str, Any]] = pool.submit(through_controller)
         assert first_chunk.wait(30)
         controller.terminate()
-        wait_until(lambda: refused(url), timeout=5, what="new connections refused")
+        wait_until(lambda: refused(url), timeout_s=5, what="new connections refused")
         assert not proxied.done()
         final = proxied.result(timeout=60)
         assert final["finish_reason"] == "length" and final["error_code"] == 0
@@ -187,7 +188,7 @@ def test_gateway_sigterm_lets_streams_finish(tiny_model_dir, tmp_path, new_clien
             for _ in pending:
                 assert started.acquire(timeout=30)
             gateway.terminate()
-            wait_until(lambda: refused(url), timeout=5, what="new connections refused")
+            wait_until(lambda: refused(url), timeout_s=5, what="new connections refused")
             for future in pending:
                 chunks = future.result(timeout=60)
                 assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -211,8 +212,8 @@ def test_serve_sigterm_drains_and_leaves_no_orphans(tiny_model_dir, tmp_path, ne
     children: list[int] = []
     try:
         api = f"http://127.0.0.1:{api_port}"
-        wait_until(lambda: "OpenAI API at" in output() or proc.poll() is not None, timeout=180,
-                   interval=0.2, what="serve started")
+        wait_until(lambda: "OpenAI API at" in output() or proc.poll() is not None, timeout_s=180,
+                   interval_s=0.2, what="serve started")
         assert proc.poll() is None, output()
         children = children_of(proc.pid)
         assert len(children) == 3, "controller, worker and gateway run as child processes"
@@ -225,14 +226,14 @@ def test_serve_sigterm_drains_and_leaves_no_orphans(tiny_model_dir, tmp_path, ne
         with ThreadPoolExecutor(3) as pool:
             pending = [pool.submit(stream, i) for i in range(3)]
             wait_until(lambda: httpx.post(f"{worker_url}/worker_get_status", json={}, headers=inside,
-                                          timeout=10).json()["num_accepted"] == 3, timeout=30,
+                                          timeout=10).json()["num_accepted"] == 3, timeout_s=30,
                        what="three requests on the worker")
             proc.send_signal(signal.SIGTERM)
             for future in pending:
                 chunks = future.result(timeout=120)
                 assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         assert proc.wait(timeout=60) == 0, output()
-        wait_until(lambda: not any(alive(c) for c in children), timeout=10, what="no orphans")
+        wait_until(lambda: not any(alive(c) for c in children), timeout_s=10, what="no orphans")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -37,8 +37,9 @@ import pytest
 
 from llmplatform.utils.server import serve_in_thread
 from tests.faults.harness import (MODEL, controller_app, gateway_app, idle, services,
-                                  start_worker, wait_until, worker_status)
+                                  start_worker, worker_status)
 from tests.integration.cluster import wait_for_models
+from tests.polling import wait_until
 from tests.processes import rss_bytes
 
 NUM_REQUESTS = 200
@@ -106,7 +107,7 @@ def wait_idle(worker_url: str) -> dict[str, Any]:
                     "num_free_kv_blocks": status["num_kv_blocks"]}
         return status if idle(status) == baseline else None
 
-    return wait_until(check, timeout=10, what="the worker back at its baseline")
+    return wait_until(check, timeout_s=10, what="the worker back at its baseline")
 
 
 def test_soak_with_random_aborts(soak_cluster):

@@ -29,9 +29,9 @@ from llmplatform.controller import ControllerConfig
 from llmplatform.controller import create_app as create_controller_app
 from llmplatform.controller.dispatch import DispatchMethod
 from llmplatform.utils.server import serve_in_thread
-from tests.faults.harness import (MODEL, FirstCandidate, gateway_app, services, start_worker,
-                                  wait_until, worker_status)
+from tests.faults.harness import MODEL, FirstCandidate, gateway_app, services, start_worker, worker_status
 from tests.integration.cluster import wait_for_models
+from tests.polling import wait_until
 
 @pytest.fixture
 def front():
@@ -52,10 +52,10 @@ def registered(controller_url: str, n: int) -> None:
     """n workers known to the controller and to every gateway's routing table (which reads the
     controller's list once a second: a request sent before that could only see the first one)."""
     wait_for_models(controller_url, [MODEL])
-    wait_until(lambda: worker_status(controller_url)["speed"] == n, timeout=20,
+    wait_until(lambda: worker_status(controller_url)["speed"] == n, timeout_s=20,
                what=f"{n} workers registered")
     for app in _gateways.values():
-        wait_until(lambda: len(app.state.routing_table.workers()) == n, timeout=20,
+        wait_until(lambda: len(app.state.routing_table.workers()) == n, timeout_s=20,
                    what=f"{n} workers in the gateway's routing table")
 
 
@@ -87,7 +87,7 @@ def test_worker_killed_before_first_byte_is_retried_on_another(front, tiny_model
                 model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
                 stream=True, extra_body={"ignore_eos": True})))
             wait_until(lambda: unread_request_bytes(int(first.url.rsplit(":", 1)[1])) > 0,
-                       timeout=20, what="the gateway's request waiting on the first worker")
+                       timeout_s=20, what="the gateway's request waiting on the first worker")
             # ... and dies before answering a byte: the kernel resets the connection.
             first.kill()
             chunks = pending.result(timeout=60)
@@ -161,7 +161,7 @@ def test_worker_killed_during_a_non_streamed_request(front, tiny_model_dir, tmp_
             pending = pool.submit(lambda: httpx.post(
                 f"{gateway_url}/v1/completions", timeout=60,
                 json={"model": MODEL, "prompt": "Once", "max_tokens": 480, "ignore_eos": True}))
-            wait_until(lambda: _running(worker.url), timeout=30, what="the request running")
+            wait_until(lambda: _running(worker.url), timeout_s=30, what="the request running")
             worker.kill()
             reply = pending.result(timeout=60)
         assert reply.status_code in (502, 503)

@@ -4,7 +4,6 @@ uvicorn server on 127.0.0.1 with an ephemeral port."""
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -20,7 +19,7 @@ from llmplatform.model_worker.backends import BackendConfig, build_llm
 from llmplatform.openai_api.app import create_app as create_gateway_app
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.utils.server import serve_in_thread
-
+from tests.polling import DEFAULT_TIMEOUT_S, wait_until
 
 
 def paged_tiny_llm(model_dir: Path, **overrides: Any) -> LLM:
@@ -29,6 +28,7 @@ def paged_tiny_llm(model_dir: Path, **overrides: Any) -> LLM:
                                   device="cpu", dtype="float32", kv_cache_memory="64MiB")
     config.update(overrides)
     return build_llm(BackendConfig(**config))
+
 
 @dataclass
 class Cluster:
@@ -50,14 +50,15 @@ class Cluster:
         return url
 
 
-def wait_for_models(controller_url: str, names: list[str], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def wait_for_models(controller_url: str, names: list[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:
+    """Wait until the controller lists every model in `names`; returns its list."""
+
+    def listed() -> list[str] | None:
         models = httpx.post(f"{controller_url}/list_models", timeout=5).json()["models"]
-        if all(n in models for n in names):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"workers for {names} did not register within {timeout} s")
+        return models if all(n in models for n in names) else None
+
+    return wait_until(listed, timeout_s=timeout_s, retry_on=(httpx.HTTPError,),
+                      what=f"the controller to list {names}")
 
 
 @contextlib.contextmanager

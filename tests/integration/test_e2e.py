@@ -12,6 +12,7 @@ from llmplatform.llm.hf import HFTransformersLLM
 from llmplatform.llm.paged import PagedLLM
 from llmplatform.model_worker.backends import BackendConfig, build_llm
 from tests.integration.cluster import running_cluster
+from tests.polling import wait_until
 
 CHAT = [{"role": "user", "content": "Tell me something about the sea."}]
 
@@ -196,15 +197,8 @@ def test_client_disconnect_aborts_and_frees_resources(cluster, tiny_llm):
         for i, _ in enumerate(response.iter_lines()):
             if i >= 4:
                 break  # hang up mid-stream
-    import time
-
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        load = tiny_llm.load()
-        if load.num_running == 0 and load.num_waiting == 0:
-            break
-        time.sleep(0.05)
-    assert tiny_llm.load().num_running == 0
+    wait_until(lambda: tiny_llm.load().num_running == 0 and tiny_llm.load().num_waiting == 0,
+               what="the engine idle after the client hung up", context=tiny_llm.load)
     if isinstance(tiny_llm, PagedLLM):
         manager = tiny_llm.engine.block_manager
         assert manager.num_free_blocks == manager.num_blocks

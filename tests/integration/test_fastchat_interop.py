@@ -38,6 +38,7 @@ import openai  # noqa: E402
 from fastchat.conversation import Conversation, SeparatorStyle  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from tests.polling import wait_until
 from tests.processes import free_port
 
 WRAPPER = Path(__file__).parent / "fastchat_wrappers" / "run_patched.py"
@@ -109,18 +110,16 @@ class Services:
 
     def wait_until(self, what: str, predicate: Callable[[], bool],
                    timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        """Wait for `predicate` while every service runs (one that exits ends the wait)."""
+
+        def running_and_ready() -> bool:
             for service in self.running:
                 service.check_running()
-            try:
-                if predicate():
-                    return
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass  # not up yet
-            time.sleep(0.2)
-        logs = "\n".join(f"--- {s.name} ---\n{s.log_tail()}" for s in self.running)
-        raise TimeoutError(f"{what} not within {timeout_s} s\n{logs}")
+            return predicate()
+
+        wait_until(running_and_ready, what=what, timeout_s=timeout_s, interval_s=0.2,
+                   retry_on=(httpx.HTTPError, ValueError, KeyError),  # not up yet
+                   context=lambda: "\n".join(f"--- {s.name} ---\n{s.log_tail()}" for s in self.running))
 
 
 @contextlib.contextmanager

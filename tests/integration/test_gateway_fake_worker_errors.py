@@ -27,6 +27,7 @@ from tests.integration.fake_worker import (  # noqa: F401  (cluster, client, htt
     http,
     register_worker,
 )
+from tests.polling import wait_until
 
 
 # ---- errors ----------------------------------------------------------------------------------------
@@ -126,7 +127,7 @@ def test_model_without_live_worker_is_503(http: httpx.Client, cluster: Cluster) 
     # The gateway routes from its copy of the worker list: the worker is out of it with the next
     # read (every second by default).
     table = cluster.gateway_app.state.routing_table
-    assert _wait_for(lambda: GONE_MODEL not in table.models(), timeout=10)
+    wait_until(lambda: GONE_MODEL not in table.models(), what="the gone worker out of the gateway's table")
     response = http.post("/v1/chat/completions", json=_chat_body(model=GONE_MODEL, stream=True))
     assert _assert_error(response, 503)["type"] == "service_unavailable"
     register_worker(cluster.controller, cluster.gone_worker_url, [GONE_MODEL])
@@ -195,15 +196,6 @@ def test_unknown_route_and_method_use_the_envelope(http: httpx.Client) -> None:
 # ---- disconnects -----------------------------------------------------------------------------------
 
 
-def _wait_for(predicate: Any, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_aborts_the_worker(cluster: Cluster, stream: bool) -> None:
     body = _chat_body(messages=[{"role": "user", "content": "SLOW"}], stream=stream, n=2)
@@ -218,10 +210,11 @@ def test_client_disconnect_aborts_the_worker(cluster: Cluster, stream: bool) -> 
         else:
             with pytest.raises(httpx.ReadTimeout):
                 http.post("/v1/chat/completions", json=body, timeout=0.5)
-    assert _wait_for(lambda: len(cluster.worker.params) >= before + 2)
+    wait_until(lambda: len(cluster.worker.params) >= before + 2, what="both choices sent to the worker")
     request_ids = [p["request_id"] for p in cluster.worker.params[before:]]
     assert len(request_ids) == 2
     # Both choices' streams end early, and the gateway also calls /worker_abort for each.
-    assert _wait_for(lambda: all(cluster.worker.stopped(r) for r in request_ids)), request_ids
-    assert _wait_for(lambda: all(r in cluster.worker.aborted for r in request_ids)), request_ids
-    assert _wait_for(lambda: all(r in cluster.worker.closed_early for r in request_ids)), request_ids
+    wait_until(lambda: all(r in cluster.worker.aborted for r in request_ids),
+               what=f"/worker_abort called for {request_ids}", context=lambda: cluster.worker.aborted)
+    wait_until(lambda: all(r in cluster.worker.closed_early for r in request_ids),
+               what=f"the streams of {request_ids} closed early", context=lambda: cluster.worker.closed_early)

@@ -25,9 +25,10 @@ from llmplatform.controller import create_app as create_controller_app
 from llmplatform.openai_api import GatewaySettings, create_app
 from llmplatform.openai_api.settings import RoutingMode
 from llmplatform.utils.server import serve_in_thread
-from tests.faults.harness import FirstCandidate, wait_until
+from tests.faults.harness import FirstCandidate
 from tests.integration.fake_worker import FULL_REPLY, USER, FakeWorkerState, make_fake_worker, register_worker
 from tests.observability.scrape import scrape, value
+from tests.polling import wait_until
 
 MODEL = "routed-model"
 LATE_MODEL = "late-model"
@@ -68,7 +69,7 @@ def gateway(controller: str, routing: RoutingMode, **settings: Any) -> Iterator[
                                      worker_refresh_interval=60.0, **settings))
     with serve_in_thread(app) as url:
         if routing is RoutingMode.LOCAL:
-            wait_until(lambda: MODEL in app.state.routing_table.models(), timeout=10,
+            wait_until(lambda: MODEL in app.state.routing_table.models(), timeout_s=10,
                        what="the gateway's first read of the worker list")
         yield url, app
 
@@ -134,7 +135,7 @@ def test_a_killed_worker_is_failed_over_and_the_request_answered(controller, wor
         settings = GatewaySettings(controller_address=controller, worker_refresh_interval=60.0)
         gateway_app = create_app(settings, rng=FirstCandidate())
         url = stack.enter_context(serve_in_thread(gateway_app))
-        wait_until(lambda: FAILOVER_MODEL in gateway_app.state.routing_table.models(), timeout=10,
+        wait_until(lambda: FAILOVER_MODEL in gateway_app.state.routing_table.models(), timeout_s=10,
                    what="the gateway's first read of the worker list")
         servers[doomed].close()  # stopped: connections refused; the controller still lists it
         asked = address_requests(controller)

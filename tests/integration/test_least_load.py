@@ -13,8 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -30,12 +29,12 @@ from llmplatform.model_worker.backends import BackendConfig, build_llm
 from llmplatform.openai_api.app import create_app as create_gateway_app
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.utils.server import serve_in_thread
+from tests.polling import wait_until
 
 MODEL = "tiny"
 LONG_CONTEXT = 65536
 # Far more than the test lasts: the streams only end when the test closes them.
 LONG_OUTPUT = 60000
-WAIT_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +46,6 @@ def long_context_model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFa
     config["max_position_embeddings"] = LONG_CONTEXT
     (out / "config.json").write_text(json.dumps(config))
     return out
-
-
-def wait_until(condition: Callable[[], bool], what: str, state: Callable[[], object]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}; last state: {state()}")
 
 
 @contextlib.contextmanager
@@ -111,8 +101,8 @@ def test_requests_go_to_the_worker_with_the_smaller_share_of_capacity(
             app.state.worker_address = url
             urls.append(url)
         a, b = urls
-        wait_until(lambda: a in registry and b in registry, "both workers to register",
-                   registry.live_workers)
+        wait_until(lambda: a in registry and b in registry, what="both workers to register",
+                   context=registry.live_workers)
         assert (entry(a).max_num_running, entry(b).max_num_running) == (16, 2)
 
         client = stack.enter_context(httpx.Client(timeout=60))
@@ -124,23 +114,23 @@ def test_requests_go_to_the_worker_with_the_smaller_share_of_capacity(
         # A runs 3 of 16, B nothing: the idle worker gets the request.
         for _ in range(3):
             stack.enter_context(direct_stream(client, a))
-        wait_until(lambda: entry(a).num_running == 3, "A's heartbeat to report 3 running",
-                   registry.live_workers)
+        wait_until(lambda: entry(a).num_running == 3, what="A's heartbeat to report 3 running",
+                   context=registry.live_workers)
         assert address() == b
 
         # B runs 1 of 2 (1/2) while A runs 3 of 16 (3/16): A is the lighter one although its
         # queue is longer. Two picks in a row (A at 4/16 after the first) both go to A.
         stack.enter_context(direct_stream(client, b))
-        wait_until(lambda: entry(b).num_running == 1, "B's heartbeat to report 1 running",
-                   registry.live_workers)
+        wait_until(lambda: entry(b).num_running == 1, what="B's heartbeat to report 1 running",
+                   context=registry.live_workers)
         assert [address(), address()] == [a, a]
 
         # Through the gateway, with the official client: two more streams, both on A
         # (at most 7/16 < 1/2 even if no heartbeat came in between), once the gateway's copy
         # of the worker list shows what the controller's registry shows.
         wait_until(lambda: gateway_sees(a, 3) and gateway_sees(b, 1),
-                   "the gateway to read A's 3 and B's 1 running",
-                   lambda: gateway_app.state.routing_table.workers())
+                   what="the gateway to read A's 3 and B's 1 running",
+                   context=gateway_app.state.routing_table.workers)
         api = openai.OpenAI(base_url=f"{gateway}/v1", api_key="none", max_retries=0)
         for _ in range(2):
             stream = api.completions.create(model=MODEL, prompt="Hi", max_tokens=LONG_OUTPUT,
@@ -148,6 +138,6 @@ def test_requests_go_to_the_worker_with_the_smaller_share_of_capacity(
                                             extra_body={"ignore_eos": True})
             stack.callback(stream.close)
             next(iter(stream))  # the gateway has picked a worker and generation started
-        wait_until(lambda: worker_running(a) == 5, "A to run the two gateway streams",
-                   lambda: (worker_running(a), worker_running(b)))
+        wait_until(lambda: worker_running(a) == 5, what="A to run the two gateway streams",
+                   context=lambda: (worker_running(a), worker_running(b)))
         assert worker_running(b) == 1

@@ -6,21 +6,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import threading
 
 import httpx
 import openai
 import pytest
 
+from tests.polling import wait_until
 from tests.processes import alive, children_of, free_ports
 
 STARTUP_TIMEOUT_S = 180
-
-
-
-
-
-
 
 
 def start_serve(args: list[str]) -> subprocess.Popen:
@@ -33,26 +28,31 @@ def start_serve(args: list[str]) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def wait_for_line(proc: subprocess.Popen, needle: str, lines: list[str]) -> None:
-    """Collects the process's output on a thread until ``needle`` shows up (bounded in time)."""
-    import threading
+def wait_for_line(proc: subprocess.Popen, needle: str, lines: list[str]) -> str:
+    """Collects the process's output into `lines` on a thread until a line with `needle` shows
+    up, and returns that line; fails with the output so far after STARTUP_TIMEOUT_S, or as soon
+    as the process has exited without printing it."""
 
     def pump() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line.rstrip("\n"))
 
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if any(needle in line for line in lines):
-            return
-        if proc.poll() is not None:
-            time.sleep(0.2)
-            break
-        time.sleep(0.1)
-    output = "\n".join(lines)
-    raise AssertionError(f"{needle!r} not printed; output:\n{output}")
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+
+    def printed() -> str | None:
+        exited = proc.poll() is not None
+        if exited:
+            reader.join(timeout=5)  # the rest of its output
+        found = next((line for line in lines if needle in line), None)
+        if found is None and exited:
+            raise AssertionError(f"exited with {proc.returncode} before printing {needle!r}; output:\n"
+                                 + "\n".join(lines))
+        return found
+
+    return wait_until(printed, timeout_s=STARTUP_TIMEOUT_S, interval_s=0.1, what=f"{needle!r} printed",
+                      context=lambda: "output:\n" + "\n".join(lines))
 
 
 def stop_and_check_no_orphans(proc: subprocess.Popen) -> None:
@@ -64,10 +64,8 @@ def stop_and_check_no_orphans(proc: subprocess.Popen) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-    deadline = time.monotonic() + 10
-    while any(alive(c) for c in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(alive(c) for c in children), "no orphan process is left behind"
+    wait_until(lambda: not any(alive(c) for c in children), timeout_s=10, interval_s=0.1,
+               what="no orphan process left behind", context=lambda: [c for c in children if alive(c)])
 
 
 @pytest.mark.parametrize("mode", ["flags", "config"])

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import openai
 
-from tests.faults.harness import wait_until
 from tests.integration.test_serve_cli import start_serve, stop_and_check_no_orphans, wait_for_line
+from tests.polling import wait_until
 from tests.processes import alive, children_of, free_ports
 
 MODULES = {"llmplatform.controller": "controller", "llmplatform.model_worker": "worker 0",
@@ -58,9 +58,9 @@ def kill_and_wait_for_restart(proc: subprocess.Popen, lines: list[str], name: st
     os.kill(pid, signal.SIGKILL)
     wait_until(lambda: any(f"{name} (pid {pid}) exited unexpectedly (killed by SIGKILL)" in line
                            for line in lines) or proc.poll() is not None,
-               timeout=30, interval=0.1, what=f"serve noticing that {name} died")
+               timeout_s=30, interval_s=0.1, what=f"serve noticing that {name} died")
     wait_until(lambda: service_pids(proc.pid).get(name, pid) != pid or proc.poll() is not None,
-               timeout=60, interval=0.1, what=f"a new {name}")
+               timeout_s=60, interval_s=0.1, what=f"a new {name}")
     assert proc.poll() is None, "\n".join(lines)
     return pid
 
@@ -77,23 +77,23 @@ def test_killed_services_are_restarted_and_traffic_resumes(tiny_model_dir) -> No
             assert f"restarting it in 1 s (restart {attempt} of at most 5 within 60 s" in said
             # The worker registers again by itself; after a controller restart, the worker's
             # next heartbeat is told it is unknown and registers again.
-            wait_until(lambda: chat_works(client), timeout=120, interval=1.0,
+            wait_until(lambda: chat_works(client), timeout_s=120, interval_s=1.0,
                        what=f"a chat completion after {name} was restarted")
             assert any(f"restarting {name} (restart {attempt}): " in line for line in lines)
-            wait_until(lambda: any(f"{name} ready again" in line for line in lines), timeout=30,
-                       interval=0.1, what=f"serve saying {name} is back")
+            wait_until(lambda: any(f"{name} ready again" in line for line in lines), timeout_s=30,
+                       interval_s=0.1, what=f"serve saying {name} is back")
         # Ctrl-C while a restart waits out its backoff (the worker's 2nd restart: 2 s) stops
         # everything, and the waiting service is not started any more.
         worker = service_pids(proc.pid)["worker 0"]
         children = children_of(proc.pid)
         os.kill(worker, signal.SIGKILL)
         wait_until(lambda: any(f"(pid {worker}) exited unexpectedly" in line for line in lines),
-                   timeout=30, interval=0.05, what="the worker's death noticed")
+                   timeout_s=30, interval_s=0.05, what="the worker's death noticed")
         said = next(line for line in lines if f"(pid {worker}) exited unexpectedly" in line)
         assert "restarting it in 2 s (restart 2 of" in said
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0, "\n".join(lines)
-        wait_until(lambda: not any(alive(c) for c in children), timeout=10, what="no orphans")
+        wait_until(lambda: not any(alive(c) for c in children), timeout_s=10, what="no orphans")
         assert not any("restarting worker 0 (restart 2)" in line for line in lines), "\n".join(lines)
     finally:
         if proc.poll() is None:
@@ -111,7 +111,7 @@ def test_a_service_that_keeps_dying_stops_everything(tiny_model_dir, tmp_path) -
         children += children_of(proc.pid)
         os.kill(second, signal.SIGKILL)  # its 2nd exit within a minute: over the bound of 1
         code = proc.wait(timeout=90)
-        wait_until(lambda: not any(alive(c) for c in children), timeout=10, what="no orphans")
+        wait_until(lambda: not any(alive(c) for c in children), timeout_s=10, what="no orphans")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -14,6 +14,7 @@ from llmplatform.llm.hf import HFTransformersLLM
 from llmplatform.model_worker.app import WorkerSettings, create_app
 from llmplatform.utils.server import serve_in_thread
 from tests.integration.cluster import wait_for_models
+from tests.polling import wait_until
 
 PROMPT = "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
 
@@ -123,10 +124,7 @@ def test_closing_the_stream_aborts_the_generation(worker_url, tiny_llm):
                       timeout=60) as response:
         for _ in response.iter_bytes():
             break  # read one chunk, then hang up
-    deadline = time.monotonic() + 10
-    while tiny_llm.load().num_running and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert tiny_llm.load().num_running == 0
+    wait_until(lambda: tiny_llm.load().num_running == 0, what="the generation aborted", context=tiny_llm.load)
     status = httpx.post(f"{worker_url}/worker_get_status", timeout=10).json()
     assert status["queue_length"] == 0
 
@@ -143,14 +141,11 @@ def test_worker_abort_route(worker_url, tiny_llm):
 
     thread = threading.Thread(target=consume)
     thread.start()
-    deadline = time.monotonic() + 10
-    aborted = False
-    while not aborted and time.monotonic() < deadline:
-        aborted = httpx.post(f"{worker_url}/worker_abort", json={"request_id": "abort-me"},
-                             timeout=10).json()["aborted"]
-        time.sleep(0.02)
+    # False until the request is running: ask again until it is found and aborted.
+    wait_until(lambda: httpx.post(f"{worker_url}/worker_abort", json={"request_id": "abort-me"},
+                                  timeout=10).json()["aborted"], interval_s=0.02, what="the request aborted")
     thread.join(timeout=30)
-    assert aborted
+    assert not thread.is_alive()
     assert result["objects"][-1]["finish_reason"] == "abort"
     assert result["objects"][-1]["usage"]["completion_tokens"] < 400
 
@@ -180,9 +175,7 @@ def test_registration_retries_until_the_controller_is_up_and_survives_a_restart(
                 host="127.0.0.1", port=port, log_level="warning"))
             thread = threading.Thread(target=server.run, daemon=True)
             thread.start()
-            deadline = time.monotonic() + 20
-            while not server.started and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: server.started, interval_s=0.01, what="the controller started")
             return server, thread
 
         server, thread = run_controller()

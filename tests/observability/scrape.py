@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -30,11 +27,3 @@ def value(samples: Samples, name: str, **labels: str) -> float | None:
 def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
     return (value(after, name, **labels) or 0.0) - (value(before, name, **labels) or 0.0)
 
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

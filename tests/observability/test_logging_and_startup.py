@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -24,6 +23,7 @@ from llmplatform.model_worker.backends import BackendConfig, build_llm
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.utils.logs import JsonFormatter, TextFormatter, request_context
 from llmplatform.utils.startup import controller_summary, gateway_summary, worker_summary
+from tests.polling import wait_until
 
 LINE_TIMEOUT_S = 120
 
@@ -131,16 +131,18 @@ class _Lines:
             self.queue.put(line.rstrip("\n"))
 
     def until(self, predicate) -> str:
-        deadline = time.monotonic() + LINE_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                line = self.queue.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            self.seen.append(line)
-            if predicate(line):
-                return line
-        raise AssertionError(f"no such line within {LINE_TIMEOUT_S} s; got: {self.seen[-20:]}")
+        def next_match() -> str | None:
+            while True:
+                try:
+                    line = self.queue.get_nowait()
+                except queue.Empty:
+                    return None
+                self.seen.append(line)
+                if predicate(line):
+                    return line
+
+        return wait_until(next_match, timeout_s=LINE_TIMEOUT_S, interval_s=0.1, what="a matching line",
+                          context=lambda: f"got: {self.seen[-20:]}")
 
 
 @pytest.fixture

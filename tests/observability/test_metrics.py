@@ -11,7 +11,8 @@ import pytest
 
 from llmplatform.llm.hf import HFTransformersLLM
 from tests.integration.cluster import paged_tiny_llm, running_cluster
-from tests.observability.scrape import delta, scrape, value, wait_for
+from tests.observability.scrape import delta, scrape, value
+from tests.polling import wait_until
 
 CHAT = [{"role": "user", "content": "Count to ten."}]
 M = {"model_name": "tiny"}
@@ -57,7 +58,7 @@ def test_a_completion_moves_every_worker_and_gateway_series(cluster, client, wor
     usage = completion.usage
     assert usage.completion_tokens == 8
     # The request's last accounting runs as its stream closes, just after the client has it.
-    wait_for(lambda: _finished(worker_url, worker_before, "length"), "the request to be counted")
+    wait_until(lambda: _finished(worker_url, worker_before, "length"), what="the request to be counted")
     elapsed = time.monotonic() - started  # the worker's accounting ends inside this span
     after = scrape(worker_url)
 
@@ -81,9 +82,9 @@ def test_a_completion_moves_every_worker_and_gateway_series(cluster, client, wor
 
     # The gateway counts an exchange once its last byte is sent.
     route = {"route": "/v1/completions", "model": "tiny"}
-    wait_for(lambda: delta(gateway_before, scrape(cluster.gateway_url),
-                           "llmplatform:gateway_requests_total", status="200", **route) >= 1,
-             "the gateway to count the request")
+    wait_until(lambda: delta(gateway_before, scrape(cluster.gateway_url),
+                             "llmplatform:gateway_requests_total", status="200", **route) >= 1,
+               what="the gateway to count the request")
     gateway_after = scrape(cluster.gateway_url)
     assert delta(gateway_before, gateway_after, "llmplatform:gateway_requests_total",
                  status="200", **route) == 1
@@ -111,18 +112,18 @@ def test_running_gauge_while_a_stream_is_open_and_abort_when_it_closes(backend, 
     finally:
         stream.close()
     # Closing the stream aborts the request down to the backend; it is counted as an abort.
-    wait_for(lambda: _finished(worker_url, before, "abort"), "the aborted request to be counted")
-    wait_for(lambda: value(scrape(worker_url), "llmplatform:num_requests_running", **M) == 0,
-             "the running gauge to drop")
+    wait_until(lambda: _finished(worker_url, before, "abort"), what="the aborted request to be counted")
+    wait_until(lambda: value(scrape(worker_url), "llmplatform:num_requests_running", **M) == 0,
+               what="the running gauge to drop")
 
 
 def test_backend_specific_series(backend, client, worker_url):
     before = scrape(worker_url)
     client.completions.create(model="tiny", prompt="The same prompt, twice over", max_tokens=2,
                               temperature=0)
-    wait_for(lambda: sum(delta(before, scrape(worker_url), "llmplatform:request_success_total",
-                               finished_reason=r, **M) for r in ("stop", "length")) >= 1,
-             "the request to be counted")
+    wait_until(lambda: sum(delta(before, scrape(worker_url), "llmplatform:request_success_total",
+                                 finished_reason=r, **M) for r in ("stop", "length")) >= 1,
+               what="the request to be counted")
     after = scrape(worker_url)
     names = ("llmplatform:kv_cache_usage_perc", "llmplatform:prefix_cache_queries_total",
              "llmplatform:prefix_cache_hits_total", "llmplatform:num_preemptions_total")
@@ -147,7 +148,7 @@ def test_gateway_counts_errors_by_status_without_unknown_model_labels(cluster, c
         return all(delta(before, samples, "llmplatform:gateway_requests_total", route=route,
                          model="", status=status) >= 1 for status in ("400", "404"))
 
-    wait_for(lambda: counted(scrape(cluster.gateway_url)), "both errors to be counted")
+    wait_until(lambda: counted(scrape(cluster.gateway_url)), what="both errors to be counted")
     after = scrape(cluster.gateway_url)
     assert delta(before, after, "llmplatform:gateway_requests_total", route=route, model="",
                  status="404") == 1
@@ -189,8 +190,8 @@ def test_preemptions_are_counted(tiny_model_dir):
             second = httpx.post(f"{url}/worker_generate", json=params, timeout=120).json()
             rest = b"".join(chunks)
         assert second["finish_reason"] == "length" and b'"finish_reason":"length"' in rest
-        wait_for(lambda: delta(before, scrape(url), "llmplatform:request_success_total",
-                               finished_reason="length", **M) == 2, "both requests to be counted")
+        wait_until(lambda: delta(before, scrape(url), "llmplatform:request_success_total",
+                                 finished_reason="length", **M) == 2, what="both requests to be counted")
         after = scrape(url)
         assert delta(before, after, "llmplatform:num_preemptions_total", **M) >= 1
         assert delta(before, after, "llmplatform:generation_tokens_total", **M) == 240

@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.faults.harness import MODEL, list_models, services, start_service, start_worker, wait_until
+from tests.faults.harness import MODEL, list_models, services, start_service, start_worker
+from tests.polling import wait_until
 from tests.processes import free_port
 from tests.security.helpers import ConnectionCounter
 from tests.security.raw_http import connect, host_of, read_response
@@ -46,7 +47,7 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
                                                        "--controller-address", controller_url],
                             logs / "gateway.log", f"{gateway_url}/health", gateway_url)
     with services(controller, worker, gateway):
-        wait_until(lambda: MODEL in list_models(controller_url), timeout=60, what="the worker registered")
+        wait_until(lambda: MODEL in list_models(controller_url), timeout_s=60, what="the worker registered")
         yield Services(controller_url, worker.url, gateway_url)
 
 

@@ -23,7 +23,7 @@ from llmplatform.controller import ControllerConfig
 from llmplatform.controller import create_app as create_controller_app
 from llmplatform.controller.workers import _poll_quiet_workers
 from llmplatform.utils.server import serve_in_thread
-from tests.faults.harness import wait_until
+from tests.polling import wait_until
 from tests.processes import free_port
 from tests.stub_workers import StubWorkers, stub_workers
 
@@ -110,7 +110,7 @@ def test_a_registration_with_a_status_at_a_silent_address_is_never_routed(
     assert response.status_code == 200 and response.json()["pending"] is True
     assert controller.nothing_routed()
     confirmations = controller.app.state.confirmations
-    wait_until(lambda: not confirmations.is_pending(dead), timeout=TIMEOUT_S, what="the pending one dropped")
+    wait_until(lambda: not confirmations.is_pending(dead), timeout_s=TIMEOUT_S, what="the pending one dropped")
     assert controller.nothing_routed()
 
 
@@ -123,7 +123,7 @@ def test_a_worker_that_starts_listening_after_registering_is_confirmed(controlle
     assert controller.nothing_routed()
     stubs.url("late")
     with serve_in_thread(stubs.app(), port=port):
-        wait_until(lambda: controller.routed()["address"] == name, timeout=TIMEOUT_S, what="confirmed")
+        wait_until(lambda: controller.routed()["address"] == name, timeout_s=TIMEOUT_S, what="confirmed")
         assert controller.routed()["models"] == ["m"]
 
 

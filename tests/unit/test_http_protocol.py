@@ -145,7 +145,7 @@ import time  # noqa: E402
 
 from llmplatform.utils.http_protocol import ConnectionLimits  # noqa: E402
 from llmplatform.utils.service_settings import ServerSettings  # noqa: E402
-from tests.faults.harness import wait_until  # noqa: E402
+from tests.polling import wait_until  # noqa: E402
 from tests.security.raw_http import connect, read_response, wait_closed_by_server  # noqa: E402
 
 
@@ -244,15 +244,8 @@ def test_connections_beyond_the_cap_are_refused_until_some_close() -> None:
         finally:
             for sock in held:
                 sock.close()
-        answered = wait_until(lambda: _get_status(httpx, url) == 200, timeout=30, what="served again")
-        assert answered
-
-
-def _get_status(httpx, url: str) -> int:  # type: ignore[no-untyped-def]
-    try:
-        return httpx.get(url, timeout=5).status_code
-    except httpx.HTTPError:
-        return 0
+        wait_until(lambda: httpx.get(url, timeout=5).status_code == 200, retry_on=(httpx.HTTPError,),
+                   timeout_s=30, what="served again once the held connections closed")
 
 
 def test_a_client_that_stops_reading_is_cut_off_and_the_route_told() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from llmplatform.llm.hf import HFTransformersLLM
 from llmplatform.model_worker.backends import BackendConfig, build_llm
 from llmplatform.webui.settings import WebUISettings
 from tests.integration.cluster import Cluster, running_cluster
+from tests.polling import wait_until
 
 PAGED_MODEL = "tiny-paged"
 HF_MODEL = "tiny-hf"
@@ -54,16 +54,14 @@ class Stack:
         url = self.cluster.worker_urls[model]
         return httpx.post(f"{url}/worker_get_status", timeout=5).json()
 
-    def wait_idle(self, model: str, timeout: float = 20.0) -> dict[str, Any]:
-        """Poll the worker until nothing runs or waits; returns the last status."""
-        deadline = time.monotonic() + timeout
-        status = self.worker_status(model)
-        while time.monotonic() < deadline:
-            if status["num_running"] == 0 and status["queue_length"] == 0:
-                return status
-            time.sleep(0.05)
+    def wait_idle(self, model: str) -> dict[str, Any]:
+        """Wait until nothing runs or waits on `model`'s worker; returns that status."""
+
+        def idle() -> dict[str, Any] | None:
             status = self.worker_status(model)
-        return status
+            return status if status["num_running"] == 0 and status["queue_length"] == 0 else None
+
+        return wait_until(idle, what=f"{model}'s worker idle", context=lambda: self.worker_status(model))
 
 
 def record_generations(llm: LLM, stack: Stack) -> None:

@@ -20,6 +20,7 @@ from llmplatform.webui.arena import ALREADY_VOTED, ArenaSession
 from llmplatform.webui.gateway import GatewayClient, GatewayError, RequestControls
 from llmplatform.webui.messages import ERROR_ID, ERROR_PREFIX, is_error
 from llmplatform.webui.settings import WebUISettings
+from tests.polling import wait_until_async
 from tests.webui.stack import HF_MODEL, PAGED_MODEL, running_stack
 
 # Greedy everywhere, so the UI's answers can be compared with the gateway's own.
@@ -162,10 +163,7 @@ async def test_stop_aborts_the_generation_on_the_worker(stack, handlers, how):
             async for update in answer:
                 seen.append(update[-1]["content"])
         task = asyncio.create_task(consume())
-        for _ in range(500):  # bounded: 5 s
-            if len(seen) >= 4:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: len(seen) >= 4, interval_s=0.01, what="four updates before Stop")
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
