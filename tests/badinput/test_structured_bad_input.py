@@ -5,6 +5,7 @@ keeps serving, constrained requests included."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,8 @@ from tests.integration.cluster import Cluster, running_cluster
 
 USER = [{"role": "user", "content": "Tell me about the sea."}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
-    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
+    "type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["x"], "additionalProperties": False}}}]
 PLAIN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                   "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -28,9 +30,9 @@ LLMS: dict[str, Any] = {}
 
 
 def _tiny(model_dir: Path, name: str, **overrides: Any):
-    return build_llm(BackendConfig(model_path=str(model_dir), model_names=(name,), backend="paged",
-                                   device="cpu", dtype="float32", kv_cache_memory="64MiB",
-                                   **overrides))
+    config: dict[str, Any] = dict(model_path=str(model_dir), model_names=(name,), backend="paged",
+                                  device="cpu", dtype="float32", kv_cache_memory="64MiB")
+    return build_llm(BackendConfig(**(config | overrides)))
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +43,7 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         LLMS["tiny"] = _tiny(tiny_model_dir, "tiny")
         cluster.add_worker(LLMS["tiny"])
         cluster.add_worker(_tiny(tiny_model_dir, "no-tools", chat_template=str(template)))
+        cluster.add_worker(_tiny(tiny_model_dir, "tiny-hf", backend="hf", max_concurrency=2))
         yield cluster
 
 
@@ -108,3 +111,20 @@ def test_tools_on_a_model_without_a_tool_template(client: openai.OpenAI) -> None
     reply = client.chat.completions.create(model="no-tools", messages=USER, max_tokens=4,
                                            extra_body={"guided_choice": ["yes", "no"]})
     assert reply.choices[0].message.content in ("yes", "no")
+
+
+def test_the_hf_backend_enforces_constraints_and_refuses_bad_ones(client: openai.OpenAI) -> None:
+    picked = client.chat.completions.create(model="tiny-hf", messages=USER, max_tokens=10,
+                                            extra_body={"guided_choice": ["alpha", "beta"]})
+    assert picked.choices[0].message.content in ("alpha", "beta")
+    assert picked.choices[0].finish_reason == "stop"
+    coded = client.completions.create(model="tiny-hf", prompt="x", max_tokens=12,
+                                      extra_body={"guided_regex": "[0-9]{2}-[a-z]{3}"})
+    assert re.fullmatch("[0-9]{2}-[a-z]{3}", coded.choices[0].text)
+    forced = client.chat.completions.create(model="tiny-hf", messages=USER, tools=TOOLS,
+                                            tool_choice="required", max_tokens=100)
+    call = forced.choices[0].message.tool_calls[0]
+    assert call.function.name == "f" and isinstance(json.loads(call.function.arguments)["x"], int)
+    error = _refused(lambda: client.chat.completions.create(
+        model="tiny-hf", messages=USER, max_tokens=4, extra_body={"guided_regex": "(oops"}))
+    assert error.param == "guided_regex"
