@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from tests.integration.cluster import paged_tiny_llm, running_cluster
+from tests.polling import wait_until
 
 CHAT = [{"role": "user", "content": "Say something."}]
 
@@ -45,12 +46,8 @@ def _ids(caplog, logger: str, message: str) -> list[str]:
 def _wait_for_log(caplog, logger: str, message: str, count: int = 1) -> None:
     """Waits (bounded) until ``count`` such lines were captured."""
     # Both log a request's end as its stream closes, just after the client has the answer.
-    done = threading.Event()
-    for _ in range(200):
-        if len(_ids(caplog, logger, message)) >= count:
-            return
-        done.wait(0.05)
-    raise AssertionError(f"no {message!r} line from {logger} in the captured logs")
+    wait_until(lambda: len(_ids(caplog, logger, message)) >= count,
+               what=f"{count} {message!r} line(s) from {logger} in the captured logs")
 
 
 def test_client_id_is_echoed_and_on_every_log_line_about_the_request(client, logs):
