@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 from llmplatform.errors import InvalidRequestError
+from llmplatform.llm.embedding import (EmbeddingFacts, EmbeddingResult, ModelTask,
+                                        not_an_embedding_model)
 from llmplatform.llm.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -148,6 +150,11 @@ class ModelFacts:
     """The width of the model's logits (its LM head's rows): every token id a request carries
     must be in [0, vocab_size). It may differ from ``len(tokenizer)`` (padded embeddings)."""
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    tasks: tuple[ModelTask, ...] = (ModelTask.GENERATE,)
+    """What the backend serves (``/model_details`` and the controller's listing announce it):
+    a request for a task not listed is a 400 that says what the model serves."""
+    embedding: EmbeddingFacts | None = None
+    """Set when ``tasks`` holds ``EMBED``: the vectors' width, the longest input, Matryoshka."""
 
 
 class LLM(abc.ABC):
@@ -235,6 +242,26 @@ class LLM(abc.ABC):
         """Forget every cached prompt prefix, so that the next request computes its whole
         prompt. False when this backend has no prefix cache."""
         return False
+
+    # ---- embeddings (llm.embedding): a backend has them when its facts list ModelTask.EMBED ----
+
+    async def embed(self, token_id_lists: Sequence[Sequence[int]], *,
+                    request_id: str | None = None) -> list[EmbeddingResult]:
+        """One pooled float32 vector per input, in input order, with its token count.
+
+        Each list is one input's complete token ids (special tokens included, within
+        ``facts.embedding.max_input_tokens``: the worker checks and truncates first). A backend
+        may batch the inputs with other requests' (its own business), but a vector must not
+        depend on what it ran with. Raises :class:`InvalidRequestError` when this backend serves
+        no embeddings (the base: a generation-only backend)."""
+        raise not_an_embedding_model(self.model_names[0])
+
+    def embedding_token_ids_sync(self, texts: Sequence[str], max_tokens: int | None) -> list[list[int]]:
+        """Each text's token ids as the model embeds it (the tokenizer's special tokens added),
+        cut to ``max_tokens`` by the tokenizer's own truncation rules when given (None: not
+        cut). Blocking: call it in a thread."""
+        cut: dict[str, Any] = {"truncation": True, "max_length": max_tokens} if max_tokens else {}
+        return [list(ids) for ids in self.tokenizer(list(texts), **cut)["input_ids"]]
 
     # ---- structured outputs, shared by every backend -------------------------------------------
 
