@@ -59,13 +59,13 @@ from typing import Any
 import httpx
 
 import serve_gateway
-from llmplatform.utils.cluster_secret import secret_from_env, secret_headers
 from serve_client import Target, allowed_token_ids, make_requests, run_requests, summarize
 from serve_report import compute_ratios, markdown, plot
 from serve_systems import (
     CoresMonitor,
     ManagedProcess,
     SystemStartError,
+    cluster_headers,
     start_bare_proxy,
     start_llmplatform,
     start_transformers_serve,
@@ -235,7 +235,7 @@ def cpu_description() -> str:
 
     import torch
 
-    from llmplatform.llm.torch_utils import cpu_has_native_low_precision_matmul
+    from llmplatform.utils.torch_utils import cpu_has_native_low_precision_matmul
 
     name = platform.processor() or platform.machine()
     try:
@@ -279,7 +279,7 @@ def run_all(bench: Bench, systems: list[str], model_path: str, model_name: str, 
         def reset_prefix_cache(worker_url: str = cluster.worker_url) -> None:
             # paged and direct send the same prompts to the same worker: each run starts cold.
             response = httpx.post(f"{worker_url}/reset_prefix_cache", timeout=60.0, trust_env=False,
-                                  headers=secret_headers(secret_from_env(None)))
+                                  headers=cluster_headers())
             response.raise_for_status()
 
         targets = {"direct": Target(cluster.worker_url, model_name, "worker"),

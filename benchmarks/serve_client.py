@@ -30,8 +30,8 @@ from typing import Any
 
 import httpx
 import numpy as np
+from serve_systems import cluster_headers
 
-from llmplatform.utils.cluster_secret import secret_from_env, secret_headers
 
 CONNECT_TIMEOUT_S = 10.0
 
@@ -241,7 +241,7 @@ async def run_requests(target: Target, requests: Sequence[BenchRequest], *, conc
     timeout = httpx.Timeout(request_timeout_s, connect=CONNECT_TIMEOUT_S)
     results: list[RequestResult | None] = [None] * len(requests)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False,
-                                 headers=secret_headers(secret_from_env(None))) as client:
+                                 headers=cluster_headers()) as client:
         start = time.perf_counter()
 
         async def one(index: int) -> None:

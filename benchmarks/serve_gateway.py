@@ -33,8 +33,8 @@ from typing import Any
 
 import httpx
 
-from llmplatform.utils.cluster_secret import secret_from_env, secret_headers
 from serve_client import BenchRequest, Target, send_request
+from serve_systems import cluster_headers
 
 TTFT_SUM = "llmplatform:time_to_first_token_seconds_sum"
 
@@ -78,7 +78,7 @@ async def measure(via_gateway: Target, direct: Target, worker_url: str,
     if reference is not None:
         paths["reference"] = reference
     failed = 0
-    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False, headers=secret_headers(secret_from_env(None))) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False, headers=cluster_headers()) as client:
         for target in paths.values():  # warm every path (connections, caches)
             await send_request(client, target, requests[0], 0.0)
         for request in requests:

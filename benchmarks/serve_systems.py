@@ -29,7 +29,17 @@ import httpx
 
 from cpu_usage import machine_cpu_seconds
 
-from llmplatform.utils.cluster_secret import SECRET_ENV
+from llmplatform.utils.cluster_secret import SECRET_ENV, secret_from_env, secret_headers
+
+CLUSTER_SECRET = secret_from_env(None) or secrets.token_urlsafe(32)
+"""The secret of the clusters this run starts (serve closes registration with one; the benchmark
+calls the worker directly too). Handed to each process it starts in that process's environment,
+never set in this process's own (an importing test must not leak it into later tests)."""
+
+
+def cluster_headers() -> dict[str, str]:
+    """Headers a benchmark client sends to reach a service of a cluster this run started."""
+    return secret_headers(CLUSTER_SECRET)
 
 STOP_GRACE_S = 30.0
 
@@ -166,14 +176,11 @@ class LLMPlatformCluster:
 def start_llmplatform(model_path: str, model_name: str, worker_args: str, log_path: Path,
                       startup_timeout_s: float) -> LLMPlatformCluster:
     controller_port, api_port, worker_port = free_ports(3)
-    # serve closes registration with a secret; the benchmark calls the worker directly too, so it
-    # chooses the secret (inherited by serve and the bare proxy; sent by serve_client's clients).
-    os.environ.setdefault(SECRET_ENV, secrets.token_urlsafe(32))
     worker = f"--model-path {shlex.quote(model_path)} --model-names {shlex.quote(model_name)} {worker_args}"
     argv = [sys.executable, "-m", "llmplatform.cli", "serve", "--host", "127.0.0.1",
             "--controller-port", str(controller_port), "--api-port", str(api_port),
             "--worker-port-base", str(worker_port), "--worker", worker]
-    process = ManagedProcess.start("llmplatform serve", argv, log_path)
+    process = ManagedProcess.start("llmplatform serve", argv, log_path, env={SECRET_ENV: CLUSTER_SECRET})
     gateway = f"http://127.0.0.1:{api_port}/v1"
 
     def ready() -> bool:  # the gateway is up and the worker has registered
@@ -193,7 +200,7 @@ def start_bare_proxy(worker_url: str, log_path: Path, startup_timeout_s: float) 
     (port,) = free_ports(1)
     argv = [sys.executable, str(Path(__file__).with_name("bare_proxy.py")), "--port", str(port),
             "--worker", worker_url]
-    process = ManagedProcess.start("bare proxy", argv, log_path)
+    process = ManagedProcess.start("bare proxy", argv, log_path, env={SECRET_ENV: CLUSTER_SECRET})
     base = f"http://127.0.0.1:{port}"
     _wait_healthy(process, base, startup_timeout_s)
     return process, f"{base}/v1"

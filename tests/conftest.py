@@ -6,10 +6,28 @@ Sections: models (below). Add new sections after it, each under its own banner.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_llmplatform_variables():
+    """A test (or code it runs in-process) that leaves an LLMPLATFORM_* variable set in this
+    process changes every service later tests start: e.g. a leaked cluster secret makes their
+    controllers refuse unauthenticated calls, failing tests far from the cause. Fail the culprit.
+    (Set up before and torn down after `monkeypatch`, whose changes are undone by then.)"""
+    before = {k: v for k, v in os.environ.items() if k.startswith("LLMPLATFORM_")}
+    yield
+    after = {k: v for k, v in os.environ.items() if k.startswith("LLMPLATFORM_")}
+    if after != before:
+        for name in set(after) - set(before):
+            del os.environ[name]
+        os.environ.update(before)
+        changed = sorted(set(before.items()) ^ set(after.items()))
+        pytest.fail(f"the test left LLMPLATFORM_* variables changed: {[name for name, _ in changed]}")
 
 # =============================================================================================
 # Models
