@@ -76,7 +76,8 @@ def test_serve_prints_the_webui_url_and_the_ui_chats_through_the_gateway(tiny_mo
         assert chat_model["value"] == "tiny" and "1 model(s)" in status, status
         # A whole chat turn: the page's respond handler, streamed through the gateway.
         history = [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}]
-        (final,) = call_gradio(url, "respond", ["tiny", "", 0.0, 1.0, 8, history])
+        # Inputs in the page's order: model, system prompt, sampling, history, JSON mode, tools, choice.
+        (final,) = call_gradio(url, "respond", ["tiny", "", 0.0, 1.0, 8, history, False, "", "auto"])
         assert final[-1]["role"] == "assistant" and final[-1]["content"][0]["text"], final
         assert "metadata" not in final[-1] or not (final[-1]["metadata"] or {}).get("id")
     finally:
