@@ -133,7 +133,7 @@ def run(engine: Any, name: str, requests: list[Request], *, itl_ids: frozenset[s
         ttft_ids: frozenset[str] | None = None) -> RunResult:
     """Submits each request at its arrival time, steps until all finished. TTFT of the requests
     in ``ttft_ids`` (default all); inter-token gaps of the requests in ``itl_ids``."""
-    from llmplatform.llm.sampling import SamplingParams
+    from llmplatform.sampling.params import SamplingParams
 
     engine.reset_prefix_cache()
     stats = engine.prefix_cache_stats

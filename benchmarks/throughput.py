@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     from llmplatform.llm.resolve import resolve_model
-    from llmplatform.llm.torch_utils import resolve_compute_dtype
+    from llmplatform.utils.torch_utils import resolve_compute_dtype
 
     resolved = resolve_model(None)
     path = str(resolved.path)

@@ -18,7 +18,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from llmplatform.llm.sampling import SamplingParams
+        from llmplatform.sampling.params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'llmplatform' has no attribute {name!r}")

@@ -20,8 +20,8 @@ from typing import Any, Sequence, Union
 
 from tqdm.auto import tqdm
 
-from llmplatform.llm.base import FinishReason, TokenLogprob
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.sampling.outputs import FinishReason, TokenLogprob
+from llmplatform.sampling.params import SamplingParams
 
 
 PromptType = Union[str, Sequence[int], Mapping[str, Any]]

@@ -14,7 +14,7 @@ from llmplatform.engine.async_engine import AsyncEngine
 from llmplatform.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.errors import ContextLengthExceededError, EngineDeadError
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.sampling.params import SamplingParams
 from tests.polling import wait_until, wait_until_async
 
 NUM_PROMPTS = 16

@@ -21,9 +21,9 @@ from llmplatform.engine.isolation import IsolatingSampler
 from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.engine.sequence import Sequence
 from llmplatform.errors import EngineDeadError, EngineRestartingError
-from llmplatform.llm.base import FinishReason
-from llmplatform.llm.sampler import Sampler, SamplingRow
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.sampling.outputs import FinishReason
+from llmplatform.sampling.params import SamplingParams
+from llmplatform.sampling.sampler import Sampler, SamplingRow
 from tests.engine.test_engine import assert_all_blocks_free, varied_prompts
 from tests.polling import wait_until_async
 

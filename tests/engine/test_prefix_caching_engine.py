@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from llmplatform.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from llmplatform.engine.llm_engine import LLMEngine
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.sampling.params import SamplingParams
 
 
 def make_engine(model_dir, *, enable_prefix_caching=True, max_num_batched_tokens=512,

@@ -9,8 +9,8 @@ import json
 import jsonschema
 import pytest
 
-from llmplatform.llm.sampling import SamplingParams
 from llmplatform.sampling.grammar import GrammarCompiler
+from llmplatform.sampling.params import SamplingParams
 from llmplatform.sampling.structured_output import StructuredOutputSpec
 from tests.engine.test_engine import assert_all_blocks_free, make_engine, varied_prompts
 

@@ -17,7 +17,7 @@ from llmplatform.engine.config import CacheConfig, EngineConfig, ModelConfig, Sc
 from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.errors import EngineDeadError
 from llmplatform.llm.base import GenerateRequest
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.sampling.params import SamplingParams
 
 
 def _config(model_dir: Path) -> EngineConfig:

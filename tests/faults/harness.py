@@ -21,7 +21,7 @@ import httpx
 
 from llmplatform.controller import ControllerConfig
 from llmplatform.controller import create_app as create_controller_app
-from llmplatform.llm.base import LLM
+from llmplatform.llm.base import LLMBackend
 from llmplatform.model_worker.app import WorkerSettings
 from llmplatform.model_worker.app import create_app as create_worker_app
 from llmplatform.openai_api.app import create_app as create_gateway_app
@@ -63,7 +63,7 @@ def gateway_app(controller_url: str, *, rng: Any = None, **settings: Any) -> Any
     return create_gateway_app(GatewaySettings(controller_address=controller_url, **settings), rng=rng)
 
 
-def worker_app(llm: LLM, controller_url: str | None, **settings: Any) -> Any:
+def worker_app(llm: LLMBackend, controller_url: str | None, **settings: Any) -> Any:
     values: dict[str, Any] = dict(worker_address=None, controller_address=controller_url,
                                   register=controller_url is not None,
                                   limit_worker_concurrency=llm.default_concurrency,

@@ -12,7 +12,7 @@ import httpx
 
 from llmplatform.controller import ControllerConfig
 from llmplatform.controller import create_app as create_controller_app
-from llmplatform.llm.base import LLM
+from llmplatform.llm.base import LLMBackend
 from llmplatform.model_worker.app import WorkerSettings
 from llmplatform.model_worker.app import create_app as create_worker_app
 from llmplatform.model_worker.backends import BackendConfig, build_llm
@@ -22,7 +22,7 @@ from llmplatform.utils.server import serve_in_thread
 from tests.polling import DEFAULT_TIMEOUT_S, wait_until
 
 
-def paged_tiny_llm(model_dir: Path, **overrides: Any) -> LLM:
+def paged_tiny_llm(model_dir: Path, **overrides: Any) -> LLMBackend:
     """The tiny test model on the paged backend (float32, CPU, a 64 MiB KV pool), named "tiny"."""
     config: dict[str, Any] = dict(model_path=str(model_dir), model_names=("tiny",), backend="paged",
                                   device="cpu", dtype="float32", kv_cache_memory="64MiB")
@@ -37,7 +37,7 @@ class Cluster:
     worker_urls: dict[str, str] = field(default_factory=dict)  # first model name -> URL
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
-    def add_worker(self, llm: LLM, *, limit_worker_concurrency: int | None = None,
+    def add_worker(self, llm: LLMBackend, *, limit_worker_concurrency: int | None = None,
                    heartbeat_interval: float = 0.5) -> str:
         app = create_worker_app(llm, WorkerSettings(
             worker_address=None, controller_address=self.controller_url,

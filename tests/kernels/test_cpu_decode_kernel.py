@@ -22,7 +22,7 @@ import llmplatform.kernels as kernels
 from llmplatform.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.kernels import BACKEND_ENV_VAR, cpu_decode
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.sampling.params import SamplingParams
 from tests.engine.test_engine import run_to_completion
 from tests.kernels.conftest import require_cpu_kernel
 

@@ -19,7 +19,7 @@ import llmplatform.kernels as kernels  # noqa: E402
 from llmplatform.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from llmplatform.engine.llm_engine import LLMEngine  # noqa: E402
 from llmplatform.kernels import BACKEND_ENV_VAR  # noqa: E402
-from llmplatform.llm.sampling import SamplingParams  # noqa: E402
+from llmplatform.sampling.params import SamplingParams  # noqa: E402
 
 NEW_TOKENS = 6
 

@@ -13,7 +13,7 @@ from llmplatform.engine.config import SchedulerConfig
 from llmplatform.engine.outputs import ModelOutput, SchedulerOutput
 from llmplatform.engine.scheduler import Scheduler
 from llmplatform.engine.sequence import Sequence, SequenceStatus
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.sampling.params import SamplingParams
 
 SAMPLED = 7  # the fake model always samples this token
 _request_ids = itertools.count()

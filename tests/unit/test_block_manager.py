@@ -6,7 +6,7 @@ import pytest
 
 from llmplatform.engine.block_manager import BlockManager
 from llmplatform.engine.sequence import Sequence
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.sampling.params import SamplingParams
 
 
 def make_seq(num_prompt_tokens: int) -> Sequence:

@@ -17,11 +17,11 @@ import torch.nn.functional as F
 import transformers
 
 from llmplatform.engine.config import ModelConfig
-from llmplatform.llm import torch_utils
-from llmplatform.llm.torch_utils import resolve_compute_dtype
 from llmplatform.models.layers import Linear
 from llmplatform.models.llama import LlamaForCausalLM
 from llmplatform.models.loader import load_model
+from llmplatform.utils import torch_utils
+from llmplatform.utils.torch_utils import resolve_compute_dtype
 from tests.unit.test_llama_model import VOCAB, PagedRunner, build_tiny, hf_logits
 
 CPU = torch.device("cpu")

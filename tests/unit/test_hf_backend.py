@@ -20,7 +20,7 @@ import torch
 from llmplatform.errors import ContextLengthExceededError, InvalidRequestError
 from llmplatform.llm.base import FinishReason, GenerateChunk, GenerateRequest
 from llmplatform.llm.hf import HFTransformersLLM
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.sampling.params import SamplingParams
 
 PROMPTS = ("Hello, my name is", "The capital of France", "日本語 🤖 test", "1 2 3 4 5")
 WEIGHT_SCALE = 8.0

@@ -118,7 +118,7 @@ def test_bf16_weights_are_prepacked_with_bf16_instructions(bias: bool, monkeypat
 
 
 def test_the_bf16_switch_follows_the_cpu() -> None:
-    from llmplatform.llm.torch_utils import cpu_has_native_low_precision_matmul
+    from llmplatform.utils.torch_utils import cpu_has_native_low_precision_matmul
 
     expected = torch.bfloat16 in layers.onednn_weight_dtypes()
     assert expected == cpu_has_native_low_precision_matmul(torch.bfloat16)

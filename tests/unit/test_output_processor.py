@@ -11,9 +11,9 @@ from typing import Any, Sequence
 
 import pytest
 
-from llmplatform.llm.base import FinishReason, GenerateChunk, TokenLogprob
-from llmplatform.llm.output import IncrementalDetokenizer, OutputProcessor
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.sampling.output_processor import IncrementalDetokenizer, OutputProcessor
+from llmplatform.sampling.outputs import FinishReason, GenerateChunk, TokenLogprob
+from llmplatform.sampling.params import SamplingParams
 
 REPLACEMENT = "\ufffd"
 MULTILINGUAL = (

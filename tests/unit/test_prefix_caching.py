@@ -11,7 +11,7 @@ import struct
 from llmplatform.engine.block_manager import BlockManager
 from llmplatform.engine.prefix_cache import PrefixCache, hash_block_tokens
 from llmplatform.engine.sequence import Sequence
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.sampling.params import SamplingParams
 
 SAMPLED = 7  # a generated token
 _request_ids = itertools.count()

@@ -13,7 +13,7 @@ from llmplatform.engine.block_manager import BlockManager
 from llmplatform.engine.outputs import ModelOutput, SchedulerOutput
 from llmplatform.engine.scheduler import Scheduler
 from llmplatform.engine.sequence import Sequence, SequenceStatus
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.sampling.params import SamplingParams
 from tests.unit import scheduler_helpers
 from tests.unit.scheduler_helpers import SAMPLED, add, assert_drained, batch, finish_all, finish_done, step
 

@@ -14,9 +14,9 @@ from typing import Any, Sequence
 import pytest
 import torch
 
-from llmplatform.llm.output import token_text
-from llmplatform.llm.sampler import Sampler, SamplingRow, make_generator
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.sampling.output_processor import token_text
+from llmplatform.sampling.params import SamplingParams
+from llmplatform.sampling.sampler import Sampler, SamplingRow, make_generator
 
 VOCAB = 10
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmplatform.llm.sampler import Sampler, SamplingRow, advance_grammars, make_generator
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.sampling.params import SamplingParams
+from llmplatform.sampling.sampler import Sampler, SamplingRow, advance_grammars, make_generator
 from llmplatform.sampling.structured_output import StructuredOutputSpec
 from tests.unit.grammar_helpers import make_compiler
 

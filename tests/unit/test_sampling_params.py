@@ -8,7 +8,7 @@ import math
 import pytest
 
 from llmplatform.errors import InvalidRequestError
-from llmplatform.llm.sampling import (GREEDY_TEMPERATURE, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS,
+from llmplatform.sampling.params import (GREEDY_TEMPERATURE, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS,
                                       MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS, SamplingParams,
                                       check_prompt_token_ids)
 

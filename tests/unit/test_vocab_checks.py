@@ -18,7 +18,7 @@ from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.errors import InvalidRequestError
 from llmplatform.llm.base import GenerateRequest
 from llmplatform.llm.hf import HFTransformersLLM
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.sampling.params import SamplingParams
 
 VOCAB = 49152
 PADDED_VOCAB = VOCAB + 64  # an LM head wider than the tokenizer, as padded checkpoints have

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from llmplatform.llm.base import LLM, GenerateChunk, GenerateRequest
+from llmplatform.llm.base import GenerateChunk, GenerateRequest, LLMBackend
 from llmplatform.llm.hf import HFTransformersLLM
 from llmplatform.model_worker.backends import BackendConfig, build_llm
 from llmplatform.webui.settings import WebUISettings
@@ -64,7 +64,7 @@ class Stack:
         return wait_until(idle, what=f"{model}'s worker idle", context=lambda: self.worker_status(model))
 
 
-def record_generations(llm: LLM, stack: Stack) -> None:
+def record_generations(llm: LLMBackend, stack: Stack) -> None:
     """Wrap `llm.generate` on the instance so tests can see whether a request ran to its end or
     was closed early (the abort path). The model still does all the work."""
     inner: Callable[[GenerateRequest], AsyncIterator[GenerateChunk]] = llm.generate
@@ -90,7 +90,7 @@ def record_generations(llm: LLM, stack: Stack) -> None:
     llm.generate = generate  # type: ignore[method-assign]
 
 
-def tiny_llms(model_dir: Path) -> tuple[LLM, LLM]:
+def tiny_llms(model_dir: Path) -> tuple[LLMBackend, LLMBackend]:
     paged = build_llm(BackendConfig(model_path=str(model_dir), model_names=(PAGED_MODEL,),
                                     backend="paged", device="cpu", dtype="float32",
                                     kv_cache_memory="64MiB"))

@@ -29,9 +29,9 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 from llmplatform.engine.config import RestartConfig
 from llmplatform.engine.llm_engine import LLMEngine, SequenceUpdate
 from llmplatform.errors import EngineDeadError, EngineRestartingError
-from llmplatform.llm.sampling import SamplingParams
-from llmplatform.llm.torch_utils import torch_thread
+from llmplatform.sampling.params import SamplingParams
 from llmplatform.utils.logs import request_context
+from llmplatform.utils.torch_utils import torch_thread
 
 logger = logging.getLogger("llmplatform.engine")
 

@@ -24,8 +24,8 @@ import torch
 
 from llmplatform.engine.faults import FaultInjector
 from llmplatform.engine.sequence import Sequence
-from llmplatform.llm.base import TokenLogprob
-from llmplatform.llm.sampler import Sampler, SamplingRow, advance_grammars
+from llmplatform.sampling.outputs import TokenLogprob
+from llmplatform.sampling.sampler import Sampler, SamplingRow, advance_grammars
 from llmplatform.utils.logs import request_context
 
 logger = logging.getLogger("llmplatform.engine")

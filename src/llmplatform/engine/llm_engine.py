@@ -28,10 +28,10 @@ from llmplatform.engine.prefix_cache import PrefixCacheStats
 from llmplatform.engine.scheduler import Scheduler
 from llmplatform.engine.sequence import Sequence
 from llmplatform.errors import ContextLengthExceededError, InvalidRequestError
-from llmplatform.llm.base import FinishReason, GenerateChunk, Usage
-from llmplatform.llm.output import OutputProcessor, eos_token_ids_of
-from llmplatform.llm.sampler import SamplingRow, make_generator
-from llmplatform.llm.sampling import SamplingParams, check_prompt_token_ids
+from llmplatform.sampling.output_processor import OutputProcessor, eos_token_ids_of
+from llmplatform.sampling.outputs import FinishReason, GenerateChunk, Usage
+from llmplatform.sampling.params import SamplingParams, check_prompt_token_ids
+from llmplatform.sampling.sampler import SamplingRow, make_generator
 from llmplatform.utils.logs import request_context
 
 if TYPE_CHECKING:

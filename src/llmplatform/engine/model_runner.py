@@ -30,12 +30,12 @@ from llmplatform.engine.faults import FaultInjector
 from llmplatform.engine.isolation import IsolatingSampler, pinned_fault
 from llmplatform.engine.outputs import ModelOutput, SchedulerOutput
 from llmplatform.kernels import AttentionMetadata
-from llmplatform.llm.base import TokenLogprob
-from llmplatform.llm.output import token_text
-from llmplatform.llm.sampler import Sampler, SamplingRow
-from llmplatform.llm.torch_utils import resolve_compute_dtype, resolve_device, resolve_dtype
 from llmplatform.models.layers import use_onednn_weights
 from llmplatform.models.loader import load_model
+from llmplatform.sampling.output_processor import token_text
+from llmplatform.sampling.outputs import TokenLogprob
+from llmplatform.sampling.sampler import Sampler, SamplingRow
+from llmplatform.utils.torch_utils import resolve_compute_dtype, resolve_device, resolve_dtype
 
 logger = logging.getLogger("llmplatform.engine")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmplatform.engine.sequence import Sequence
-from llmplatform.llm.base import TokenLogprob
+from llmplatform.sampling.outputs import TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.sampling.params import SamplingParams
 
 _seq_counter = itertools.count()
 

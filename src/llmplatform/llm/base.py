@@ -1,69 +1,35 @@
-"""The unified LLM interface: the seam between serving and inference.
+"""The serving interface: the seam between serving and inference.
 
-Every backend (the native paged engine, plain HF transformers) implements :class:`LLM`. The
-model worker's HTTP surface is written once against this interface; backends differ only behind it.
+Every backend (the native paged engine, plain HF transformers) implements :class:`LLMBackend`.
+The model worker's HTTP surface is written once against this interface; backends differ only
+behind it. (The offline batch API, ``llmplatform.LLM``, is another thing: it drives the engine
+directly, in the caller's thread.)
 
-A generation yields :class:`GenerateChunk` objects, each carrying the *delta* since the previous
-chunk (new token ids, new visible text, their log-probabilities) plus running usage; exactly the
-last chunk has a ``finish_reason``. Stop strings, partial UTF-8 and incremental detokenization are
-applied before a chunk leaves the backend, by the shared :mod:`llmplatform.llm.output` code.
+A generation yields :class:`GenerateChunk` objects (:mod:`llmplatform.sampling.outputs`, below
+both the engine and the backends; re-exported here as part of the interface), each carrying the
+*delta* since the previous chunk plus running usage; exactly the last chunk has a
+``finish_reason``. Stop strings, partial UTF-8 and incremental detokenization are applied before
+a chunk leaves the backend, by the shared :mod:`llmplatform.sampling.output_processor` code.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 from llmplatform.errors import InvalidRequestError
 from llmplatform.llm.embedding import (EmbeddingFacts, EmbeddingResult, ModelTask,
                                         not_an_embedding_model)
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.sampling.outputs import (  # noqa: F401  (the interface's result types)
+    FinishReason, GenerateChunk, TokenLogprob, TopLogprob, Usage,
+)
+from llmplatform.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from llmplatform.sampling.grammar import CompiledGrammar, GrammarCompiler
     from llmplatform.sampling.structured_output import StructuredOutputSpec
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"        # EOS, a stop token id or a stop string
-    LENGTH = "length"    # max_tokens or the context length reached
-    ABORT = "abort"      # cancelled by the client
-    ERROR = "error"      # the backend failed
-
-    def __str__(self) -> str:  # so f-strings and JSON see "stop", not "FinishReason.STOP"
-        return self.value
-
-
-@dataclass(frozen=True)
-class TopLogprob:
-    token_id: int
-    token: str
-    logprob: float
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """The log-probability of one chosen token and its top alternatives (most likely first).
-
-    ``logprob`` is None only for the first prompt token (nothing precedes it)."""
-
-    token_id: int
-    token: str
-    logprob: float | None
-    top: tuple[TopLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
 
 
 @dataclass(frozen=True)
@@ -75,32 +41,12 @@ class GenerateRequest:
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     # The output's constraint (structured outputs, forced tool calls), compiled at admission
-    # (:meth:`LLM.compile_grammar`): the backend never compiles on its step path.
+    # (:meth:`LLMBackend.compile_grammar`): the backend never compiles on its step path.
     grammar: CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
         if self.prompt is None and self.prompt_token_ids is None:
             raise InvalidRequestError("a prompt or prompt token ids are required", param="prompt")
-
-
-@dataclass(frozen=True)
-class GenerateChunk:
-    """What one step added to a request's output (deltas, not cumulative values)."""
-
-    request_id: str
-    text: str
-    token_ids: tuple[int, ...]
-    usage: Usage
-    finish_reason: FinishReason | None = None
-    logprobs: tuple[TokenLogprob, ...] | None = None
-    # Only on the first chunk, and only when SamplingParams.prompt_logprobs is set; one record per
-    # prompt token.
-    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
-    # Only on a chunk with finish_reason ERROR.
-    error: str | None = None
-    # time.monotonic() at which the backend first scheduled the request (left its own waiting
-    # queue), on the request's first chunk only; None when the backend does not report it.
-    first_scheduled_time: float | None = None
 
 
 @dataclass(frozen=True)
@@ -157,7 +103,7 @@ class ModelFacts:
     """Set when ``tasks`` holds ``EMBED``: the vectors' width, the longest input, Matryoshka."""
 
 
-class LLM(abc.ABC):
+class LLMBackend(abc.ABC):
     """A model that serves generation requests. One instance per worker."""
 
     tokenizer: Any

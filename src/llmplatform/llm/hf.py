@@ -17,17 +17,17 @@ from typing import Any, AsyncIterator, Sequence
 import torch
 
 from llmplatform.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError
-from llmplatform.llm.base import (LLM, BackendInfo, FinishReason, GenerateChunk, GenerateRequest,
-                                  LoadStats, ModelFacts, TokenLogprob)
-from llmplatform.llm.output import OutputProcessor, eos_token_ids_of, token_text
-from llmplatform.llm.sampler import Sampler, SamplingRow, advance_grammars, make_generator
-from llmplatform.llm.sampling import SamplingParams, check_prompt_token_ids
-from llmplatform.llm.torch_utils import resolve_device, resolve_dtype
+from llmplatform.llm.base import BackendInfo, GenerateRequest, LLMBackend, LoadStats, ModelFacts
+from llmplatform.sampling.output_processor import OutputProcessor, eos_token_ids_of, token_text
+from llmplatform.sampling.outputs import FinishReason, GenerateChunk, TokenLogprob
+from llmplatform.sampling.params import SamplingParams, check_prompt_token_ids
+from llmplatform.sampling.sampler import Sampler, SamplingRow, advance_grammars, make_generator
+from llmplatform.utils.torch_utils import resolve_device, resolve_dtype
 
 logger = logging.getLogger("llmplatform.hf")
 
 
-class HFTransformersLLM(LLM):
+class HFTransformersLLM(LLMBackend):
     """Serves a model with plain transformers forward passes (no batching across requests)."""
 
     backend_name = "hf"

@@ -21,15 +21,15 @@ from llmplatform.engine.faults import faults_from_env
 from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.errors import EngineDeadError, InvalidRequestError
 from llmplatform.kernels import attention_backend
-from llmplatform.llm.base import (LLM, BackendInfo, GenerateChunk, GenerateRequest, LoadStats,
-                                  ModelFacts)
-from llmplatform.llm.sampling import SamplingParams
-from llmplatform.llm.torch_utils import torch_thread
+from llmplatform.llm.base import BackendInfo, GenerateRequest, LLMBackend, LoadStats, ModelFacts
+from llmplatform.sampling.outputs import GenerateChunk
+from llmplatform.sampling.params import SamplingParams
+from llmplatform.utils.torch_utils import torch_thread
 
 logger = logging.getLogger("llmplatform.paged")
 
 
-class PagedLLM(LLM):
+class PagedLLM(LLMBackend):
     """Continuous batching on a paged KV cache (llmplatform.engine)."""
 
     default_concurrency = 1024  # the engine queues and batches requests itself

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from llmplatform.errors import EngineDeadError, EngineOverloadedError, ErrorCode, LLMPlatformError
-from llmplatform.llm.base import LLM
+from llmplatform.llm.base import LLMBackend
 
 
 class WorkerDrainingError(LLMPlatformError):
@@ -64,7 +64,7 @@ class WorkerState:
         """Requests accepted but not generating yet: waiting for a slot or in the backend's queue."""
         return self.num_accepted - self.num_in_slot + backend_waiting
 
-    def admit(self, llm: LLM) -> Ticket:
+    def admit(self, llm: LLMBackend) -> Ticket:
         """A ticket for one more request, or the typed refusal (503 or 429) to answer with."""
         if self.draining:
             raise WorkerDrainingError("This worker is shutting down; send the request to another worker.")

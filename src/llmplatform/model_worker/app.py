@@ -1,4 +1,4 @@
-"""The model worker: one HTTP surface (FastChat's worker routes) around one :class:`LLM`.
+"""The model worker: one HTTP surface (FastChat's worker routes) around one :class:`LLMBackend`.
 
 The same app serves every backend. The params dict is parsed once here into typed objects and
 checked whole before the worker answers (:mod:`.requests`): a refusal is the whole answer, a
@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from llmplatform.errors import ErrorCode, InvalidRequestError, LLMPlatformError
-from llmplatform.llm.base import LLM, GenerateChunk
+from llmplatform.llm.base import GenerateChunk, LLMBackend
 from llmplatform.metrics.common import add_metrics_route
 from llmplatform.metrics.worker import WorkerLoad, WorkerMetrics
 from llmplatform.model_worker.admission import (Ticket, TicketedStreamingResponse, WorkerState,
@@ -82,7 +82,7 @@ class WorkerSettings:
     thread, rather than on the first request that needs it (about a second of CPU)."""
 
 
-def create_app(llm: LLM, settings: WorkerSettings, *,
+def create_app(llm: LLMBackend, settings: WorkerSettings, *,
                on_backend_failure: FailureHandler | None = None) -> FastAPI:
     """``on_backend_failure(reason)``: called once the backend has failed for good, after the
     worker left its controller (service mode exits the process there; see :mod:`.failure`)."""
@@ -137,7 +137,7 @@ def create_app(llm: LLM, settings: WorkerSettings, *,
 
 
 def _status(app: FastAPI) -> dict[str, Any]:
-    llm: LLM = app.state.llm
+    llm: LLMBackend = app.state.llm
     load = llm.load()
     return {
         "model_names": list(llm.model_names),
@@ -162,7 +162,7 @@ def _status(app: FastAPI) -> dict[str, Any]:
     }
 
 
-async def _prepare_grammars(llm: LLM) -> None:
+async def _prepare_grammars(llm: LLMBackend) -> None:
     try:
         await llm.grammar_compiler()
     except Exception:  # the first structured request will try again and report it
@@ -236,7 +236,7 @@ class _CumulativeStream:
 
 async def _generate_chunks(app: FastAPI, accepted: Accepted, ticket: Ticket) -> AsyncIterator[bytes]:
     """The worker's stream: JSON objects each followed by NUL; errors in-band."""
-    llm: LLM = app.state.llm
+    llm: LLMBackend = app.state.llm
     state: WorkerState = app.state.worker
     request, params, observer = accepted.request, accepted.params, accepted.observer
     request_id = request.request_id
@@ -291,7 +291,7 @@ async def _generate_chunks(app: FastAPI, accepted: Accepted, ticket: Ticket) -> 
 
 
 def _add_routes(app: FastAPI) -> None:
-    llm: LLM = app.state.llm
+    llm: LLMBackend = app.state.llm
 
     @app.post("/worker_generate_stream")
     async def worker_generate_stream(request: Request) -> Response:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from llmplatform.llm.base import LLM
+from llmplatform.llm.base import LLMBackend
 
 logger = logging.getLogger("llmplatform.worker")
 
@@ -38,7 +38,7 @@ class BackendConfig:
     tool_call_parser: str | None = None
 
 
-def build_llm(config: BackendConfig) -> LLM:
+def build_llm(config: BackendConfig) -> LLMBackend:
     """Resolves the model (local dir, hub id, .gguf, or the embedded default), loads it, and
     sets its chat template and tool-call syntax."""
     from llmplatform.llm.tool_support import check_tool_flags, configure_tool_support
@@ -50,7 +50,7 @@ def build_llm(config: BackendConfig) -> LLM:
     return llm
 
 
-def _load(config: BackendConfig) -> LLM:
+def _load(config: BackendConfig) -> LLMBackend:
     from llmplatform.llm.resolve import resolve_model
 
     resolved = resolve_model(config.model_path)
@@ -82,7 +82,7 @@ def _load(config: BackendConfig) -> LLM:
     raise ValueError(f"unknown backend {config.backend!r}; choose from {', '.join(BACKENDS)}")
 
 
-def _build_paged(config: BackendConfig, path: str, names: tuple[str, ...]) -> LLM:
+def _build_paged(config: BackendConfig, path: str, names: tuple[str, ...]) -> LLMBackend:
     from transformers import AutoConfig
 
     from llmplatform.engine.config import (CacheConfig, EngineConfig, ModelConfig,

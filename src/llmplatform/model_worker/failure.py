@@ -15,7 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from llmplatform.llm.base import LLM
+from llmplatform.llm.base import LLMBackend
 
 logger = logging.getLogger("llmplatform.worker")
 
@@ -26,7 +26,7 @@ clients before ``on_failure`` runs."""
 FailureHandler = Callable[[str], None]
 
 
-async def watch_backend(state: Any, llm: LLM, drain: Callable[[], Awaitable[None]],
+async def watch_backend(state: Any, llm: LLMBackend, drain: Callable[[], Awaitable[None]],
                         on_failure: FailureHandler | None) -> None:
     """Waits for ``llm`` to fail for good; sets ``state.backend_failure`` to the reason, then
     (with an ``on_failure``) drains and calls it. Cancelled at the worker's shutdown."""

@@ -6,7 +6,7 @@ its sampling params, every token id they carry against the model's vocabulary (t
 where the vocabulary is known, whoever sent the request), its output constraint compiled
 (``structured_output``: the request waits here while its grammar compiles, off the event loop,
 and no other request's steps wait for it), and the backend's own checks
-(:meth:`LLM.check_request`). The worker then answers a refusal as the whole response and an
+(:meth:`LLMBackend.check_request`). The worker then answers a refusal as the whole response and an
 accepted request with a stream whose first chunk is output
 (:data:`~llmplatform.protocol.worker.ACCEPTED_HEADER`).
 """
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmplatform.errors import InvalidRequestError, LLMPlatformError, ModelNotFoundError
-from llmplatform.llm.base import LLM, GenerateRequest
-from llmplatform.llm.context import resolve_max_new_tokens
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.llm.base import GenerateRequest, LLMBackend
 from llmplatform.metrics.worker import RequestObserver, WorkerMetrics
 from llmplatform.protocol.worker import WorkerParams
+from llmplatform.sampling.context_length import resolve_max_new_tokens
+from llmplatform.sampling.params import SamplingParams
 from llmplatform.utils.logs import REQUEST_ID
 
 logger = logging.getLogger("llmplatform.worker")
@@ -36,7 +36,7 @@ A gateway sends a field that changes what must be generated (``logit_bias``,
 silently. ``tools`` is listed only by a worker whose model serves tool calls."""
 
 
-def model_details_of(llm: LLM) -> dict[str, Any]:
+def model_details_of(llm: LLMBackend) -> dict[str, Any]:
     """``/model_details``: the context length, the params additions understood and, for a model
     that serves tools, ``tool_call_parser``: the syntax its calls are written in, which the
     gateway forces (tool_choice required/named) and parses. The gateway parses, not the worker:
@@ -50,7 +50,7 @@ def model_details_of(llm: LLM) -> dict[str, Any]:
     return details
 
 
-def check_model(llm: LLM, model: str | None) -> None:
+def check_model(llm: LLMBackend, model: str | None) -> None:
     if model is not None and model not in llm.model_names:
         raise ModelNotFoundError(f"this worker serves {list(llm.model_names)}, not {model!r}",
                                  param="model")
@@ -62,7 +62,7 @@ def id_in_use(request_id: str) -> InvalidRequestError:
                                param="request_id")
 
 
-async def render_prompt(llm: LLM, params: WorkerParams) -> tuple[str, list[int] | None, int]:
+async def render_prompt(llm: LLMBackend, params: WorkerParams) -> tuple[str, list[int] | None, int]:
     """The prompt text, its token ids when the worker must count them here (``openai_max_tokens``;
     otherwise the backend tokenizes), and ``max_new_tokens``. One thread hop for the template and
     the tokenizer together: both take a while on long conversations."""
@@ -119,7 +119,7 @@ def sampling_params_from(params: WorkerParams, max_new_tokens: int | None = None
         skip_special_tokens=params.skip_special_tokens, logit_bias=params.logit_bias)
 
 
-async def compile_constraint(llm: LLM, params: WorkerParams) -> Any:
+async def compile_constraint(llm: LLMBackend, params: WorkerParams) -> Any:
     """The request's compiled output grammar (None without ``structured_output``); a spec that
     is malformed, does not compile or compiles too slowly is a 400 naming the client's field."""
     if params.structured_output is None:
@@ -141,7 +141,7 @@ class Accepted:
     chunk is output, not a refusal (``ACCEPTED_HEADER``)."""
 
 
-async def accept(llm: LLM, params: WorkerParams, *, running_ids: set[str],
+async def accept(llm: LLMBackend, params: WorkerParams, *, running_ids: set[str],
                  metrics: WorkerMetrics) -> Accepted:
     """Every check a request can fail before generating (LLMPlatformError), done before the
     worker answers. Starts the request's timing (its arrival) and its logging context."""

@@ -101,7 +101,7 @@ def onednn_weight_dtypes() -> tuple[torch.dtype, ...]:
     """The weight dtypes whose CPU projections ``use_onednn_weights`` prepacks: float32, and
     bfloat16 on CPUs with bf16 matrix instructions (elsewhere oneDNN emulates bf16 and the engine
     multiplies in float32 anyway: ``torch_utils.resolve_compute_dtype``)."""
-    from llmplatform.llm.torch_utils import cpu_has_native_low_precision_matmul
+    from llmplatform.utils.torch_utils import cpu_has_native_low_precision_matmul
 
     if cpu_has_native_low_precision_matmul(torch.bfloat16):
         return (torch.float32, torch.bfloat16)

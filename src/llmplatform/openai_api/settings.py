@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-# What the worker itself accepts at most (llmplatform.llm.sampling): a cap above it would only
+# What the worker itself accepts at most (llmplatform.sampling.params): a cap above it would only
 # move the refusal from the gateway to the worker.
 _WORKER_MAX_LOGPROBS = 20
 _WORKER_MAX_STOP_STRINGS = 16

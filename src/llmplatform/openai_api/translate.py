@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmplatform.errors import InvalidRequestError
-from llmplatform.llm.sampling import MAX_LOGIT_BIAS_ENTRIES, MAX_SEED
-from llmplatform.llm.context import resolve_max_new_tokens
 from llmplatform.openai_api.constraints import WorkerConstraint
 from llmplatform.openai_api.settings import RequestLimits
 from llmplatform.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 from llmplatform.protocol.worker import OpenAIMaxTokens, WorkerParams
+from llmplatform.sampling.context_length import resolve_max_new_tokens
+from llmplatform.sampling.params import MAX_LOGIT_BIAS_ENTRIES, MAX_SEED
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's default `max_tokens` for /v1/completions."""

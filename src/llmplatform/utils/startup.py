@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from llmplatform.controller.config import ControllerConfig
-    from llmplatform.llm.base import LLM
+    from llmplatform.llm.base import LLMBackend
     from llmplatform.model_worker.app import WorkerSettings
     from llmplatform.openai_api.settings import GatewaySettings
 
@@ -19,7 +19,7 @@ def listen_url(host: str, port: int) -> str:
         f"http://{host}:{port}"
 
 
-def worker_summary(llm: LLM, settings: WorkerSettings, listen: str) -> dict[str, Any]:
+def worker_summary(llm: LLMBackend, settings: WorkerSettings, listen: str) -> dict[str, Any]:
     info = llm.backend_info()
     if info.num_kv_blocks is not None and info.kv_block_size is not None:
         kv = (f"{info.num_kv_blocks} blocks x {info.kv_block_size} tokens = "

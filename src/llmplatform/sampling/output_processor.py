@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from llmplatform.llm.base import FinishReason, GenerateChunk, TokenLogprob, Usage
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.sampling.outputs import FinishReason, GenerateChunk, TokenLogprob, Usage
+from llmplatform.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from llmplatform.sampling.grammar_matcher import SequenceGrammar

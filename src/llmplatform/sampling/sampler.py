@@ -29,9 +29,9 @@ from typing import Any, Sequence
 
 import torch
 
-from llmplatform.llm.base import TokenLogprob, TopLogprob
-from llmplatform.llm.output import token_text
-from llmplatform.llm.sampling import SamplingParams
+from llmplatform.sampling.output_processor import token_text
+from llmplatform.sampling.outputs import TokenLogprob, TopLogprob
+from llmplatform.sampling.params import SamplingParams
 from llmplatform.sampling.grammar_matcher import (
     SequenceGrammar, allocate_bitmask, apply_bitmask, fill_bitmasks,
 )
