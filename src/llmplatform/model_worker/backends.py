@@ -9,7 +9,7 @@ from llmplatform.llm.base import LLMBackend
 
 logger = logging.getLogger("llmplatform.worker")
 
-BACKENDS = ("auto", "paged", "hf")
+BACKENDS = ("auto", "paged", "hf", "encoder")
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,9 @@ class BackendConfig:
     # tool-call syntax; None: decided from the model's own template.
     chat_template: str | None = None
     tool_call_parser: str | None = None
+    # Embedding models (encoder backend): cross-request batching (llm.embed_batcher).
+    embed_max_batch_tokens: int = 16384
+    embed_batch_wait_ms: float = 2.0
 
 
 def build_llm(config: BackendConfig) -> LLMBackend:
@@ -56,6 +59,8 @@ def _load(config: BackendConfig) -> LLMBackend:
     resolved = resolve_model(config.model_path)
     names = config.model_names or (resolved.name,)
     backend = config.backend
+    if backend == "encoder" or backend == "auto" and _is_embedding_model(resolved.path):
+        return _build_encoder(config, str(resolved.path), names)
     if backend in ("auto", "paged"):
         from transformers import AutoConfig
 
@@ -80,6 +85,23 @@ def _load(config: BackendConfig) -> LLMBackend:
                                  max_model_len=config.max_model_len,
                                  trust_remote_code=config.trust_remote_code)
     raise ValueError(f"unknown backend {config.backend!r}; choose from {', '.join(BACKENDS)}")
+
+
+def _is_embedding_model(path: object) -> bool:
+    from llmplatform.llm.encoder_config import is_embedding_model
+
+    return is_embedding_model(str(path))
+
+
+def _build_encoder(config: BackendConfig, path: str, names: tuple[str, ...]) -> LLMBackend:
+    from llmplatform.llm.embed_batcher import BatchingConfig
+    from llmplatform.llm.encoder import EncoderEmbeddingLLM
+
+    batching = BatchingConfig(max_batch_tokens=config.embed_max_batch_tokens,
+                              max_wait_s=config.embed_batch_wait_ms / 1000)
+    return EncoderEmbeddingLLM(path, names, device=config.device, dtype=config.dtype,
+                               max_model_len=config.max_model_len, batching=batching,
+                               trust_remote_code=config.trust_remote_code)
 
 
 def _build_paged(config: BackendConfig, path: str, names: tuple[str, ...]) -> LLMBackend:

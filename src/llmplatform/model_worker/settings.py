@@ -23,6 +23,7 @@ from llmplatform.utils.settings import CommaList, OptionalText, option
 Backend = Literal[BACKENDS]  # type: ignore[valid-type]
 ComputeDtype = Literal[COMPUTE_DTYPES]  # type: ignore[valid-type]
 _ENGINE = "native engine (--backend paged)"
+_EMBED = "embedding models (--backend encoder)"
 
 
 class WorkerServiceSettings(ServerSettings):
@@ -34,7 +35,8 @@ class WorkerServiceSettings(ServerSettings):
                                     "the embedded SmolLM2-135M-Instruct)")
     model_names: CommaList = option((), "comma-separated names to serve the model under "
                                     "(default: its directory name)")
-    backend: Backend = option("auto", "inference backend (auto picks the best available)")
+    backend: Backend = option("auto", "inference backend (auto picks the best available; an "
+                              "embedding model folder gets encoder)")
     port: int = option(21002, "bind port; 0 picks a free one (default: %(default)s)")
     worker_address: str | None = option(
         None, "URL the controller and gateway reach this worker at (default: http://HOST:PORT; "
@@ -88,6 +90,13 @@ class WorkerServiceSettings(ServerSettings):
                                   group=_ENGINE)
     gpu_memory_utilization: float = option(
         0.9, "fraction of GPU memory for weights, activations and KV cache (CUDA)", group=_ENGINE)
+    embed_max_batch_tokens: int = option(
+        16384, "embedding models: padded tokens (inputs x longest) per forward pass at most; "
+        "concurrent requests' inputs are batched together up to it (default: %(default)s)",
+        group=_EMBED, ge=1)
+    embed_batch_wait_ms: float = option(
+        2.0, "embedding models: how long a first queued input waits for others to batch with "
+        "(default: %(default)s)", group=_EMBED, ge=0, le=1000)
     enable_prefix_caching: bool = option(
         True, "reuse the KV cache of prompt prefixes seen before (default: on; "
         "--no-enable-prefix-caching turns it off)", group=_ENGINE, negatable=True)

@@ -45,6 +45,9 @@ class WorkerStatus(LoadFacts):
     )
     # Ours only, sent at registration: which LLM implementation serves ("paged", "hf").
     backend: str | None = Field(default=None, description="The worker's inference backend.")
+    # Ours only, sent at registration: what the model serves ("generate", "embed"). None: not
+    # reported (a stock FastChat worker: it generates, and may embed too).
+    tasks: list[str] | None = Field(default=None, max_length=8, description="What the model serves.")
 
 
 class RegisterWorkerRequest(_Message):
@@ -125,6 +128,7 @@ class WorkerDescription(_Message):
     worker_name: str
     model_names: list[str]
     backend: str | None = None
+    tasks: list[str] | None = Field(default=None, description="What the model serves (ours).")
     speed: int
     queue_length: int
     num_running: int | None = None

@@ -14,7 +14,8 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator,
+                      model_validator)
 
 NUL = b"\0"
 
@@ -195,3 +196,37 @@ class ApplyChatTemplateResponse(BaseModel):
     prompt: str
     prompt_tokens: int
     context_length: int
+
+
+MAX_EMBEDDING_INPUTS = 2048
+"""Inputs one embeddings request may carry (OpenAI's own limit), at the gateway and the worker."""
+
+
+class WorkerEmbeddingsRequest(BaseModel):
+    """Body of ``/worker_get_embeddings``. FastChat's gateway sends ``model``, ``input`` (a list
+    of strings) and ``encoding_format`` (null or ``"base64"``: float32 bytes per vector); the
+    answer is ``{"embedding": [vector or base64 string, ...], "token_num": total}``, or an error
+    object with HTTP 200. Everything after ``encoding_format`` is our addition."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[str] | list[list[StrictInt]]
+    """Texts, or token id lists taken as the model's whole input (special tokens included)."""
+    encoding_format: Literal["float", "base64"] | None = None
+    # ---- our additions ----
+    dimensions: StrictInt | None = None
+    """Truncate each vector to this width (Matryoshka models only: ``/model_details``)."""
+    truncate_prompt_tokens: StrictInt | None = None
+    """Cut longer inputs to this many tokens (-1: the model's limit) instead of refusing them."""
+    request_id: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _inputs(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("must hold at least one input")
+            if len(value) > MAX_EMBEDDING_INPUTS:
+                raise ValueError(f"must hold at most {MAX_EMBEDDING_INPUTS} inputs, not {len(value)}")
+        return value

@@ -1,0 +1,191 @@
+"""The encoder backend: embedding models of the BERT family through transformers' ``AutoModel``.
+
+It serves embeddings only (``ModelTask.EMBED``); a generation request is refused with a 400 that
+says so. The vector is made as the folder's sentence-transformers configuration says
+(``encoder_config``): the encoder's last hidden states, pooled (mean, CLS, max, last token,
+mean/sqrt(len), concatenated when several are on), normalized when the pipeline ends in
+Normalize. Inputs longer than ``max_seq_length`` (or the tokenizer's or the model's limit,
+whichever is least) are refused or, on request, truncated by the worker before they get here.
+
+Requests are batched together (``embed_batcher``); every forward pass, and the weights' load,
+run on one torch thread (``torch_thread``: one OpenMP team for the process), never on the event
+loop. ``auto`` dtype is float32: these models are small, and their vectors then match
+sentence-transformers' to float precision.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, AsyncIterator, Sequence
+
+import numpy as np
+import torch
+
+from llmplatform.errors import InvalidRequestError
+from llmplatform.llm.base import (BackendInfo, GenerateRequest, LLMBackend, LoadStats,
+                                  ModelFacts)
+from llmplatform.llm.embed_batcher import BatchingConfig, EmbedBatcher
+from llmplatform.llm.embedding import EmbeddingFacts, EmbeddingResult, ModelTask, check_lengths
+from llmplatform.llm.encoder_config import EncoderPipeline, read_pipeline
+from llmplatform.sampling.outputs import GenerateChunk
+from llmplatform.sampling.params import SamplingParams
+from llmplatform.utils.torch_utils import resolve_device, torch_thread
+
+logger = logging.getLogger("llmplatform.encoder")
+
+# A tokenizer without a stated limit reports a huge sentinel (1e30) as model_max_length.
+_UNBOUNDED = 1_000_000
+
+
+class EncoderEmbeddingLLM(LLMBackend):
+    """Serves ``/v1/embeddings`` for one encoder model folder."""
+
+    backend_name = "encoder"
+    default_concurrency = 1024  # requests are batched together: let them all through
+
+    def __init__(self, model_path: str, model_names: tuple[str, ...], *, device: str = "auto",
+                 dtype: str = "auto", max_model_len: int | None = None,
+                 batching: BatchingConfig = BatchingConfig(),
+                 trust_remote_code: bool = False) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.pipeline: EncoderPipeline = read_pipeline(model_path)
+        self.device = resolve_device(device)
+        self.dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self._executor = torch_thread("encoder")
+        # Loaded on the thread that runs every forward pass (see torch_thread).
+        self.model = self._executor.submit(self._load, model_path, trust_remote_code).result()
+        self._accepts_token_types = "token_type_ids" in self.tokenizer.model_input_names
+        self._pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        limit = _max_input_tokens(self.pipeline, self.tokenizer, config)
+        if max_model_len is not None:
+            limit = min(limit, max_model_len)
+        width = config.hidden_size * len(self.pipeline.pooling_modes)
+        self._facts = ModelFacts(
+            names=tuple(model_names), context_length=limit, vocab_size=config.vocab_size,
+            tasks=(ModelTask.EMBED,),
+            embedding=EmbeddingFacts(dimensions=width, max_input_tokens=limit,
+                                     normalized=self.pipeline.normalize,
+                                     matryoshka_dimensions=self.pipeline.matryoshka_dimensions))
+        self._batcher = EmbedBatcher(self._forward, self._executor, batching)
+        logger.info("loaded %s on %s as %s: %d-dimensional %s embeddings%s, inputs up to %d tokens",
+                    model_path, self.device, self.dtype, width, "+".join(self.pipeline.pooling_modes),
+                    " (normalized)" if self.pipeline.normalize else "", limit)
+
+    def _load(self, model_path: str, trust_remote_code: bool) -> Any:
+        from transformers import AutoModel
+
+        # Weights from safetensors only: a pickled .bin checkpoint can run code on load.
+        model = AutoModel.from_pretrained(model_path, dtype=self.dtype, use_safetensors=True,
+                                          trust_remote_code=trust_remote_code)
+        return model.to(self.device).eval()
+
+    # ---- the interface -------------------------------------------------------------------------
+
+    @property
+    def facts(self) -> ModelFacts:
+        return self._facts
+
+    async def start(self) -> None:
+        await self._batcher.start()
+
+    async def shutdown(self) -> None:
+        await self._batcher.shutdown()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def load(self) -> LoadStats:
+        return LoadStats(num_running=self._batcher.num_running, num_waiting=self._batcher.num_waiting)
+
+    def backend_info(self) -> BackendInfo:
+        return BackendInfo(backend=self.backend_name, dtype=str(self.dtype).removeprefix("torch."),
+                           device=str(self.device))
+
+    async def embed(self, token_id_lists: Sequence[Sequence[int]], *,
+                    request_id: str | None = None) -> list[EmbeddingResult]:
+        check_lengths(token_id_lists, self._facts.context_length)
+        vectors = await self._batcher.embed(token_id_lists)
+        return [EmbeddingResult(vector, len(ids)) for vector, ids in zip(vectors, token_id_lists)]
+
+    def embedding_token_ids_sync(self, texts: Sequence[str], max_tokens: int | None) -> list[list[int]]:
+        if self.pipeline.do_lower_case:  # sentence-transformers lowercases before tokenizing
+            texts = [text.lower() for text in texts]
+        return super().embedding_token_ids_sync(texts, max_tokens)
+
+    def _not_generation(self) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"model {self.model_names[0]!r} is an embedding model: it serves /v1/embeddings, not "
+            "chat or completions", param="model")
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        raise self._not_generation()
+
+    def apply_chat_template_sync(self, messages: Sequence[dict[str, Any]],
+                                 add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        raise self._not_generation()
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        raise self._not_generation()
+        yield  # an async generator, as the interface's callers expect  # pragma: no cover
+
+    async def abort(self, request_id: str) -> bool:
+        return False  # embeddings are not aborted one by one: a request's batch finishes
+
+    # ---- the forward pass (torch thread) -------------------------------------------------------
+
+    @torch.inference_mode()
+    def _forward(self, token_id_lists: list[Sequence[int]]) -> np.ndarray:
+        seq_lens = [len(ids) for ids in token_id_lists]
+        longest = max(max(seq_lens), 1)
+        input_ids = torch.full((len(token_id_lists), longest), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(token_id_lists), longest), dtype=torch.long)
+        for row, ids in enumerate(token_id_lists):
+            input_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            mask[row, :len(ids)] = 1
+        inputs = {"input_ids": input_ids.to(self.device), "attention_mask": mask.to(self.device)}
+        if self._accepts_token_types:
+            inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
+        hidden = self.model(**inputs).last_hidden_state.float()  # [batch, longest, hidden]
+        pooled = pool(hidden, inputs["attention_mask"], self.pipeline.pooling_modes)
+        if self.pipeline.normalize:
+            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        return pooled.cpu().numpy().astype(np.float32, copy=False)
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torch.Tensor:
+    """``[batch, seq, hidden]`` states and ``[batch, seq]`` mask (right padding) ->
+    ``[batch, hidden * len(modes)]``, the modes concatenated in the order given."""
+    weights = mask.unsqueeze(-1).to(hidden.dtype)  # [batch, seq, 1]
+    counts = weights.sum(dim=1).clamp(min=1e-9)  # [batch, 1]
+    parts = []
+    for mode in modes:
+        if mode == "cls_token":
+            parts.append(hidden[:, 0])
+        elif mode == "max_tokens":
+            parts.append(hidden.masked_fill(weights == 0, -1e9).max(dim=1).values)
+        elif mode == "mean_tokens":
+            parts.append((hidden * weights).sum(dim=1) / counts)
+        elif mode == "mean_sqrt_len_tokens":
+            parts.append((hidden * weights).sum(dim=1) / counts.sqrt())
+        elif mode == "lasttoken":
+            last = (mask.sum(dim=1) - 1).clamp(min=0)  # [batch]
+            parts.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
+        else:
+            raise ValueError(f"unknown pooling mode {mode!r}")
+    return torch.cat(parts, dim=1)
+
+
+def _max_input_tokens(pipeline: EncoderPipeline, tokenizer: Any, config: Any) -> int:
+    limits = [pipeline.max_seq_length]
+    model_max = getattr(tokenizer, "model_max_length", None)
+    if isinstance(model_max, int) and model_max < _UNBOUNDED:
+        limits.append(model_max)
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions > 0:
+        # RoBERTa-style position ids start after the padding index: two fewer usable positions.
+        offset = 2 if getattr(config, "model_type", "") in ("roberta", "xlm-roberta") else 0
+        limits.append(positions - offset)
+    known = [limit for limit in limits if isinstance(limit, int) and limit > 0]
+    return min(known) if known else 512
+
