@@ -58,6 +58,19 @@ class ContextLengthExceededError(InvalidRequestError):
     openai_code = "context_length_exceeded"
 
 
+class PayloadTooLargeError(LLMPlatformError):
+    """The request body is over the service's size cap (HTTP 413)."""
+
+    error_code = ErrorCode.PARAM_OUT_OF_RANGE
+    http_status = 413
+    openai_type = "invalid_request_error"
+    openai_code = "request_too_large"
+
+    @classmethod
+    def over(cls, max_bytes: int) -> PayloadTooLargeError:
+        return cls(f"The request body is too large: this service accepts at most {max_bytes} bytes.")
+
+
 class ModelNotFoundError(LLMPlatformError):
     """No such model is served (HTTP 404)."""
 

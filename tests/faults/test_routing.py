@@ -72,7 +72,7 @@ def test_controller_restart_is_survived(tiny_model_dir, new_client, routing):
         controller.close()  # the controller goes away, with everything it knew
         if routing is RoutingMode.LOCAL:
             # The gateway goes on from its last worker list (for 10 refresh intervals, at
-            # least 5 s; tests/unit/test_gateway_routing.py has it dropped after that).
+            # least 5 s; tests/unit/test_gateway_worker_routing.py has it dropped after that).
             reply = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
             assert reply.choices[0].finish_reason
         else:

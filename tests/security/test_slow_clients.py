@@ -107,7 +107,7 @@ class _HeldStreams:
         if scope["type"] != "http" or scope["path"] != "/worker_generate_stream":
             await self.inner(scope, receive, send)
             return
-        body = await read_body_bounded(receive, None, ValueError) or b""
+        body = await read_body_bounded(receive, None) or b""
         if HOLD.encode() not in body:
             await self.inner(scope, replay(body, receive), send)
             return

@@ -34,14 +34,13 @@ from llmplatform.openai_api.constraints import request_constraints
 from llmplatform.openai_api.translate import (
     PreparedPrompt,
     chat_messages,
-    chat_params,
     check_chat_request,
     check_unsupported,
     check_worker_extensions,
-    completion_params,
     completion_prompts,
     merge_stops,
     params_dict,
+    worker_params,
     resolve_max_new_tokens,
 )
 from llmplatform.openai_api.worker_wire import NulFrameDecoder, parse_chunk
@@ -109,7 +108,7 @@ def test_completion_logprobs_range() -> None:
 
 def test_nulls_mean_defaults_and_unknown_fields_are_ignored() -> None:
     req = chat(temperature=None, top_p=None, n=None, stop=None, stream=None, user="u", tools=None)
-    params = chat_params(req, PREPARED, max_new_tokens=5, request_id="r", choice_index=0)
+    params = worker_params(req, PREPARED, max_new_tokens=5, request_id="r", choice_index=0)
     assert params.temperature == 1.0 and params.top_p == 1.0 and params.stop is None
 
 
@@ -199,7 +198,7 @@ def test_context_overflow() -> None:
 # ---- params --------------------------------------------------------------------------------------
 
 
-def test_chat_params() -> None:
+def test_chat_worker_params() -> None:
     req = chat(
         max_completion_tokens=7,
         max_tokens=3,
@@ -214,7 +213,7 @@ def test_chat_params() -> None:
         stop_token_ids=[9],
     )
     prepared = PreparedPrompt("P", 3, 50, stop=("<|im_end|>", "END"), stop_token_ids=(7,))
-    params = chat_params(req, prepared, max_new_tokens=7, request_id="chatcmpl-x-1", choice_index=1)
+    params = worker_params(req, prepared, max_new_tokens=7, request_id="chatcmpl-x-1", choice_index=1)
     wire = params_dict(params)
     assert wire["echo"] is False
     assert wire["prompt"] == "P"
@@ -233,32 +232,32 @@ def test_chat_params() -> None:
 
 
 def test_chat_params_defaults_and_logprobs_zero() -> None:
-    wire = params_dict(chat_params(chat(logprobs=True), PREPARED, max_new_tokens=5, request_id="r", choice_index=0))
+    wire = params_dict(worker_params(chat(logprobs=True), PREPARED, max_new_tokens=5, request_id="r", choice_index=0))
     assert wire["logprobs"] == 0
     assert wire["temperature"] == 1.0 and wire["top_k"] == -1 and "seed" not in wire
-    wire = params_dict(chat_params(chat(), PREPARED, max_new_tokens=5, request_id="r", choice_index=0))
+    wire = params_dict(worker_params(chat(), PREPARED, max_new_tokens=5, request_id="r", choice_index=0))
     assert "logprobs" not in wire and wire["echo"] is False
 
 
 def test_completion_params_echo_and_logprobs() -> None:
     wire = params_dict(
-        completion_params(completion(echo=True, logprobs=2), PREPARED, max_new_tokens=4, request_id="r", choice_index=0)
+        worker_params(completion(echo=True, logprobs=2), PREPARED, max_new_tokens=4, request_id="r", choice_index=0)
     )
     assert wire["echo"] is True and wire["logprobs"] == 2 and wire["prompt_logprobs"] == 2
-    wire = params_dict(completion_params(completion(logprobs=2), PREPARED, max_new_tokens=4, request_id="r", choice_index=0))
+    wire = params_dict(worker_params(completion(logprobs=2), PREPARED, max_new_tokens=4, request_id="r", choice_index=0))
     assert wire["echo"] is False and wire["logprobs"] == 2 and "prompt_logprobs" not in wire
 
 
 def test_logit_bias_is_forwarded_as_the_worker_reads_it() -> None:
     req = chat(logit_bias={"15": -100, "2": 100, "7": 0.5})
-    params = chat_params(req, PREPARED, max_new_tokens=5, request_id="r", choice_index=0)
+    params = worker_params(req, PREPARED, max_new_tokens=5, request_id="r", choice_index=0)
     wire = params_dict(params)
     assert wire["logit_bias"] == {"15": -100.0, "2": 100.0, "7": 0.5}
     assert WorkerParams.model_validate(json.loads(json.dumps(wire))) == params
     for empty in (chat(), chat(logit_bias={}), chat(logit_bias=None)):
-        wire = params_dict(chat_params(empty, PREPARED, max_new_tokens=5, request_id="r", choice_index=0))
+        wire = params_dict(worker_params(empty, PREPARED, max_new_tokens=5, request_id="r", choice_index=0))
         assert "logit_bias" not in wire
-    wire = params_dict(completion_params(completion(logit_bias={"3": 1}), PREPARED, max_new_tokens=4,
+    wire = params_dict(worker_params(completion(logit_bias={"3": 1}), PREPARED, max_new_tokens=4,
                                          request_id="r", choice_index=0))
     assert wire["logit_bias"] == {"3": 1.0}
 
@@ -308,11 +307,11 @@ def test_logit_bias_needs_a_worker_that_announced_it() -> None:
 
 def test_seeds_stay_in_the_workers_range_for_every_choice() -> None:
     top = 2**64 - 1
-    seeds = [params_dict(chat_params(chat(seed=top), PREPARED, max_new_tokens=5, request_id="r",
+    seeds = [params_dict(worker_params(chat(seed=top), PREPARED, max_new_tokens=5, request_id="r",
                                      choice_index=i))["seed"] for i in range(3)]
     assert seeds == [top, 0, 1]  # seed + i modulo 2**64, as generators use it
     low = -(2**63)
-    assert params_dict(chat_params(chat(seed=low), PREPARED, max_new_tokens=5, request_id="r",
+    assert params_dict(worker_params(chat(seed=low), PREPARED, max_new_tokens=5, request_id="r",
                                    choice_index=2))["seed"] == low + 2
 
 

@@ -25,9 +25,8 @@ from llmplatform.openai_api.auth import ApiKeyMiddleware
 from llmplatform.openai_api.errors import error_payload, install_exception_handlers
 from llmplatform.openai_api.limits import RequestBodyMiddleware
 from llmplatform.controller.dispatch import RandomSource
-from llmplatform.openai_api.hot_routes import GatewayApp
-from llmplatform.openai_api.routes import HOT_ROUTES, build_router
-from llmplatform.openai_api.routing import RoutingTable, TableRefresher, max_table_age
+from llmplatform.openai_api.router import GENERATION_ROUTES, build_router
+from llmplatform.openai_api.worker_routing import RoutingTable, TableRefresher, max_table_age
 from llmplatform.openai_api.settings import GatewaySettings, RoutingMode
 from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.utils.cluster_secret import secret_headers
@@ -78,7 +77,7 @@ def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | N
                 finally:
                     await client.aclose()
 
-    app = GatewayApp(title="llmplatform OpenAI-compatible API", lifespan=lifespan, hot_routes=HOT_ROUTES)
+    app = FastAPI(title="llmplatform OpenAI-compatible API", lifespan=lifespan)
     app.state.settings = settings
     app.state.created = int(time.time())
     install_exception_handlers(app)
@@ -86,7 +85,7 @@ def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | N
     # check, then the body guard, so an unauthenticated body is never read (nor a stream counted
     # against a key that is not one).
     app.add_middleware(RequestBodyMiddleware, max_bytes=settings.limits.max_request_bytes,
-                       max_streams_per_key=settings.max_streams_per_key, stream_paths=HOT_ROUTES,
+                       max_streams_per_key=settings.max_streams_per_key, stream_paths=GENERATION_ROUTES,
                        keyed=bool(settings.api_keys))
     if settings.api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=settings.api_keys + settings.admin_api_keys)

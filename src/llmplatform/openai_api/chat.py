@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, NamedTuple
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from llmplatform.errors import LLMPlatformError
-from llmplatform.metrics.gateway import note_model
 from llmplatform.openai_api.deltas import (
     DeltaTracker,
     chat_logprobs,
@@ -19,22 +16,22 @@ from llmplatform.openai_api.deltas import (
     sum_usage,
 )
 from llmplatform.openai_api.constraints import WorkerConstraint, request_constraints
-from llmplatform.openai_api.errors import error_payload, parse_request
-from llmplatform.openai_api.sse import DONE, EventStreamResponse, sse_event
-from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_naming, until_disconnected
+from llmplatform.openai_api.errors import parse_request
+from llmplatform.openai_api.generation import answer, worker_client
+from llmplatform.openai_api.sse import sse_event
+from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_choices
 from llmplatform.openai_api.translate import (
     PreparedPrompt,
     chat_messages,
-    chat_params,
     check_chat_request,
     check_limits,
     check_unsupported,
     check_worker_extensions,
     new_id,
     params_dict,
+    worker_params,
     max_new_tokens_for,
 )
-from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.protocol.openai import (
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -50,8 +47,6 @@ from llmplatform.sampling.tool_parsers import ContentDelta, ToolParser, accumula
 from llmplatform.protocol.worker import WorkerChunk
 from llmplatform.utils.request_id import worker_request_id_prefix
 
-logger = logging.getLogger("llmplatform.openai_api")
-
 
 async def create_chat_completion(request: Request) -> Response:
     body = parse_request(ChatCompletionRequest, await request.body())
@@ -60,12 +55,8 @@ async def create_chat_completion(request: Request) -> Response:
     check_unsupported(body)
     constraints = request_constraints(body)
     check_limits(body, request.app.state.settings.limits)
-    client: WorkerClient = request.app.state.worker_client
-
-    address = await client.worker_address(body.model)
-    note_model(request, body.model)
+    client = worker_client(request)
     trace_id = worker_request_id_prefix(request)
-    response_id = new_id("chatcmpl")
 
     async def start_on(address: str) -> tuple[_Prepared, ChoiceStreams]:
         announced = await client.worker_extensions(address, body.model)
@@ -77,31 +68,20 @@ async def create_chat_completion(request: Request) -> Response:
         max_new_tokens = max_new_tokens_for(prepared, requested, default=None, prompt_param="messages")
         params = [
             params_dict(
-                chat_params(
+                worker_params(
                     body, prepared, max_new_tokens=max_new_tokens, request_id=f"{trace_id}-{i}", choice_index=i,
                     constraint=constraint,
                 )
             )
             for i in range(body.n or 1)
         ]
-        streams = ChoiceStreams(client, address, params)
-        # Read every choice's first chunk before answering (a streamed answer: or the worker's
-        # word that it checked the request), so early errors get a proper status and a worker
-        # that cannot take the request is replaced by another (with_failover).
-        await start_naming(streams, "messages", early=bool(body.stream))
+        streams = await start_choices(client, address, params, prompt_param="messages", early=bool(body.stream))
         return _Prepared(prepared, constraint), streams
 
-    streams = RequestStreams(client, body.model, start_on)
-    await streams.start(address)
-    stream = _ChatStream(body, response_id, prepared=lambda: streams.prepared)
-    if body.stream:
-        return EventStreamResponse(stream.events(streams), on_close=streams.aclose,
-                                   headers_first=streams.accepted_early)
-    try:
-        final_chunks = await until_disconnected(request, streams.final_chunks())
-    finally:
-        await streams.aclose()
-    return JSONResponse(stream.response(final_chunks).model_dump())
+    response_id = new_id("chatcmpl")
+    return await answer(request, body.model, start_on,
+                        lambda prepared: _ChatStream(body, response_id, prepared=prepared),
+                        stream=bool(body.stream))
 
 
 class _Prepared(NamedTuple):
@@ -171,53 +151,44 @@ class _ChatStream:
         )
         return sse_event(chunk, exclude=None if self.include_usage else {"usage"})
 
-    async def events(self, streams: RequestStreams[PreparedPrompt]) -> AsyncIterator[bytes]:
+    async def events(self, streams: RequestStreams[_Prepared]) -> AsyncGenerator[bytes, None]:
         n = streams.num_choices
         trackers = [DeltaTracker() for _ in range(n)]
         parsers = [self._new_parser() for _ in range(n)]
         started = [False] * n
         final_chunks: list[WorkerChunk | None] = [None] * n
-        try:
-            async for index, chunk in streams.events():
-                if not started[index]:
-                    started[index] = True
-                    yield self._event(
-                        ChatCompletionStreamChoice(
-                            index=index, delta=ChatDelta(role="assistant", content=""), finish_reason=None
-                        )
+        async for index, chunk in streams.events():
+            if not started[index]:
+                started[index] = True
+                yield self._event(
+                    ChatCompletionStreamChoice(
+                        index=index, delta=ChatDelta(role="assistant", content=""), finish_reason=None
                     )
-                final = chunk.finish_reason is not None
-                delta = trackers[index].advance(
-                    chunk.text, chunk.logprobs if self.want_logprobs else None, final=final
                 )
-                parser = parsers[index]
-                logprobs = (chat_logprobs(delta.logprobs, self.num_top_logprobs)
-                            if self.want_logprobs and delta.has_tokens else None)
-                if parser is not None:
-                    for event in self._parsed_events(index, parser, delta.text, logprobs, final):
-                        yield event
-                elif delta.text or delta.has_tokens:
-                    yield self._event(
-                        ChatCompletionStreamChoice(index=index, delta=ChatDelta(content=delta.text), logprobs=logprobs)
-                    )
-                if final:
-                    final_chunks[index] = chunk
-                    reason = finish_reason(chunk.finish_reason)
-                    if parser is not None and parser.num_calls:
-                        reason = _with_calls(reason)
-                    yield self._event(
-                        ChatCompletionStreamChoice(index=index, delta=ChatDelta(), finish_reason=reason)
-                    )
-            if self.include_usage:
-                yield self._event(None, usage=sum_usage(final_chunks, [self.prompt_tokens], n))
-        except LLMPlatformError as exc:
-            yield sse_event(error_payload(exc))
-        except Exception:
-            logger.exception("chat stream %s failed", self.response_id)
-            yield sse_event(error_payload(LLMPlatformError("The server had an error while streaming.")))
-        finally:
-            streams.cancel()
-        yield DONE
+            final = chunk.finish_reason is not None
+            delta = trackers[index].advance(
+                chunk.text, chunk.logprobs if self.want_logprobs else None, final=final
+            )
+            parser = parsers[index]
+            logprobs = (chat_logprobs(delta.logprobs, self.num_top_logprobs)
+                        if self.want_logprobs and delta.has_tokens else None)
+            if parser is not None:
+                for event in self._parsed_events(index, parser, delta.text, logprobs, final):
+                    yield event
+            elif delta.text or delta.has_tokens:
+                yield self._event(
+                    ChatCompletionStreamChoice(index=index, delta=ChatDelta(content=delta.text), logprobs=logprobs)
+                )
+            if final:
+                final_chunks[index] = chunk
+                reason = finish_reason(chunk.finish_reason)
+                if parser is not None and parser.num_calls:
+                    reason = _with_calls(reason)
+                yield self._event(
+                    ChatCompletionStreamChoice(index=index, delta=ChatDelta(), finish_reason=reason)
+                )
+        if self.include_usage:
+            yield self._event(None, usage=sum_usage(final_chunks, [self.prompt_tokens], n))
 
     def _parsed_events(self, index: int, parser: ToolParser, text: str, logprobs: Any,
                        final: bool) -> list[bytes]:

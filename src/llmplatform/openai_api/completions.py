@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from llmplatform.errors import LLMPlatformError
-from llmplatform.metrics.gateway import note_model
 from llmplatform.openai_api.deltas import (
     DeltaTracker,
     completion_logprobs,
@@ -19,22 +16,22 @@ from llmplatform.openai_api.deltas import (
     sum_usage,
 )
 from llmplatform.openai_api.constraints import request_constraints
-from llmplatform.openai_api.errors import error_payload, parse_request
-from llmplatform.openai_api.sse import DONE, EventStreamResponse, sse_event
-from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_naming, until_disconnected
+from llmplatform.openai_api.errors import parse_request
+from llmplatform.openai_api.generation import answer, worker_client
+from llmplatform.openai_api.sse import sse_event
+from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_choices
 from llmplatform.openai_api.translate import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     PreparedPrompt,
     check_limits,
     check_unsupported,
     check_worker_extensions,
-    completion_params,
     completion_prompts,
     new_id,
     params_dict,
+    worker_params,
     max_new_tokens_for,
 )
-from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.protocol.openai import (
     CompletionChoice,
     CompletionChunk,
@@ -45,8 +42,6 @@ from llmplatform.protocol.openai import (
 from llmplatform.protocol.worker import WorkerChunk
 from llmplatform.utils.request_id import worker_request_id_prefix
 
-logger = logging.getLogger("llmplatform.openai_api")
-
 
 async def create_completion(request: Request) -> Response:
     body = parse_request(CompletionRequest, await request.body())
@@ -54,13 +49,9 @@ async def create_completion(request: Request) -> Response:
     check_unsupported(body)
     constraints = request_constraints(body)  # response_format and vLLM's guided_* extras
     check_limits(body, request.app.state.settings.limits, num_prompts=len(prompts))
-    client: WorkerClient = request.app.state.worker_client
-
-    address = await client.worker_address(body.model)
-    note_model(request, body.model)
+    client = worker_client(request)
     trace_id = worker_request_id_prefix(request)
     n = body.n or 1
-    response_id = new_id("cmpl")
 
     async def start_on(address: str) -> tuple[list[PreparedPrompt], ChoiceStreams]:
         announced = await client.worker_extensions(address, body.model)
@@ -79,29 +70,18 @@ async def create_completion(request: Request) -> Response:
                                                 prompt_param="prompt")
             for i in range(n):
                 # Choices are numbered prompt by prompt, as OpenAI does: index = p * n + i.
-                worker_params = completion_params(
+                choice_params = worker_params(
                     body, prompt, max_new_tokens=max_new_tokens, request_id=f"{trace_id}-{p * n + i}", choice_index=i,
                     constraint=constraint,
                 )
-                params.append(params_dict(worker_params))
-        streams = ChoiceStreams(client, address, params)
-        # The first chunk of every choice before answering (a streamed answer: or the worker's
-        # word that it checked the request): early errors get a proper status and a worker that
-        # cannot take the request is replaced by another (with_failover).
-        await start_naming(streams, "prompt", early=bool(body.stream))
+                params.append(params_dict(choice_params))
+        streams = await start_choices(client, address, params, prompt_param="prompt", early=bool(body.stream))
         return list(prepared), streams
 
-    streams = RequestStreams(client, body.model, start_on)
-    await streams.start(address)
-    stream = _CompletionStream(body, response_id, n=n, prepared=lambda: streams.prepared)
-    if body.stream:
-        return EventStreamResponse(stream.events(streams), on_close=streams.aclose,
-                                   headers_first=streams.accepted_early)
-    try:
-        final_chunks = await until_disconnected(request, streams.final_chunks())
-    finally:
-        await streams.aclose()
-    return JSONResponse(stream.response(final_chunks).model_dump())
+    response_id = new_id("cmpl")
+    return await answer(request, body.model, start_on,
+                        lambda prepared: _CompletionStream(body, response_id, n=n, prepared=prepared),
+                        stream=bool(body.stream))
 
 
 class _CompletionStream:
@@ -146,38 +126,29 @@ class _CompletionStream:
         )
         return sse_event(chunk, exclude=None if self.include_usage else {"usage"})
 
-    async def events(self, streams: RequestStreams[list[PreparedPrompt]]) -> AsyncIterator[bytes]:
+    async def events(self, streams: RequestStreams[list[PreparedPrompt]]) -> AsyncGenerator[bytes, None]:
         trackers = [DeltaTracker() for _ in range(streams.num_choices)]
         final_chunks: list[WorkerChunk | None] = [None] * streams.num_choices
-        try:
-            async for index, chunk in streams.events():
-                final = chunk.finish_reason is not None
-                delta = trackers[index].advance(
-                    chunk.text, chunk.logprobs if self.want_logprobs else None, final=final
+        async for index, chunk in streams.events():
+            final = chunk.finish_reason is not None
+            delta = trackers[index].advance(
+                chunk.text, chunk.logprobs if self.want_logprobs else None, final=final
+            )
+            if final:
+                final_chunks[index] = chunk
+            if delta.text or delta.has_tokens or final:
+                logprobs = (
+                    completion_logprobs(delta.logprobs, self.num_top_logprobs) if self.want_logprobs else None
                 )
-                if final:
-                    final_chunks[index] = chunk
-                if delta.text or delta.has_tokens or final:
-                    logprobs = (
-                        completion_logprobs(delta.logprobs, self.num_top_logprobs) if self.want_logprobs else None
-                    )
-                    yield self._event(
-                        [
-                            CompletionChoice(
-                                index=index,
-                                text=delta.text,
-                                logprobs=logprobs,
-                                finish_reason=finish_reason(chunk.finish_reason) if final else None,
-                            )
-                        ]
-                    )
-            if self.include_usage:
-                yield self._event([], usage=sum_usage(final_chunks, self.prompt_tokens, self.n))
-        except LLMPlatformError as exc:
-            yield sse_event(error_payload(exc))
-        except Exception:
-            logger.exception("completion stream %s failed", self.response_id)
-            yield sse_event(error_payload(LLMPlatformError("The server had an error while streaming.")))
-        finally:
-            streams.cancel()
-        yield DONE
+                yield self._event(
+                    [
+                        CompletionChoice(
+                            index=index,
+                            text=delta.text,
+                            logprobs=logprobs,
+                            finish_reason=finish_reason(chunk.finish_reason) if final else None,
+                        )
+                    ]
+                )
+        if self.include_usage:
+            yield self._event([], usage=sum_usage(final_chunks, self.prompt_tokens, self.n))

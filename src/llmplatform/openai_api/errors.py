@@ -46,15 +46,6 @@ class PermissionDeniedError(LLMPlatformError):
     openai_code = "insufficient_permissions"
 
 
-class PayloadTooLargeError(LLMPlatformError):
-    """The request body is over the gateway's size cap (HTTP 413)."""
-
-    error_code = ErrorCode.PARAM_OUT_OF_RANGE
-    http_status = 413
-    openai_type = "invalid_request_error"
-    openai_code = "request_too_large"
-
-
 class ClientDisconnected(Exception):
     """The client went away before the answer was ready; nobody is left to answer."""
 

@@ -28,8 +28,8 @@ from collections.abc import Collection
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from llmplatform.errors import EngineOverloadedError, InvalidRequestError, LLMPlatformError
-from llmplatform.openai_api.errors import PayloadTooLargeError, error_payload
+from llmplatform.errors import EngineOverloadedError, InvalidRequestError, LLMPlatformError, PayloadTooLargeError
+from llmplatform.openai_api.errors import error_payload
 from llmplatform.utils.request_guard import is_json_media_type, read_body_bounded, replay, send_refusal
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -94,7 +94,7 @@ class RequestBodyMiddleware:
         headers = Headers(scope=scope)
         try:
             self._check_headers(headers)
-            body = await read_body_bounded(receive, self.max_bytes, self._too_large)
+            body = await read_body_bounded(receive, self.max_bytes)
         except LLMPlatformError as exc:
             await _send_error(send, exc)
             return
@@ -124,7 +124,7 @@ class RequestBodyMiddleware:
             except ValueError:
                 raise InvalidRequestError(f"Invalid Content-Length header: {declared[:40]!r}.") from None
             if length > self.max_bytes:
-                raise self._too_large(self.max_bytes)
+                raise PayloadTooLargeError.over(self.max_bytes)
         content_type = headers.get("content-type")
         if content_type is not None and not is_json_media_type(content_type):
             raise InvalidRequestError(
@@ -132,11 +132,6 @@ class RequestBodyMiddleware:
                 "(Content-Type: application/json)."
             )
 
-    @staticmethod
-    def _too_large(max_bytes: int) -> PayloadTooLargeError:
-        return PayloadTooLargeError(
-            f"The request body is too large: this server accepts at most {max_bytes} bytes."
-        )
 
 
 def _asks_to_stream(body: bytes) -> bool:

@@ -202,15 +202,22 @@ class ChoiceStreams:
             yield index, LLMPlatformError(f"internal error: {type(exc).__name__}")
 
 
-async def start_naming(streams: ChoiceStreams, prompt_param: str, *, early: bool = False) -> None:
-    """`streams.start(early=...)`, with a worker's context-overflow refusal naming the request's
-    prompt field (the worker's in-stream error carries a code and a message, not the OpenAI param)."""
+async def start_choices(client: WorkerClient, address: str, params: Sequence[dict[str, Any]], *,
+                        prompt_param: str, early: bool = False) -> ChoiceStreams:
+    """One worker stream per choice, each read up to its first chunk (`early`, for a streamed
+    answer: or up to the worker's word that it checked the request) before the client is
+    answered, so that an early error gets a proper status and a worker that cannot take the
+    request is replaced by another (:func:`with_failover`). A worker's context-overflow refusal
+    names the request's prompt field, `prompt_param` (the worker's in-stream error carries a
+    code and a message, not the OpenAI param)."""
+    streams = ChoiceStreams(client, address, params)
     try:
         await streams.start(early=early)
     except ContextLengthExceededError as exc:
         if exc.param is None:
             exc.param = prompt_param
         raise
+    return streams
 
 
 class RequestStreams(Generic[P]):

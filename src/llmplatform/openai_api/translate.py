@@ -4,8 +4,7 @@ The route handlers call these in order: check the request's own consistency
 (:func:`chat_messages`, :func:`check_chat_request`, :func:`completion_prompts`), then, once a
 worker is chosen, whether it understands every field the request needs
 (:func:`check_worker_extensions`), then, once the prompt's token count and the model's context are
-known, :func:`resolve_max_new_tokens`, then one params object per choice (:func:`chat_params`,
-:func:`completion_params`).
+known, :func:`resolve_max_new_tokens`, then one params object per choice (:func:`worker_params`).
 
 Token ids (``stop_token_ids``, ``logit_bias`` keys) are checked here only for their shape: the
 worker, which knows the model's vocabulary, checks their range and refuses naming the field.
@@ -280,89 +279,59 @@ def merge_stops(requested: str | list[str] | None, extra: Iterable[str] = ()) ->
     return merged or None
 
 
-def _common(
+def worker_params(
     request: ChatCompletionRequest | CompletionRequest,
-    *,
     prepared: PreparedPrompt,
+    *,
     max_new_tokens: int,
     request_id: str,
     choice_index: int,
     constraint: WorkerConstraint | None = None,
-) -> dict[str, object]:
+) -> WorkerParams:
+    """The worker params of one choice of a chat or a text completion request."""
     top_k = request.top_k if request.top_k not in (None, 0) else -1
     stop_token_ids = list(dict.fromkeys([*(request.stop_token_ids or []), *prepared.stop_token_ids]))
-    return {
-        "model": request.model,
-        "prompt": prepared.prompt,
-        "messages": prepared.messages,
-        "openai_max_tokens": prepared.budget,
-        "temperature": 1.0 if request.temperature is None else request.temperature,
-        "top_p": 1.0 if request.top_p is None else request.top_p,
-        "top_k": top_k,
-        "min_p": request.min_p or 0.0,
-        "presence_penalty": request.presence_penalty or 0.0,
-        "frequency_penalty": request.frequency_penalty or 0.0,
-        "repetition_penalty": 1.0 if request.repetition_penalty is None else request.repetition_penalty,
-        "max_new_tokens": max_new_tokens,
-        "stop": merge_stops(request.stop, prepared.stop),
-        "stop_token_ids": stop_token_ids or None,
-        "ignore_eos": bool(request.ignore_eos),
-        "min_tokens": request.min_tokens or 0,
+    return WorkerParams(
+        model=request.model,
+        prompt=prepared.prompt,
+        messages=prepared.messages,
+        openai_max_tokens=prepared.budget,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=top_k,
+        min_p=request.min_p or 0.0,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        max_new_tokens=max_new_tokens,
+        stop=merge_stops(request.stop, prepared.stop),
+        stop_token_ids=stop_token_ids or None,
+        ignore_eos=bool(request.ignore_eos),
+        min_tokens=request.min_tokens or 0,
         # Each choice samples on its own; with a seed, choice i uses seed + i so they differ
         # (modulo 2**64, as generators take seeds: the sum stays in the range workers accept).
-        "seed": None if request.seed is None else _wrap_seed(request.seed + choice_index),
-        "logit_bias": request.logit_bias or None,
-        "request_id": request_id,
-        "structured_output": constraint.structured_output if constraint is not None else None,
-        "tools": constraint.tools if constraint is not None else None,
-    }
+        seed=None if request.seed is None else _wrap_seed(request.seed + choice_index),
+        logit_bias=request.logit_bias or None,
+        request_id=request_id,
+        structured_output=constraint.structured_output if constraint is not None else None,
+        tools=constraint.tools if constraint is not None else None,
+        **_returned_extras(request),
+    )
+
+
+def _returned_extras(request: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    """What each endpoint asks back besides the text: chat, the chosen tokens' logprobs
+    (`logprobs`) with `top_logprobs` alternatives; a completion, `logprobs` alternatives and,
+    with `echo`, the prompt and its logprobs."""
+    if isinstance(request, ChatCompletionRequest):
+        return {"echo": False, "logprobs": (request.top_logprobs or 0) if request.logprobs else None}
+    echo = bool(request.echo)
+    prompt_logprobs = request.logprobs if (echo and request.logprobs is not None) else None
+    return {"echo": echo, "logprobs": request.logprobs, "prompt_logprobs": prompt_logprobs}
 
 
 def _wrap_seed(seed: int) -> int:
     return seed - 2**64 if seed > MAX_SEED else seed
-
-
-def chat_params(
-    request: ChatCompletionRequest,
-    prepared: PreparedPrompt,
-    *,
-    max_new_tokens: int,
-    request_id: str,
-    choice_index: int,
-    constraint: WorkerConstraint | None = None,
-) -> WorkerParams:
-    common = _common(
-        request,
-        prepared=prepared,
-        max_new_tokens=max_new_tokens,
-        request_id=request_id,
-        choice_index=choice_index,
-        constraint=constraint,
-    )
-    logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return WorkerParams(**common, echo=False, logprobs=logprobs)
-
-
-def completion_params(
-    request: CompletionRequest,
-    prepared: PreparedPrompt,
-    *,
-    max_new_tokens: int,
-    request_id: str,
-    choice_index: int,
-    constraint: WorkerConstraint | None = None,
-) -> WorkerParams:
-    common = _common(
-        request,
-        prepared=prepared,
-        max_new_tokens=max_new_tokens,
-        request_id=request_id,
-        choice_index=choice_index,
-        constraint=constraint,
-    )
-    echo = bool(request.echo)
-    prompt_logprobs = request.logprobs if (echo and request.logprobs is not None) else None
-    return WorkerParams(**common, echo=echo, logprobs=request.logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def params_dict(params: WorkerParams) -> dict[str, object]:

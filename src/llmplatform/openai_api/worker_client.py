@@ -9,7 +9,7 @@ Chat prompts: our workers render them (`/worker_apply_chat_template`); a stock F
 answers 404 there, and then the gateway renders FastChat's conversation template itself, as
 FastChat's own gateway does (`/worker_get_conv_template`, `/count_token`, `/model_details`).
 
-Which worker: with `--routing local` the gateway's routing table answers (routing.py) and the
+Which worker: with `--routing local` the gateway's routing table answers (worker_routing.py) and the
 controller is asked only for what the table cannot answer; with `--routing controller`, for every
 request (`/get_worker_address`, FastChat's way).
 
@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from llmplatform.conversation import ConvTemplate, render_chat_prompt
 from llmplatform.errors import LLMPlatformError, ModelNotFoundError, NoWorkerError
 from llmplatform.openai_api.errors import UpstreamError, error_from_http
-from llmplatform.openai_api.routing import RouteSource, RoutingTable
+from llmplatform.openai_api.worker_routing import RouteSource, RoutingTable
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.openai_api.translate import PreparedPrompt
 from llmplatform.openai_api.worker_stream import WorkerStreamClient
@@ -97,6 +97,8 @@ class WorkerClient:
         self._extensions: dict[tuple[str, str], frozenset[str]] = {}
         # The syntax each worker's model writes tool calls in (/model_details' tool_call_parser).
         self._tool_call_parsers: dict[tuple[str, str], str | None] = {}
+        # The whole /model_details answer (what the model serves: `tasks`, `embedding`).
+        self._details: dict[tuple[str, str], dict[str, Any]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._streams: WorkerStreamClient | None = None  # generate_stream's connection pool
 
@@ -318,12 +320,23 @@ class WorkerClient:
         if not isinstance(data, dict) or not isinstance(data.get("context_length"), int):
             raise UpstreamError(f"The worker at {url} answered with an invalid response (no context length).")
         extensions = data.get("params")
+        self._cache_put(self._details, (address, model), data)
         self._cache_put(self._context_lengths, (address, model), data["context_length"])
         self._cache_put(self._extensions, (address, model), frozenset(
             e for e in extensions if isinstance(e, str)) if isinstance(extensions, list) else frozenset())
         parser = data.get("tool_call_parser")
         self._cache_put(self._tool_call_parsers, (address, model),
                         parser if isinstance(parser, str) else None)
+
+    async def model_details(self, address: str, model: str) -> Mapping[str, Any]:
+        """The worker's /model_details answer as sent (cached); ours adds ``tasks``."""
+        if (address, model) not in self._details:
+            await self._model_details(address, model)
+        return self._details[(address, model)]
+
+    async def post_worker(self, url: str, payload: Any) -> Any:
+        """A worker's JSON answer to ``payload``; its refusals (429, 503) typed as for generation."""
+        return await self._post_json("worker", url, payload, self._worker_timeout)
 
     async def _conv_template(self, address: str, model: str) -> ConvTemplate:
         cached = self._conv_templates.get((address, model))

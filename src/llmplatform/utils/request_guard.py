@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llmplatform.errors import ErrorCode, InvalidRequestError, LLMPlatformError
+from llmplatform.errors import ErrorCode, InvalidRequestError, LLMPlatformError, PayloadTooLargeError
 
 logger = logging.getLogger("llmplatform.security")
 
@@ -78,15 +78,6 @@ class UnsupportedMediaTypeError(LLMPlatformError):
     error_code = ErrorCode.VALIDATION_TYPE_ERROR
     http_status = 415
     openai_type = "invalid_request_error"
-
-
-class BodyTooLargeError(LLMPlatformError):
-    """A request body over the cap (HTTP 413)."""
-
-    error_code = ErrorCode.PARAM_OUT_OF_RANGE
-    http_status = 413
-    openai_type = "invalid_request_error"
-    openai_code = "request_too_large"
 
 
 def cluster_error_body(exc: LLMPlatformError) -> bytes:
@@ -172,7 +163,7 @@ class RequestGuard:
                 await self.app(scope, receive, send)
                 return
             content_type = self._check_body_headers(headers)
-            body = await read_body_bounded(receive, self.config.max_body_bytes, _too_large)
+            body = await read_body_bounded(receive, self.config.max_body_bytes)
             if body is None:  # the client left while sending; nobody is waiting for an answer
                 return
             if body and content_type is None and self.config.json_bodies_only:
@@ -207,7 +198,7 @@ class RequestGuard:
             if length < 0:
                 raise InvalidRequestError(f"Invalid Content-Length header: {declared[:40]!r}.")
             if length > cap:
-                raise _too_large(cap)
+                raise PayloadTooLargeError.over(cap)
         return content_type
 
 
@@ -217,10 +208,9 @@ def is_json_media_type(content_type: str) -> bool:
     return media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json"))
 
 
-async def read_body_bounded(receive: Receive, max_bytes: int | None,
-                            too_large: Callable[[int], LLMPlatformError]) -> bytes | None:
-    """The whole request body, refused with ``too_large(max_bytes)`` as soon as the running total
-    passes ``max_bytes`` (None: no cap); None if the client disconnected first."""
+async def read_body_bounded(receive: Receive, max_bytes: int | None) -> bytes | None:
+    """The whole request body, refused (:class:`PayloadTooLargeError`) as soon as the running
+    total passes ``max_bytes`` (None: no cap); None if the client disconnected first."""
     chunks: list[bytes] = []
     total = 0
     while True:
@@ -230,7 +220,7 @@ async def read_body_bounded(receive: Receive, max_bytes: int | None,
         chunk = message.get("body", b"")
         total += len(chunk)
         if max_bytes is not None and total > max_bytes:
-            raise too_large(max_bytes)
+            raise PayloadTooLargeError.over(max_bytes)
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
@@ -259,10 +249,6 @@ async def send_refusal(send: Send, status: int, body: bytes,
                             (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close"), *extra_headers]})
     await send({"type": "http.response.body", "body": body})
-
-
-def _too_large(max_bytes: int) -> BodyTooLargeError:
-    return BodyTooLargeError(f"The request body is too large: this service accepts at most {max_bytes} bytes.")
 
 
 def _not_json(content_type: str) -> UnsupportedMediaTypeError:

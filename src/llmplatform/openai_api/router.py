@@ -1,5 +1,17 @@
 """The gateway's routes: /v1 (behind the API-key check), /v1/admin (behind the admin-key check)
-and /health."""
+and /health.
+
+Every /v1 route, the generation routes included, is a route of the one /v1 router, so whatever
+that router carries (the key check, any dependency added to it, the error envelope of
+``EnvelopeRoute``) holds for all of them; tests/integration/test_gateway_router.py checks it.
+
+The generation routes were once dispatched ahead of FastAPI's routing, to skip its per-request
+work. Measured side by side (``benchmarks/serve.py --systems paged,direct --gateway-pairs 200``,
+tiny model, 2 shared cores, FastAPI 0.165), the gateway's added latency per request was a median
+1.75 ms (p25 0.83, p75 3.89) with that dispatch and 1.82 ms (p25 1.12, p75 4.41) through this
+router; its own work beyond a bare proxy hop 0.81 ms against 0.82 ms. No user would notice the
+difference, so there is one path.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +23,7 @@ from llmplatform.openai_api.admin import reset_prefix_cache
 from llmplatform.openai_api.auth import require_admin_key, require_api_key
 from llmplatform.openai_api.chat import create_chat_completion
 from llmplatform.openai_api.completions import create_completion
+from llmplatform.openai_api.embeddings import create_embeddings, model_tasks
 from llmplatform.openai_api.errors import EnvelopeRoute
 from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.protocol.openai import ModelCard, ModelList
@@ -22,8 +35,9 @@ def _client(request: Request) -> WorkerClient:
 
 async def list_models(request: Request) -> JSONResponse:
     models = await _client(request).list_models()
+    tasks = await model_tasks(_client(request))  # what each serves: generate, embed
     created = request.app.state.created
-    cards = [ModelCard(id=model, created=created) for model in sorted(models)]
+    cards = [ModelCard(id=model, created=created, tasks=tasks.get(model)) for model in sorted(models)]
     return JSONResponse(ModelList(data=cards).model_dump())
 
 
@@ -42,16 +56,16 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok", "models": len(models)})
 
 
-HOT_ROUTES = {"/v1/chat/completions": create_chat_completion, "/v1/completions": create_completion}
-"""POST routes the app dispatches before FastAPI's routing (``hot_routes.GatewayApp``); they are
-registered below as well, for the OpenAPI schema and as the same handlers."""
+GENERATION_ROUTES = {"/v1/chat/completions": create_chat_completion, "/v1/completions": create_completion}
+"""The POST routes that may stream (the body guard counts their streams per key)."""
 
 
 def build_router() -> APIRouter:
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], route_class=EnvelopeRoute)
     v1.add_api_route("/models", list_models, methods=["GET"])
     v1.add_api_route("/models/{model:path}", retrieve_model, methods=["GET"])
-    for path, handler in HOT_ROUTES.items():
+    v1.add_api_route("/embeddings", create_embeddings, methods=["POST"])
+    for path, handler in GENERATION_ROUTES.items():
         v1.add_api_route(path.removeprefix("/v1"), handler, methods=["POST"])
     admin = APIRouter(prefix="/v1/admin", dependencies=[Depends(require_admin_key)],
                       route_class=EnvelopeRoute)

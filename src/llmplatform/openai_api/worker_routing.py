@@ -45,7 +45,7 @@ from llmplatform.controller.dispatch import DispatchMethod, RandomSource, pick_w
 from llmplatform.errors import LLMPlatformError
 from llmplatform.protocol.controller import ListWorkersResponse, WorkerDescription
 
-logger = logging.getLogger("llmplatform.openai_api.routing")
+logger = logging.getLogger("llmplatform.openai_api.worker_routing")
 
 STALE_AFTER_REFRESHES = 10
 """A table not refreshed for this many intervals (the controller is down or silent) is dropped."""

@@ -1,4 +1,4 @@
-"""The gateway's routing table (openai_api/routing.py), with exact expectations.
+"""The gateway's routing table (openai_api/worker_routing.py), with exact expectations.
 
 Time and randomness are injected as in the controller's tests (`FakeClock`, `FixedRandom`, which
 fails a test that draws where none was scripted). The controller side is the real controller app
@@ -21,7 +21,7 @@ from llmplatform.controller import ControllerConfig
 from llmplatform.controller import create_app as create_controller_app
 from llmplatform.controller.dispatch import DispatchMethod
 from llmplatform.errors import ModelNotFoundError
-from llmplatform.openai_api.routing import (
+from llmplatform.openai_api.worker_routing import (
     MIN_STALE_AFTER_S,
     RECHECK_UNSUPPORTED_S,
     RouteSource,

@@ -1,0 +1,92 @@
+"""The one path both generation routes take from a checked request to its answer.
+
+Chat (chat.py) and text completions (completions.py) differ in what they check, how they start
+their choices on a worker (``start_on``: prepare the prompt there, build one worker params dict
+per choice, open the streams; run again on another worker by failover) and how worker chunks
+become their answer (a :class:`Reply`). The rest is the same and lives here: ask for a worker,
+start (with failover), then either stream the reply's events, ending with an in-band error event
+if the stream fails and always with ``[DONE]``, or wait for every choice's final chunk (aborted
+if the client leaves) and answer once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Protocol, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from llmplatform.errors import LLMPlatformError
+from llmplatform.metrics.gateway import note_model
+from llmplatform.openai_api.errors import error_payload
+from llmplatform.openai_api.sse import DONE, EventStreamResponse, sse_event
+from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, until_disconnected
+from llmplatform.openai_api.worker_client import WorkerClient
+from llmplatform.protocol.worker import WorkerChunk
+
+logger = logging.getLogger("llmplatform.openai_api")
+
+P = TypeVar("P")
+P_contra = TypeVar("P_contra", contravariant=True)
+
+StartOn = Callable[[str], Awaitable[tuple[P, ChoiceStreams]]]
+"""Starts a request's choices on the worker at an address: (what was prepared there, the streams)."""
+
+
+class Reply(Protocol[P_contra]):
+    """How one endpoint turns worker chunks into its answer."""
+
+    response_id: str
+
+    def response(self, final_chunks: list[WorkerChunk]) -> BaseModel:
+        """The whole answer, from each choice's last (cumulative) chunk."""
+        ...
+
+    def events(self, streams: RequestStreams[P_contra]) -> AsyncGenerator[bytes, None]:
+        """The answer's SSE events as the chunks arrive; failures propagate (see `_event_stream`)."""
+        ...
+
+
+def worker_client(request: Request) -> WorkerClient:
+    return request.app.state.worker_client
+
+
+async def answer(request: Request, model: str, start_on: StartOn[P],
+                 reply: Callable[[Callable[[], P]], Reply[P]], *, stream: bool) -> Response:
+    """Serve a checked generation request. `reply` is given a getter of what `start_on` prepared
+    on the worker that answered (failover may change it until the first chunk)."""
+    client = worker_client(request)
+    address = await client.worker_address(model)
+    note_model(request, model)
+    streams = RequestStreams(client, model, start_on)
+    await streams.start(address)
+    replying = reply(lambda: streams.prepared)
+    if stream:
+        return EventStreamResponse(_event_stream(replying, streams), on_close=streams.aclose,
+                                   headers_first=streams.accepted_early)
+    try:
+        final_chunks = await until_disconnected(request, streams.final_chunks())
+    finally:
+        await streams.aclose()
+    return JSONResponse(replying.response(final_chunks).model_dump())
+
+
+async def _event_stream(reply: Reply[P], streams: RequestStreams[P]) -> AsyncIterator[bytes]:
+    """`reply`'s events, then ``[DONE]``. The status line has gone out with the first event, so
+    a failure after it is reported in-band, as an error event in OpenAI's envelope."""
+    try:
+        async with contextlib.aclosing(reply.events(streams)) as events:
+            async for event in events:
+                yield event
+    except LLMPlatformError as exc:
+        yield sse_event(error_payload(exc))
+    except Exception:
+        logger.exception("stream %s failed", reply.response_id)
+        yield sse_event(error_payload(LLMPlatformError("The server had an error while streaming.")))
+    finally:
+        streams.cancel()
+    yield DONE
