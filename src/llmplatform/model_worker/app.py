@@ -21,8 +21,9 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -293,53 +294,57 @@ async def _generate_chunks(app: FastAPI, accepted: Accepted, ticket: Ticket) -> 
                 logger.info("finished: %s", observer.describe())
 
 
+async def _admit(app: FastAPI, request: Request, *,
+                 refuse: Callable[[bytes], Response]) -> tuple[Accepted, Ticket] | Response:
+    """A generation request parsed, given a ticket (a busy worker's refusal otherwise) and
+    checked whole (:func:`accept`), or the answer to send instead: `refuse` wraps a refusal's
+    FastChat error chunk (NUL-terminated) as the route answers. The ticket is the caller's to
+    release once accepted, and released here otherwise."""
+    llm: LLMBackend = app.state.llm
+    try:
+        params = await _json_body(request, WorkerParams)
+    except LLMPlatformError as exc:
+        return refuse(error_chunk(exc.message, ErrorCode.VALIDATION_TYPE_ERROR, exc.param))
+    try:
+        ticket = app.state.worker.admit(llm)
+    except LLMPlatformError as exc:
+        return refusal_response(exc)
+    try:
+        accepted = await accept(llm, params, running_ids=app.state.generation_ids,
+                                metrics=app.state.metrics)
+    except LLMPlatformError as exc:
+        ticket.release()
+        return refuse(error_chunk(exc.message, exc.error_code, exc.param))
+    except BaseException:
+        ticket.release()
+        raise
+    return accepted, ticket
+
+
+def _json_object(chunk: bytes) -> Response:
+    """One NUL-terminated chunk as a JSON answer (``/worker_generate``'s form)."""
+    return Response(chunk.rstrip(b"\0"), media_type="application/json")
+
+
 def _add_routes(app: FastAPI) -> None:
     llm: LLMBackend = app.state.llm
 
     @app.post("/worker_generate_stream")
     async def worker_generate_stream(request: Request) -> Response:
-        try:
-            params = await _json_body(request, WorkerParams)
-        except LLMPlatformError as exc:
-            return Response(error_chunk(exc.message, ErrorCode.VALIDATION_TYPE_ERROR, exc.param))
-        try:
-            ticket = app.state.worker.admit(llm)
-        except LLMPlatformError as exc:
-            return refusal_response(exc)
-        try:
-            accepted = await accept(llm, params, running_ids=app.state.generation_ids,
-                                    metrics=app.state.metrics)
-        except LLMPlatformError as exc:
-            ticket.release()
-            # As FastChat's workers answer: the error object is the whole stream, with HTTP 200.
-            return Response(error_chunk(exc.message, exc.error_code, exc.param))
-        except BaseException:
-            ticket.release()
-            raise
+        # As FastChat's workers answer: a refusal's error object is the whole stream, with HTTP 200.
+        admitted = await _admit(app, request, refuse=Response)
+        if isinstance(admitted, Response):
+            return admitted
+        accepted, ticket = admitted
         headers = {ACCEPTED_HEADER: "1"} if accepted.checked else None
         return TicketedStreamingResponse(_generate_chunks(app, accepted, ticket), ticket, headers=headers)
 
     @app.post("/worker_generate")
     async def worker_generate(request: Request) -> Response:
-        try:
-            params = await _json_body(request, WorkerParams)
-        except LLMPlatformError as exc:
-            return Response(error_chunk(exc.message, ErrorCode.VALIDATION_TYPE_ERROR, exc.param).rstrip(b"\0"),
-                            media_type="application/json")
-        try:
-            ticket = app.state.worker.admit(llm)
-        except LLMPlatformError as exc:
-            return refusal_response(exc)
-        try:
-            accepted = await accept(llm, params, running_ids=app.state.generation_ids,
-                                    metrics=app.state.metrics)
-        except LLMPlatformError as exc:
-            ticket.release()
-            return Response(error_chunk(exc.message, exc.error_code, exc.param).rstrip(b"\0"),
-                            media_type="application/json")
-        except BaseException:
-            ticket.release()
-            raise
+        admitted = await _admit(app, request, refuse=_json_object)
+        if isinstance(admitted, Response):
+            return admitted
+        accepted, ticket = admitted
         last = b""
         chunks = _generate_chunks(app, accepted, ticket)
         try:
@@ -348,7 +353,7 @@ def _add_routes(app: FastAPI) -> None:
         finally:
             await chunks.aclose()
             ticket.release()
-        return Response(last.rstrip(b"\0"), media_type="application/json")
+        return _json_object(last)
 
     add_embedding_route(app, _json_body)
 
