@@ -23,6 +23,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "models": SERVING + ("engine",),
     "kernels": SERVING + ("engine", "models"),
     "sampling": SERVING + ("engine", "models", "kernels"),
+    "protocol": SERVING + ("engine", "models", "kernels", "sampling"),
 }
 
 
