@@ -163,56 +163,70 @@ def render_chat_prompt(conv: Mapping[str, Any] | ConvTemplate, messages: Sequenc
     return template.render(system_message, turns)
 
 
-# ---- one function per separator style ---------------------------------------------------------
-# Each takes (template, system message, formatted system prompt, turns) and returns the prompt.
+# ---- the separator styles ---------------------------------------------------------------------
+# A renderer takes (template, system message, formatted system prompt, turns) and returns the prompt.
 
 Renderer = Callable[[ConvTemplate, str, str, Sequence[Turn]], str]
 
 
-def _colon_single(t: ConvTemplate, _system: str, system_prompt: str, turns: Sequence[Turn]) -> str:
-    parts = [system_prompt, t.sep]
-    for role, message in turns:
-        parts.append(f"{role}: {message}{t.sep}" if message else f"{role}:")
-    return "".join(parts)
+@dataclass(frozen=True)
+class _PerTurn:
+    """A style that writes a head, then each turn on its own: ``filled`` for a turn with a
+    message, ``open`` (the role tag alone) for an empty one and the generation slot. Fields are
+    ``str.format`` templates over ``system_prompt``, ``sep``, ``role`` and ``message``; ``sep`` is
+    the template's ``sep``, or ``sep`` and ``sep2`` turn by turn where ``alternate`` is set."""
+
+    head: str
+    head_when: str
+    """"always"; "system_prompt": only when the formatted system prompt is not empty;
+    "system": only when the system message is not empty."""
+    filled: str
+    open: str
+    alternate: bool = False
+
+    def __call__(self, t: ConvTemplate, system: str, system_prompt: str, turns: Sequence[Turn]) -> str:
+        shown = {"always": True, "system_prompt": bool(system_prompt), "system": bool(system)}[self.head_when]
+        parts = [self.head.format(system_prompt=system_prompt, sep=t.sep) if shown else ""]
+        seps = (t.sep, t.sep2 if self.alternate else t.sep)
+        for i, (role, message) in enumerate(turns):
+            if message:
+                parts.append(self.filled.format(role=role, message=message, sep=seps[i % 2]))
+            else:
+                parts.append(self.open.format(role=role))
+        return "".join(parts)
 
 
-def _colon_two(t: ConvTemplate, _system: str, system_prompt: str, turns: Sequence[Turn]) -> str:
-    seps = (t.sep, t.sep2)
-    parts = [system_prompt, t.sep]
-    for i, (role, message) in enumerate(turns):
-        parts.append(f"{role}: {message}{seps[i % 2]}" if message else f"{role}:")
-    return "".join(parts)
+_PER_TURN_STYLES: dict[SeparatorStyle, Renderer] = {
+    # style: _PerTurn(head, shown when, a turn with a message, the role tag alone)
+    SeparatorStyle.ADD_COLON_SINGLE:
+        _PerTurn("{system_prompt}{sep}", "always", "{role}: {message}{sep}", "{role}:"),
+    SeparatorStyle.ADD_COLON_TWO:
+        _PerTurn("{system_prompt}{sep}", "always", "{role}: {message}{sep}", "{role}:", alternate=True),
+    # The open slot ends with a space.
+    SeparatorStyle.ADD_COLON_SPACE_SINGLE:
+        _PerTurn("{system_prompt}{sep}", "always", "{role}: {message}{sep}", "{role}: "),
+    SeparatorStyle.NO_COLON_SINGLE:
+        _PerTurn("{system_prompt}", "always", "{role}{message}{sep}", "{role}"),
+    SeparatorStyle.NO_COLON_TWO:
+        _PerTurn("{system_prompt}", "always", "{role}{message}{sep}", "{role}", alternate=True),
+    SeparatorStyle.ADD_NEW_LINE_SINGLE:
+        _PerTurn("{system_prompt}{sep}", "system_prompt", "{role}\n{message}{sep}", "{role}\n"),
+    SeparatorStyle.CHATML:
+        _PerTurn("{system_prompt}{sep}\n", "system_prompt", "{role}\n{message}{sep}\n", "{role}\n"),
+    SeparatorStyle.PHOENIX:
+        _PerTurn("{system_prompt}", "always", "{role}: <s>{message}</s>", "{role}: <s>"),
+    SeparatorStyle.ROBIN:
+        _PerTurn("{system_prompt}{sep}", "always", "{role}:\n{message}{sep}", "{role}:\n"),
+    SeparatorStyle.FALCON_CHAT:
+        _PerTurn("{system_prompt}{sep}", "system", "{role}: {message}{sep}", "{role}:"),
+    SeparatorStyle.CHATGLM3:
+        _PerTurn("{system_prompt}", "system", "{role}\n{message}", "{role}"),
+    SeparatorStyle.DEEPSEEK_CHAT:
+        _PerTurn("{system_prompt}", "always", "{role}: {message}{sep}", "{role}:", alternate=True),
+}
 
 
-def _colon_space_single(t: ConvTemplate, _system: str, system_prompt: str, turns: Sequence[Turn]) -> str:
-    parts = [system_prompt, t.sep]
-    for role, message in turns:
-        # The open slot ends with a space.
-        parts.append(f"{role}: {message}{t.sep}" if message else f"{role}: ")
-    return "".join(parts)
-
-
-def _new_line_single(t: ConvTemplate, _system: str, system_prompt: str, turns: Sequence[Turn]) -> str:
-    parts = [system_prompt + t.sep if system_prompt else ""]
-    for role, message in turns:
-        parts.append(f"{role}\n{message}{t.sep}" if message else f"{role}\n")
-    return "".join(parts)
-
-
-def _no_colon_single(t: ConvTemplate, _system: str, system_prompt: str, turns: Sequence[Turn]) -> str:
-    parts = [system_prompt]
-    for role, message in turns:
-        parts.append(f"{role}{message}{t.sep}" if message else role)
-    return "".join(parts)
-
-
-def _no_colon_two(t: ConvTemplate, _system: str, system_prompt: str, turns: Sequence[Turn]) -> str:
-    seps = (t.sep, t.sep2)
-    parts = [system_prompt]
-    for i, (role, message) in enumerate(turns):
-        parts.append(f"{role}{message}{seps[i % 2]}" if message else role)
-    return "".join(parts)
-
+# The styles whose turns depend on more than their own role and message.
 
 def _rwkv(t: ConvTemplate, _system: str, system_prompt: str, turns: Sequence[Turn]) -> str:
     parts = [system_prompt]
@@ -250,20 +264,6 @@ def _chatglm(t: ConvTemplate, _system: str, system_prompt: str, turns: Sequence[
     return "".join(parts)
 
 
-def _chatml(t: ConvTemplate, _system: str, system_prompt: str, turns: Sequence[Turn]) -> str:
-    parts = [system_prompt + t.sep + "\n" if system_prompt else ""]
-    for role, message in turns:
-        parts.append(f"{role}\n{message}{t.sep}\n" if message else f"{role}\n")
-    return "".join(parts)
-
-
-def _chatglm3(t: ConvTemplate, system: str, system_prompt: str, turns: Sequence[Turn]) -> str:
-    parts = [system_prompt if system else ""]
-    for role, message in turns:
-        parts.append(f"{role}\n{message}" if message else role)
-    return "".join(parts)
-
-
 def _chatintern(t: ConvTemplate, _system: str, system_prompt: str, turns: Sequence[Turn]) -> str:
     seps = (t.sep, t.sep2)
     parts = [system_prompt]
@@ -287,35 +287,6 @@ def _dolly(t: ConvTemplate, _system: str, system_prompt: str, turns: Sequence[Tu
     return "".join(parts)
 
 
-def _phoenix(t: ConvTemplate, _system: str, system_prompt: str, turns: Sequence[Turn]) -> str:
-    parts = [system_prompt]
-    for role, message in turns:
-        parts.append(f"{role}: <s>{message}</s>" if message else f"{role}: <s>")
-    return "".join(parts)
-
-
-def _robin(t: ConvTemplate, _system: str, system_prompt: str, turns: Sequence[Turn]) -> str:
-    parts = [system_prompt, t.sep]
-    for role, message in turns:
-        parts.append(f"{role}:\n{message}{t.sep}" if message else f"{role}:\n")
-    return "".join(parts)
-
-
-def _falcon_chat(t: ConvTemplate, system: str, system_prompt: str, turns: Sequence[Turn]) -> str:
-    parts = [system_prompt + t.sep if system else ""]
-    for role, message in turns:
-        parts.append(f"{role}: {message}{t.sep}" if message else f"{role}:")
-    return "".join(parts)
-
-
-def _deepseek_chat(t: ConvTemplate, _system: str, system_prompt: str, turns: Sequence[Turn]) -> str:
-    seps = (t.sep, t.sep2)
-    parts = [system_prompt]
-    for i, (role, message) in enumerate(turns):
-        parts.append(f"{role}: {message}{seps[i % 2]}" if message else f"{role}:")
-    return "".join(parts)
-
-
 def _metamath(t: ConvTemplate, _system: str, system_prompt: str, turns: Sequence[Turn]) -> str:
     # sep2 prefixes the assistant's message here, it does not end it.
     parts = [system_prompt + t.sep if system_prompt else ""]
@@ -336,23 +307,12 @@ def _yuan2(t: ConvTemplate, system: str, system_prompt: str, turns: Sequence[Tur
 
 
 _RENDERERS: dict[SeparatorStyle, Renderer] = {
-    SeparatorStyle.ADD_COLON_SINGLE: _colon_single,
-    SeparatorStyle.ADD_COLON_TWO: _colon_two,
-    SeparatorStyle.ADD_COLON_SPACE_SINGLE: _colon_space_single,
-    SeparatorStyle.NO_COLON_SINGLE: _no_colon_single,
-    SeparatorStyle.NO_COLON_TWO: _no_colon_two,
-    SeparatorStyle.ADD_NEW_LINE_SINGLE: _new_line_single,
+    **_PER_TURN_STYLES,
     SeparatorStyle.LLAMA2: _llama2,
     SeparatorStyle.CHATGLM: _chatglm,
-    SeparatorStyle.CHATML: _chatml,
     SeparatorStyle.CHATINTERN: _chatintern,
     SeparatorStyle.DOLLY: _dolly,
     SeparatorStyle.RWKV: _rwkv,
-    SeparatorStyle.PHOENIX: _phoenix,
-    SeparatorStyle.ROBIN: _robin,
-    SeparatorStyle.FALCON_CHAT: _falcon_chat,
-    SeparatorStyle.CHATGLM3: _chatglm3,
-    SeparatorStyle.DEEPSEEK_CHAT: _deepseek_chat,
     SeparatorStyle.METAMATH: _metamath,
     SeparatorStyle.YUAN2: _yuan2,
 }
