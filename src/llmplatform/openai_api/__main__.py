@@ -13,7 +13,6 @@ from functools import cached_property
 from llmplatform.openai_api.app import create_app
 from llmplatform.openai_api.settings import GatewaySettings, RequestLimits, RoutingMode
 from llmplatform.utils.logs import configure_logging, log_summary
-from llmplatform.utils.server import DEFAULT_SHUTDOWN_TIMEOUT_S
 from llmplatform.utils.service_settings import ServerSettings
 from llmplatform.utils.settings import CommaList, OptionalText, option
 from llmplatform.utils.startup import gateway_summary, listen_url
@@ -78,9 +77,6 @@ class GatewayServiceSettings(ServerSettings):
     worker_refresh_interval: float = option(
         GatewaySettings.worker_refresh_interval, "with --routing local: seconds between two reads "
         "of the controller's worker list (default: %(default)s)", metavar="SECONDS")
-    shutdown_timeout: float = option(
-        DEFAULT_SHUTDOWN_TIMEOUT_S, "on SIGTERM: stop accepting, let in-flight requests run this "
-        "long, then exit (default: %(default)s)", metavar="SECONDS", gt=0)
 
     @cached_property
     def gateway_settings(self) -> GatewaySettings:

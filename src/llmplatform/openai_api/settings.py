@@ -51,7 +51,7 @@ class RoutingMode(str, enum.Enum):
     LOCAL = "local"
     """From its own table of live workers, refreshed from the controller's `GET /list_workers`
     and ranked with the controller's dispatch method: no controller round trip per request.
-    Falls back to `/get_worker_address` for what the table cannot answer (see routing.py)."""
+    Falls back to `/get_worker_address` for what the table cannot answer (see worker_routing.py)."""
     CONTROLLER = "controller"
     """`POST /get_worker_address` on the controller for every request (FastChat's way)."""
 
