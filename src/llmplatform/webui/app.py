@@ -118,6 +118,19 @@ def _request_controls(
     return temperature, top_p, max_tokens, json_mode
 
 
+def _composer(prefix: str, placeholder: str
+              ) -> tuple[gr.Textbox, gr.Button, gr.Button, gr.Button, gr.Button]:
+    """The input box with its Send button, then Stop, Regenerate and Clear."""
+    with gr.Row():
+        text = gr.Textbox(show_label=False, scale=8, elem_id=f"{prefix}-input", placeholder=placeholder)
+        send = gr.Button("Send", variant="primary", scale=1, elem_id=f"{prefix}-send")
+    with gr.Row():
+        stop = gr.Button("Stop", variant="stop", elem_id=f"{prefix}-stop")
+        regenerate = gr.Button("Regenerate", elem_id=f"{prefix}-regenerate")
+        clear = gr.Button("Clear", elem_id=f"{prefix}-clear")
+    return text, send, stop, regenerate, clear
+
+
 def _tools_controls() -> tuple[gr.Textbox, gr.Dropdown]:
     with gr.Accordion("Tools (advanced)", open=False):
         tools = gr.Textbox(label="Tools (JSON)", lines=4, max_lines=20, elem_id="chat-tools",
@@ -149,14 +162,8 @@ def build_blocks(handlers: Handlers) -> gr.Blocks:
                                        elem_id="chat-system")
             chatbot = safe_chatbot(label="Chat", height=420, elem_id="chat-chatbot",
                                   buttons=["copy"])
-            with gr.Row():
-                chat_input = gr.Textbox(show_label=False, scale=8, elem_id="chat-input",
-                                        placeholder="Type a message and press Enter")
-                chat_send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
-            with gr.Row():
-                chat_stop = gr.Button("Stop", variant="stop", elem_id="chat-stop")
-                chat_regenerate = gr.Button("Regenerate", elem_id="chat-regenerate")
-                chat_clear = gr.Button("Clear", elem_id="chat-clear")
+            chat_input, chat_send, chat_stop, chat_regenerate, chat_clear = _composer(
+                "chat", "Type a message and press Enter")
             chat_temperature, chat_top_p, chat_max_tokens, chat_json = _request_controls(
                 settings, "chat")
             chat_tools, chat_tool_choice = _tools_controls()
@@ -178,14 +185,8 @@ def build_blocks(handlers: Handlers) -> gr.Blocks:
                     for kind, label in VOTES.items()
                 }
             vote_status = safe_markdown(elem_id="arena-vote-status")
-            with gr.Row():
-                arena_input = gr.Textbox(show_label=False, scale=8, elem_id="arena-input",
-                                         placeholder="Type a prompt for both models")
-                arena_send = gr.Button("Send", variant="primary", scale=1, elem_id="arena-send")
-            with gr.Row():
-                arena_stop = gr.Button("Stop", variant="stop", elem_id="arena-stop")
-                arena_regenerate = gr.Button("Regenerate", elem_id="arena-regenerate")
-                arena_clear = gr.Button("Clear", elem_id="arena-clear")
+            arena_input, arena_send, arena_stop, arena_regenerate, arena_clear = _composer(
+                "arena", "Type a prompt for both models")
             arena_temperature, arena_top_p, arena_max_tokens, arena_json = _request_controls(
                 settings, "arena")
 
