@@ -1,0 +1,148 @@
+"""Embeddings benchmark: the gateway's /v1/embeddings against sentence-transformers, in one run.
+
+    python benchmarks/embeddings.py                        # all-MiniLM-L6-v2, in-process cluster
+    python benchmarks/embeddings.py --num-sentences 2048 --out result.json
+
+Sentences/s for the same sentences (1 to 60 words, seeded) and model:
+
+- ``st``: sentence-transformers ``encode`` in this process, batch 32: the ceiling a user would
+  compare with (no HTTP, no JSON, no cross-request anything);
+- ``gateway c=N``: the official ``openai`` client, one sentence per request, N requests in
+  flight (default 1, 16, 64): cross-request batching is what lets c=64 approach ``st``;
+- ``gateway batch32``: 32 sentences per request, one request at a time.
+
+Targets: ``gateway c=64`` >= 0.6x ``st``; ``gateway batch32`` >= 0.8x ``st``. Every gateway
+vector is checked against ``st``'s (cosine >= 0.9999); a mismatch fails the run. The cluster
+(controller, embedding worker, gateway) runs in this process's threads on 127.0.0.1 ephemeral
+ports, so the load generator shares the interpreter with the servers: a quiet machine is
+needed, and the ratios are a floor. Reported: a markdown table and ``RESULT_JSON {...}`` last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_WORDS = ("the sea river mountain quick brown fox jumps over lazy dog embeddings vectors search "
+          "retrieval of documents about cooking physics history music a an is was were to from "
+          "with language models serve requests batch tokens").split()
+MIN_COSINE = 0.9999
+
+
+def sentences(count: int, seed: int = 0, max_words: int = 60) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, max_words))) + "."
+            for _ in range(count)]
+
+
+@contextlib.contextmanager
+def in_process_cluster(model_path: str | None) -> Iterator[tuple[str, str, str]]:
+    """(base URL, model name, model dir) of a controller + one embedding worker + a gateway."""
+    from llmplatform.controller import ControllerConfig
+    from llmplatform.controller import create_app as create_controller_app
+    from llmplatform.llm.resolve import EMBEDDING_MODEL_NAME, resolve_model
+    from llmplatform.model_worker.app import WorkerSettings
+    from llmplatform.model_worker.app import create_app as create_worker_app
+    from llmplatform.model_worker.backends import BackendConfig, build_llm
+    from llmplatform.openai_api.app import create_app as create_gateway_app
+    from llmplatform.openai_api.settings import GatewaySettings
+    from llmplatform.utils.server import serve_in_thread
+
+    path = str(resolve_model(model_path or EMBEDDING_MODEL_NAME).path)
+    llm = build_llm(BackendConfig(model_path=path, model_names=("bench",), device="cpu"))
+    with contextlib.ExitStack() as stack:
+        controller = stack.enter_context(serve_in_thread(create_controller_app(ControllerConfig())))
+        gateway = stack.enter_context(serve_in_thread(create_gateway_app(
+            GatewaySettings(controller_address=controller))))
+        app = create_worker_app(llm, WorkerSettings(
+            worker_address=None, controller_address=controller,
+            limit_worker_concurrency=llm.default_concurrency, heartbeat_interval=0.5))
+        worker = stack.enter_context(serve_in_thread(app))
+        app.state.worker_address = worker
+        import httpx
+
+        deadline = time.monotonic() + 60
+        while "bench" not in httpx.post(f"{controller}/list_models", timeout=5).json()["models"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the worker did not register")
+            time.sleep(0.1)
+        yield f"{gateway}/v1", "bench", path
+
+
+async def gateway_run(base_url: str, model: str, texts: list[str], *, concurrency: int,
+                      per_request: int) -> tuple[float, np.ndarray]:
+    """Wall seconds to embed ``texts`` (``per_request`` per request, ``concurrency`` in flight)
+    and the vectors, in order."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=120)
+    chunks = [texts[i:i + per_request] for i in range(0, len(texts), per_request)]
+    results: list[Any] = [None] * len(chunks)
+    queue = iter(range(len(chunks)))
+
+    async def client_loop() -> None:
+        for index in queue:
+            response = await client.embeddings.create(model=model, input=chunks[index])
+            results[index] = [d.embedding for d in response.data]
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client_loop() for _ in range(min(concurrency, len(chunks)))))
+    elapsed = time.perf_counter() - started
+    await client.close()
+    return elapsed, np.array([v for chunk in results for v in chunk], dtype=np.float32)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", default=None, help="default: the packaged all-MiniLM-L6-v2")
+    parser.add_argument("--num-sentences", type=int, default=512)
+    parser.add_argument("--concurrency", default="1,16,64", help="one sentence per request")
+    parser.add_argument("--batch", type=int, default=32, help="sentences per request, and st's batch")
+    parser.add_argument("--warmup", type=int, default=32, help="sentences embedded first, untimed")
+    parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
+    args = parser.parse_args(argv)
+    from sentence_transformers import SentenceTransformer
+
+    texts = sentences(args.num_sentences)
+    levels = [int(c) for c in args.concurrency.split(",") if c]
+    rows: list[dict[str, Any]] = []
+    with in_process_cluster(args.model_path) as (base_url, model, path):
+        st = SentenceTransformer(path, device="cpu")
+        st.encode(texts[:args.warmup], batch_size=args.batch)
+        started = time.perf_counter()
+        reference = st.encode(texts, batch_size=args.batch, convert_to_numpy=True)
+        st_s = time.perf_counter() - started
+        rows.append({"run": f"st encode batch{args.batch}", "seconds": st_s})
+        asyncio.run(gateway_run(base_url, model, texts[:args.warmup], concurrency=8, per_request=1))
+        runs = [(f"gateway c={c}", c, 1) for c in levels] + [(f"gateway batch{args.batch}", 1, args.batch)]
+        for name, concurrency, per_request in runs:
+            seconds, got = asyncio.run(gateway_run(base_url, model, texts, concurrency=concurrency,
+                                                   per_request=per_request))
+            cosines = (got * reference).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(reference, axis=1)
+            rows.append({"run": name, "seconds": seconds, "min_cosine": float(cosines.min())})
+    for row in rows:
+        row["sentences_per_s"] = args.num_sentences / row["seconds"]
+        row["ratio_to_st"] = row["sentences_per_s"] / rows[0]["sentences_per_s"]
+    lines = ["| run | sentences/s | ratio to st | min cosine |", "|---|---|---|---|"]
+    lines += [f"| {r['run']} | {r['sentences_per_s']:.1f} | {r['ratio_to_st']:.2f} | "
+              f"{r.get('min_cosine', 1.0):.6f} |" for r in rows]
+    result = {"num_sentences": args.num_sentences, "runs": rows}
+    print("\n".join(lines))
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print("RESULT_JSON " + json.dumps(result))
+    return 0 if all(r.get("min_cosine", 1.0) >= MIN_COSINE for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""benchmarks/embeddings.py, smoke-sized: the real packaged model in an in-process cluster.
+Checks the report's rows and that every vector matched sentence-transformers'; never timings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "embeddings.py"
+
+
+def test_embeddings_benchmark_smoke(embedding_model_dir, tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_embeddings", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "result.json"
+    code = bench.main(["--model-path", str(embedding_model_dir), "--num-sentences", "12",
+                       "--concurrency", "1,4", "--batch", "4", "--warmup", "2", "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert [r["run"] for r in result["runs"]] == [
+        "st encode batch4", "gateway c=1", "gateway c=4", "gateway batch4"]
+    assert all(r["min_cosine"] >= 0.9999 for r in result["runs"][1:])
+    assert result["runs"][0]["ratio_to_st"] == 1.0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("RESULT_JSON ")
