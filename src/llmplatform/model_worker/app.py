@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -294,12 +294,14 @@ async def _generate_chunks(app: FastAPI, accepted: Accepted, ticket: Ticket) -> 
                 logger.info("finished: %s", observer.describe())
 
 
-async def _admit(app: FastAPI, request: Request, *,
-                 refuse: Callable[[bytes], Response]) -> tuple[Accepted, Ticket] | Response:
-    """A generation request parsed, given a ticket (a busy worker's refusal otherwise) and
-    checked whole (:func:`accept`), or the answer to send instead: `refuse` wraps a refusal's
-    FastChat error chunk (NUL-terminated) as the route answers. The ticket is the caller's to
-    release once accepted, and released here otherwise."""
+Answer = Callable[[FastAPI, Accepted, Ticket], Awaitable[Response]]
+
+
+async def _generate(app: FastAPI, request: Request, *, refuse: Callable[[bytes], Response],
+                    answer: Answer) -> Response:
+    """One generation request: parsed, given a ticket (a busy worker's refusal otherwise),
+    checked whole (:func:`accept`), then answered by `answer`, which owns the ticket from then
+    on. A refusal's FastChat error chunk (NUL-terminated) is sent as `refuse` wraps it."""
     llm: LLMBackend = app.state.llm
     try:
         params = await _json_body(request, WorkerParams)
@@ -318,7 +320,26 @@ async def _admit(app: FastAPI, request: Request, *,
     except BaseException:
         ticket.release()
         raise
-    return accepted, ticket
+    return await answer(app, accepted, ticket)
+
+
+async def _streamed(app: FastAPI, accepted: Accepted, ticket: Ticket) -> Response:
+    """The chunks as they come (the response releases the ticket when it ends)."""
+    headers = {ACCEPTED_HEADER: "1"} if accepted.checked else None
+    return TicketedStreamingResponse(_generate_chunks(app, accepted, ticket), ticket, headers=headers)
+
+
+async def _whole(app: FastAPI, accepted: Accepted, ticket: Ticket) -> Response:
+    """The last (cumulative) chunk alone, once generation has ended."""
+    last = b""
+    chunks = _generate_chunks(app, accepted, ticket)
+    try:
+        async for item in chunks:
+            last = item
+    finally:
+        await chunks.aclose()
+        ticket.release()
+    return _json_object(last)
 
 
 def _json_object(chunk: bytes) -> Response:
@@ -332,28 +353,11 @@ def _add_routes(app: FastAPI) -> None:
     @app.post("/worker_generate_stream")
     async def worker_generate_stream(request: Request) -> Response:
         # As FastChat's workers answer: a refusal's error object is the whole stream, with HTTP 200.
-        admitted = await _admit(app, request, refuse=Response)
-        if isinstance(admitted, Response):
-            return admitted
-        accepted, ticket = admitted
-        headers = {ACCEPTED_HEADER: "1"} if accepted.checked else None
-        return TicketedStreamingResponse(_generate_chunks(app, accepted, ticket), ticket, headers=headers)
+        return await _generate(app, request, refuse=Response, answer=_streamed)
 
     @app.post("/worker_generate")
     async def worker_generate(request: Request) -> Response:
-        admitted = await _admit(app, request, refuse=_json_object)
-        if isinstance(admitted, Response):
-            return admitted
-        accepted, ticket = admitted
-        last = b""
-        chunks = _generate_chunks(app, accepted, ticket)
-        try:
-            async for item in chunks:
-                last = item
-        finally:
-            await chunks.aclose()
-            ticket.release()
-        return _json_object(last)
+        return await _generate(app, request, refuse=_json_object, answer=_whole)
 
     add_embedding_route(app, _json_body)
 
