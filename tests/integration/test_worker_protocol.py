@@ -109,8 +109,8 @@ def test_status_count_token_details_conv_template(worker_url, tiny_llm):
     assert count == {"count": len(tiny_llm.tokenizer("Hello world")["input_ids"]), "error_code": 0}
     details = httpx.post(f"{worker_url}/model_details", json={"model": "tiny"}, timeout=10).json()
     # Built directly, without build_llm's template choice: no tools announced.
-    assert details == {"context_length": 512, "params": ["messages", "openai_max_tokens", "logit_bias",
-                                                         "structured_output"]}
+    assert details == {"context_length": 512, "tasks": ["generate"],
+                       "params": ["messages", "openai_max_tokens", "logit_bias", "structured_output"]}
     conv = httpx.post(f"{worker_url}/worker_get_conv_template", json={"model": "tiny"},
                       timeout=10).json()["conv"]
     assert conv["sep_style"] == 9 and conv["sep"] == "<|im_end|>"

@@ -225,26 +225,20 @@ def test_serve_passes_the_secret_in_the_environment_not_on_command_lines(monkeyp
 
     seen: dict[str, Any] = {}
 
-    class RecordingCluster:
+    class RecordingSupervisor:
         def __init__(self, services: list[Any], *args: Any, **kwargs: Any) -> None:
             self.services = services
 
         def start(self) -> None:
-            import os
-
-            seen["env"] = os.environ.get(SECRET_ENV)
+            seen["env"] = {service.name: service.env.get(SECRET_ENV) for service in self.services}
             seen["argv"] = [arg for service in self.services for arg in service.argv]
             raise KeyboardInterrupt
 
         def stop(self) -> None:
             pass
 
-    monkeypatch.setattr(launcher, "Cluster", RecordingCluster)
-    # launcher.main sets the variable in this process: setenv first so that monkeypatch records
-    # the variable's original state and restores it (a delenv of an absent variable records
-    # nothing, and the secret would leak into every later test).
-    monkeypatch.setenv(SECRET_ENV, "placeholder")
-    monkeypatch.delenv(SECRET_ENV)
+    monkeypatch.setattr(launcher, "Supervisor", RecordingSupervisor)
+    monkeypatch.delenv(SECRET_ENV, raising=False)
     import signal
 
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -254,7 +248,8 @@ def test_serve_passes_the_secret_in_the_environment_not_on_command_lines(monkeyp
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-    assert seen["env"] == "s3cret-value"
+    # Every service gets the secret in its own environment, none on a command line.
+    assert seen["env"] and set(seen["env"].values()) == {"s3cret-value"}
     assert not any("s3cret-value" in arg for arg in seen["argv"])
 
 

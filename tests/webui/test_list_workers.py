@@ -27,7 +27,7 @@ def test_list_workers_shows_each_live_workers_facts():
             "workers": [], "dispatch_method": "least_load"}
         ours = {"model_names": ["a", "b"], "speed": 2, "queue_length": 3, "num_running": 2,
                 "num_waiting": 1, "kv_cache_usage": 0.25, "backend": "paged",
-                "max_num_running": 8}
+                "max_num_running": 8, "tasks": ["generate"]}
         stock = {"model_names": ["c"], "speed": 1, "queue_length": 0}  # a FastChat worker
         # The controller confirms each with the worker's own status (stub routes answer it).
         first, second = stubs.url("1", **ours), stubs.url("2", **stock)
@@ -47,11 +47,11 @@ def test_list_workers_shows_each_live_workers_facts():
         workers = httpx.get(f"{url}/list_workers", timeout=5).json()["workers"]
         assert workers == [
             {"worker_name": first, "model_names": ["a", "b"], "backend": "paged",
-             "speed": 2, "queue_length": 3, "num_running": 2, "num_waiting": 1,
+             "tasks": ["generate"], "speed": 2, "queue_length": 3, "num_running": 2, "num_waiting": 1,
              "kv_cache_usage": 0.25, "last_heartbeat_age_s": 5.5, "max_num_running": 8,
              "num_dispatched": 1},
             {"worker_name": second, "model_names": ["c"], "backend": None,
-             "speed": 1, "queue_length": 5, "num_running": None, "num_waiting": None,
+             "tasks": None, "speed": 1, "queue_length": 5, "num_running": None, "num_waiting": None,
              "kv_cache_usage": None, "last_heartbeat_age_s": 1.0, "max_num_running": None,
              "num_dispatched": 0},
         ]
