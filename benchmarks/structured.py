@@ -11,8 +11,14 @@ streaming ``/v1/chat/completions`` with ``max_tokens`` = ``--output-len``:
   bounded integers and strings);
 - ``tools``: ``tool_choice="required"`` over three function tools with nested parameters.
 
-Constrained replies end where their grammar does, so their lengths vary; the comparison is of
-output tokens/s (the tokens each server reports in ``usage``, over the level's wall time). Every
+Constrained replies end where their grammar does, so their lengths vary, and shorter replies
+mean more prefill per output token; so each constrained workload is followed by its
+length-matched free control (``json_schema_free``, ``tools_free``): the same prompts (the tools
+shown with ``tool_choice="auto"``), no constraint, EOS ignored, and each request's ``max_tokens``
+set to the length its constrained reply had. Constrained over matched-free output tokens/s is
+the grammar's own cost; constrained over ``free`` is reported too (it mixes in the length
+difference). Output tokens are those each server reports in ``usage``, over the level's wall
+time. Every
 constrained reply is parsed and validated against its schema (``jsonschema``); any that fails
 is counted and reported (it would be a bug: the grammar enforces the schema). Then the grammar
 compile time for the schema and the tools, cold (a fresh compiler, nothing cached) and cached
@@ -80,9 +86,17 @@ TOOLS = [{"type": "function", "function": {"name": name, "description": f"{name.
 TOPICS = ["Paris", "a red bicycle", "the weather in Oslo", "two cats", "a birthday party",
           "a library book", "the moon", "an old train", "a chess game", "fresh bread"]
 WORKLOADS = ("free", "json_schema", "tools")
+MATCHED = "_free"  # suffix of a constrained workload's length-matched free control
 
 
 def request_kwargs(workload: str, i: int, output_len: int) -> dict[str, Any]:
+    if workload.endswith(MATCHED):
+        kwargs = request_kwargs(workload.removesuffix(MATCHED), i, output_len)
+        kwargs.pop("response_format", None)
+        if "tools" in kwargs:
+            kwargs["tool_choice"] = "auto"  # the tools stay in the prompt; nothing is enforced
+        kwargs["extra_body"] = {"ignore_eos": True}
+        return kwargs
     topic = TOPICS[i % len(TOPICS)]
     kwargs: dict[str, Any] = {"max_tokens": output_len, "temperature": 0.7, "seed": i}
     if workload == "free":
@@ -142,14 +156,17 @@ async def one_request(client: Any, model: str, workload: str, i: int, output_len
                     call["arguments"] += fragment.function.arguments or ""
     # A reply cut by max_tokens is incomplete, not invalid: it is counted apart.
     complete = finish in ("stop", "tool_calls")
-    return {"e2e": time.perf_counter() - start, "ttft": ttft,
+    constrained = workload in ("json_schema", "tools")
+    return {"index": i, "e2e": time.perf_counter() - start, "ttft": ttft,
             "output_tokens": usage.completion_tokens if usage else 0, "finish": finish,
-            "valid": workload == "free" or not complete or valid(workload, "".join(content), calls),
-            "truncated": workload != "free" and not complete}
+            "valid": not constrained or not complete or valid(workload, "".join(content), calls),
+            "truncated": constrained and not complete}
 
 
 async def run_level(base_url: str, model: str, workload: str, concurrency: int, num_prompts: int,
-                    output_len: int) -> dict[str, Any]:
+                    output_len: int, lengths: dict[int, int] | None = None) -> dict[str, Any]:
+    """One workload at one concurrency; ``lengths`` (request index -> max_tokens) overrides
+    ``output_len`` per request (the matched controls)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
@@ -158,7 +175,9 @@ async def run_level(base_url: str, model: str, workload: str, concurrency: int, 
 
     async def worker() -> None:
         while queue:
-            results.append(await one_request(client, model, workload, queue.pop(0), output_len))
+            i = queue.pop(0)
+            length = max(1, lengths[i]) if lengths is not None else output_len
+            results.append(await one_request(client, model, workload, i, length))
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(min(concurrency, num_prompts))))
@@ -170,6 +189,7 @@ async def run_level(base_url: str, model: str, workload: str, concurrency: int, 
             "wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
             "mean_output_tokens": tokens / max(1, len(results)),
             "ttft_ms_p50": statistics.median(ttfts) * 1000 if ttfts else None,
+            "lengths": {r["index"]: r["output_tokens"] for r in results},
             "num_invalid": sum(not r["valid"] for r in results),
             "num_truncated": sum(r["truncated"] for r in results),
             "finish_reasons": sorted({str(r["finish"]) for r in results})}
@@ -255,13 +275,18 @@ def report(runs: list[dict[str, Any]], compile_ms: dict[str, float]) -> tuple[st
                      f"{r['output_tokens_per_s']:.1f} | {ttft} |")
     ratios: dict[str, float] = {}
     by_key = {(r["workload"], r["concurrency"]): r for r in runs}
-    lines += ["", "| ratio (constrained / free output tok/s) | value |", "|---|---|"]
+    lines += ["", "| ratio of output tok/s | value |", "|---|---|"]
     for (workload, level), r in by_key.items():
-        free = by_key.get(("free", level))
-        if workload != "free" and free and free["output_tokens_per_s"] > 0:
-            ratio = r["output_tokens_per_s"] / free["output_tokens_per_s"]
-            ratios[f"{workload}@{level}"] = ratio
-            lines.append(f"| {workload} at concurrency {level} | {ratio:.3f} |")
+        if workload not in ("json_schema", "tools"):
+            continue
+        for control, key, what in (("free", f"{workload}@{level}", "free"),
+                                   (workload + MATCHED, f"{workload}_vs_matched@{level}",
+                                    "its length-matched free control")):
+            base = by_key.get((control, level))
+            if base and base["output_tokens_per_s"] > 0:
+                ratio = r["output_tokens_per_s"] / base["output_tokens_per_s"]
+                ratios[key] = ratio
+                lines.append(f"| {workload} / {what}, concurrency {level} | {ratio:.3f} |")
     lines += ["", "| grammar compile | ms |", "|---|---|"]
     lines += [f"| {name.removesuffix('_ms').replace('_', ' ')} | {value:.3f} |"
               for name, value in compile_ms.items()]
@@ -284,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=64, help="requests per level")
     parser.add_argument("--output-len", type=int, default=128, help="max_tokens of every request")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--no-matched", action="store_true",
+                        help="skip the length-matched free controls")
     parser.add_argument("--out", default=None, help="also write the JSON result here")
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -302,11 +329,15 @@ def main(argv: list[str] | None = None) -> int:
         for level in levels:
             asyncio.run(run_level(base_url, model, "free", level, min(level, 4), 8))  # warm-up
             for workload in workloads:
-                run = asyncio.run(run_level(base_url, model, workload, level, args.num_prompts,
-                                            args.output_len))
-                print(f"{workload} at {level}: {run['output_tokens_per_s']:.1f} output tok/s, "
-                      f"{run['num_invalid']} invalid", file=sys.stderr, flush=True)
-                runs.append(run)
+                plan = [(workload, None)]
+                for name, lengths in plan:
+                    run = asyncio.run(run_level(base_url, model, name, level, args.num_prompts,
+                                                args.output_len, lengths))
+                    print(f"{name} at {level}: {run['output_tokens_per_s']:.1f} output tok/s, "
+                          f"{run['num_invalid']} invalid", file=sys.stderr, flush=True)
+                    runs.append(run)
+                    if name != "free" and not name.endswith(MATCHED) and not args.no_matched:
+                        plan.append((name + MATCHED, run["lengths"]))
     table, result = report(runs, compile_times(tokenizer_dir))
     print(table)
     if args.out:

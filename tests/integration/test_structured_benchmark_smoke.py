@@ -33,13 +33,18 @@ def test_structured_benchmark_smoke(tiny_model_dir, tmp_path, capsys):
     assert code == 0
     result = json.loads(out.read_text())
     assert [(r["workload"], r["concurrency"]) for r in result["runs"]] == [
-        (w, c) for c in (1, 3) for w in ("free", "json_schema")]
+        (w, c) for c in (1, 3) for w in ("free", "json_schema", "json_schema_free")]
     for run in result["runs"]:
         assert run["num_requests"] == 3 and run["num_invalid"] == 0, run
         assert run["output_tokens"] > 0
     free = [r for r in result["runs"] if r["workload"] == "free"]
     assert all(r["output_tokens"] == 3 * 40 for r in free)  # EOS ignored: exactly max_tokens
-    assert set(result["ratios"]) == {"json_schema@1", "json_schema@3"}
+    # Each matched control generated exactly what its constrained run did, request by request.
+    runs = {(r["workload"], r["concurrency"]): r for r in result["runs"]}
+    for level in (1, 3):
+        assert runs[("json_schema_free", level)]["lengths"] == runs[("json_schema", level)]["lengths"]
+    assert set(result["ratios"]) == {"json_schema@1", "json_schema@3", "json_schema_vs_matched@1",
+                                     "json_schema_vs_matched@3"}
     assert set(result["compile_ms"]) == {"json_schema_cold_ms", "json_schema_cached_ms",
                                          "tools_cold_ms", "tools_cached_ms"}
     printed = capsys.readouterr().out
