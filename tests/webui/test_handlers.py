@@ -285,7 +285,9 @@ async def test_cluster_view_lists_workers_with_their_facts(stack, handlers):
     # Queue length is the controller's estimate (last report + dispatches since): a count.
     assert paged[3].isdigit() and paged[6].endswith("%")   # KV-cache usage in percent
     assert hf[6] == "-"                                  # hf has no paged KV cache
-    assert all(row[7].endswith(" s ago") for row in snapshot.rows)
+    assert hf[7] == "-"                                  # ...nor a prefix cache
+    assert paged[7] == "-" or " of " in paged[7]         # hit rate once it has seen prompts
+    assert all(row[8].endswith(" s ago") for row in snapshot.rows)
     assert "**2** live worker(s)" in snapshot.summary
 
 

@@ -24,7 +24,7 @@ def test_list_workers_shows_each_live_workers_facts():
     app = create_controller_app(ControllerConfig(heartbeat_expiration=30.0), clock=clock)
     with serve_in_thread(app) as url, stub_workers() as stubs:
         assert httpx.get(f"{url}/list_workers", timeout=5).json() == {
-            "workers": [], "dispatch_method": "least_load"}
+            "workers": [], "dispatch_method": "least_load", "cache_aware": None}
         ours = {"model_names": ["a", "b"], "speed": 2, "queue_length": 3, "num_running": 2,
                 "num_waiting": 1, "kv_cache_usage": 0.25, "backend": "paged",
                 "max_num_running": 8, "tasks": ["generate"]}
@@ -43,17 +43,19 @@ def test_list_workers_shows_each_live_workers_facts():
         clock.now += 1.0
         # A dispatch since the heartbeat shows (what a gateway routing locally adds to the load).
         picked = httpx.post(f"{url}/get_worker_address", json={"model": "a"}, timeout=5)
-        assert picked.json() == {"address": first}
+        assert picked.json() == {"address": first, "reason": "load"}
         workers = httpx.get(f"{url}/list_workers", timeout=5).json()["workers"]
         assert workers == [
             {"worker_name": first, "model_names": ["a", "b"], "backend": "paged",
              "tasks": ["generate"], "speed": 2, "queue_length": 3, "num_running": 2, "num_waiting": 1,
              "kv_cache_usage": 0.25, "last_heartbeat_age_s": 5.5, "max_num_running": 8,
-             "num_dispatched": 1},
+             "num_dispatched": 1, "prefix_cache_queries": None, "prefix_cache_hits": None,
+             "cache_epoch": None},
             {"worker_name": second, "model_names": ["c"], "backend": None,
              "tasks": None, "speed": 1, "queue_length": 5, "num_running": None, "num_waiting": None,
              "kv_cache_usage": None, "last_heartbeat_age_s": 1.0, "max_num_running": None,
-             "num_dispatched": 0},
+             "num_dispatched": 0, "prefix_cache_queries": None, "prefix_cache_hits": None,
+             "cache_epoch": None},
         ]
         # Only live workers are listed: the first is now stale (30.5 s > 30 s), the second not.
         clock.now += 25.0

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from functools import cached_property
 
 from llmplatform.controller.app import create_app
+from llmplatform.controller.cache_aware import CacheAwareConfig
 from llmplatform.controller.config import ControllerConfig
 from llmplatform.controller.dispatch import DEFAULT_DISPATCH_METHOD, DispatchMethod
 from llmplatform.controller.registry import DEFAULT_HEARTBEAT_EXPIRATION_S
@@ -33,8 +34,24 @@ class ControllerServiceSettings(ServerSettings):
     port: int = option(DEFAULT_PORT, "bind port; 0 picks a free one (default: %(default)s)")
     dispatch_method: DispatchMethod = option(
         DEFAULT_DISPATCH_METHOD, "how to choose among workers serving a model: least_load (share "
-        "of batch capacity in use, avoiding full KV caches), shortest_queue (FastChat's "
-        "queue_length/speed) or lottery (random, weighted by speed) (default: %(default)s)")
+        "of batch capacity in use, avoiding full KV caches), cache_aware (the worker most likely "
+        "to hold the prompt's prefix, or the session's worker, within --cache-aware-balance-"
+        "threshold of the least loaded), shortest_queue (FastChat's queue_length/speed) or "
+        "lottery (random, weighted by speed) (default: %(default)s)")
+    cache_aware_balance_threshold: int = option(
+        CacheAwareConfig.balance_threshold, "cache_aware: outstanding requests the worker holding "
+        "the prefix (or the session) may have beyond the least loaded worker before load decides "
+        "instead (default: %(default)s)", metavar="REQUESTS", ge=0)
+    cache_aware_entry_ttl: float = option(
+        CacheAwareConfig.entry_ttl_s, "cache_aware: seconds after it was last routed that a "
+        "prefix or a session is forgotten (default: %(default)s)", metavar="SECONDS", gt=0)
+    cache_aware_max_chunks_per_worker: int = option(
+        CacheAwareConfig.max_chunks_per_worker, "cache_aware: prompt chunks (64 characters each) "
+        "remembered per worker, least recently routed dropped first (default: %(default)s)",
+        metavar="N", ge=1)
+    cache_aware_max_sessions: int = option(
+        CacheAwareConfig.max_sessions, "cache_aware: sessions remembered in all (default: "
+        "%(default)s)", metavar="N", ge=1)
     heartbeat_expiration: float = option(
         DEFAULT_HEARTBEAT_EXPIRATION_S, "drop a worker after this long without a heartbeat "
         "(default: %(default)s)", metavar="SECONDS")
@@ -59,7 +76,12 @@ class ControllerServiceSettings(ServerSettings):
     @cached_property
     def controller_config(self) -> ControllerConfig:
         """The app's section of these settings (checked when the settings are made)."""
-        return self.section(ControllerConfig, guard=self.guard_config())
+        cache_aware = CacheAwareConfig(
+            balance_threshold=self.cache_aware_balance_threshold,
+            entry_ttl_s=self.cache_aware_entry_ttl,
+            max_chunks_per_worker=self.cache_aware_max_chunks_per_worker,
+            max_sessions=self.cache_aware_max_sessions)
+        return self.section(ControllerConfig, guard=self.guard_config(), cache_aware=cache_aware)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

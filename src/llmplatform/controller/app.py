@@ -34,6 +34,7 @@ from llmplatform.controller.admission import (
     split_worker_url,
 )
 from llmplatform.controller.confirmation import Claim, Confirmations
+from llmplatform.controller.cache_aware import RouteHint
 from llmplatform.controller.dispatch import Dispatcher, RandomSource
 from llmplatform.controller.config import ControllerConfig
 from llmplatform.controller.registry import WorkerInfo, WorkerRegistry
@@ -51,6 +52,7 @@ from llmplatform.utils.request_id import RequestIdMiddleware
 from llmplatform.utils.cluster_secret import ClusterSecretMiddleware, secret_headers
 from llmplatform.utils.request_guard import RequestGuard
 from llmplatform.protocol.controller import (
+    CacheAwareOptions,
     DeregisterWorkerRequest,
     DeregisterWorkerResponse,
     GetWorkerAddressRequest,
@@ -105,9 +107,12 @@ def _describe(exc: ValidationError) -> str:
 
 
 class _ParamsEnvelope(BaseModel):
-    """The one field of the params dict the controller reads (extra fields ignored)."""
+    """The fields of the params dict the controller reads (extra fields ignored)."""
 
     model: str
+    prompt: Any = None
+    """The rendered prompt (a string from any gateway; anything else is not matched, and left
+    for the worker to judge): what cache_aware matches."""
 
 
 def normalize_worker_name(worker_name: str) -> str:
@@ -144,7 +149,8 @@ def create_app(
     config = config or ControllerConfig()
     resolve = resolve or (lambda host: resolve_host(host, config.status_timeout))
     registry = WorkerRegistry(heartbeat_expiration=config.heartbeat_expiration, clock=clock)
-    dispatcher = Dispatcher(registry, config.dispatch_method, rng or random.Random())
+    dispatcher = Dispatcher(registry, config.dispatch_method, rng or random.Random(),
+                            cache_aware=config.cache_aware, clock=clock)
     metrics = ControllerMetrics(registry)
     confirmations = Confirmations(registry, config, metrics)
 
@@ -237,6 +243,9 @@ def create_app(
             num_running=body.num_running,
             num_waiting=body.num_waiting,
             kv_cache_usage=body.kv_cache_usage,
+            prefix_cache_queries=body.prefix_cache_queries,
+            prefix_cache_hits=body.prefix_cache_hits,
+            prefix_cache_resets=body.prefix_cache_resets,
         )
         if not exist:
             logger.info("heartbeat from unknown worker %s; it will be told to register", name)
@@ -298,7 +307,12 @@ def create_app(
         # Read-only (ours only, hence GET): the web UI's Cluster tab, and gateways that route
         # locally from it (every fact dispatch ranks by, and the method it ranks with).
         now = clock()
-        return ListWorkersResponse(dispatch_method=dispatcher.method.value, workers=[
+        options = config.cache_aware
+        cache_aware = CacheAwareOptions(
+            balance_threshold=options.balance_threshold, entry_ttl_s=options.entry_ttl_s,
+            max_chunks_per_worker=options.max_chunks_per_worker, max_sessions=options.max_sessions,
+        ) if dispatcher.policy.cache_aware is not None else None
+        return ListWorkersResponse(dispatch_method=dispatcher.method.value, cache_aware=cache_aware, workers=[
             WorkerDescription(
                 worker_name=w.worker_name, model_names=list(w.model_names), backend=w.backend,
                 tasks=list(w.tasks) if w.tasks is not None else None,
@@ -306,6 +320,8 @@ def create_app(
                 num_waiting=w.num_waiting, kv_cache_usage=w.kv_cache_usage,
                 last_heartbeat_age_s=max(0.0, now - w.last_heartbeat),
                 max_num_running=w.max_num_running, num_dispatched=w.num_dispatched,
+                prefix_cache_queries=w.prefix_cache_queries, prefix_cache_hits=w.prefix_cache_hits,
+                cache_epoch=w.cache_epoch,
             )
             for w in registry.live_workers()
         ])
@@ -315,8 +331,15 @@ def create_app(
         metrics.worker_address_requests.inc()
         body = await _parse_body(request, GetWorkerAddressRequest)
         exclude = {normalize_worker_name(name) for name in body.exclude}
-        picked = dispatcher.choose(body.model, exclude=exclude)
-        return GetWorkerAddressResponse(address=picked.worker_name if picked else "")
+        hint = RouteHint(tuple(body.prefix_hashes), body.session)
+        decision = dispatcher.decide(body.model, exclude=exclude, hint=hint)
+        if decision is None:
+            return GetWorkerAddressResponse(address="")
+        metrics.dispatch_decisions.labels(dispatcher.method.value, decision.reason.value).inc()
+        logger.debug("dispatch %s -> %s (%s, %d prompt characters believed cached)", body.model,
+                     decision.worker.worker_name, decision.reason.value, decision.matched_chars)
+        return GetWorkerAddressResponse(address=decision.worker.worker_name,
+                                        reason=decision.reason.value)
 
     @app.post("/worker_get_status")
     async def worker_get_status() -> JSONResponse:
@@ -328,7 +351,12 @@ def create_app(
         # forwards everything else untouched (including fields it does not know).
         raw_params = await _read_json(request)
         params = _validate(_ParamsEnvelope, raw_params)
-        picked = dispatcher.choose(params.model)
+        prompt = params.prompt if isinstance(params.prompt, str) else None
+        hint = RouteHint.of(prompt) if dispatcher.policy.cache_aware is not None else RouteHint()
+        decision = dispatcher.decide(params.model, hint=hint)
+        picked = decision.worker if decision is not None else None
+        if decision is not None:
+            metrics.dispatch_decisions.labels(dispatcher.method.value, decision.reason.value).inc()
         if picked is None:
             chunks: AsyncIterator[bytes] = single_chunk(
                 error_chunk(

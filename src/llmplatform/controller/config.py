@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmplatform.controller.admission import parse_networks
+from llmplatform.controller.cache_aware import CacheAwareConfig
 from llmplatform.controller.dispatch import DEFAULT_DISPATCH_METHOD, DispatchMethod
 from llmplatform.controller.registry import DEFAULT_HEARTBEAT_EXPIRATION_S
 from llmplatform.utils.request_guard import RequestGuardConfig
@@ -16,6 +17,8 @@ class ControllerConfig:
     """Controller settings; validated at construction."""
 
     dispatch_method: DispatchMethod = DEFAULT_DISPATCH_METHOD
+    cache_aware: CacheAwareConfig = CacheAwareConfig()
+    """cache_aware's knobs (used when it is the dispatch method)."""
     heartbeat_expiration: float = DEFAULT_HEARTBEAT_EXPIRATION_S
     """Seconds without a heartbeat after which a worker is dropped. Our workers beat every ~3 s;
     quieter ones (stock FastChat workers beat every 45 s) are polled before they would expire."""

@@ -22,6 +22,11 @@ least_load (the default) ranks each candidate by, in order:
    free KV blocks.
 
 Exact ties on all three are broken at random. Loads are exact fractions, so 1/4 and 2/8 tie.
+
+cache_aware (cache_aware.py) prefers the worker most likely to hold the request's prompt prefix
+(or its session's worker) and falls back on least_load past a balance threshold. It keeps state,
+so it is reached through a :class:`DispatchPolicy` (which every method is, for its callers: the
+controller's `Dispatcher` and the gateway's routing table each hold one), not `pick_worker`.
 """
 
 from __future__ import annotations
@@ -29,10 +34,19 @@ from __future__ import annotations
 import enum
 import math
 import random
-from collections.abc import Collection, Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
 from fractions import Fraction
 from typing import Protocol, TypeVar
 
+from llmplatform.controller.cache_aware import (
+    NO_HINT,
+    CacheAwareConfig,
+    CacheAwarePolicy,
+    Decision,
+    Reason,
+    RouteHint,
+)
 from llmplatform.controller.registry import WorkerInfo, WorkerRegistry
 
 
@@ -43,6 +57,9 @@ class DispatchMethod(str, enum.Enum):
     """Argmin of `queue_length / speed`, ties broken at random (FastChat's default)."""
     LEAST_LOAD = "least_load"
     """Lowest share of batch capacity in use, avoiding full KV caches (see the module doc)."""
+    CACHE_AWARE = "cache_aware"
+    """The worker holding the longest prefix of the prompt, within a balance threshold of the
+    least loaded (see cache_aware.py)."""
 
 
 DEFAULT_DISPATCH_METHOD = DispatchMethod.LEAST_LOAD
@@ -92,6 +109,8 @@ def pick_worker(candidates: Sequence[C], method: DispatchMethod, rng: RandomSour
         return _shortest_queue(candidates, rng)
     if method is DispatchMethod.LEAST_LOAD:
         return _least_load(candidates, rng)
+    if method is DispatchMethod.CACHE_AWARE:
+        raise ValueError("cache_aware keeps state: pick through a DispatchPolicy")
     raise ValueError(f"unknown dispatch method {method!r}")
 
 
@@ -137,14 +156,23 @@ def _shortest_queue(candidates: Sequence[C], rng: RandomSource) -> C:
 LeastLoadKey = tuple[bool, Fraction | float, float]
 
 
-def least_load_key(worker: DispatchCandidate) -> LeastLoadKey:
-    """least_load's rank of one worker: lower is better (see the module doc)."""
-    kv_cache_usage = worker.kv_cache_usage if worker.kv_cache_usage is not None else 0.0
+def outstanding_requests(worker: DispatchCandidate) -> int:
+    """Requests the worker has running or waiting, as last reported, plus those sent since."""
     if worker.num_running is not None and worker.num_waiting is not None:
         reported = worker.num_running + worker.num_waiting
     else:
         reported = worker.queue_length
-    outstanding = reported + worker.num_dispatched
+    return reported + worker.num_dispatched
+
+
+def under_kv_pressure(worker: DispatchCandidate) -> bool:
+    return worker.kv_cache_usage is not None and worker.kv_cache_usage >= KV_CACHE_PRESSURE
+
+
+def least_load_key(worker: DispatchCandidate) -> LeastLoadKey:
+    """least_load's rank of one worker: lower is better (see the module doc)."""
+    kv_cache_usage = worker.kv_cache_usage if worker.kv_cache_usage is not None else 0.0
+    outstanding = outstanding_requests(worker)
     capacity = worker.max_num_running if worker.max_num_running is not None else worker.speed
     load: Fraction | float = Fraction(outstanding, capacity) if capacity > 0 else math.inf
     return (kv_cache_usage >= KV_CACHE_PRESSURE, load, kv_cache_usage)
@@ -161,6 +189,38 @@ def _argmin(keys: Sequence[object], candidates: Sequence[C], rng: RandomSource) 
     return tied[_uniform_index(len(tied), rng)] if len(tied) > 1 else tied[0]
 
 
+class DispatchPolicy:
+    """One dispatch method and the state it keeps (only cache_aware keeps any)."""
+
+    def __init__(
+        self,
+        method: DispatchMethod,
+        rng: RandomSource,
+        *,
+        cache_aware: CacheAwareConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.method = DispatchMethod(method)
+        self._rng = rng
+        self.cache_aware: CacheAwarePolicy | None = None
+        if self.method is DispatchMethod.CACHE_AWARE:
+            self.cache_aware = CacheAwarePolicy(
+                cache_aware or CacheAwareConfig(), least_load=lambda cs: _least_load(cs, self._rng),
+                load_of=lambda w: (under_kv_pressure(w), outstanding_requests(w)), clock=clock)
+
+    def pick(self, candidates: Sequence[C], hint: RouteHint = NO_HINT) -> Decision[C] | None:
+        """Choose one of `candidates` (None if there are none) and record what the method keeps."""
+        if self.cache_aware is not None:
+            return self.cache_aware.pick(candidates, hint)
+        picked = pick_worker(candidates, self.method, self._rng)
+        return Decision(picked, Reason.LOAD) if picked is not None else None
+
+    def retain(self, worker_names: Collection[str]) -> None:
+        """Forget the state kept for workers not in `worker_names`."""
+        if self.cache_aware is not None:
+            self.cache_aware.retain(worker_names)
+
+
 class Dispatcher:
     """Chooses a live worker for a model and records the choice in the registry."""
 
@@ -169,12 +229,21 @@ class Dispatcher:
         registry: WorkerRegistry,
         method: DispatchMethod = DEFAULT_DISPATCH_METHOD,
         rng: RandomSource | None = None,
+        *,
+        cache_aware: CacheAwareConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.registry = registry
         self.method = DispatchMethod(method)
         self._rng: RandomSource = rng if rng is not None else random.Random()
+        self.policy = DispatchPolicy(self.method, self._rng, cache_aware=cache_aware, clock=clock)
 
     def choose(self, model: str, exclude: Collection[str] = ()) -> WorkerInfo | None:
+        decision = self.decide(model, exclude)
+        return decision.worker if decision is not None else None
+
+    def decide(self, model: str, exclude: Collection[str] = (), hint: RouteHint = NO_HINT
+               ) -> Decision[WorkerInfo] | None:
         """The worker to send the next `model` request to, or None if no live worker has it.
 
         Workers named in `exclude` are not candidates: a gateway retrying a request that one
@@ -185,8 +254,10 @@ class Dispatcher:
         heartbeats spreads across workers instead of piling onto the one that looked idlest at
         the last heartbeat.
         """
+        if self.policy.cache_aware is not None:
+            self.policy.retain({w.worker_name for w in self.registry.live_workers()})
         candidates = [w for w in self.registry.workers_for(model) if w.worker_name not in exclude]
-        picked = pick_worker(candidates, self.method, self._rng)
-        if picked is not None:
-            self.registry.record_dispatch(picked.worker_name)
-        return picked
+        decision = self.policy.pick(candidates, hint)
+        if decision is not None:
+            self.registry.record_dispatch(decision.worker.worker_name)
+        return decision

@@ -13,6 +13,7 @@ a dead worker disappears from answers as soon as it is stale, not one sweep peri
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import time
 from collections.abc import Callable
@@ -50,11 +51,27 @@ class WorkerInfo:
     instance_id: str | None = None
     """The worker process's random id (ours only; None for stock FastChat workers): tells a
     worker re-registering apart from a second worker announcing the same URL."""
+    prefix_cache_queries: int | None = None
+    """Prompt tokens the worker looked up in its prefix cache, cumulative (ours, paged only)."""
+    prefix_cache_hits: int | None = None
+    """...and how many of them it found cached."""
+    prefix_cache_resets: int | None = None
+    """Times the worker's prefix cache was emptied (reset route, engine rebuilt), cumulative."""
     generation: int = 0
     """Which registration this entry belongs to (a counter over the registry's lifetime): kept
     by heartbeats and status updates, new on every `register`. A status poll started before a
     deregistration or a re-registration carries the old generation and so cannot write over
     (or bring back) what happened meanwhile."""
+
+    @property
+    def cache_epoch(self) -> str | None:
+        """Changes whenever the worker's prefix cache is known to be gone: another process at
+        this address, or a reset it reported. A digest of the instance id, so it can be listed
+        (the id itself is what the worker's heartbeats are told apart by)."""
+        if self.instance_id is None and self.prefix_cache_resets is None:
+            return None
+        instance = hashlib.sha256((self.instance_id or "").encode()).hexdigest()[:16]
+        return f"{instance}:{self.prefix_cache_resets or 0}"
 
 
 class WorkerRegistry:
@@ -103,6 +120,9 @@ class WorkerRegistry:
             max_num_running=status.max_num_running,
             backend=status.backend,
             tasks=tuple(status.tasks) if status.tasks is not None else None,
+            prefix_cache_queries=status.prefix_cache_queries,
+            prefix_cache_hits=status.prefix_cache_hits,
+            prefix_cache_resets=status.prefix_cache_resets,
             instance_id=instance_id,
             generation=next(self._generations),
         )
@@ -128,6 +148,9 @@ class WorkerRegistry:
             max_num_running=status.max_num_running or info.max_num_running,
             backend=status.backend or info.backend,
             tasks=tuple(status.tasks) if status.tasks is not None else info.tasks,
+            prefix_cache_queries=status.prefix_cache_queries,
+            prefix_cache_hits=status.prefix_cache_hits,
+            prefix_cache_resets=status.prefix_cache_resets,
             num_dispatched=0,
         )
         return True
@@ -140,6 +163,9 @@ class WorkerRegistry:
         num_running: int | None = None,
         num_waiting: int | None = None,
         kv_cache_usage: float | None = None,
+        prefix_cache_queries: int | None = None,
+        prefix_cache_hits: int | None = None,
+        prefix_cache_resets: int | None = None,
     ) -> bool:
         """Record a heartbeat; False means "unknown, register again".
 
@@ -161,6 +187,9 @@ class WorkerRegistry:
             num_running=num_running,
             num_waiting=num_waiting,
             kv_cache_usage=kv_cache_usage,
+            prefix_cache_queries=prefix_cache_queries,
+            prefix_cache_hits=prefix_cache_hits,
+            prefix_cache_resets=prefix_cache_resets,
             num_dispatched=0,  # the fresh report already counts them (or they finished)
         )
         return True

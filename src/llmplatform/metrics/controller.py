@@ -1,6 +1,12 @@
 """The controller's metrics: live workers per model (read from the registry at scrape time, so
 an expired worker disappears from the gauge the moment it stops counting as live), and counters
-of registrations, of workers dropped for silence and of `/get_worker_address` calls."""
+of registrations, of workers dropped for silence and of `/get_worker_address` calls.
+
+``llmplatform:controller_dispatch_decisions_total{policy,reason}`` counts the workers
+`/get_worker_address` picked, by dispatch method and why (`controller.cache_aware.Reason`:
+``affinity`` and ``session`` are cache_aware's cache hits by intent, ``load_override`` the times
+balance won over them, ``no_match`` the requests no worker was believed to hold; ``load`` for
+every other method)."""
 
 from __future__ import annotations
 
@@ -46,4 +52,8 @@ class ControllerMetrics:
             PREFIX + "controller_worker_address_requests",
             "POST /get_worker_address calls (a gateway routing locally makes them only for "
             "workers its table does not know yet).", registry=self.registry)
+        self.dispatch_decisions = Counter(
+            PREFIX + "controller_dispatch_decisions",
+            "Workers picked by /get_worker_address, by dispatch method and reason.",
+            ["policy", "reason"], registry=self.registry)
         self.registry.register(_WorkersCollector(workers))

@@ -9,6 +9,10 @@ the whole exchange, to the last byte of a stream.
 ``llmplatform:gateway_routing_decisions_total{source}`` counts worker picks (failover retries
 included) by where they came from: ``table`` (the gateway's own, no controller round trip) or
 ``controller`` (``/get_worker_address``).
+``llmplatform:gateway_dispatch_decisions_total{policy,reason}`` counts the picks the gateway's
+routing table made, by the controller's dispatch method it ranked with and why
+(``controller.cache_aware.Reason``: ``affinity``, ``session``, ``load_override``, ``no_match``
+for cache_aware, ``load`` otherwise); the controller counts its own picks the same way.
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ class GatewayMetrics:
                                          "Workers picked for a request, by where the pick came "
                                          "from: the gateway's routing table or the controller.",
                                          ["source"], registry=self.registry)
+        self.dispatch_decisions = Counter(PREFIX + "gateway_dispatch_decisions",
+                                          "Workers the gateway's routing table picked, by "
+                                          "dispatch method and reason.", ["policy", "reason"],
+                                          registry=self.registry)
 
 
 class GatewayMetricsMiddleware:

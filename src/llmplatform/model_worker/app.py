@@ -125,6 +125,7 @@ def create_app(llm: LLMBackend, settings: WorkerSettings, *,
     app.state.worker = WorkerState(settings.limit_worker_concurrency, settings.max_queue_len,
                                    settings.retry_after)
     app.state.controller_link = None
+    app.state.prefix_cache_resets = 0  # successful /reset_prefix_cache calls
     app.state.backend_failure = None  # why the backend failed for good (.failure)
     app.state.generation_ids = set()  # ids of generations in progress (duplicates are refused)
     app.state.metrics = WorkerMetrics(llm.model_names[0], lambda: WorkerLoad(
@@ -156,6 +157,10 @@ def _status(app: FastAPI) -> dict[str, Any]:
                                llm.max_num_running or app.state.settings.limit_worker_concurrency),
         "prefix_cache_queries": load.prefix_cache_queries,
         "prefix_cache_hits": load.prefix_cache_hits,
+        # Every emptying of the prefix cache (the reset route, an engine rebuilt after a
+        # failure): cache_aware dispatch forgets what it believed this worker holds when it moves.
+        "prefix_cache_resets": (app.state.prefix_cache_resets + (load.num_engine_restarts or 0)
+                                if load.prefix_cache_queries is not None else None),
         # Ours, so that tests and operators can see every request's resources come back:
         # accepted requests, concurrency slots held, free KV blocks (paged backend).
         "num_accepted": app.state.worker.num_accepted,
@@ -421,6 +426,7 @@ def _add_routes(app: FastAPI) -> None:
         has no prefix cache (``hf``)."""
         success = await llm.reset_prefix_cache()
         if success:
+            app.state.prefix_cache_resets += 1
             logger.info("prefix cache reset")
         return {"success": success, "model_names": list(llm.model_names)}
 

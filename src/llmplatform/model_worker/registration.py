@@ -143,7 +143,8 @@ class ControllerLink:
         status = self._get_status()
         payload = {"worker_name": worker_address, "queue_length": status["queue_length"],
                    "instance_id": self.instance_id}
-        for key in ("num_running", "num_waiting", "kv_cache_usage"):
+        for key in ("num_running", "num_waiting", "kv_cache_usage", "prefix_cache_queries",
+                    "prefix_cache_hits", "prefix_cache_resets"):
             if status.get(key) is not None:
                 payload[key] = status[key]
         try:

@@ -77,6 +77,10 @@ class GatewayServiceSettings(ServerSettings):
     worker_refresh_interval: float = option(
         GatewaySettings.worker_refresh_interval, "with --routing local: seconds between two reads "
         "of the controller's worker list (default: %(default)s)", metavar="SECONDS")
+    session_header: OptionalText = option(
+        None, "a request header (e.g. X-Session-Id) whose value keeps a conversation on one worker "
+        "when the controller dispatches cache_aware; without it, or when a request lacks it, "
+        "OpenAI's `user` field does (default: none)", metavar="NAME")
 
     @cached_property
     def gateway_settings(self) -> GatewaySettings:

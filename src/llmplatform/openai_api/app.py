@@ -60,8 +60,10 @@ def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | N
             table = (RoutingTable(max_age=max_table_age(settings.worker_refresh_interval), rng=rng)
                      if settings.routing is RoutingMode.LOCAL else None)
             decisions = app.state.metrics.routing_decisions
+            dispatch = app.state.metrics.dispatch_decisions
             client = WorkerClient(http, settings, routes=table,
-                                  on_route=lambda source: decisions.labels(source.value).inc())
+                                  on_route=lambda source: decisions.labels(source.value).inc(),
+                                  on_decision=lambda policy, reason: dispatch.labels(policy, reason).inc())
             app.state.worker_client = client
             app.state.routing_table = table
             logger.debug("gateway up: controller=%s auth=%s routing=%s", settings.controller_address,

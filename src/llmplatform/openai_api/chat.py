@@ -17,7 +17,8 @@ from llmplatform.openai_api.deltas import (
 )
 from llmplatform.openai_api.constraints import WorkerConstraint, request_constraints
 from llmplatform.openai_api.errors import parse_request
-from llmplatform.openai_api.generation import answer, worker_client
+from llmplatform.openai_api.generation import answer, route_request, worker_client
+from llmplatform.openai_api.worker_routing import chat_routing_text
 from llmplatform.openai_api.sse import sse_event
 from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_choices
 from llmplatform.openai_api.translate import (
@@ -79,9 +80,11 @@ async def create_chat_completion(request: Request) -> Response:
         return _Prepared(prepared, constraint), streams
 
     response_id = new_id("chatcmpl")
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    route = route_request(request, chat_routing_text(messages, tools), body.user)
     return await answer(request, body.model, start_on,
                         lambda prepared: _ChatStream(body, response_id, prepared=prepared),
-                        stream=bool(body.stream))
+                        stream=bool(body.stream), route=route)
 
 
 class _Prepared(NamedTuple):

@@ -17,7 +17,7 @@ from llmplatform.openai_api.deltas import (
 )
 from llmplatform.openai_api.constraints import request_constraints
 from llmplatform.openai_api.errors import parse_request
-from llmplatform.openai_api.generation import answer, worker_client
+from llmplatform.openai_api.generation import answer, route_request, worker_client
 from llmplatform.openai_api.sse import sse_event
 from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_choices
 from llmplatform.openai_api.translate import (
@@ -79,9 +79,10 @@ async def create_completion(request: Request) -> Response:
         return list(prepared), streams
 
     response_id = new_id("cmpl")
+    route = route_request(request, prompts[0], body.user)  # a batch is routed by its first prompt
     return await answer(request, body.model, start_on,
                         lambda prepared: _CompletionStream(body, response_id, n=n, prepared=prepared),
-                        stream=bool(body.stream))
+                        stream=bool(body.stream), route=route)
 
 
 class _CompletionStream:

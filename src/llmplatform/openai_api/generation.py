@@ -26,6 +26,7 @@ from llmplatform.openai_api.errors import error_payload
 from llmplatform.openai_api.sse import DONE, EventStreamResponse, sse_event
 from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, until_disconnected
 from llmplatform.openai_api.worker_client import WorkerClient
+from llmplatform.openai_api.worker_routing import RouteRequest, session_key
 from llmplatform.protocol.worker import WorkerChunk
 
 logger = logging.getLogger("llmplatform.openai_api")
@@ -55,12 +56,20 @@ def worker_client(request: Request) -> WorkerClient:
     return request.app.state.worker_client
 
 
+def route_request(request: Request, routing_text: str, user: str | None) -> RouteRequest:
+    """What a generation request offers routing: its prompt's routing text, its session key."""
+    header = request.app.state.settings.session_header
+    return RouteRequest(routing_text, session_key(request.headers, header, user))
+
+
 async def answer(request: Request, model: str, start_on: StartOn[P],
-                 reply: Callable[[Callable[[], P]], Reply[P]], *, stream: bool) -> Response:
+                 reply: Callable[[Callable[[], P]], Reply[P]], *, stream: bool,
+                 route: RouteRequest | None = None) -> Response:
     """Serve a checked generation request. `reply` is given a getter of what `start_on` prepared
-    on the worker that answered (failover may change it until the first chunk)."""
+    on the worker that answered (failover may change it until the first chunk). `route` informs
+    the first pick only: a failover pick ranks by load (the preferred worker just failed)."""
     client = worker_client(request)
-    address = await client.worker_address(model)
+    address = await client.worker_address(model, route=route)
     note_model(request, model)
     streams = RequestStreams(client, model, start_on)
     await streams.start(address)

@@ -97,6 +97,9 @@ class GatewaySettings:
     allowed_hosts: frozenset[str] | None = None
     """Host names a request may name in its `Host` header (DNS rebinding); None: any. `__main__`
     sets the loopback names when the gateway is bound to loopback (`request_guard`)."""
+    session_header: str | None = None
+    """A request header whose value keeps a conversation on one worker under the controller's
+    cache_aware dispatch (the `user` field does when the header is absent); None: `user` only."""
     max_streams_per_key: int | None = None
     """Streamed generations one caller may have open at once (429 beyond); the caller is its API
     key, or its address on a gateway without keys (see `limits`). None: no cap."""

@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from llmplatform.conversation import ConvTemplate, render_chat_prompt
 from llmplatform.errors import LLMPlatformError, ModelNotFoundError, NoWorkerError
 from llmplatform.openai_api.errors import UpstreamError, error_from_http
-from llmplatform.openai_api.worker_routing import RouteSource, RoutingTable
+from llmplatform.openai_api.worker_routing import RouteRequest, RouteSource, RoutingTable
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.openai_api.translate import PreparedPrompt
 from llmplatform.openai_api.worker_stream import WorkerStreamClient
@@ -78,12 +78,14 @@ class WorkerClient:
         *,
         routes: RoutingTable | None = None,
         on_route: Callable[[RouteSource], None] | None = None,
+        on_decision: Callable[[str, str], None] | None = None,
     ) -> None:
         self._http = http
         self._settings = settings
         # None: every request asks the controller (--routing controller).
         self._routes = routes
         self._on_route = on_route
+        self._on_decision = on_decision  # (policy, reason) of each pick the table made
         self._controller_timeout = httpx.Timeout(settings.controller_timeout, connect=settings.connect_timeout)
         self._worker_timeout = httpx.Timeout(settings.worker_timeout, connect=settings.connect_timeout)
         # Every model name the controller has listed: an empty address for one of these means
@@ -155,19 +157,28 @@ class WorkerClient:
         self._known_models.update(name for worker in listing.workers for name in worker.model_names)
         return listing
 
-    async def worker_address(self, model: str, exclude: Sequence[str] = ()) -> str:
+    async def worker_address(self, model: str, exclude: Sequence[str] = (),
+                             route: RouteRequest | None = None) -> str:
         """The base URL of a live worker serving `model`, other than those in `exclude`;
-        ModelNotFoundError or NoWorkerError.
+        ModelNotFoundError or NoWorkerError. `route`: what the request offers a cache_aware
+        policy (its prompt, its session); without it, such a policy ranks by load.
 
         From the routing table when it has a candidate (no round trip), else from the controller.
+        The pick and its reason are logged at debug level, with the request's id.
         """
         if self._routes is not None:
-            address = self._routes.pick(model, exclude)
-            if address is not None:
+            decision = self._routes.decide(model, exclude, route)
+            if decision is not None:
                 self._note_route(RouteSource.TABLE)
-                return address
+                method = self._routes.method.value if self._routes.method else "unknown"
+                if self._on_decision is not None:
+                    self._on_decision(method, decision.reason.value)
+                logger.debug("routed %s to %s by the table (%s: %s, %d prompt characters "
+                             "believed cached)", model, decision.worker.worker_name, method,
+                             decision.reason.value, decision.matched_chars)
+                return decision.worker.worker_name
         self._note_route(RouteSource.CONTROLLER)
-        return await self.controller_worker_address(model, exclude)
+        return await self.controller_worker_address(model, exclude, route)
 
     def worker_failed(self, address: str) -> None:
         """`address` could not take a request: the table skips it until its next read."""
@@ -178,20 +189,31 @@ class WorkerClient:
         if self._on_route is not None:
             self._on_route(source)
 
-    async def controller_worker_address(self, model: str, exclude: Sequence[str] = ()) -> str:
+    async def controller_worker_address(self, model: str, exclude: Sequence[str] = (),
+                                        route: RouteRequest | None = None) -> str:
         """The controller's pick (`POST /get_worker_address`): a worker other than those in
-        `exclude` (which a stock controller ignores); ModelNotFoundError or NoWorkerError."""
+        `exclude`, matched by `route`'s hint under cache_aware (a stock controller ignores
+        both); ModelNotFoundError or NoWorkerError."""
         url = f"{self._settings.controller_address}/get_worker_address"
         payload: dict[str, Any] = {"model": model}
         if exclude:
             payload["exclude"] = list(exclude)
+        if route is not None:  # the controller's method is not known here: always offered
+            hint = route.hint
+            if hint.prefix_hashes:
+                payload["prefix_hashes"] = list(hint.prefix_hashes)
+            if hint.session is not None:
+                payload["session"] = hint.session
         data = await self._post_json("controller", url, payload, self._controller_timeout)
         try:
-            address = GetWorkerAddressResponse.model_validate(data).address
+            answer = GetWorkerAddressResponse.model_validate(data)
         except ValidationError:
             raise UpstreamError("The controller's /get_worker_address answer is malformed.") from None
+        address = answer.address
         if address:
             self._known_models.add(model)
+            logger.debug("routed %s to %s by the controller (%s)", model, address,
+                         answer.reason or "no reason given")
             return address.rstrip("/")
         live = await self.list_models()
         if model in live or model in self._known_models:

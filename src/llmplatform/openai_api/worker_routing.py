@@ -4,7 +4,7 @@ FastChat's gateway asks the controller (`POST /get_worker_address`) before every
 more round trip on every request's path. With `--routing local` (the default) a background task
 reads the controller's live workers (`GET /list_workers`, ours: every load fact dispatch ranks by,
 and the controller's dispatch method) every `--worker-refresh-interval` seconds, and a request
-picks from that table with the controller's own :func:`~llmplatform.controller.dispatch.pick_worker`.
+picks from that table with the controller's own policy (:class:`~llmplatform.controller.dispatch.DispatchPolicy`).
 
 What the table cannot answer, the controller is asked, exactly as before (`pick` returns None):
 
@@ -24,6 +24,14 @@ a newer heartbeat drops the picks made before that heartbeat (the report include
 that brings none keeps them (resetting on every read would forget them while the worker's
 report still cannot show them: reads are ~3x as frequent as heartbeats by default).
 
+cache_aware. When the controller's method is cache_aware, the table runs the same policy
+(:class:`~llmplatform.controller.dispatch.DispatchPolicy`, with the knobs the listing carries)
+over the request's :class:`RouteHint`: its own prefix trees, built from its own picks (a request
+it hands to the controller is matched there, against the controller's). The hint is computed
+here for both paths (:func:`route_hint`): the routing text is the completion prompt, or the chat
+messages serialized one after another, which extends as a conversation does (the worker's chat
+template renders them in the same order), so a conversation's next turn matches its last.
+
 Failures. A worker that could not take a request (`may_try_another_worker`: refused, reset, 503,
 429) is marked down until the next read that started after the failure: later picks skip it
 meanwhile, and the read after that lists it again only if the controller still does.
@@ -34,16 +42,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import functools
+import json
 import logging
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from llmplatform.controller.dispatch import DispatchMethod, RandomSource, pick_worker
+from llmplatform.controller.cache_aware import NO_HINT, CacheAwareConfig, Decision, RouteHint
+from llmplatform.controller.dispatch import DispatchMethod, DispatchPolicy, RandomSource
 from llmplatform.errors import LLMPlatformError
-from llmplatform.protocol.controller import ListWorkersResponse, WorkerDescription
+from llmplatform.protocol.controller import CacheAwareOptions, ListWorkersResponse, WorkerDescription
 
 logger = logging.getLogger("llmplatform.openai_api.worker_routing")
 
@@ -88,6 +100,8 @@ class RoutedWorker:
     list, the table's own)."""
     heartbeat_at: float
     """When the worker's last heartbeat arrived, on the gateway's clock."""
+    cache_epoch: str | None = None
+    """Changes when the worker's prefix cache is known to be gone (cache_aware forgets it)."""
 
     @classmethod
     def from_description(cls, worker: WorkerDescription, now: float) -> RoutedWorker:
@@ -102,6 +116,7 @@ class RoutedWorker:
             max_num_running=worker.max_num_running,
             num_dispatched=worker.num_dispatched,
             heartbeat_at=now - worker.last_heartbeat_age_s,
+            cache_epoch=worker.cache_epoch,
         )
 
 
@@ -125,6 +140,7 @@ class RoutingTable:
         self._clock = clock
         self._rng: RandomSource = rng if rng is not None else random.Random()
         self._method: DispatchMethod | None = None
+        self._policy: DispatchPolicy | None = None
         self._workers: list[RoutedWorker] = []
         self._refreshed_at: float | None = None
         self._picks: dict[str, deque[float]] = {}
@@ -151,6 +167,8 @@ class RoutingTable:
             self.clear()
             return
         workers = [RoutedWorker.from_description(w, now) for w in listing.workers]
+        self._policy = self._policy_for(method, listing.cache_aware)
+        self._policy.retain({w.worker_name for w in workers})
         self._method = method
         self._workers = workers
         self._refreshed_at = now
@@ -165,9 +183,21 @@ class RoutingTable:
             picks.popleft()
         return picks
 
+    def _policy_for(self, method: DispatchMethod, options: CacheAwareOptions | None) -> DispatchPolicy:
+        """The policy to rank with: the current one (with what cache_aware learned) while the
+        controller's method stays, its knobs updated; a new one when the method changes."""
+        config = CacheAwareConfig(**options.model_dump()) if options is not None else None
+        policy = self._policy
+        if policy is None or policy.method is not method:
+            return DispatchPolicy(method, self._rng, cache_aware=config, clock=self._clock)
+        if policy.cache_aware is not None and config is not None:
+            policy.cache_aware = policy.cache_aware.with_config(config)
+        return policy
+
     def clear(self) -> None:
         """Forget everything: until the next good read, every request asks the controller."""
         self._method = None
+        self._policy = None
         self._workers = []
         self._refreshed_at = None
         self._picks = {}
@@ -195,6 +225,12 @@ class RoutingTable:
     def pick(self, model: str, exclude: Collection[str] = ()) -> str | None:
         """A worker for the next `model` request, ranked as the controller would rank it, and
         counted as dispatched to it; None when the table cannot say (ask the controller)."""
+        decision = self.decide(model, exclude)
+        return decision.worker.worker_name if decision is not None else None
+
+    def decide(self, model: str, exclude: Collection[str] = (), route: RouteRequest | None = None
+               ) -> Decision[RoutedWorker] | None:
+        """:meth:`pick`, with what the request offers routing (for cache_aware) and the reason."""
         if not self._fresh():
             return None
         unusable = {name.rstrip("/") for name in exclude} | self._down.keys()
@@ -203,12 +239,18 @@ class RoutingTable:
             for w in self._workers
             if model in w.model_names and w.worker_name not in unusable
         ]
-        assert self._method is not None  # set with every read that made the table fresh
-        picked = pick_worker(candidates, self._method, self._rng)
-        if picked is None:
+        assert self._policy is not None  # set with every read that made the table fresh
+        hint = route.hint if route is not None and self._policy.cache_aware is not None else NO_HINT
+        decision = self._policy.pick(candidates, hint)
+        if decision is None:
             return None
-        self._picks[picked.worker_name].append(self._clock())
-        return picked.worker_name
+        self._picks[decision.worker.worker_name].append(self._clock())
+        return decision
+
+    @property
+    def method(self) -> DispatchMethod | None:
+        """The controller's dispatch method as last read (None: no usable table)."""
+        return self._method
 
     def _fresh(self) -> bool:
         """Whether a read is held and young enough; an old one is dropped here."""
@@ -221,6 +263,42 @@ class RoutingTable:
                        "controller per request until it answers again", age)
         self.clear()
         return False
+
+
+def chat_routing_text(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None) -> str:
+    """What a chat request is matched by: its tools, then each message as compact JSON, one per
+    line. Prefix-preserving: a conversation's next turn starts with its previous turn's text."""
+    lines = [json.dumps(list(tools), sort_keys=True, separators=(",", ":"))] if tools else []
+    lines.extend(json.dumps(dict(m), sort_keys=True, separators=(",", ":"), default=str) for m in messages)
+    return "\n".join(lines) + "\n"
+
+
+def completion_routing_text(prompt: str | Sequence[int]) -> str:
+    """What a completion is matched by: its prompt (token ids written out)."""
+    return prompt if isinstance(prompt, str) else ",".join(map(str, prompt)) + ","
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a request offers routing: its routing text and session key. The hint (hashing the
+    text) is computed only when a policy asks for it."""
+
+    text: str
+    session_key: str | None = None
+
+    @functools.cached_property
+    def hint(self) -> RouteHint:
+        return RouteHint.of(self.text, self.session_key)
+
+
+def session_key(headers: Mapping[str, str], header_name: str | None, user: str | None) -> str | None:
+    """A request's session key for cache_aware stickiness: the `--session-header` header when
+    set and sent, else OpenAI's `user` field; None without either."""
+    if header_name:
+        value = headers.get(header_name)
+        if value:
+            return f"header:{value}"
+    return f"user:{user}" if user else None
 
 
 ListWorkers = Callable[[], Awaitable[ListWorkersResponse | None]]

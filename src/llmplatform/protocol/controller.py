@@ -28,6 +28,15 @@ class LoadFacts(_Message):
     kv_cache_usage: float | None = Field(
         default=None, ge=0.0, le=1.0, description="Fraction of KV-cache blocks in use, 0..1."
     )
+    # The prefix cache (paged workers), cumulative since the worker started: the web UI shows
+    # the hit rate, and cache_aware dispatch forgets what it believed a worker holds once its
+    # reset count moves.
+    prefix_cache_queries: int | None = Field(
+        default=None, ge=0, description="Prompt tokens looked up in the prefix cache.")
+    prefix_cache_hits: int | None = Field(
+        default=None, ge=0, description="Prompt tokens found in the prefix cache.")
+    prefix_cache_resets: int | None = Field(
+        default=None, ge=0, description="Times the prefix cache was emptied.")
 
 
 class WorkerStatus(LoadFacts):
@@ -94,6 +103,11 @@ class GetWorkerAddressRequest(_Message):
     # Ours: workers not to pick (a gateway retrying elsewhere after one failed). A stock
     # controller ignores the field; the gateway then notices a repeated address and stops.
     exclude: list[str] = Field(default_factory=list, max_length=64)
+    # Ours, for cache_aware dispatch (other methods ignore them): the chain hashes of the
+    # prompt's leading chunks (controller/cache_aware.py `prefix_hashes`) and a session key's
+    # hash. A stock controller ignores both.
+    prefix_hashes: list[int] = Field(default_factory=list, max_length=512)
+    session: int | None = None
 
 
 class DeregisterWorkerRequest(_Message):
@@ -114,6 +128,8 @@ class GetWorkerAddressResponse(_Message):
     """`address` is "" when no live worker serves the model (FastChat's convention)."""
 
     address: str
+    # Ours: why this worker (a dispatch `Reason` value), for the gateway's debug log.
+    reason: str | None = None
 
 
 class RefreshAllWorkersResponse(_Message):
@@ -143,6 +159,19 @@ class WorkerDescription(_Message):
     num_dispatched: int = Field(
         default=0, ge=0, description="Requests the controller sent it since its last heartbeat."
     )
+    prefix_cache_queries: int | None = Field(default=None, ge=0)
+    prefix_cache_hits: int | None = Field(default=None, ge=0)
+    cache_epoch: str | None = Field(
+        default=None, description="Changes when the worker's prefix cache is known to be gone.")
+
+
+class CacheAwareOptions(_Message):
+    """The controller's cache_aware knobs, so a gateway routing locally uses the same ones."""
+
+    balance_threshold: int = Field(ge=0)
+    entry_ttl_s: float = Field(gt=0)
+    max_chunks_per_worker: int = Field(ge=1)
+    max_sessions: int = Field(ge=1)
 
 
 class ListWorkersResponse(_Message):
@@ -152,6 +181,8 @@ class ListWorkersResponse(_Message):
     # The controller's `--dispatch-method` (a `DispatchMethod` value); None from an older
     # controller. A string, not the enum: contracts do not import the controller.
     dispatch_method: str | None = None
+    # Set when dispatch_method is cache_aware.
+    cache_aware: CacheAwareOptions | None = None
 
 
 class ErrorResponse(_Message):

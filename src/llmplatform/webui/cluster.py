@@ -23,7 +23,7 @@ logger = logging.getLogger("llmplatform.webui")
 
 COLUMNS = [
     "worker", "models", "backend", "queue length", "running", "waiting", "KV-cache usage",
-    "last heartbeat",
+    "prefix-cache hits", "last heartbeat",
 ]
 
 
@@ -39,6 +39,15 @@ def _dash(value: object | None) -> str:
     return "-" if value is None else str(value)
 
 
+def prefix_cache_hits(worker: WorkerDescription) -> str:
+    """The share of prompt tokens the worker found in its prefix cache since it started, and of
+    how many; "-" for a worker without one (hf, stock FastChat) or before its first prompt."""
+    queries, hits = worker.prefix_cache_queries, worker.prefix_cache_hits
+    if not queries or hits is None:
+        return "-"
+    return f"{hits / queries:.1%} of {queries:,} tokens"
+
+
 def worker_row(worker: WorkerDescription) -> list[str]:
     usage = "-" if worker.kv_cache_usage is None else f"{worker.kv_cache_usage:.1%}"
     return [
@@ -49,6 +58,7 @@ def worker_row(worker: WorkerDescription) -> list[str]:
         _dash(worker.num_running),
         _dash(worker.num_waiting),
         usage,
+        prefix_cache_hits(worker),
         f"{worker.last_heartbeat_age_s:.1f} s ago",
     ]
 

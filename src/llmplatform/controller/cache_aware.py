@@ -1,0 +1,310 @@
+"""cache_aware dispatch: send a request to the worker that most likely holds its prompt's prefix.
+
+A paged worker keeps the KV blocks of prompts it served (engine/prefix_cache.py) and reuses them
+for any later prompt that starts the same way. Routing by load alone scatters a long system
+prompt, or a conversation's turns, over every worker, and each one prefills it again.
+
+**What is matched: an approximate prefix tree per worker, built from this router's own picks.**
+The request's routing text (the gateway's rendering of the prompt: the completion prompt, or the
+chat messages serialized in order, see ``openai_api/worker_routing.py``) is cut into
+``CHUNK_CHARS``-character chunks, and each full chunk is named by a hash chained from the previous
+one (:func:`prefix_hashes`), exactly as the engine names KV blocks: equal hashes mean equal
+prefixes. Each worker's tree is the set of chain hashes of the prompts routed to it; a request's
+match on a worker is how many of its leading hashes that set holds. Why this and not the
+alternative, block-hash sets that workers report in their heartbeats:
+
+- the engine's block hashes are over token ids; matching them needs the model's tokenizer at the
+  controller (which holds no model) and a reported set per heartbeat (thousands of hashes per
+  worker every few seconds);
+- a heartbeat is seconds old exactly when it matters: a burst of requests with a new system
+  prompt all arrive before any worker has reported it, and would all be spread by load. A tree
+  updated at the pick knows where the prefix went from the first request on;
+- it works for any worker (hf, stock FastChat), and the controller and a gateway routing
+  locally can run the same code over the same hint.
+
+What it gives up is exactness: the tree does not see a worker evict blocks. Entries therefore
+age out (``entry_ttl_s`` since last routed), each tree is bounded (``max_chunks_per_worker``,
+least recently routed chunks dropped first, leaves before their roots), and a worker whose
+cache is known to be gone is forgotten: a new process at its address, or a prefix-cache reset it
+reported (both change its ``cache_epoch``).
+
+**The decision.** The worker with the longest match wins (ties: least_load among them). A
+session key (``RouteHint.session``) is stickier still: while the session's last worker is a
+candidate it is preferred over any match. Either preference yields to load: when the preferred
+worker has more than ``balance_threshold`` outstanding requests more than the worker least_load
+would pick (or its KV cache is under pressure and that one's is not), least_load decides
+(``load_override``). A request with no match goes by least_load. Every decision is recorded: the
+chosen worker's tree takes the request's chain, the session points at it.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+CHUNK_CHARS = 64
+"""Characters per hashed chunk of routing text (~16 tokens: the engine's default block)."""
+MAX_ROUTE_CHUNKS = 512
+"""The most chunks of a prompt matched and recorded (32k characters, ~8k tokens): what a hint
+carries over the wire at most. Two prompts equal that far are routed as one."""
+
+
+def prefix_hashes(text: str, *, max_chunks: int = MAX_ROUTE_CHUNKS) -> tuple[int, ...]:
+    """The chain hashes of `text`'s full `CHUNK_CHARS` chunks (a partial last chunk is not
+    hashed: like a partial KV block, it is never shared). Stable across processes (BLAKE2b, not
+    `hash()`), 63-bit so every JSON peer reads them exactly."""
+    hashes: list[int] = []
+    parent = b""
+    for start in range(0, min(len(text), max_chunks * CHUNK_CHARS) - CHUNK_CHARS + 1, CHUNK_CHARS):
+        digest = hashlib.blake2b(parent + text[start:start + CHUNK_CHARS].encode(),
+                                 digest_size=8).digest()
+        hashes.append(int.from_bytes(digest, "big") >> 1)
+        parent = digest
+    return tuple(hashes)
+
+
+def session_hash(key: str) -> int:
+    """What a session key travels as (the controller never needs the user's id itself)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8,
+                                          person=b"llmp-session").digest(), "big") >> 1
+
+
+@dataclass(frozen=True)
+class RouteHint:
+    """What cache_aware needs to know of one request (other policies ignore it)."""
+
+    prefix_hashes: tuple[int, ...] = ()
+    session: int | None = None
+
+    @classmethod
+    def of(cls, text: str | None, session_key: str | None = None) -> RouteHint:
+        return cls(prefix_hashes(text) if text else (),
+                   session_hash(session_key) if session_key else None)
+
+
+NO_HINT = RouteHint()
+
+
+@dataclass(frozen=True)
+class CacheAwareConfig:
+    """cache_aware's knobs (the controller's flags; a gateway routing locally takes the
+    controller's values from `/list_workers`)."""
+
+    balance_threshold: int = 4
+    """Outstanding requests the preferred (matching or session) worker may have beyond the
+    least loaded one before load decides instead."""
+    entry_ttl_s: float = 600.0
+    """Seconds after its last routing that a prefix (or a session) is forgotten."""
+    max_chunks_per_worker: int = 32768
+    """Chunks remembered per worker (x CHUNK_CHARS characters: 2M by default, ~500k tokens)."""
+    max_sessions: int = 65536
+    """Sessions remembered in all (least recently used dropped first)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.balance_threshold, bool) or self.balance_threshold < 0:
+            raise ValueError(f"balance_threshold must be >= 0 requests, got {self.balance_threshold}")
+        if not self.entry_ttl_s > 0:
+            raise ValueError(f"entry_ttl_s must be > 0 seconds, got {self.entry_ttl_s}")
+        for name in ("max_chunks_per_worker", "max_sessions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class Reason(str, enum.Enum):
+    """Why a worker was picked (the dispatch metrics' `reason` label, and the debug log)."""
+
+    AFFINITY = "affinity"
+    """cache_aware: the longest prefix match."""
+    SESSION = "session"
+    """cache_aware: the session's worker."""
+    LOAD_OVERRIDE = "load_override"
+    """cache_aware: a match or session was preferred, but its worker was too loaded."""
+    NO_MATCH = "no_match"
+    """cache_aware: no worker matched; least_load decided."""
+    LOAD = "load"
+    """Any other policy: its own ranking."""
+
+
+class CacheAwareCandidate(Protocol):
+    """The facts cache_aware reads of a worker besides least_load's."""
+
+    @property
+    def worker_name(self) -> str: ...
+    @property
+    def cache_epoch(self) -> str | None:
+        """Changes when the worker's cache is known gone (new process, reported reset)."""
+        ...
+
+
+W = TypeVar("W")
+
+
+@dataclass(frozen=True)
+class Decision(Generic[W]):
+    worker: W
+    reason: Reason
+    matched_chars: int = 0
+    """How much of the prompt the chosen worker is believed to hold."""
+
+
+class _PrefixTree:
+    """One worker's chain hashes, least recently routed first."""
+
+    def __init__(self, epoch: str | None) -> None:
+        self.epoch = epoch
+        self.routed_at: OrderedDict[int, float] = OrderedDict()
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """How many leading `hashes` are held (call `expire` first)."""
+        count = 0
+        for chunk_hash in hashes:
+            if chunk_hash not in self.routed_at:
+                break
+            count += 1
+        return count
+
+    def insert(self, hashes: Sequence[int], now: float, max_chunks: int) -> None:
+        # Leaves first, root last: the root ends most recent, so eviction (oldest first) takes
+        # a chain's tail before its head, and what is left is still a prefix that matches.
+        for chunk_hash in reversed(hashes):
+            self.routed_at[chunk_hash] = now
+            self.routed_at.move_to_end(chunk_hash)
+        while len(self.routed_at) > max_chunks:
+            self.routed_at.popitem(last=False)
+
+    def expire(self, oldest: float) -> None:
+        while self.routed_at:
+            chunk_hash, routed_at = next(iter(self.routed_at.items()))
+            if routed_at >= oldest:
+                return
+            del self.routed_at[chunk_hash]
+
+
+C = TypeVar("C")
+
+
+class CacheAwarePolicy:
+    """The cache_aware state (one per controller, one per gateway routing table) and its pick.
+
+    Pure bookkeeping: no network, no asyncio; the clock and the load ranking are injected (the
+    ranking is dispatch's least_load, passed in so this module stays below dispatch).
+    """
+
+    def __init__(
+        self,
+        config: CacheAwareConfig,
+        *,
+        least_load: Callable[[Sequence[C]], C],
+        load_of: Callable[[C], tuple[bool, int]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self._least_load = least_load
+        self._load_of = load_of
+        self._clock = clock
+        self._trees: dict[str, _PrefixTree] = {}
+        self._sessions: OrderedDict[int, tuple[str, float]] = OrderedDict()
+
+    # ---- the pick -----------------------------------------------------------------------------
+
+    def pick(self, candidates: Sequence[C], hint: RouteHint = NO_HINT) -> Decision[C] | None:
+        """Choose among `candidates` (each a DispatchCandidate and a CacheAwareCandidate) and
+        record the choice; None if there are none."""
+        if not candidates:
+            return None
+        now = self._clock()
+        oldest = now - self.config.entry_ttl_s
+        trees = [self._tree_of(c, oldest) for c in candidates]
+        balanced = self._least_load(candidates)
+        preferred, reason, matched = self._session_worker(candidates, hint, oldest), Reason.SESSION, 0
+        hashes = hint.prefix_hashes
+        if hashes:
+            matches = [tree.match(hashes) for tree in trees]
+            matched = max(matches)
+            if preferred is None and matched > 0:
+                reason = Reason.AFFINITY
+                preferred = self._least_load([c for c, m in zip(candidates, matches) if m == matched])
+            elif preferred is not None:
+                matched = matches[list(candidates).index(preferred)]
+        chosen: C
+        if preferred is None:
+            chosen, reason, matched = balanced, Reason.NO_MATCH, 0
+        elif self._too_loaded(preferred, balanced):
+            chosen, reason = balanced, Reason.LOAD_OVERRIDE
+            matched = trees[list(candidates).index(balanced)].match(hashes) if hashes else 0
+        else:
+            chosen = preferred
+        self._record(chosen, hint, now)
+        return Decision(chosen, reason, matched * CHUNK_CHARS)
+
+    def _too_loaded(self, preferred: C, balanced: C) -> bool:
+        if preferred is balanced:
+            return False
+        preferred_pressure, preferred_outstanding = self._load_of(preferred)
+        balanced_pressure, balanced_outstanding = self._load_of(balanced)
+        if preferred_pressure and not balanced_pressure:
+            return True
+        return preferred_outstanding - balanced_outstanding > self.config.balance_threshold
+
+    def _session_worker(self, candidates: Sequence[C], hint: RouteHint, oldest: float) -> C | None:
+        if hint.session is None:
+            return None
+        entry = self._sessions.get(hint.session)
+        if entry is None or entry[1] < oldest:
+            return None
+        return next((c for c in candidates if _name(c) == entry[0]), None)
+
+    def _record(self, chosen: C, hint: RouteHint, now: float) -> None:
+        if hint.prefix_hashes:
+            self._trees[_name(chosen)].insert(hint.prefix_hashes, now, self.config.max_chunks_per_worker)
+        if hint.session is not None:
+            self._sessions[hint.session] = (_name(chosen), now)
+            self._sessions.move_to_end(hint.session)
+            while len(self._sessions) > self.config.max_sessions:
+                self._sessions.popitem(last=False)
+
+    def _tree_of(self, candidate: C, oldest: float) -> _PrefixTree:
+        """The candidate's tree, new if its cache epoch changed (its old cache is gone)."""
+        name, epoch = _name(candidate), getattr(candidate, "cache_epoch")
+        tree = self._trees.get(name)
+        if tree is None or tree.epoch != epoch:
+            self.forget(name)
+            tree = self._trees[name] = _PrefixTree(epoch)
+        tree.expire(oldest)
+        return tree
+
+    # ---- upkeep -------------------------------------------------------------------------------
+
+    def forget(self, worker_name: str) -> None:
+        """Drop what is known of a worker: its tree and the sessions pointing at it."""
+        self._trees.pop(worker_name, None)
+        for session in [s for s, (name, _) in self._sessions.items() if name == worker_name]:
+            del self._sessions[session]
+
+    def retain(self, worker_names: Collection[str]) -> None:
+        """Forget every worker not in `worker_names` (gone from the registry)."""
+        for name in [n for n in self._trees if n not in worker_names]:
+            self.forget(name)
+
+    def num_chunks(self, worker_name: str) -> int:
+        tree = self._trees.get(worker_name)
+        return len(tree.routed_at) if tree is not None else 0
+
+    def with_config(self, config: CacheAwareConfig) -> CacheAwarePolicy:
+        """This policy with other knobs, keeping what it learned (trimmed lazily)."""
+        if config == self.config:
+            return self
+        policy = CacheAwarePolicy(config, least_load=self._least_load, load_of=self._load_of,
+                                  clock=self._clock)
+        policy._trees, policy._sessions = self._trees, self._sessions
+        return policy
+
+
+def _name(candidate: object) -> str:
+    return getattr(candidate, "worker_name")
+
