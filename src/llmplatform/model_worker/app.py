@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from llmplatform.errors import ErrorCode, InvalidRequestError, LLMPlatformError
-from llmplatform.llm.base import GenerateChunk, LLMBackend
+from llmplatform.llm.base import LLMBackend
 from llmplatform.llm.embedding import ModelTask
 from llmplatform.metrics.common import add_metrics_route
 from llmplatform.metrics.worker import WorkerLoad, WorkerMetrics
@@ -40,13 +40,13 @@ from llmplatform.model_worker.admission import (Ticket, TicketedStreamingRespons
 from llmplatform.model_worker.conv import conv_template_for
 from llmplatform.model_worker.embeddings import add_embedding_route, embedding_details
 from llmplatform.model_worker.failure import FailureHandler, watch_backend
+from llmplatform.model_worker.framing import frames_for
 from llmplatform.model_worker.registration import ControllerLink
 from llmplatform.model_worker.requests import (Accepted, accept, model_details_of,
                                               check_model, id_in_use)
 from llmplatform.protocol.worker import (ACCEPTED_HEADER, AbortRequest, ApplyChatTemplateRequest,
-                                         ApplyChatTemplateResponse, ChunkLogprobs, ChunkUsage,
-                                         CountTokenRequest, ModelDetailsRequest, WorkerChunk,
-                                         WorkerParams, error_chunk)
+                                         ApplyChatTemplateResponse, CountTokenRequest,
+                                         ModelDetailsRequest, WorkerParams, error_chunk)
 from llmplatform.utils.logs import request_context
 from llmplatform.utils.cluster_secret import ClusterSecretMiddleware, secret_headers
 from llmplatform.utils.request_guard import RequestGuard, RequestGuardConfig
@@ -209,42 +209,11 @@ def _error_response(exc: LLMPlatformError) -> JSONResponse:
                         status_code=exc.http_status)
 
 
-class _CumulativeStream:
-    """Turns the backend's delta chunks into FastChat's cumulative chunks."""
-
-    def __init__(self, params: WorkerParams, prompt: str) -> None:
-        self._text = prompt if params.echo else ""
-        self._want_logprobs = params.logprobs is not None
-        self._logprobs = ChunkLogprobs() if self._want_logprobs else None
-        self._offset = 0
-
-    def _add_logprob(self, token: str, logprob: float | None, top: dict[str, float] | None) -> None:
-        assert self._logprobs is not None
-        self._logprobs.text_offset.append(self._offset)
-        self._logprobs.tokens.append(token)
-        self._logprobs.token_logprobs.append(logprob)
-        self._logprobs.top_logprobs.append(top)
-        self._offset += len(token)
-
-    def update(self, chunk: GenerateChunk) -> WorkerChunk:
-        if self._logprobs is not None:
-            for record in (*(chunk.prompt_logprobs or ()), *(chunk.logprobs or ())):
-                # The first prompt token has no logprob (None) and no alternatives.
-                top = {t.token: t.logprob for t in record.top} if record.logprob is not None else None
-                self._add_logprob(record.token, record.logprob, top)
-        self._text += chunk.text
-        usage = chunk.usage
-        return WorkerChunk(
-            text=self._text, error_code=0,
-            usage=ChunkUsage(prompt_tokens=usage.prompt_tokens,
-                             completion_tokens=usage.completion_tokens,
-                             total_tokens=usage.total_tokens),
-            finish_reason=chunk.finish_reason.value if chunk.finish_reason else None,
-            logprobs=self._logprobs.model_copy(deep=True) if self._logprobs is not None else None)
-
-
-async def _generate_chunks(app: FastAPI, accepted: Accepted, ticket: Ticket) -> AsyncIterator[bytes]:
-    """The worker's stream: JSON objects each followed by NUL; errors in-band."""
+async def _generate_chunks(app: FastAPI, accepted: Accepted, ticket: Ticket, *,
+                           streamed: bool) -> AsyncIterator[bytes]:
+    """The worker's stream: JSON objects each followed by NUL; errors in-band. Delta frames when
+    `streamed` and the peer asked for them (:func:`frames_for`), FastChat's cumulative ones
+    otherwise."""
     llm: LLMBackend = app.state.llm
     state: WorkerState = app.state.worker
     request, params, observer = accepted.request, accepted.params, accepted.observer
@@ -263,7 +232,7 @@ async def _generate_chunks(app: FastAPI, accepted: Accepted, ticket: Ticket) -> 
                      params.temperature)
         async with state.slot():
             observer.started()
-            stream = _CumulativeStream(params, request.prompt or "")
+            stream = frames_for(params, request.prompt or "", streamed=streamed)
             generator = llm.generate(request)
             try:
                 first = True
@@ -331,13 +300,14 @@ async def _generate(app: FastAPI, request: Request, *, refuse: Callable[[bytes],
 async def _streamed(app: FastAPI, accepted: Accepted, ticket: Ticket) -> Response:
     """The chunks as they come (the response releases the ticket when it ends)."""
     headers = {ACCEPTED_HEADER: "1"} if accepted.checked else None
-    return TicketedStreamingResponse(_generate_chunks(app, accepted, ticket), ticket, headers=headers)
+    return TicketedStreamingResponse(_generate_chunks(app, accepted, ticket, streamed=True), ticket,
+                                     headers=headers)
 
 
 async def _whole(app: FastAPI, accepted: Accepted, ticket: Ticket) -> Response:
     """The last (cumulative) chunk alone, once generation has ended."""
     last = b""
-    chunks = _generate_chunks(app, accepted, ticket)
+    chunks = _generate_chunks(app, accepted, ticket, streamed=False)
     try:
         async for item in chunks:
             last = item

@@ -29,8 +29,11 @@ from llmplatform.utils.logs import REQUEST_ID
 
 logger = logging.getLogger("llmplatform.worker")
 
-WORKER_PARAM_EXTENSIONS = ("messages", "openai_max_tokens", "logit_bias", "structured_output")
+WORKER_PARAM_EXTENSIONS = ("messages", "openai_max_tokens", "logit_bias", "structured_output",
+                           "stream_deltas")
 """The params-dict additions this worker understands beyond FastChat's (``/model_details``).
+``stream_deltas`` (delta frames, :mod:`.framing`) needs no announcing: each frame says what it
+is, so a gateway may ask any worker; it is listed for operators and tests.
 A gateway sends a field that changes what must be generated (``logit_bias``,
 ``structured_output``, ``tools``) only to a worker that lists it: a stock worker would drop it
 silently. ``tools`` is listed only by a worker whose model serves tool calls."""

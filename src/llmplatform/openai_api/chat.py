@@ -169,9 +169,7 @@ class _ChatStream:
                     )
                 )
             final = chunk.finish_reason is not None
-            delta = trackers[index].advance(
-                chunk.text, chunk.logprobs if self.want_logprobs else None, final=final
-            )
+            delta = trackers[index].take(chunk, want_logprobs=self.want_logprobs)
             parser = parsers[index]
             logprobs = (chat_logprobs(delta.logprobs, self.num_top_logprobs)
                         if self.want_logprobs and delta.has_tokens else None)

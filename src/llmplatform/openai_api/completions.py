@@ -132,9 +132,7 @@ class _CompletionStream:
         final_chunks: list[WorkerChunk | None] = [None] * streams.num_choices
         async for index, chunk in streams.events():
             final = chunk.finish_reason is not None
-            delta = trackers[index].advance(
-                chunk.text, chunk.logprobs if self.want_logprobs else None, final=final
-            )
+            delta = trackers[index].take(chunk, want_logprobs=self.want_logprobs)
             if final:
                 final_chunks[index] = chunk
             if delta.text or delta.has_tokens or final:

@@ -39,7 +39,8 @@ from llmplatform.errors import ContextLengthExceededError, LLMPlatformError
 from llmplatform.openai_api.errors import ClientDisconnected, UpstreamError
 from llmplatform.openai_api.worker_client import ACCEPTED, Accepted, WorkerClient, with_failover
 from llmplatform.openai_api.worker_wire import may_try_another_worker
-from llmplatform.protocol.worker import WorkerChunk
+from llmplatform.openai_api.deltas import FinalChunk
+from llmplatform.protocol.worker import ChunkLogprobs, WorkerChunk
 
 logger = logging.getLogger("llmplatform.openai_api")
 
@@ -56,7 +57,9 @@ class ChoiceStreams:
         assert params, "a request has at least one choice"
         self._client = client
         self._address = address
-        self._params = list(params)
+        # Delta frames (only what is new in each chunk) from a worker of ours; a stock worker
+        # ignores the field and sends cumulative chunks, which the consumers take as well.
+        self._params = [{**p, "stream_deltas": True} for p in params]
         self._queue: asyncio.Queue[Event] = asyncio.Queue(maxsize=_QUEUE_SLOTS_PER_CHOICE * len(params))
         self._tasks: list[asyncio.Task[None]] = []
         self._finished = [False] * len(params)
@@ -189,9 +192,12 @@ class ChoiceStreams:
             if last is None:
                 raise UpstreamError("The worker closed the stream without sending anything.")
             if last.finish_reason is None:
-                # A stock worker that ends without a reason: the text it sent is all there is.
+                # A worker that ends without a reason: the text it sent is all there is.
                 self._finished[index] = True
-                yield index, last.model_copy(update={"finish_reason": "stop"})
+                end: dict[str, Any] = {"finish_reason": "stop"}
+                if last.delta:  # an empty last delta: its text has been passed on already
+                    end.update(text="", logprobs=None if last.logprobs is None else ChunkLogprobs())
+                yield index, last.model_copy(update=end)
             yield index, _END
         except LLMPlatformError as exc:
             self._finished[index] = True  # the worker is done with it (or unreachable)
@@ -270,12 +276,13 @@ class RequestStreams(Generic[P]):
                     self._client, self._model, self._start_on, tried=self._tried, last=exc)
 
     async def final_chunks(self) -> list[WorkerChunk]:
-        """Run every stream to its end; the last (cumulative) chunk of each choice."""
-        last: list[WorkerChunk | None] = [None] * self.num_choices
+        """Run every stream to its end; each choice's whole result as one cumulative chunk."""
+        finals = [FinalChunk() for _ in range(self.num_choices)]
         async for index, chunk in self.events():
-            last[index] = chunk
-        assert all(chunk is not None for chunk in last), "every pump ends with a final chunk"
-        return last  # type: ignore[return-value]
+            finals[index].add(chunk)
+        results = [final.result() for final in finals]
+        assert all(chunk is not None for chunk in results), "every pump ends with a final chunk"
+        return results  # type: ignore[return-value]
 
     def cancel(self) -> None:
         self._streams.cancel()

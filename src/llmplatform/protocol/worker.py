@@ -5,7 +5,9 @@ are ignored (a newer peer may send more), known ones are strict about their JSON
 is not a number: a client mistake is refused naming the field, never coerced or a 500). Ranges
 and what depends on the model (token ids against the vocabulary) are checked when the params
 become ``SamplingParams``. Stream chunks are :class:`WorkerChunk` objects, each
-serialised as JSON followed by one NUL byte. ``text`` is cumulative (all text so far), not a delta.
+serialised as JSON followed by one NUL byte. ``text`` is cumulative (all text so far), not a delta,
+unless the request asked for delta frames (``stream_deltas``, our addition) and the chunk says it
+is one (``delta``).
 """
 
 from __future__ import annotations
@@ -99,6 +101,11 @@ class WorkerParams(BaseModel):
     """OpenAI function tools, for the chat template to show the model (with ``messages`` only);
     sent only to a worker that lists it. Whether a call is forced travels in
     ``structured_output``."""
+    stream_deltas: StrictBool = False
+    """Stream delta frames: each chunk of ``/worker_generate_stream`` carries only the text and
+    logprob entries that are new since the previous one (``WorkerChunk.delta`` set), so a long
+    stream costs both ends the same per token throughout. A stock worker ignores it and keeps
+    sending cumulative chunks, which the gateway tells apart by the missing ``delta``."""
 
     @field_validator("request_id")
     @classmethod
@@ -151,10 +158,19 @@ class WorkerChunk(BaseModel):
     logprobs: ChunkLogprobs | None = None
     param: str | None = None
     """Our addition, on an error object only: the request field the error is about."""
+    delta: bool = False
+    """Our addition: ``text`` and ``logprobs`` hold only what is new since the previous chunk
+    (``logprobs.text_offset`` still counts from the start of the whole text); ``usage`` and
+    ``finish_reason`` are as in a cumulative chunk. Sent only to a request with
+    ``stream_deltas``."""
 
     def encode(self) -> bytes:
-        exclude = {"param"} if self.param is None else None
-        return self.model_dump_json(exclude_none=False, exclude=exclude).encode() + NUL
+        exclude = set()
+        if self.param is None:
+            exclude.add("param")
+        if not self.delta:  # a cumulative chunk is exactly FastChat's
+            exclude.add("delta")
+        return self.model_dump_json(exclude_none=False, exclude=exclude or None).encode() + NUL
 
 
 def error_chunk(message: str, error_code: int, param: str | None = None) -> bytes:
