@@ -129,7 +129,7 @@ def run_ours(path: str, requests: list[Request], warmup: list[Request], args: ar
     def params(reqs: list[Request]) -> list[Any]:
         return [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
 
-    llm = LLM(path, dtype="bfloat16", device="cpu", max_num_seqs=args.max_num_seqs,
+    llm = LLM(path, dtype="bfloat16", device="cpu", decode_path=args.decode_path, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory)
     engine = llm.engine
     recorder = StepRecorder(engine.runner)
@@ -162,6 +162,7 @@ def run_ours(path: str, requests: list[Request], warmup: list[Request], args: ar
         "max_num_seqs": args.max_num_seqs,
         "kv_cache_memory": args.kv_cache_memory,
         "kv_cache_blocks": engine.runner.layout.num_blocks,
+        "decode_path": engine.runner.decode_path,
     }
     return Result("ours", sum(r.max_tokens for r in requests), sum(len(r.prompt_token_ids) for r in requests),
                   wall, extra=extra, outputs=[list(o.outputs[0].token_ids) for o in outputs], cpu=cpu,
@@ -269,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ceiling-repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: leave torch's default)")
+    parser.add_argument("--decode-path", default="auto", choices=("auto", "eager", "fused"),
+                        help="ours' decode path (engine.decode_path)")
     parser.add_argument("--json-out", default=None, help="also write the result JSON to this file")
     args = parser.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]

@@ -94,7 +94,7 @@ class LLM:
     """The native engine for offline use. Keyword arguments mirror the worker's engine flags."""
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                 compute_dtype: str = "auto",
+                 compute_dtype: str = "auto", decode_path: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, block_size: int = 16,
                  kv_cache_memory: str = "2GiB", gpu_memory_utilization: float = 0.9,
@@ -111,7 +111,7 @@ class LLM:
         limit = model_max_len(AutoConfig.from_pretrained(str(resolved.path)))
         self.engine = LLMEngine(EngineConfig(
             model=ModelConfig(str(resolved.path), (resolved.name,), device=device, dtype=dtype,
-                              compute_dtype=compute_dtype),
+                              compute_dtype=compute_dtype, decode_path=decode_path),
             cache=CacheConfig(block_size=block_size,
                               kv_cache_memory_bytes=parse_memory_size(kv_cache_memory),
                               gpu_memory_utilization=gpu_memory_utilization, num_blocks=num_blocks,

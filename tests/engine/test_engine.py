@@ -21,9 +21,10 @@ NUM_PROMPTS = 16
 
 
 def make_engine(model_dir, *, num_blocks=None, block_size=16, max_num_seqs=32,
-                max_num_batched_tokens=512, max_model_len=512, dtype="float32") -> LLMEngine:
+                max_num_batched_tokens=512, max_model_len=512, dtype="float32",
+                decode_path="auto") -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=ModelConfig(str(model_dir), ("m",), device="cpu", dtype=dtype),
+        model=ModelConfig(str(model_dir), ("m",), device="cpu", dtype=dtype, decode_path=decode_path),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                           kv_cache_memory_bytes=64 << 20),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
@@ -90,9 +91,12 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def test_greedy_parity_with_hf(tiny_model_dir, tiny_reference):
+@pytest.mark.parametrize("decode_path", ["eager", "fused"])
+def test_greedy_parity_with_hf(tiny_model_dir, tiny_reference, decode_path):
+    """On every decode path (engine.decode_path): fused runs decode rows on the C kernels."""
     prompts, lengths, expected = tiny_reference
-    engine = make_engine(tiny_model_dir)
+    engine = make_engine(tiny_model_dir, decode_path=decode_path)
+    assert engine.runner.decode_path == decode_path
     got = run_to_completion(engine, prompts, [greedy(n) for n in lengths])
     for i, want in enumerate(expected):
         assert got[str(i)] == want, f"prompt {i} (length {len(prompts[i])}) differs"
@@ -100,14 +104,15 @@ def test_greedy_parity_with_hf(tiny_model_dir, tiny_reference):
     assert_all_blocks_free(engine)
 
 
-@pytest.mark.parametrize("block_size, num_blocks, budget", [(16, 12, 64), (4, 40, 32)])
+@pytest.mark.parametrize("block_size, num_blocks, budget, decode_path",
+                         [(16, 12, 64, "fused"), (4, 40, 32, "fused"), (4, 40, 32, "eager")])
 def test_greedy_parity_under_preemption_and_chunked_prefill(tiny_model_dir, tiny_reference,
-                                                            block_size, num_blocks, budget):
+                                                            block_size, num_blocks, budget, decode_path):
     prompts, lengths, expected = tiny_reference
     # A pool of ~160-190 token slots for 16 sequences of up to ~100 tokens: preemption must happen,
     # and a 64/32-token budget chunks every long prefill.
     engine = make_engine(tiny_model_dir, block_size=block_size, num_blocks=num_blocks,
-                         max_num_batched_tokens=budget, max_model_len=128)
+                         max_num_batched_tokens=budget, max_model_len=128, decode_path=decode_path)
     got = run_to_completion(engine, prompts, [greedy(n) for n in lengths])
     assert engine.stats.num_preemptions > 0
     for i, want in enumerate(expected):

@@ -81,22 +81,32 @@ class SchedulerConfig:
 COMPUTE_DTYPES = ("auto", "model", "float32")
 """Choices for the dtype the native engine multiplies matrices in (``--compute-dtype``)."""
 
+DECODE_PATHS = ("auto", "eager", "fused")
+"""Choices for how the native engine runs the few rows of a decode step (``--decode-path``):
+see ``engine.decode_path``."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Which weights, on which device, in which dtype; ``compute_dtype`` is the dtype of the
-    matrix products (``auto``, ``model`` or ``float32``: see ``torch_utils.resolve_compute_dtype``)."""
+    matrix products (``auto``, ``model`` or ``float32``: see ``torch_utils.resolve_compute_dtype``);
+    ``decode_path`` how small-row steps run (``auto``, ``eager`` or ``fused``: see
+    ``engine.decode_path``)."""
 
     model_path: str
     model_names: tuple[str, ...]
     device: str = "auto"
     dtype: str = "auto"
     compute_dtype: str = "auto"
+    decode_path: str = "auto"
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, "
                              f"got {self.compute_dtype!r}")
+        if self.decode_path not in DECODE_PATHS:
+            raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, "
+                             f"got {self.decode_path!r}")
 
 
 @dataclass(frozen=True)
@@ -150,5 +160,5 @@ class EngineConfig:
     faults: FaultInjectionConfig | None = None  # tests only
 
 
-__all__ = ["COMPUTE_DTYPES", "CacheConfig", "SchedulerConfig", "ModelConfig", "EngineConfig",
+__all__ = ["COMPUTE_DTYPES", "DECODE_PATHS", "CacheConfig", "SchedulerConfig", "ModelConfig", "EngineConfig",
            "RestartConfig", "FaultInjectionConfig", "parse_memory_size", "InvalidRequestError"]

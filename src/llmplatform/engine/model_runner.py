@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from llmplatform.engine.config import CacheConfig, ModelConfig
+from llmplatform.engine.decode_path import apply_decode_path
 from llmplatform.engine.faults import FaultInjector
 from llmplatform.engine.isolation import IsolatingSampler, pinned_fault
 from llmplatform.engine.outputs import ModelOutput, SchedulerOutput
@@ -67,6 +68,7 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.model = load_model(model_config.model_path, dtype=self.dtype, device=self.device,
                                 max_model_len=max_model_len)
+        self.decode_path = apply_decode_path(model_config.decode_path, self.model, self.device)
         self.compute_dtype = resolve_compute_dtype(model_config.compute_dtype, self.dtype, self.device)
         if self.compute_dtype != self.dtype:
             logger.info("matrix products in %s over %s weights (%s)", _name(self.compute_dtype),

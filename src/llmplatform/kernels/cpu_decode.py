@@ -25,91 +25,33 @@ runs.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
-import time
 from pathlib import Path
 
 import torch
 
-from llmplatform.utils.cache_folder import UnsafeCacheError, check_private_file, private_dir
+from llmplatform.kernels import cbuild
+from llmplatform.kernels.cbuild import KernelUnavailableError
+from llmplatform.utils.cache_folder import UnsafeCacheError
 
 logger = logging.getLogger("llmplatform.kernels")
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.c"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
+SOURCE = cbuild.CSRC / "paged_decode_attention.c"
 SUPPORTED_CACHE_DTYPES = (torch.bfloat16, torch.float32)
-BUILD_TIMEOUT_S = 120.0
 
 _lock = threading.Lock()
 _kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _error: str | None = None
 
 
-class KernelUnavailableError(RuntimeError):
-    """The C kernel could not be built or loaded on this machine (the message says why)."""
-
-
-def _cpu_signature() -> str:
-    """What ``-march=native`` depends on: the machine and its CPU's feature flags."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith(("flags", "Features", "model name")):
-                    flags += line
-    except OSError:
-        flags = platform.processor()
-    return f"{platform.machine()}\n{flags}"
-
-
 def _library_path(compiler: str) -> Path:
-    """Where this source, these flags, this compiler and this CPU's library lives (the cache's
-    ``kernels/`` folder is created 0700, or checked if present)."""
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), compiler.encode(), _cpu_signature().encode()):
-        key.update(part)
-        key.update(b"\0")
-    return private_dir("kernels") / f"paged_decode_attention-{key.hexdigest()[:16]}.so"
-
-
-def _build(path: Path, compiler: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".so.tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        command = [compiler, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"]
-        started = time.perf_counter()
-        result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
-        if result.returncode != 0:
-            raise KernelUnavailableError(
-                f"{' '.join(command)} failed (exit {result.returncode}): {result.stderr.strip()[-2000:]}")
-        os.chmod(tmp, 0o700)  # the linker's mode follows the umask; only we may change the library
-        os.replace(tmp, path)  # atomic: concurrent builders (several workers) each write their own tmp
-        logger.info("built the CPU decode-attention kernel in %.1f s: %s", time.perf_counter() - started, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    return cbuild.library_path(SOURCE, compiler)
 
 
 def _load() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise KernelUnavailableError("no C compiler found (install gcc or set CC)")
-    path = _library_path(compiler)
-    if not os.path.lexists(path):
-        _build(path, compiler)
-    check_private_file(path)
-    try:
-        library = ctypes.CDLL(str(path))
-    except OSError as exc:
-        raise KernelUnavailableError(f"cannot load {path}: {exc}") from exc
-    function = library.paged_decode_attention
+    function = cbuild.open_library(SOURCE).paged_decode_attention
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     function.argtypes = [pointer, pointer, pointer, pointer, i64, pointer, pointer,
                          i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_float, ctypes.c_int]

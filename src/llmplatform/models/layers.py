@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmplatform.kernels.cpu_linear import small_linear_cpu
+
 
 def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -38,6 +40,8 @@ class Linear(nn.Module):
         self.weight = _empty_param(sum(self.output_sizes), in_features, dtype=dtype, device=device)
         self.bias = _empty_param(sum(self.output_sizes), dtype=dtype, device=device) if bias else None
         self._onednn_weight: torch.Tensor | None = None  # see use_onednn_weights
+        # see use_row_kernel: (weight as loaded, bias in fp32 or None, most rows it serves)
+        self._row_kernel: tuple[torch.Tensor, torch.Tensor | None, int] | None = None
 
     def use_compute_dtype(self, dtype: torch.dtype) -> None:
         """Hold the weight (and bias) in ``dtype`` and multiply in it; inputs are converted to it
@@ -58,7 +62,18 @@ class Linear(nn.Module):
         self._onednn_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
         self.weight = None
 
+    def use_row_kernel(self, max_rows: int) -> None:
+        """Products of up to ``max_rows`` input rows run on the C kernel
+        (``kernels.cpu_linear``) over the weight as it is now (call before ``use_compute_dtype``:
+        a bf16 weight is then kept beside its fp32 copy and streams half the bytes); more rows
+        keep the other path. The fused decode path's switch (``engine.decode_path``)."""
+        bias = None if self.bias is None else self.bias.detach().float().contiguous()
+        self._row_kernel = (self.weight.detach().contiguous(), bias, max_rows)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(output_sizes)]
+        if self._row_kernel is not None and x.shape[0] <= self._row_kernel[2]:
+            weight, bias, _ = self._row_kernel
+            return small_linear_cpu(x, weight, bias)
         if self._onednn_weight is not None:
             dtype = self._onednn_weight.dtype
             rows = x.shape[0]

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmplatform.kernels import AttentionMetadata, paged_attention, store_kv_cache
+from llmplatform.kernels.cpu_linear import small_linear_cpu
 from llmplatform.models.layers import (
     Embedding,
     Linear,
@@ -199,6 +200,16 @@ class LlamaForCausalLM(nn.Module):
         # With tied embeddings and a compute dtype other than ``dtype``: the output projection's
         # own copy in the compute dtype (the embedding lookup keeps the original).
         self._tied_lm_head: torch.Tensor | None = None
+        # With the fused decode path: the output projection as loaded, for up to this many rows.
+        self._row_kernel_lm_head: tuple[torch.Tensor, int] | None = None
+
+    def use_row_kernels(self, max_rows: int) -> None:
+        """Projections (the LM head included) of up to ``max_rows`` rows run on the C kernel over
+        the weights as loaded (``Linear.use_row_kernel``); call before ``use_compute_dtype``."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.use_row_kernel(max_rows)
+        self._row_kernel_lm_head = (self.lm_head_weight.detach().contiguous(), max_rows)
 
     def use_compute_dtype(self, dtype: torch.dtype) -> None:
         """Multiply matrices in ``dtype`` (after the weights are loaded): every projection keeps
@@ -229,6 +240,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         """Logits (model dtype) of the rows the caller samples from."""
+        if self._row_kernel_lm_head is not None and hidden.shape[0] <= self._row_kernel_lm_head[1]:
+            return small_linear_cpu(hidden, self._row_kernel_lm_head[0])
         if self.lm_head is not None:
             return self.lm_head(hidden)
         weight = self._tied_lm_head if self._tied_lm_head is not None else self.lm_head_weight

@@ -1,0 +1,180 @@
+"""Milliseconds per decode step of the native engine, eager vs fused decode path, beside the
+memory-bandwidth floor, in one run:
+
+    python benchmarks/decode_step.py [--batch-sizes 1,8,32] [--paths eager,fused] [--steps 20]
+
+One engine per decode path (``--decode-path``, ``engine.decode_path``) on the same model (the
+packaged default, SmolLM2-135M-Instruct) in ``--dtype`` (bf16). For each batch size B, every
+engine gets B requests of ``--prompt-len`` random tokens (greedy, EOS ignored), runs their prefill
+and a few warm-up steps, and then the engines take turns, one full ``engine.step()`` each
+(scheduler, model, sampling, detokenizing), ``--steps`` times: interleaving puts the same noise
+from other processes on every path, so the ratios hold even when the absolute numbers drift.
+Reported: median and best ms per step, the ratio to the first path, and tokens/s.
+
+The floor: the bytes of the weights one step reads (every projection and the LM head once, in the
+dtype the path streams them: as loaded for ``fused``, the compute dtype for ``eager``) over the
+memory bandwidth measured in the same run by a streaming read (``torch.sum`` of a 512 MiB fp32
+tensor on the engine's threads, the best of several). ``--profile`` adds a torch.profiler table
+of the op time of one path's steps at each batch size.
+
+The machine's load average is printed at the start and the end: other processes on the cores
+skew every absolute number here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+
+def streaming_read_gbps(mib: int = 512, repeats: int = 7) -> float:
+    """Best streaming-read bandwidth (GB/s) over a tensor far larger than the caches."""
+    data = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    data.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best / 1e9
+
+
+def streamed_weight_bytes(runner: Any) -> int:
+    """Bytes of the weights one decode step reads on ``runner``'s path: every projection once plus
+    the LM head (the embedding lookup reads a row per token: left out)."""
+    from llmplatform.models.layers import Linear
+
+    model = runner.model
+    total = 0
+    for module in model.modules():
+        if not isinstance(module, Linear):
+            continue
+        if runner.decode_path == "fused":
+            weight = module._row_kernel[0]
+        else:
+            weight = module.weight if module.weight is not None else module._onednn_weight
+        total += weight.numel() * weight.element_size()
+    if model.lm_head is None:  # tied: the product reads the embedding (or its compute-dtype copy)
+        if runner.decode_path == "fused":
+            head = model._row_kernel_lm_head[0]
+        else:
+            head = model._tied_lm_head if model._tied_lm_head is not None else model.lm_head_weight
+        total += head.numel() * head.element_size()
+    return total
+
+
+def build_engine(path: str, decode_path: str, args: argparse.Namespace) -> Any:
+    from llmplatform.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from llmplatform.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(
+        model=ModelConfig(path, ("m",), device="cpu", dtype=args.dtype, decode_path=decode_path),
+        cache=CacheConfig(kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=2048,
+                                  max_model_len=args.prompt_len + args.steps + 64)))
+
+
+def start_batch(engine: Any, batch: int, prompts: list[list[int]], tag: str, args: argparse.Namespace) -> None:
+    from llmplatform.sampling.params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 32, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"{tag}-{i}", prompts[i], params)
+    while engine.stats.num_steps < 10**9:  # prefill, then a few decode steps
+        engine.step()
+        if all(seq.num_computed_tokens >= seq.num_prompt_tokens for seq in engine.scheduler.running) \
+                and not engine.scheduler.waiting:
+            break
+    for _ in range(3):
+        engine.step()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--paths", default="eager,fused")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--profile", default=None, help="a path to profile with torch.profiler")
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args()
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    paths = args.paths.split(",")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from llmplatform.llm.resolve import resolve_model
+
+    model_path = str(resolve_model(None).path)
+    load_start = os.getloadavg()
+    print(f"load average at start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}; "
+          f"torch threads {torch.get_num_threads()}")
+    engines = {p: build_engine(model_path, p, args) for p in paths}
+    for p, engine in engines.items():
+        if engine.runner.decode_path != p and p != "auto":
+            raise SystemExit(f"asked for decode path {p}, got {engine.runner.decode_path}")
+    bandwidth = streaming_read_gbps()
+    floors = {p: streamed_weight_bytes(e.runner) / (bandwidth * 1e9) * 1e3 for p, e in engines.items()}
+    print(f"streaming read: {bandwidth:.1f} GB/s; floor (weights streamed / bandwidth): "
+          + ", ".join(f"{p} {streamed_weight_bytes(e.runner) / 1e6:.0f} MB -> {floors[p]:.1f} ms"
+                      for p, e in engines.items()))
+
+    rng = random.Random(0)
+    vocab = engines[paths[0]].tokenizer.vocab_size
+    prompts = [[rng.randrange(1000, vocab) for _ in range(args.prompt_len)] for _ in range(max(args.batch_sizes))]
+    results: list[dict[str, Any]] = []
+    print(f"\n| batch | {' | '.join(f'{p} ms/step (best)' for p in paths)} | "
+          f"{' | '.join(f'{p}/{paths[0]}' for p in paths[1:])} | {' | '.join(f'{p} tok/s' for p in paths)} |")
+    print("|---" * (1 + 2 * len(paths) + len(paths) - 1) + "|")
+    for batch in args.batch_sizes:
+        for p, engine in engines.items():
+            start_batch(engine, batch, prompts, f"b{batch}", args)
+        times: dict[str, list[float]] = {p: [] for p in paths}
+        for _ in range(args.steps):
+            for p, engine in engines.items():
+                start = time.perf_counter()
+                engine.step()
+                times[p].append(time.perf_counter() - start)
+        if args.profile in engines:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(5):
+                    engines[args.profile].step()
+            print(f"\nprofile of 5 steps, path {args.profile}, batch {batch}:")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        for p, engine in engines.items():
+            for i in range(batch):
+                engine.abort(f"b{batch}-{i}")
+            while engine.has_unfinished():
+                engine.step()
+        med = {p: statistics.median(t) * 1e3 for p, t in times.items()}
+        best = {p: min(t) * 1e3 for p, t in times.items()}
+        row = {"batch": batch, "median_ms": med, "best_ms": best,
+               "ratio_to_first": {p: med[p] / med[paths[0]] for p in paths}}
+        results.append(row)
+        print(f"| {batch} | " + " | ".join(f"{med[p]:.1f} ({best[p]:.1f})" for p in paths) + " | "
+              + " | ".join(f"{med[p] / med[paths[0]]:.2f}x" for p in paths[1:]) + " | "
+              + " | ".join(f"{batch / med[p] * 1e3:.0f}" for p in paths) + " |")
+    load_end = os.getloadavg()
+    print(f"\nload average at end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")
+    summary = {"bandwidth_gbps": bandwidth, "floor_ms": floors, "results": results,
+               "load_average": [load_start, load_end], "threads": torch.get_num_threads()}
+    print("RESULT_JSON " + json.dumps(summary))
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as out:
+            json.dump(summary, out, indent=2)
+
+
+if __name__ == "__main__":
+    main()

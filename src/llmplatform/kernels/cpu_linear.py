@@ -1,0 +1,103 @@
+"""The CPU small-row projection kernel (``csrc/small_linear.c``): ``y = x W^T (+ b)`` for the few
+rows of a decode step, built on first use (``cbuild``) and called through ctypes.
+
+At 1-16 rows a projection's cost is reading its weight once: oneDNN's fp32 product over the fp32
+copy that a CPU without bf16 matrix instructions multiplies in (``torch_utils.resolve_compute_dtype``)
+reads 4 bytes a weight, and a bf16 product there widens the weight in memory on every call. The
+C kernel streams the bf16 weight itself (2 bytes a weight), widens it in registers and
+accumulates in fp32: the same arithmetic, half the bytes. fp32 weights work as well (the float32
+parity tests run this path). The engine routes rows through it only when its decode path says so
+(``engine.config.DECODE_PATHS``); the eager path never calls it.
+
+ctypes releases the GIL for the call; the parallel loop runs on the calling thread's OpenMP team.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+import threading
+
+import torch
+
+from llmplatform.kernels import cbuild
+from llmplatform.kernels.cbuild import KernelUnavailableError
+from llmplatform.utils.cache_folder import UnsafeCacheError
+
+logger = logging.getLogger("llmplatform.kernels")
+
+SOURCE = cbuild.CSRC / "small_linear.c"
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
+
+_lock = threading.Lock()
+_kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+_error: str | None = None
+
+
+def _load() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    function = cbuild.open_library(SOURCE).small_linear
+    pointer, i64, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    function.argtypes = [pointer, flag, pointer, flag, pointer, pointer, flag, i64, i64, i64, flag]
+    function.restype = ctypes.c_int
+    return function
+
+
+def kernel() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    """The loaded kernel, building it on the first call; raises ``KernelUnavailableError`` (every
+    time, with the first failure's reason) if that is impossible here."""
+    global _kernel, _error
+    with _lock:
+        if _kernel is None and _error is None:
+            try:
+                _kernel = _load()
+            except UnsafeCacheError as exc:
+                _error = str(exc)  # loud: a refused library may be a planted one
+                logger.error("CPU projection kernel NOT loaded: %s", _error)
+            except (KernelUnavailableError, OSError, subprocess.SubprocessError) as exc:
+                _error = str(exc) if isinstance(exc, KernelUnavailableError) else f"{type(exc).__name__}: {exc}"
+                logger.warning("CPU projection kernel unavailable: %s", _error)
+        if _kernel is None:
+            raise KernelUnavailableError(_error or "unavailable")
+        return _kernel
+
+
+def available() -> bool:
+    try:
+        kernel()
+    except KernelUnavailableError:
+        return False
+    return True
+
+
+def small_linear_cpu(
+    x: torch.Tensor,  # [m, k] bf16 or fp32
+    weight: torch.Tensor,  # [n, k] bf16 or fp32, contiguous
+    bias: torch.Tensor | None = None,  # [n] fp32
+    out_dtype: torch.dtype | None = None,  # default: x's dtype
+) -> torch.Tensor:  # [m, n]
+    function = kernel()
+    out_dtype = out_dtype or x.dtype
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"small_linear_cpu: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
+                         "must be [m, k] and [n, k]")
+    if x.dtype not in SUPPORTED_DTYPES or weight.dtype not in SUPPORTED_DTYPES \
+            or out_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"small_linear_cpu: dtypes {x.dtype}, {weight.dtype} -> {out_dtype} unsupported")
+    if x.device.type != "cpu" or weight.device.type != "cpu" or not weight.is_contiguous():
+        raise ValueError("small_linear_cpu: CPU tensors and a contiguous weight only")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.shape[0],)
+                             or not bias.is_contiguous()):
+        raise ValueError("small_linear_cpu: bias must be a contiguous fp32 [n]")
+    x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype)
+    if m == 0:
+        return y
+    rc = function(x.data_ptr(), int(x.dtype == torch.bfloat16), weight.data_ptr(),
+                  int(weight.dtype == torch.bfloat16), None if bias is None else bias.data_ptr(),
+                  y.data_ptr(), int(out_dtype == torch.bfloat16), m, n, k, torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("small_linear_cpu: out of memory for the input rows")
+    return y

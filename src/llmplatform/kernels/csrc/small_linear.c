@@ -1,0 +1,124 @@
+/* y[m, n] = x[m, k] . w[n, k]^T (+ bias[n]) for the few rows of a decode step.
+ *
+ * At 1-16 rows a projection is memory bound: every weight is used m times and read once, so the
+ * step costs what streaming the weights costs. This kernel reads each weight row once, widens it
+ * (bf16 -> fp32 is a 16-bit shift) in registers and multiplies it into up to 8 input rows at a
+ * time, accumulating in fp32; bf16 weights are never widened in memory, so a bf16 model streams
+ * half the bytes of the fp32 copy a CPU without bf16 matrix instructions otherwise multiplies.
+ *
+ * Layout: x, w, y row-major and contiguous. x and y are bf16 or fp32 (flags); w is bf16 or fp32;
+ * bias is fp32 or NULL. The input rows are widened once into a per-call fp32 buffer [m, k].
+ * Work is split over output columns (weight rows) in blocks of BLOCK_N across the calling
+ * thread's OpenMP team; for m > 8 each weight row is reused from L1 for every group of 8 rows.
+ *
+ * Results are fp32 sums rounded once (to nearest even) when y is bf16: the same arithmetic as
+ * widening the operands and multiplying in fp32, in another summation order.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define GROUP_M 8
+#define BLOCK_N 16
+
+static inline float bf16_to_float(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN stays NaN */
+    uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u);
+    return (uint16_t)((v.u + rounding) >> 16);
+}
+
+#ifdef __AVX2__
+static inline __m256 load8(const void *w, int w_bf16, int64_t i) {
+    if (w_bf16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)w + i);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+static inline float weight_at(const void *w, int w_bf16, int64_t i) {
+    return w_bf16 ? bf16_to_float(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
+/* dots[r] = x32[r] . wrow for r < rows (rows <= GROUP_M). */
+static void dot_rows(const float *x32, int64_t rows, const void *wrow, int w_bf16, int64_t k,
+                     float *dots) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    __m256 acc[GROUP_M];
+    for (int r = 0; r < GROUP_M; r++) acc[r] = _mm256_setzero_ps();
+    int64_t k8 = k & ~(int64_t)7;
+    if (rows == GROUP_M) {  /* the unrolled common case: the compiler keeps acc in registers */
+        for (; i < k8; i += 8) {
+            __m256 wv = load8(wrow, w_bf16, i);
+            for (int r = 0; r < GROUP_M; r++)
+                acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x32 + r * k + i), acc[r]);
+        }
+    } else {
+        for (; i < k8; i += 8) {
+            __m256 wv = load8(wrow, w_bf16, i);
+            for (int64_t r = 0; r < rows; r++)
+                acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x32 + r * k + i), acc[r]);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) dots[r] = hsum(acc[r]);
+#else
+    for (int64_t r = 0; r < rows; r++) dots[r] = 0.0f;
+#endif
+    for (; i < k; i++) {
+        float wv = weight_at(wrow, w_bf16, i);
+        for (int64_t r = 0; r < rows; r++) dots[r] += wv * x32[r * k + i];
+    }
+}
+
+/* Returns 0, or -1 when out of memory. */
+int small_linear(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias, void *y,
+                 int y_bf16, int64_t m, int64_t n, int64_t k, int num_threads) {
+    float *x32 = (float *)malloc((size_t)(m * k) * sizeof(float));
+    if (x32 == NULL) return -1;
+    for (int64_t i = 0; i < m * k; i++)
+        x32[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+    int64_t num_blocks = (n + BLOCK_N - 1) / BLOCK_N;
+    int64_t w_row_bytes = k * (w_bf16 ? 2 : 4);
+
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < num_blocks; b++) {
+        int64_t n_end = (b + 1) * BLOCK_N < n ? (b + 1) * BLOCK_N : n;
+        for (int64_t j = b * BLOCK_N; j < n_end; j++) {
+            const void *wrow = (const char *)w + j * w_row_bytes;
+            float add = bias ? bias[j] : 0.0f;
+            for (int64_t r0 = 0; r0 < m; r0 += GROUP_M) {
+                int64_t rows = m - r0 < GROUP_M ? m - r0 : GROUP_M;
+                float dots[GROUP_M];
+                dot_rows(x32 + r0 * k, rows, wrow, w_bf16, k, dots);
+                for (int64_t r = 0; r < rows; r++) {
+                    float v = dots[r] + add;
+                    if (y_bf16) ((uint16_t *)y)[(r0 + r) * n + j] = float_to_bf16(v);
+                    else ((float *)y)[(r0 + r) * n + j] = v;
+                }
+            }
+        }
+    }
+    free(x32);
+    return 0;
+}
