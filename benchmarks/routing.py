@@ -1,0 +1,435 @@
+"""Dispatch policies side by side on a cluster of two paged workers: what prefix-aware routing buys.
+
+    python benchmarks/routing.py [--policies least_load,shortest_queue,cache_aware]
+                                 [--model-path DIR] [--threads-per-worker 1] [--concurrency 8]
+                                 [--num-prefixes 16] [--questions-per-prefix 8] [--prefix-tokens 1000]
+                                 [--skewed-requests 64] [--skew 0.8] [--unshared-requests 32]
+                                 [--output-len 8] [--seed 0] [--out FILE]
+
+Two paged workers of the model (default: the packaged SmolLM2-135M-Instruct, bf16, CPU; each
+given ``--threads-per-worker`` threads through OMP_NUM_THREADS) are started once, as processes;
+for each policy a controller with ``--dispatch-method POLICY`` (at the address the workers
+heartbeat to: they register with each new one) and a gateway (routing locally, its default) are
+started, and stopped after. The same seeded workload runs on
+each (``random.Random(seed)``), through the gateway as streaming chat completions, greedy, with EOS
+ignored so every request generates exactly ``--output-len`` tokens, ``--concurrency`` requests in
+flight (closed loop). Both workers' prefix caches are reset before each workload, so each starts
+cold.
+
+- ``shared``: ``--num-prefixes`` distinct system prompts of ~``--prefix-tokens`` tokens (random
+  words), ``--questions-per-prefix`` short questions each, all shuffled. Reported: the aggregate
+  prefix-cache hit rate (prompt tokens the workers found cached / prompt tokens they looked up,
+  from their own counters), its share of the single-worker ideal (one worker that caches
+  everything: every request but the first of its prefix finds the rendered system turn's full
+  KV blocks cached), TTFT p50/p99 and output tokens/s.
+- ``skewed``: ``--skewed-requests`` requests, ``--skew`` of them on one system prompt and the rest
+  on the others: the share of requests each worker served (from the workers' own metrics).
+- ``unshared``: ``--unshared-requests`` requests whose prompts share nothing (~``--unshared-tokens``
+  random words each): output tokens/s, to show what a policy costs where there is nothing to reuse.
+
+Ratios to ``least_load``: cache_aware's hit rate over the ideal, its TTFT p50 over least_load's
+(lower is better), its unshared throughput over least_load's. The load average is printed: on a
+shared machine other processes slow every number; compare policies within one run. The last
+line, ``RESULT_JSON {...}``, is machine readable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+MODEL = "bench"
+POLICIES = ("least_load", "shortest_queue", "cache_aware")
+WORDS = ("time year people way day man thing woman life child world school state family student "
+         "group country problem hand part place case week company system program question work "
+         "government number night point home water room mother area money story fact month lot "
+         "right study book eye job word business issue side kind head house service friend father "
+         "power hour game line end member law car city community name president team minute idea "
+         "kid body information back parent face others level office door health person art war "
+         "history party result change morning reason research girl guy moment air teacher force "
+         "education").split()
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
+    ordered = sorted(values)
+    index = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[index]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the workload -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    system: str
+    question: str
+    prefix_id: int | None  # which shared system prompt (None: shares nothing)
+
+
+def words(rng: random.Random, count: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(count))
+
+
+def system_prompts(rng: random.Random, count: int, tokens: int, tokenizer: Any) -> list[str]:
+    """`count` distinct system prompts of about `tokens` tokens each (random words)."""
+    prompts = []
+    for i in range(count):
+        text = f"Document {i}. " + words(rng, tokens)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
+        prompts.append(tokenizer.decode(ids))
+    return prompts
+
+
+def question(rng: random.Random, k: int) -> str:
+    return f"Question {k}: what does the document say about {rng.choice(WORDS)} and {rng.choice(WORDS)}?"
+
+
+def shared_workload(rng: random.Random, prompts: list[str], per_prefix: int) -> list[Request]:
+    requests = [Request(p, question(rng, k), i) for i, p in enumerate(prompts) for k in range(per_prefix)]
+    rng.shuffle(requests)
+    return requests
+
+
+def skewed_workload(rng: random.Random, prompts: list[str], count: int, skew: float) -> list[Request]:
+    requests = []
+    for k in range(count):
+        i = 0 if rng.random() < skew else rng.randrange(1, len(prompts))
+        requests.append(Request(prompts[i], question(rng, k), i))
+    return requests
+
+
+def unshared_workload(rng: random.Random, count: int, tokens: int) -> list[Request]:
+    return [Request(f"Note {k} {rng.random()}: " + words(rng, tokens), question(rng, k), None)
+            for k in range(count)]
+
+
+def ideal_hit_tokens(tokenizer: Any, requests: list[Request], block_size: int) -> int:
+    """Prompt tokens one worker that caches everything would find cached: for every request but
+    the first of its prefix, the full KV blocks of what it shares with that prefix's others."""
+    def ids(r: Request) -> list[int]:
+        return tokenizer.apply_chat_template(
+            [{"role": "system", "content": r.system}, {"role": "user", "content": r.question}],
+            add_generation_prompt=True, tokenize=True, return_dict=False)
+
+    by_prefix: dict[int, list[list[int]]] = {}
+    for r in requests:
+        if r.prefix_id is not None:
+            by_prefix.setdefault(r.prefix_id, []).append(ids(r))
+    total = 0
+    for prompts in by_prefix.values():
+        if len(prompts) < 2:
+            continue
+        common = min(_common_prefix(prompts[0], p) for p in prompts[1:])
+        total += (len(prompts) - 1) * (common // block_size * block_size)
+    return total
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ---- the cluster ------------------------------------------------------------------------------
+
+
+@dataclass
+class Cluster:
+    controller: str
+    gateway: str
+    workers: list[str]
+
+
+def _start(name: str, command: list[str], env: dict[str, str], log_dir: Path) -> subprocess.Popen[bytes]:
+    out = open(log_dir / f"{name}.log", "ab")
+    return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in reversed(processes):
+        process.terminate()
+    for process in reversed(processes):
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("LLMPLATFORM_")}
+
+
+@contextlib.contextmanager
+def running_workers(args: argparse.Namespace, log_dir: Path) -> Iterator[tuple[str, list[str]]]:
+    """The two workers, started once for every policy (so each policy meets the same warm
+    processes; their caches are reset before each workload), registered with whichever
+    controller listens at the address yielded (a heartbeat answered "unknown" re-registers)."""
+    controller = f"http://127.0.0.1:{free_port()}"
+    ports = [free_port() for _ in range(2)]
+    env = dict(_environment(), OMP_NUM_THREADS=str(args.threads_per_worker),
+               MKL_NUM_THREADS=str(args.threads_per_worker))
+    model = ["--model-path", args.model_path] if args.model_path else []
+    processes = [_start(f"worker{i}", [sys.executable, "-m", "llmplatform.model_worker", "--port", str(port),
+                                      "--controller-address", controller, "--model-names", MODEL,
+                                      "--device", "cpu", "--dtype", args.dtype, "--heartbeat-interval", "0.5",
+                                      *model], env, log_dir)
+                 for i, port in enumerate(ports)]
+    try:
+        yield controller, [f"http://127.0.0.1:{p}" for p in ports]
+    finally:
+        _stop(processes)
+
+
+@contextlib.contextmanager
+def cluster(policy: str, controller: str, workers: list[str], args: argparse.Namespace,
+            log_dir: Path) -> Iterator[Cluster]:
+    """A controller dispatching by `policy` and a gateway; ready once both workers are listed."""
+    gateway = f"http://127.0.0.1:{free_port()}"
+    env = _environment()
+    controller_port = controller.rsplit(":", 1)[1]
+    processes = [_start(f"{policy}-controller", [sys.executable, "-m", "llmplatform.controller", "--port",
+                                                 controller_port, "--dispatch-method", policy,
+                                                 *args.controller_flag], env, log_dir),
+                 _start(f"{policy}-gateway", [sys.executable, "-m", "llmplatform.openai_api", "--port",
+                                              gateway.rsplit(":", 1)[1], "--controller-address", controller],
+                        env, log_dir)]
+    try:
+        started = Cluster(controller, gateway, workers)
+        _wait_ready(started, processes, args.startup_timeout, log_dir, policy)
+        yield started
+    finally:
+        _stop(processes)
+
+
+def _wait_ready(c: Cluster, processes: list[subprocess.Popen[bytes]], timeout_s: float, log_dir: Path,
+                policy: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in processes):
+            raise RuntimeError(f"a {policy} cluster process exited; see the logs in {log_dir}")
+        try:
+            listed = httpx.get(f"{c.controller}/list_workers", timeout=5).json()["workers"]
+            models = httpx.get(f"{c.gateway}/v1/models", timeout=5)
+            if len(listed) == 2 and models.status_code == 200:
+                time.sleep(1.5)  # the gateway's routing table reads the list every second
+                return
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"the {policy} cluster was not ready in {timeout_s:.0f} s; logs in {log_dir}")
+
+
+def worker_counters(url: str) -> dict[str, float]:
+    status = httpx.post(f"{url}/worker_get_status", timeout=30).json()
+    served = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("llmplatform:request_success_total{"):
+            served += float(line.rsplit(" ", 1)[1])
+    return {"queries": status.get("prefix_cache_queries") or 0, "hits": status.get("prefix_cache_hits") or 0,
+            "served": served}
+
+
+def _cache_epochs(c: Cluster) -> list[str | None]:
+    listed = {w["worker_name"]: w.get("cache_epoch")
+              for w in httpx.get(f"{c.controller}/list_workers", timeout=30).json()["workers"]}
+    return [listed.get(url) for url in c.workers]
+
+
+# ---- running a workload -----------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    ttft_s: float
+    output_tokens: int
+
+
+async def one(client: httpx.AsyncClient, gateway: str, r: Request, output_len: int) -> Outcome:
+    body = {"model": MODEL, "stream": True, "max_tokens": output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": r.system}, {"role": "user", "content": r.question}]}
+    started = time.perf_counter()
+    ttft, tokens = None, 0
+    async with client.stream("POST", f"{gateway}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"stream error: {event['error']}")
+            if ttft is None and event.get("choices") and event["choices"][0]["delta"].get("content"):
+                ttft = time.perf_counter() - started
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return Outcome(ttft if ttft is not None else time.perf_counter() - started, tokens)
+
+
+async def run_closed_loop(gateway: str, requests: list[Request], concurrency: int, output_len: int
+                          ) -> tuple[list[Outcome], float]:
+    queue = list(reversed(requests))
+    outcomes: list[Outcome] = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0),
+                                 limits=httpx.Limits(max_connections=concurrency * 2)) as client:
+        async def lane() -> None:
+            while queue:
+                outcomes.append(await one(client, gateway, queue.pop(), output_len))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(lane() for _ in range(concurrency)))
+        return outcomes, time.perf_counter() - started
+
+
+def measure(c: Cluster, requests: list[Request], args: argparse.Namespace) -> dict[str, Any]:
+    epochs = _cache_epochs(c)
+    for url in c.workers:  # every workload starts cold
+        httpx.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
+    # The reset reaches the controller with a heartbeat (a new cache epoch), then the gateway's
+    # table with its next read of the list (every second).
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(a == b for a, b in zip(_cache_epochs(c), epochs)):
+        time.sleep(0.1)
+    time.sleep(1.2)
+    before = [worker_counters(url) for url in c.workers]
+    outcomes, wall_s = asyncio.run(run_closed_loop(c.gateway, requests, args.concurrency, args.output_len))
+    after = [worker_counters(url) for url in c.workers]
+    queries = sum(a["queries"] - b["queries"] for a, b in zip(after, before))
+    hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before))
+    served = [a["served"] - b["served"] for a, b in zip(after, before)]
+    ttfts = [o.ttft_s for o in outcomes]
+    output_tokens = sum(o.output_tokens for o in outcomes)
+    return {"num_requests": len(outcomes), "wall_s": round(wall_s, 2),
+            "hit_rate": round(hits / queries, 4) if queries else 0.0,
+            "prompt_tokens_looked_up": queries, "hit_tokens": hits,
+            "ttft_p50_s": round(statistics.median(ttfts), 3), "ttft_p99_s": round(percentile(ttfts, 99), 3),
+            "output_tokens": output_tokens, "output_tok_s": round(output_tokens / wall_s, 2),
+            "served_per_worker": served,
+            "max_worker_share": round(max(served) / sum(served), 3) if sum(served) else 0.0}
+
+
+# ---- the report -------------------------------------------------------------------------------
+
+
+def report(results: dict[str, dict[str, Any]], ideal: float) -> dict[str, Any]:
+    print(f"\nload average at the end: {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
+    print("\n| policy | shared: hit rate | of ideal | TTFT p50 s | TTFT p99 s | output tok/s "
+          "| skewed: max worker share | unshared: output tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for policy, r in results.items():
+        s, k, u = r["shared"], r["skewed"], r["unshared"]
+        print(f"| {policy} | {s['hit_rate']:.1%} | {s['hit_rate'] / ideal:.1%} | {s['ttft_p50_s']:.2f} "
+              f"| {s['ttft_p99_s']:.2f} | {s['output_tok_s']:.1f} | {k['max_worker_share']:.1%} "
+              f"| {u['output_tok_s']:.1f} |")
+    print(f"\nsingle-worker ideal hit rate (shared): {ideal:.1%}")
+    ratios: dict[str, Any] = {}
+    base = results.get("least_load")
+    for policy, r in results.items():
+        entry = {"hit_rate_of_ideal": round(r["shared"]["hit_rate"] / ideal, 3) if ideal else None,
+                 "skewed_max_worker_share": r["skewed"]["max_worker_share"]}
+        if base is not None and policy != "least_load":
+            entry["ttft_p50_least_load_over_this"] = round(
+                base["shared"]["ttft_p50_s"] / r["shared"]["ttft_p50_s"], 2)
+            entry["unshared_throughput_over_least_load"] = round(
+                r["unshared"]["output_tok_s"] / base["unshared"]["output_tok_s"], 3)
+        ratios[policy] = entry
+    for policy, entry in ratios.items():
+        print(f"{policy}: " + ", ".join(f"{k} {v}" for k, v in entry.items()))
+    return ratios
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--model-path", default=None, help="default: the packaged SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads-per-worker", type=int, default=1)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--num-prefixes", type=int, default=16)
+    parser.add_argument("--questions-per-prefix", type=int, default=8)
+    parser.add_argument("--prefix-tokens", type=int, default=1000)
+    parser.add_argument("--skewed-requests", type=int, default=64)
+    parser.add_argument("--skew", type=float, default=0.8)
+    parser.add_argument("--unshared-requests", type=int, default=32)
+    parser.add_argument("--unshared-tokens", type=int, default=200)
+    parser.add_argument("--output-len", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (for the ideal)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--controller-flag", action="append", default=[],
+                        help="an extra controller flag (repeat; e.g. --controller-flag=--cache-aware-balance-threshold=2)")
+    parser.add_argument("--out", type=Path, default=None, help="write the result JSON here too")
+    args = parser.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from llmplatform.llm.resolve import resolve_model
+
+    model_dir = resolve_model(args.model_path).path
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    rng = random.Random(args.seed)
+    prompts = system_prompts(rng, args.num_prefixes, args.prefix_tokens, tokenizer)
+    workloads = {
+        "shared": shared_workload(rng, prompts, args.questions_per_prefix),
+        "skewed": skewed_workload(rng, prompts, args.skewed_requests, args.skew),
+        "unshared": unshared_workload(rng, args.unshared_requests, args.unshared_tokens),
+    }
+    shared_prompt_tokens = sum(len(tokenizer.apply_chat_template(
+        [{"role": "system", "content": r.system}, {"role": "user", "content": r.question}],
+        add_generation_prompt=True, tokenize=True, return_dict=False)) for r in workloads["shared"])
+    ideal = ideal_hit_tokens(tokenizer, workloads["shared"], args.block_size) / shared_prompt_tokens
+    log(f"model {model_dir.name}; policies {args.policies}; load average {os.getloadavg()[0]:.2f}")
+
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="routing-bench-") as tmp:
+        log_dir = Path(tmp)
+        with running_workers(args, log_dir) as (controller, workers):
+            for policy in args.policies.split(","):
+                with cluster(policy, controller, workers, args, log_dir) as c:
+                    results[policy] = {}
+                    for name, requests in workloads.items():
+                        results[policy][name] = measure(c, requests, args)
+                        log(f"{policy} {name}: {results[policy][name]}")
+    ratios = report(results, ideal)
+    result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "ideal_hit_rate": round(ideal, 4), "results": results, "ratios": ratios,
+              "load_average": list(os.getloadavg())}
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=2))
+    print("RESULT_JSON " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

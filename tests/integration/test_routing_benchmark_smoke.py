@@ -1,0 +1,45 @@
+"""benchmarks/routing.py, smoke-sized: two policies on clusters of two tiny-model paged workers
+(real processes). Checks the report's structure and what the counters must show whatever the
+timings: every request answered with its exact output length, prompts looked up in the workers'
+prefix caches, cache_aware's decisions reaching both workers on the skewed load. Never timings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "routing.py"
+
+
+def test_routing_benchmark_smoke(tiny_model_dir, tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_routing", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses resolve their annotations through it
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        del sys.modules[spec.name]
+    out = tmp_path / "result.json"
+    code = bench.main(["--model-path", str(tiny_model_dir), "--dtype", "float32",
+                       "--policies", "least_load,cache_aware", "--concurrency", "2",
+                       "--num-prefixes", "2", "--questions-per-prefix", "3", "--prefix-tokens", "120",
+                       "--skewed-requests", "8", "--unshared-requests", "3", "--unshared-tokens", "20",
+                       "--output-len", "2", "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert set(result["results"]) == {"least_load", "cache_aware"}
+    assert 0 < result["ideal_hit_rate"] < 1
+    for policy, runs in result["results"].items():
+        assert [runs[w]["num_requests"] for w in ("shared", "skewed", "unshared")] == [6, 8, 3], policy
+        for run in runs.values():
+            assert run["output_tokens"] == 2 * run["num_requests"]  # EOS ignored: exactly max_tokens
+            assert sum(run["served_per_worker"]) == run["num_requests"]
+            assert run["prompt_tokens_looked_up"] > 0
+        assert runs["shared"]["hit_tokens"] > 0  # 3 questions per prefix: some reuse, any policy
+    assert set(result["ratios"]["cache_aware"]) == {
+        "hit_rate_of_ideal", "skewed_max_worker_share", "ttft_p50_least_load_over_this",
+        "unshared_throughput_over_least_load"}
+    printed = capsys.readouterr().out
+    assert "| cache_aware |" in printed and printed.splitlines()[-1].startswith("RESULT_JSON ")
