@@ -28,6 +28,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 
 from llmplatform.engine.config import RestartConfig
 from llmplatform.engine.llm_engine import LLMEngine, SequenceUpdate
+from llmplatform.engine.pooling import PoolingParams
 from llmplatform.errors import EngineDeadError, EngineRestartingError
 from llmplatform.sampling.params import SamplingParams
 from llmplatform.utils.logs import request_context
@@ -76,7 +77,8 @@ class AsyncEngine:
         whole, within this bound; None: such a failure is final."""
         self.engine = engine
         self._streams: dict[str, _Stream] = {}
-        self._pending_adds: list[tuple[str, list[int], SamplingParams, Any]] = []
+        # (request id, prompt, sampling params and grammar | pooling params and None)
+        self._pending_adds: list[tuple[str, list[int], SamplingParams | PoolingParams, Any]] = []
         self._pending_aborts: list[str] = []
         self._pending_calls: list[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = []
         self._wakeup = asyncio.Event()
@@ -152,6 +154,30 @@ class AsyncEngine:
             if self._streams.pop(request_id, None) is not None and stream.num_unfinished:
                 self._abort_soon(request_id)
 
+    async def pool(self, request_id: str, prompt_token_ids: list[int],
+                   pooling: PoolingParams) -> SequenceUpdate:
+        """Runs the prompt for its pooled vector (``LLMEngine.add_pooling_request``) and returns
+        the final update, whose ``pooled`` is the vector; an update with an error instead when
+        the engine failed the request. Cancelling the call aborts the request and frees its
+        blocks before the next step."""
+        self.check_serving()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.engine.validate_pooling(prompt_token_ids)  # raises before anything is queued
+        stream = _Stream(asyncio.Queue(), 1)
+        self._streams[request_id] = stream
+        self._pending_adds.append((request_id, prompt_token_ids, pooling, None))
+        self._wakeup.set()
+        try:
+            item = await stream.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            stream.num_unfinished = 0  # a sequence's only update is its last
+            return item
+        finally:
+            if self._streams.pop(request_id, None) is not None and stream.num_unfinished:
+                self._abort_soon(request_id)
+
     async def abort(self, request_id: str) -> bool:
         if request_id not in self._streams:
             return False
@@ -190,6 +216,9 @@ class AsyncEngine:
                 continue
             with request_context(request_id):
                 try:
+                    if isinstance(params, PoolingParams):
+                        self.engine.add_pooling_request(request_id, prompt_token_ids, params)
+                        continue
                     self.engine.add_request(request_id, prompt_token_ids, params, grammar)
                 except Exception as exc:  # validated already; anything here is a bad request too
                     self._streams[request_id].queue.put_nowait(exc)

@@ -9,6 +9,10 @@ A fault in one sequence's own work (its sampling row, its output processing) fin
 sequence with ``FinishReason.ERROR`` and frees its blocks; the step goes on for the others
 (:mod:`.isolation`). Anything else a step raises escapes ``step``: the caller rebuilds the engine
 (:meth:`LLMEngine.rebuild`).
+
+Pooling requests (:meth:`LLMEngine.add_pooling_request`, :mod:`.pooling`) share the scheduler and
+the step with generation; the step that computes a pooling sequence's last prompt token finishes
+it and returns its vector in the update (``SequenceUpdate.pooled``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from llmplatform.engine.faults import FaultInjector
 from llmplatform.engine.isolation import pinned_fault
 from llmplatform.engine.model_runner import ModelRunner
 from llmplatform.engine.outputs import ModelOutput, SchedulerOutput
+from llmplatform.engine.pooling import PoolingParams, PoolingState
 from llmplatform.engine.prefix_cache import PrefixCacheStats
 from llmplatform.engine.scheduler import Scheduler
 from llmplatform.engine.sequence import Sequence
@@ -46,6 +51,8 @@ class SequenceUpdate:
     request_id: str
     index: int  # which of the request's n outputs
     chunk: GenerateChunk
+    # A pooling sequence's vector ([hidden] float32 numpy array), on its final update.
+    pooled: Any = None
 
 
 @dataclass
@@ -81,6 +88,9 @@ class StepStats:
     # Sum over steps of (tokens stored / token slots allocated) and how many steps were counted.
     kv_efficiency_sum: float = 0.0
     num_batched_tokens: int = 0
+    # Pooling sequences finished (vector made), and the most finished by one step (batching).
+    num_pooled_seqs: int = 0
+    max_pooled_per_step: int = 0
 
 
 class LLMEngine:
@@ -147,6 +157,27 @@ class LLMEngine:
                 f"n={params.n} exceeds --max-num-seqs {self.config.scheduler.max_num_seqs}",
                 param="n")
 
+    def validate_pooling(self, prompt_token_ids: list[int]) -> None:
+        """Raises for a pooling request that can never be served: empty, a token id outside the
+        vocabulary, or longer than ``max_model_len``."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("the input is empty", param="input")
+        check_prompt_token_ids(prompt_token_ids, int(self.runner.model.lm_head_weight.shape[0]))
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"the input has {len(prompt_token_ids)} tokens, more than this model's maximum "
+                f"of {self.max_model_len}", param="input")
+
+    def add_pooling_request(self, request_id: str, prompt_token_ids: list[int],
+                            pooling: PoolingParams) -> Sequence:
+        """Queues a prompt to be run for its pooled final hidden states (:mod:`.pooling`)."""
+        self.validate_pooling(prompt_token_ids)
+        seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                       params=_POOLING_SAMPLING, pooling=pooling)
+        seq.state = PoolingState(pooling)
+        self.scheduler.add_request([seq])
+        return seq
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, grammar: CompiledGrammar | None = None
                     ) -> list[Sequence]:
@@ -176,7 +207,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> list[SequenceUpdate]:
         """Stops the request's sequences and frees their blocks now."""
-        return [SequenceUpdate(seq.request_id, seq.index, seq.state.processor.finish(FinishReason.ABORT))
+        return [SequenceUpdate(seq.request_id, seq.index, _finish_chunk(seq, FinishReason.ABORT))
                 for seq in self.scheduler.abort_request(request_id)]
 
     def has_unfinished(self) -> bool:
@@ -212,7 +243,7 @@ class LLMEngine:
 
     def _reject(self, scheduled: SchedulerOutput) -> list[SequenceUpdate]:
         return [SequenceUpdate(seq.request_id, seq.index,
-                               seq.state.processor.finish(FinishReason.ERROR, error=reason))
+                               _finish_chunk(seq, FinishReason.ERROR, error=reason))
                 for seq, reason in scheduled.rejected]
 
     def _fail_pinned(self, scheduled: SchedulerOutput, output: ModelOutput) -> list[SequenceUpdate]:
@@ -237,6 +268,7 @@ class LLMEngine:
         prompt_records = output.prompt_logprobs
         for seq_id, records in prompt_records.items():
             by_seq[seq_id].state.pending_prompt_logprobs.extend(records)
+        updates += self._finish_pooled(by_seq, output.pooled)
         for seq_id, token_id, logprob in zip(output.seq_ids, output.token_ids, output.logprobs):
             seq = by_seq[seq_id]
             if seq.is_finished:  # aborted while the step ran, or failed above
@@ -249,6 +281,24 @@ class LLMEngine:
             if chunk.finish_reason is not None:
                 self.scheduler.finish(seq)
             updates.append(SequenceUpdate(seq.request_id, seq.index, chunk))
+        return updates
+
+    def _finish_pooled(self, by_seq: dict[int, Sequence], pooled: dict[int, Any]
+                       ) -> list[SequenceUpdate]:
+        """Pooling sequences whose prompt this step finished: finished now (blocks freed), each
+        update carrying its vector."""
+        updates = []
+        for seq_id, vector in pooled.items():
+            seq = by_seq[seq_id]
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            self.scheduler.finish(seq)
+            chunk = replace(_finish_chunk(seq, FinishReason.STOP),
+                            first_scheduled_time=seq.state.first_scheduled_time)
+            updates.append(SequenceUpdate(seq.request_id, seq.index, chunk, pooled=vector))
+        if pooled:
+            self.stats.num_pooled_seqs += len(pooled)
+            self.stats.max_pooled_per_step = max(self.stats.max_pooled_per_step, len(pooled))
         return updates
 
     def _output_chunk(self, seq: Sequence, token_id: int, logprob: Any) -> GenerateChunk:
@@ -297,3 +347,16 @@ class LLMEngine:
         ``step``. True: done (also when prefix caching is off and there is nothing to forget)."""
         self.block_manager.reset_prefix_cache()
         return True
+
+
+# What a pooling sequence carries as sampling params: it never samples, so only the fields the
+# scheduler reads (no prompt logprobs) matter.
+_POOLING_SAMPLING = SamplingParams(max_tokens=1)
+
+
+def _finish_chunk(seq: Sequence, reason: FinishReason, error: str | None = None) -> GenerateChunk:
+    """The last chunk of a sequence ended by the engine (abort, rejection, a pooled vector)."""
+    if seq.pooling is None:
+        return seq.state.processor.finish(reason, error=error)
+    return GenerateChunk(request_id=seq.request_id, text="", token_ids=(),
+                         usage=Usage(seq.num_prompt_tokens, 0), finish_reason=reason, error=error)

@@ -5,10 +5,11 @@ It owns the model weights and the paged KV cache tensors. Each step it
 2. flattens the scheduled chunks into one batch (no padding): input ids, positions, the slots
    where the new K/V go, and the attention metadata,
 3. runs the model, computes logits only for the rows that sample (and for prompt positions when
-   prompt logprobs were asked), and samples with the shared batched sampler. Sampling and prompt
-   logprobs are per-sequence work: a sequence whose own share raises is reported in
-   ``ModelOutput.errors`` and the others keep their tokens (:mod:`.isolation`); anything else
-   that raises here fails the step.
+   prompt logprobs were asked), and samples with the shared batched sampler; pooling sequences'
+   chunks go to the pooler instead (their final hidden states, no logits: engine.pooler).
+   Sampling, prompt logprobs and pooling are per-sequence work: a sequence whose own share
+   raises is reported in ``ModelOutput.errors`` and the others keep their tokens
+   (:mod:`.isolation`); anything else that raises here fails the step.
 
 Layout of one step's batch (three sequences: a prefill chunk, two decodes):
 
@@ -30,6 +31,7 @@ from llmplatform.engine.decode_path import apply_decode_path
 from llmplatform.engine.faults import FaultInjector
 from llmplatform.engine.isolation import IsolatingSampler, pinned_fault
 from llmplatform.engine.outputs import ModelOutput, SchedulerOutput
+from llmplatform.engine.pooler import PoolingSpan, pool_spans
 from llmplatform.kernels import AttentionMetadata
 from llmplatform.models.layers import use_onednn_weights
 from llmplatform.models.loader import load_model
@@ -159,6 +161,7 @@ class ModelRunner:
         sample_seqs: list[Any] = []
         # (seq, its first row, its first position, its number of new tokens)
         prompt_logprob_spans: list[tuple[Any, int, int, int]] = []
+        pooling_spans: list[PoolingSpan] = []  # chunks of pooling sequences (engine.pooler)
         for item in scheduled.scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
@@ -177,6 +180,8 @@ class ModelRunner:
             block_tables.append(seq.block_table)
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens:
                 prompt_logprob_spans.append((seq, first_row, start, item.num_new_tokens))
+            if seq.pooling is not None:
+                pooling_spans.append(PoolingSpan(seq, first_row, start, item.num_new_tokens))
             if item.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(seq.state.sampling_row(seq))
@@ -209,6 +214,10 @@ class ModelRunner:
                                                                            start, num_new)
             except Exception as exc:
                 output.errors[seq.seq_id] = pinned_fault(seq, "prompt logprobs", exc)
+        if pooling_spans:
+            pooled, errors = pool_spans(hidden, pooling_spans)
+            output.pooled.update(pooled)
+            output.errors.update(errors)
         return output
 
     def _prompt_logprobs(self, seq: Any, hidden: torch.Tensor, first_row: int, start: int,

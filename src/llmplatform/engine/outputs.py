@@ -6,6 +6,7 @@ scheduler --SchedulerOutput--> model runner --ModelOutput--> engine update
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmplatform.engine.sequence import Sequence
 from llmplatform.sampling.outputs import TokenLogprob
@@ -16,7 +17,8 @@ class ScheduledSequence:
     """Compute tokens ``[num_computed_tokens, num_computed_tokens + num_new_tokens)`` of ``seq``.
 
     ``samples`` is True when this chunk reaches the end of the sequence's tokens: the model then
-    samples the next token for it. A prefill chunk that stops short samples nothing.
+    samples the next token for it. A prefill chunk that stops short samples nothing, and neither
+    does a pooling sequence's chunk (its last one yields its vector: ``ModelOutput.pooled``).
     """
 
     seq: Sequence
@@ -56,3 +58,6 @@ class ModelOutput:
     # Sequences whose own work in the runner (sampling, prompt logprobs) raised: seq id -> the
     # error for their client. They got no token; the engine fails them alone.
     errors: dict[int, str] = field(default_factory=dict)
+    # Pooling sequences whose prompt this step finished: seq id -> their vector ([hidden] float32
+    # numpy array; engine.pooling).
+    pooled: dict[int, Any] = field(default_factory=dict)

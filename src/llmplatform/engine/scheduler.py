@@ -36,8 +36,13 @@ prefix: those tokens count as computed and its first chunk starts after them. Th
 that at least one token is left to compute (the model must produce logits to sample from; with
 a whole prompt cached, its last full block is recomputed) and, for a parent with children to fork,
 below the fork point. A request asking for prompt logprobs skips the lookup: it needs every prompt
-position computed. After each step the newly full blocks of each sequence are registered, generated
-tokens included, so a multi-turn conversation's next prompt finds the previous answer cached.
+position computed, and so does a mean pooling request (engine.pooling). After each step the
+newly full blocks of each sequence are registered, generated tokens included, so a multi-turn
+conversation's next prompt finds the previous answer cached.
+
+Pooling sequences (``Sequence.pooling``, engine.pooling) are scheduled like any prompt, chunked
+prefill included, but their chunks never sample: the engine finishes each one in the step that
+computes its last prompt token, so it never decodes.
 
 Parallel sampling (``n`` > 1). A request's children share the parent's prompt KV. They wait,
 unschedulable, while the parent prefills ``P - 1`` of its ``P`` prompt tokens (its chunks stop
@@ -212,13 +217,16 @@ class Scheduler:
 
     def _cached_prefix(self, seq: Sequence, num_target_tokens: int) -> list[int] | None:
         """The cached blocks ``seq`` may start from, or None when it must not look (no prefix
-        caching, or prompt logprobs wanted). At least one target token is left to compute."""
+        caching, prompt logprobs wanted, or mean pooling). At least one target token is left to
+        compute."""
         if not self.block_manager.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return None
+        if seq.pooling is not None and seq.pooling.uses_every_position:
+            return None  # a mean pool needs every prompt position's hidden state (engine.pooling)
         return self.block_manager.find_cached_prefix(seq, num_target_tokens - 1)
 
     def _chunk(self, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
-        samples = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
+        samples = seq.num_computed_tokens + num_new_tokens == seq.num_tokens and seq.pooling is None
         return ScheduledSequence(seq=seq, num_new_tokens=num_new_tokens, samples=samples)
 
     def _allocate_or_preempt(self, seq: Sequence, num_new_tokens: int,

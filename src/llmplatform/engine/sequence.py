@@ -14,6 +14,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmplatform.engine.pooling import PoolingParams
 from llmplatform.sampling.params import SamplingParams
 
 _seq_counter = itertools.count()
@@ -46,6 +47,9 @@ class Sequence:
     num_cached_blocks: int = 0
     # Set by the engine: the per-sequence random generator, output processor, etc.
     state: Any = None
+    # A pooling sequence (engine.pooling): it computes its prompt for a pooled vector and never
+    # samples; None for generation.
+    pooling: PoolingParams | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,6 +5,11 @@ in-flight requests failed with an error saying to retry; :mod:`llmplatform.engin
 within ``EngineConfig.restart``'s bound; :meth:`PagedLLM.wait_failed` returns when it cannot. The
 test-only fault injection (:mod:`llmplatform.engine.faults`) is read from the environment here,
 once, when no config gives one.
+
+Given a :class:`~llmplatform.llm.decoder_embedding.DecoderEmbedding`, it serves embeddings instead
+of generation (``--task embed``): each input is one pooling request of the engine
+(:mod:`llmplatform.engine.pooling`), so concurrent requests' inputs are batched by the engine's
+scheduler like any prompts, and a generation request is refused with a 400.
 """
 
 from __future__ import annotations
@@ -13,15 +18,18 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from typing import AsyncIterator, Sequence
+import uuid
+from typing import Any, AsyncIterator, Sequence
 
 from llmplatform.engine.async_engine import AsyncEngine
 from llmplatform.engine.config import EngineConfig
 from llmplatform.engine.faults import faults_from_env
 from llmplatform.engine.llm_engine import LLMEngine
-from llmplatform.errors import EngineDeadError, InvalidRequestError
+from llmplatform.errors import EngineDeadError, InvalidRequestError, LLMPlatformError
 from llmplatform.kernels import attention_backend
 from llmplatform.llm.base import BackendInfo, GenerateRequest, LLMBackend, LoadStats, ModelFacts
+from llmplatform.llm.decoder_embedding import DecoderEmbedding
+from llmplatform.llm.embedding import EmbeddingFacts, EmbeddingResult, ModelTask, check_lengths
 from llmplatform.sampling.outputs import GenerateChunk
 from llmplatform.sampling.params import SamplingParams
 from llmplatform.utils.torch_utils import torch_thread
@@ -35,7 +43,8 @@ class PagedLLM(LLMBackend):
     default_concurrency = 1024  # the engine queues and batches requests itself
     backend_name = "paged"
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, embedding: DecoderEmbedding | None = None) -> None:
+        """``embedding``: serve embeddings with this pipeline instead of generation."""
         if config.faults is None and (faults := faults_from_env()) is not None:
             config = dataclasses.replace(config, faults=faults)
         # The engine is built (weights, KV cache, warm-up) on the thread that will run its steps.
@@ -47,11 +56,28 @@ class PagedLLM(LLMBackend):
             self._thread.shutdown(wait=True)
             raise
         self.tokenizer = self.engine.tokenizer
+        self.embedding = embedding
         self._facts = ModelFacts(names=config.model.model_names,
                                  context_length=config.scheduler.max_model_len,
                                  vocab_size=int(self.engine.runner.model.lm_head_weight.shape[0]),
                                  eos_token_ids=self.engine.eos_token_ids)
+        if embedding is not None:
+            self._facts = dataclasses.replace(self._facts, tasks=(ModelTask.EMBED,),
+                                              embedding=self._embedding_facts(embedding))
+            logger.info("serving embeddings: %s pooling of the final hidden states%s, %d "
+                        "dimensions, inputs up to %d tokens", embedding.pooling.mode,
+                        " (L2-normalized)" if embedding.pooling.normalize else "",
+                        self._facts.embedding.dimensions, self._facts.embedding.max_input_tokens)
         self._closed = False
+
+    def _embedding_facts(self, embedding: DecoderEmbedding) -> EmbeddingFacts:
+        limit = self._facts.context_length
+        if embedding.max_seq_length is not None:
+            limit = min(limit, embedding.max_seq_length)
+        hidden_size = int(self.engine.runner.model.lm_head_weight.shape[1])
+        return EmbeddingFacts(dimensions=hidden_size, max_input_tokens=limit,
+                              normalized=embedding.pooling.normalize,
+                              matryoshka_dimensions=embedding.matryoshka_dimensions)
 
     @property
     def facts(self) -> ModelFacts:
@@ -126,6 +152,7 @@ class PagedLLM(LLMBackend):
         return await self._async.call_between_steps(lambda engine: engine.reset_prefix_cache())
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self._check_generates()
         _one_output(params)
         self.engine.validate(list(prompt_token_ids), params)  # what add_request checks first
 
@@ -133,6 +160,7 @@ class PagedLLM(LLMBackend):
         if self._async is None:
             await self.start()
         assert self._async is not None
+        self._check_generates()
         _one_output(request.params)
         self._async.check_serving()
         prompt_ids = (list(request.prompt_token_ids) if request.prompt_token_ids is not None
@@ -144,6 +172,47 @@ class PagedLLM(LLMBackend):
                 yield update.chunk
         finally:
             await updates.aclose()
+
+    # ---- embeddings (--task embed) -------------------------------------------------------------
+
+    def _check_generates(self) -> None:
+        if self.embedding is not None:
+            raise InvalidRequestError(
+                f"model {self.model_names[0]!r} is an embedding model: it serves /v1/embeddings, "
+                "not chat or completions", param="model")
+
+    def apply_chat_template_sync(self, messages: Sequence[dict[str, Any]],
+                                 add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        self._check_generates()
+        return super().apply_chat_template_sync(messages, add_generation_prompt, **kwargs)
+
+    async def embed(self, token_id_lists: Sequence[Sequence[int]], *,
+                    request_id: str | None = None) -> list[EmbeddingResult]:
+        """Each input is one pooling request of the engine; they all join its queue at once, so
+        the scheduler runs them (and other requests' inputs) together, chunked within its token
+        budget. Cancelling the call aborts every input still queued or running."""
+        if self.embedding is None:
+            return await super().embed(token_id_lists, request_id=request_id)
+        if self._async is None:
+            await self.start()
+        assert self._async is not None
+        self._async.check_serving()
+        check_lengths(token_id_lists, self._facts.context_length)
+        prefix = request_id or f"embed-{uuid.uuid4().hex}"
+        updates = await asyncio.gather(*(
+            self._async.pool(f"{prefix}-{index}", list(ids), self.embedding.pooling)
+            for index, ids in enumerate(token_id_lists)))
+        results = []
+        for update in updates:
+            if update.pooled is None:
+                raise LLMPlatformError(update.chunk.error or "the engine did not embed the input")
+            results.append(EmbeddingResult(update.pooled, update.chunk.usage.prompt_tokens))
+        return results
+
+    def embedding_token_ids_sync(self, texts: Sequence[str], max_tokens: int | None) -> list[list[int]]:
+        if self.embedding is not None and self.embedding.do_lower_case:
+            texts = [text.lower() for text in texts]
+        return super().embedding_token_ids_sync(texts, max_tokens)
 
 
 def _one_output(params: SamplingParams) -> None:

@@ -10,6 +10,7 @@ from llmplatform.llm.base import LLMBackend
 logger = logging.getLogger("llmplatform.worker")
 
 BACKENDS = ("auto", "paged", "hf", "encoder")
+TASKS = ("auto", "generate", "embed")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,12 @@ class BackendConfig:
     # Embedding models (encoder backend): cross-request batching (llm.embed_batcher).
     embed_max_batch_tokens: int = 16384
     embed_batch_wait_ms: float = 2.0
+    # What the worker serves: generate, embed, or auto (embed for an embedding model folder).
+    # A decoder served with embed runs the paged engine's pooling mode (llm.decoder_embedding):
+    # pooling auto|last|mean and embed_normalize auto|yes|no (auto: what the folder says).
+    task: str = "auto"
+    pooling: str = "auto"
+    embed_normalize: str = "auto"
 
 
 def build_llm(config: BackendConfig) -> LLMBackend:
@@ -56,18 +63,29 @@ def build_llm(config: BackendConfig) -> LLMBackend:
 def _load(config: BackendConfig) -> LLMBackend:
     from llmplatform.llm.resolve import resolve_model
 
+    if config.task not in TASKS:
+        raise ValueError(f"unknown task {config.task!r}; choose from {', '.join(TASKS)}")
     resolved = resolve_model(config.model_path)
     names = config.model_names or (resolved.name,)
     backend = config.backend
-    if backend == "encoder" or backend == "auto" and _is_embedding_model(resolved.path):
+    embedding_folder = _is_embedding_model(resolved.path)
+    task = config.task if config.task != "auto" else "embed" if embedding_folder else "generate"
+    reason = _paged_unsupported_reason(config, resolved.path) if backend in ("auto", "paged") else None
+    # An embedding folder whose network is a decoder the engine runs (gte-Qwen2) goes to the
+    # engine's pooling mode; an encoder (BERT family) to the encoder backend.
+    if backend == "encoder" or backend == "auto" and embedding_folder and reason is not None:
+        if task == "generate":
+            raise ValueError(f"{resolved.path} is an embedding model: it serves no generation "
+                             "(--task generate)")
+        _no_pooling_flags(config, "the encoder backend follows the folder's sentence-transformers "
+                                  "configuration")
         return _build_encoder(config, str(resolved.path), names)
+    if task == "embed" and backend == "hf":
+        raise ValueError("--task embed runs on the paged backend (decoders) or the encoder "
+                         "backend (BERT family), not hf")
+    if task != "embed":
+        _no_pooling_flags(config, "they apply to --task embed")
     if backend in ("auto", "paged"):
-        from transformers import AutoConfig
-
-        from llmplatform.models.registry import unsupported_reason
-
-        reason = unsupported_reason(AutoConfig.from_pretrained(
-            str(resolved.path), trust_remote_code=config.trust_remote_code))
         if reason is None:
             backend = "paged"
         elif backend == "paged":
@@ -76,7 +94,10 @@ def _load(config: BackendConfig) -> LLMBackend:
             logger.info("using the hf backend: %s", reason)
             backend = "hf"
     if backend == "paged":
-        return _build_paged(config, str(resolved.path), names)
+        return _build_paged(config, str(resolved.path), names, embed=task == "embed")
+    if task == "embed":
+        raise ValueError(f"--task embed needs the paged backend for this decoder, which cannot "
+                         f"serve {resolved.path}: {reason}")
     if backend == "hf":
         from llmplatform.llm.hf import HFTransformersLLM
 
@@ -85,6 +106,27 @@ def _load(config: BackendConfig) -> LLMBackend:
                                  max_model_len=config.max_model_len,
                                  trust_remote_code=config.trust_remote_code)
     raise ValueError(f"unknown backend {config.backend!r}; choose from {', '.join(BACKENDS)}")
+
+
+def _paged_unsupported_reason(config: BackendConfig, path: object) -> str | None:
+    from transformers import AutoConfig
+
+    from llmplatform.models.registry import unsupported_reason
+
+    try:
+        model_config = AutoConfig.from_pretrained(str(path),
+                                                  trust_remote_code=config.trust_remote_code)
+    except Exception as exc:  # e.g. an encoder whose config needs its own code
+        return f"its config.json does not load without its code ({type(exc).__name__}: {exc})"
+    return unsupported_reason(model_config)
+
+
+def _no_pooling_flags(config: BackendConfig, why: str) -> None:
+    given = [f"--{name.replace('_', '-')} {value}" for name, value in
+             (("pooling", config.pooling), ("embed_normalize", config.embed_normalize))
+             if value != "auto"]
+    if given:
+        raise ValueError(f"{' and '.join(given)}: not for this worker ({why})")
 
 
 def _is_embedding_model(path: object) -> bool:
@@ -104,7 +146,8 @@ def _build_encoder(config: BackendConfig, path: str, names: tuple[str, ...]) -> 
                                trust_remote_code=config.trust_remote_code)
 
 
-def _build_paged(config: BackendConfig, path: str, names: tuple[str, ...]) -> LLMBackend:
+def _build_paged(config: BackendConfig, path: str, names: tuple[str, ...], *,
+                 embed: bool = False) -> LLMBackend:
     from transformers import AutoConfig
 
     from llmplatform.engine.config import (CacheConfig, EngineConfig, ModelConfig,
@@ -128,4 +171,9 @@ def _build_paged(config: BackendConfig, path: str, names: tuple[str, ...]) -> LL
         scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_model_len=model_len))
-    return PagedLLM(engine_config)
+    embedding = None
+    if embed:
+        from llmplatform.llm.decoder_embedding import decoder_embedding
+
+        embedding = decoder_embedding(path, config.pooling, config.embed_normalize)
+    return PagedLLM(engine_config, embedding)

@@ -13,7 +13,8 @@ from typing import Literal
 from urllib.parse import urlparse
 
 from llmplatform.engine.config import COMPUTE_DTYPES
-from llmplatform.model_worker.backends import BACKENDS, BackendConfig
+from llmplatform.llm.decoder_embedding import NORMALIZE_CHOICES, POOLING_CHOICES
+from llmplatform.model_worker.backends import BACKENDS, TASKS, BackendConfig
 from llmplatform.utils.cluster_secret import SECRET_HEADER
 from llmplatform.utils.request_guard import RequestGuardConfig
 from llmplatform.utils.server import DEFAULT_SHUTDOWN_TIMEOUT_S
@@ -21,9 +22,12 @@ from llmplatform.utils.service_settings import ServerSettings
 from llmplatform.utils.settings import CommaList, OptionalText, option
 
 Backend = Literal[BACKENDS]  # type: ignore[valid-type]
+Task = Literal[TASKS]  # type: ignore[valid-type]
+Pooling = Literal[POOLING_CHOICES]  # type: ignore[valid-type]
+Normalize = Literal[NORMALIZE_CHOICES]  # type: ignore[valid-type]
 ComputeDtype = Literal[COMPUTE_DTYPES]  # type: ignore[valid-type]
 _ENGINE = "native engine (--backend paged)"
-_EMBED = "embedding models (--backend encoder)"
+_EMBED = "embedding models (--task embed; --backend encoder or paged)"
 
 
 class WorkerServiceSettings(ServerSettings):
@@ -37,6 +41,11 @@ class WorkerServiceSettings(ServerSettings):
                                     "(default: its directory name)")
     backend: Backend = option("auto", "inference backend (auto picks the best available; an "
                               "embedding model folder gets encoder)")
+    task: Task = option(
+        "auto", "what the worker serves: generate (chat, completions) or embed (embeddings). "
+        "auto: embed for an embedding model folder (sentence-transformers files, or a BERT-family "
+        "encoder), else generate. A Llama/Mistral/Qwen2 decoder with embed runs the native "
+        "engine's pooling mode (see --pooling)")
     port: int = option(21002, "bind port; 0 picks a free one (default: %(default)s)")
     worker_address: str | None = option(
         None, "URL the controller and gateway reach this worker at (default: http://HOST:PORT; "
@@ -97,6 +106,13 @@ class WorkerServiceSettings(ServerSettings):
     embed_batch_wait_ms: float = option(
         2.0, "embedding models: how long a first queued input waits for others to batch with "
         "(default: %(default)s)", group=_EMBED, ge=0, le=1000)
+    pooling: Pooling = option(
+        "auto", "decoder embedding models (--task embed on the paged backend): the vector is the "
+        "last token's final hidden state (last: e5-mistral, gte-Qwen2) or the mean over the input "
+        "(mean). auto: the folder's 1_Pooling/config.json, else last", group=_EMBED)
+    embed_normalize: Normalize = option(
+        "auto", "decoder embedding models: L2-normalize the vectors (yes/no). auto: as the folder's "
+        "modules.json says (a Normalize module), else yes", group=_EMBED)
     enable_prefix_caching: bool = option(
         True, "reuse the KV cache of prompt prefixes seen before (default: on; "
         "--no-enable-prefix-caching turns it off)", group=_ENGINE, negatable=True)
