@@ -54,6 +54,8 @@ from typing import Any
 
 import httpx
 
+from prefix import log, percentile
+
 MODEL = "bench"
 POLICIES = ("least_load", "shortest_queue", "cache_aware")
 WORDS = ("time year people way day man thing woman life child world school state family student "
@@ -64,17 +66,6 @@ WORDS = ("time year people way day man thing woman life child world school state
          "kid body information back parent face others level office door health person art war "
          "history party result change morning reason research girl guy moment air teacher force "
          "education").split()
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
-    ordered = sorted(values)
-    index = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
-    return ordered[index]
 
 
 def free_port() -> int:

@@ -10,10 +10,13 @@ import json
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "routing.py"
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+BENCH = BENCH_DIR / "routing.py"
 
 
 def test_routing_benchmark_smoke(tiny_model_dir, tmp_path, capsys):
+    if str(BENCH_DIR) not in sys.path:  # it imports its siblings, as when run as a script
+        sys.path.insert(0, str(BENCH_DIR))
     spec = importlib.util.spec_from_file_location("bench_routing", BENCH)
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench  # its dataclasses resolve their annotations through it
