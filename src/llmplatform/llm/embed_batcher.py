@@ -85,6 +85,12 @@ class EmbedBatcher:
         """Inputs queued, not yet in a running batch."""
         self.num_running = 0
         """Inputs in the batch running now."""
+        self.num_batches = 0
+        """Batches run since start (with ``num_batched_inputs``: how well requests batch)."""
+        self.num_batched_inputs = 0
+        """Inputs in those batches."""
+        self.max_batch_inputs = 0
+        """The most inputs one batch held."""
 
     async def start(self) -> None:
         self._arrived = asyncio.Event()
@@ -146,6 +152,9 @@ class EmbedBatcher:
     async def _run(self, batch: list[_Item]) -> None:
         loop = asyncio.get_running_loop()
         self.num_running = len(batch)
+        self.num_batches += 1
+        self.num_batched_inputs += len(batch)
+        self.max_batch_inputs = max(self.max_batch_inputs, len(batch))
         try:
             vectors = await loop.run_in_executor(self._executor, self._run_batch,
                                                  [item.token_ids for item in batch])

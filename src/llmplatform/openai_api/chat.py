@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 from fastapi import Request
 from fastapi.responses import Response
 
+from llmplatform.openai_api.embeddings import check_generates
 from llmplatform.openai_api.deltas import (
     DeltaTracker,
     chat_logprobs,
@@ -60,6 +61,7 @@ async def create_chat_completion(request: Request) -> Response:
     trace_id = worker_request_id_prefix(request)
 
     async def start_on(address: str) -> tuple[_Prepared, ChoiceStreams]:
+        await check_generates(client, address, body.model)
         announced = await client.worker_extensions(address, body.model)
         check_worker_extensions(body, announced)
         constraint = constraints.for_worker(body.model, announced,

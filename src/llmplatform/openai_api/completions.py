@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from fastapi import Request
 from fastapi.responses import Response
 
+from llmplatform.openai_api.embeddings import check_generates
 from llmplatform.openai_api.deltas import (
     DeltaTracker,
     completion_logprobs,
@@ -54,6 +55,7 @@ async def create_completion(request: Request) -> Response:
     n = body.n or 1
 
     async def start_on(address: str) -> tuple[list[PreparedPrompt], ChoiceStreams]:
+        await check_generates(client, address, body.model)
         announced = await client.worker_extensions(address, body.model)
         check_worker_extensions(body, announced)
         constraint = constraints.for_worker(body.model, announced, None)

@@ -21,15 +21,19 @@ def listen_url(host: str, port: int) -> str:
 
 def worker_summary(llm: LLMBackend, settings: WorkerSettings, listen: str) -> dict[str, Any]:
     info = llm.backend_info()
+    tasks = [str(task) for task in llm.facts.tasks]
     if info.num_kv_blocks is not None and info.kv_block_size is not None:
         kv = (f"{info.num_kv_blocks} blocks x {info.kv_block_size} tokens = "
               f"{info.kv_capacity_tokens} tokens")
+    elif "generate" not in tasks:
+        kv = "none (embeddings only)"  # an encoder: one forward pass per batch, nothing kept
     else:
         kv = "per request (no shared pool)"
     registered = settings.register and settings.controller_address
     return {
         "model": ",".join(llm.model_names),
         "backend": info.backend,
+        "serves": ",".join(tasks),
         "dtype": info.dtype,
         "device": info.device,
         **({"attention": info.attention} if info.attention else {}),
