@@ -52,7 +52,14 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llmplatform.controller.cache_aware import NO_HINT, CacheAwareConfig, Decision, RouteHint
+from llmplatform.controller.cache_aware import (
+    CHUNK_CHARS,
+    MAX_ROUTE_CHUNKS,
+    NO_HINT,
+    CacheAwareConfig,
+    Decision,
+    RouteHint,
+)
 from llmplatform.controller.dispatch import DispatchMethod, DispatchPolicy, RandomSource
 from llmplatform.errors import LLMPlatformError
 from llmplatform.protocol.controller import CacheAwareOptions, ListWorkersResponse, WorkerDescription
@@ -269,7 +276,12 @@ def chat_routing_text(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any
     """What a chat request is matched by: its tools, then each message as compact JSON, one per
     line. Prefix-preserving: a conversation's next turn starts with its previous turn's text."""
     lines = [json.dumps(list(tools), sort_keys=True, separators=(",", ":"))] if tools else []
-    lines.extend(json.dumps(dict(m), sort_keys=True, separators=(",", ":"), default=str) for m in messages)
+    length = sum(map(len, lines))
+    for message in messages:
+        if length > MAX_ROUTE_CHUNKS * CHUNK_CHARS:  # the rest would not be matched anyway
+            break
+        lines.append(json.dumps(dict(message), sort_keys=True, separators=(",", ":"), default=str))
+        length += len(lines[-1]) + 1
     return "\n".join(lines) + "\n"
 
 
