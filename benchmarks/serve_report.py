@@ -12,7 +12,13 @@ LABELS = {
     "hf": "llmplatform, hf backend, through the gateway",
     "tserve": "transformers serve --continuous-batching",
     "url": "the given server",
+    "llamacpp": "llama.cpp llama-server, bf16 GGUF",
+    "llamacpp-q8_0": "llama.cpp llama-server, Q8_0 GGUF",
 }
+LLAMACPP_BASE = "llamacpp"
+# The issue's targets for paged against llama.cpp bf16 (concurrency mode): level -> metric -> bound.
+LLAMACPP_TARGETS = {1.0: {"itl_p50": ("<=", 1.25)}, 8.0: {"tok_s": (">=", 1.0)},
+                    32.0: {"tok_s": (">=", 1.5), "ttft_p50": ("<", 1.0)}}
 TARGET_OVER_TSERVE = 1.5
 TARGET_OVER_HF = 8.0
 TARGET_GATEWAY_MS = 2.0
@@ -68,6 +74,86 @@ def compute_ratios(runs: dict[str, dict[float, dict[str, Any]]], mode: str, comp
     return ratios
 
 
+def compute_llamacpp_ratios(runs: dict[str, dict[float, dict[str, Any]]], mode: str,
+                            levels: list[float]) -> dict[str, Any]:
+    """Every other system over llama.cpp bf16, at every level: output tokens/s (higher is better),
+    TTFT and ITL p50 (lower is better); paged's checked against the issue's targets."""
+    base_runs = runs.get(LLAMACPP_BASE)
+    if not base_runs:
+        return {}
+    out: dict[str, Any] = {}
+    for system, by_level in runs.items():
+        if system == LLAMACPP_BASE:
+            continue
+        rows = {}
+        for level in levels:
+            ours, base = by_level.get(level), base_runs.get(level)
+            if not ours or not base:
+                continue
+            row = {}
+            for key, metric in (("tok_s", "output_throughput"), ("ttft_p50", "ttft_ms_p50"), ("itl_p50", "itl_ms_p50")):
+                a, b = ours["summary"].get(metric), base["summary"].get(metric)
+                row[key] = round(a / b, 3) if a is not None and b else None
+            targets = LLAMACPP_TARGETS.get(level, {}) if system == "paged" and mode == "concurrency" else {}
+            row["targets"] = {key: {"bound": f"{op} {bound:g}x", "met": None if row[key] is None else (
+                row[key] <= bound if op == "<=" else row[key] >= bound if op == ">=" else row[key] < bound)}
+                for key, (op, bound) in targets.items()}
+            rows[f"{level:g}"] = row
+        out[system] = rows
+    return out
+
+
+def _llamacpp_lines(ratios: dict[str, Any], mode: str) -> list[str]:
+    if not ratios:
+        return []
+    lines = ["", "Against llama.cpp bf16 (ratio = system / llama.cpp; tok/s: higher is better, TTFT and ITL: "
+             "lower is better; paged's targets in brackets):", "",
+             f"| system | {'concurrency' if mode == 'concurrency' else 'request rate'} | output tok/s | "
+             "TTFT p50 | ITL p50 |", "|---|---|---|---|---|"]
+    for system, rows in ratios.items():
+        for level, row in rows.items():
+            cells = []
+            for key in ("tok_s", "ttft_p50", "itl_p50"):
+                text = "-" if row[key] is None else f"{row[key]:.2f}x"
+                target = row["targets"].get(key)
+                if target:
+                    text += f" [{target['bound']}: {'met' if target['met'] else 'missed'}]"
+                cells.append(text)
+            lines.append(f"| {system} | {level} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _bandwidth_lines(meta: dict[str, Any], runs: dict[str, dict[float, dict[str, Any]]]) -> list[str]:
+    bw = meta.get("bandwidth")
+    if not bw:
+        return []
+    lines = ["", f"Memory-bandwidth floor of one stream (`serve_bandwidth.py`, same run): streaming read "
+             f"{bw['read_gb_s']:.1f} GB/s ({bw['threads']} threads, best of {bw['passes']} passes over "
+             f"{bw['buffer_bytes'] >> 20} MiB; copy {bw['copy_gb_s']:.1f} GB/s). Each decode step reads every "
+             "weight once, so one stream's ITL is at least weight bytes / bandwidth:"]
+    first = {system: levels[min(levels)]["summary"] for system, levels in runs.items() if levels}
+    for name, floor in bw["floors"].items():
+        lines.append(f"- {name}: {floor['weight_bytes'] / 1e6:.0f} MB -> **{floor['itl_ms']:.1f} ms** per token "
+                     f"({floor['tok_s']:.0f} tok/s)")
+    if first:
+        lines.append("- ITL p50 at the first level over that floor: " + "; ".join(
+            f"{system} {s['itl_ms_p50'] / _floor_for(system, bw['floors']):.2f}x"
+            for system, s in first.items() if s.get("itl_ms_p50") and _floor_for(system, bw["floors"])))
+    return lines
+
+
+def _floor_for(system: str, floors: dict[str, Any]) -> float | None:
+    """The floor (ms) of the weights ``system`` reads: its GGUF, or ours."""
+    for name, floor in floors.items():
+        if system.startswith("llamacpp"):
+            kind = "q8_0" if system.endswith("q8_0") else "bf16"
+            if name == f"llama.cpp {kind} GGUF":
+                return floor["itl_ms"]
+        elif name.startswith("llmplatform"):
+            return floor["itl_ms"]
+    return None
+
+
 def _cores(cores: dict[str, float]) -> str:
     return (f"{cores['server_cores']:.2f} / {cores['client_cores']:.2f} / {cores['other_cores']:.2f} "
             f"/ {cores.get('steal_cores', 0.0):.2f}")
@@ -116,6 +202,10 @@ def markdown(meta: dict[str, Any], runs: dict[str, dict[float, dict[str, Any]]],
     lines += ["Systems: " + "; ".join(f"`{name}`: {LABELS.get(name, name)}" for name in
                                       dict.fromkeys([*runs, *failures])), ""]
     lines += _ratio_lines(ratios)
+    lines += _llamacpp_lines(ratios.get("llamacpp") or {}, mode)
+    lines += _bandwidth_lines(meta, runs)
+    if meta.get("skipped"):
+        lines += ["", "Skipped:"] + [f"- `{name}`: {reason}" for name, reason in meta["skipped"].items()]
     if failures:
         lines += ["", "Did not run:"] + [f"- `{name}`: {reason}" for name, reason in failures.items()]
     if notes:

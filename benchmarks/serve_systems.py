@@ -3,7 +3,9 @@
 - an llmplatform cluster (``llmplatform serve``: controller, one worker, gateway) as one
   subprocess, on free ports, with the worker's flags given; ready once the gateway lists the model;
 - ``transformers serve`` (transformers' own OpenAI-compatible server) as a subprocess, offline,
-  with the model preloaded from its local directory; ready once ``/health`` answers.
+  with the model preloaded from its local directory; ready once ``/health`` answers;
+- llama.cpp's ``llama-server`` on a GGUF of the same model (``build_llamacpp.py`` builds both),
+  with a fixed number of slots and threads; ready once ``/health`` answers.
 
 Each system's output goes to a log file; when one fails to start, the error names the file and
 quotes its last lines. Stopping sends SIGINT (the launcher stops its services in order) or SIGTERM,
@@ -247,6 +249,31 @@ def start_transformers_serve(model_path: str, serve_args: str, log_path: Path,
     base = f"http://127.0.0.1:{port}"
     _wait_healthy(process, base, startup_timeout_s)
     return TransformersServe(process, f"{base}/v1")
+
+
+@dataclass
+class LlamaServer:
+    process: ManagedProcess
+    base_url: str
+
+    def stop(self) -> None:
+        self.process.stop(signal.SIGTERM)
+
+
+def start_llama_server(binary: str, gguf: str, alias: str, *, slots: int, context_per_slot: int, threads: int,
+                       log_path: Path, startup_timeout_s: float, extra_args: str = "") -> LlamaServer:
+    """llama.cpp's ``llama-server`` on a free port: ``slots`` parallel sequences (``-np``) sharing a
+    context of ``slots * context_per_slot`` tokens (``-c``; each slot gets its share), ``threads``
+    for decode and for prompt batches, the model served under ``alias``. Ready once ``/health``
+    answers 200 (503 while the model loads)."""
+    (port,) = free_ports(1)
+    argv = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--alias", alias,
+            "-np", str(slots), "-c", str(slots * context_per_slot), "-t", str(threads), "-tb", str(threads),
+            *shlex.split(extra_args)]
+    process = ManagedProcess.start("llama-server", argv, log_path)
+    base = f"http://127.0.0.1:{port}"
+    _wait_healthy(process, base, startup_timeout_s)
+    return LlamaServer(process, f"{base}/v1")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -183,3 +183,80 @@ def test_ratios_flag_rows_that_lost_different_cpu_to_the_hypervisor(bench):
     runs["paged"][32.0]["cores"]["steal_cores"] = 0.6
     assert "understated" in next(line for line in serve_report._ratio_lines(
         serve_report.compute_ratios(runs, "concurrency", 32.0, 1.0)) if "our hf backend" in line)
+
+
+STANDIN = Path(__file__).with_name("llamacpp_standin.py")
+
+
+def test_llamacpp_systems_against_a_stand_in_server(bench, tiny_model_dir, tmp_path):
+    """The llamacpp systems' start, client and report code against a stand-in llama-server
+    (`llamacpp_standin.py`: llama.cpp's command line and response shape, no model): the test
+    suite never builds llama.cpp. The stand-in stops after one token unless asked to ignore EOS,
+    as the real server does, and records what the benchmark sent."""
+    record = tmp_path / "standin.jsonl"
+    code, result, report = run_bench(bench, tmp_path, "llamacpp", [
+        "--systems", "llamacpp,llamacpp-q8_0", "--model-path", str(tiny_model_dir), "--concurrency", "1,3",
+        "--num-prompts", "4", "--llama-server", str(STANDIN),
+        "--llamacpp-gguf", f"bf16={tiny_model_dir},q8_0={tiny_model_dir}", "--llamacpp-slots", "4",
+        f"--llamacpp-args=--record {record}", "--bandwidth-buffer-mib", "8", "--log-dir", str(tmp_path / "logs")])
+    assert result["failures"] == {}, result["failures"]
+    assert code == 0
+    for system in ("llamacpp", "llamacpp-q8_0"):
+        for level in ("1", "3"):
+            check_counts(result["runs"][system][level], 4, expected_workload(bench, tiny_model_dir, float(level), 4))
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    argvs = [line["argv"] for line in lines if "argv" in line]
+    assert len(argvs) == 2  # one server per system, one after the other
+    for argv in argvs:
+        flags = dict(zip(argv, argv[1:]))
+        assert flags["-np"] == "4" and flags["--host"] == "127.0.0.1"
+        assert int(flags["-c"]) == 4 * 256  # 40 + 9 tokens + margin, rounded up to 256 per slot
+        assert flags["-t"] == flags["-tb"]
+    bodies = [line["body"] for line in lines if line.get("path") == "/v1/completions"]
+    assert bodies and all(b["stream"] and b["ignore_eos"] is True and b["temperature"] == 0.0
+                          and b["stream_options"] == {"include_usage": True} for b in bodies)
+    # The ratios to llama.cpp bf16 (here: the Q8_0 row over the bf16 one) and the bandwidth floor.
+    rows = result["ratios"]["llamacpp"]["llamacpp-q8_0"]
+    assert set(rows) == {"1", "3"} and all(row["tok_s"] > 0 and row["targets"] == {} for row in rows.values())
+    bandwidth = result["meta"]["bandwidth"]
+    assert bandwidth["read_gb_s"] > 0
+    assert set(bandwidth["floors"]) == {"llmplatform (bfloat16)", "llama.cpp bf16 GGUF", "llama.cpp q8_0 GGUF"}
+    assert "Against llama.cpp bf16" in report and "Memory-bandwidth floor of one stream" in report
+
+
+def test_llamacpp_ratios_check_the_targets(bench):
+    import serve_report
+
+    def run(tok_s: float, ttft: float, itl: float) -> dict:
+        return {"summary": {"output_throughput": tok_s, "ttft_ms_p50": ttft, "itl_ms_p50": itl}}
+
+    runs = {"llamacpp": {1.0: run(60, 50, 14), 8.0: run(190, 300, 30), 32.0: run(200, 4000, 60)},
+            "paged": {1.0: run(40, 40, 17), 8.0: run(180, 200, 35), 32.0: run(320, 3000, 50)}}
+    ratios = serve_report.compute_llamacpp_ratios(runs, "concurrency", [1.0, 8.0, 32.0])
+    paged = ratios["paged"]
+    assert paged["1"]["itl_p50"] == pytest.approx(17 / 14, abs=1e-3) and paged["1"]["targets"]["itl_p50"]["met"]
+    assert paged["8"]["targets"]["tok_s"]["met"] is False
+    assert paged["32"]["targets"] == {"tok_s": {"bound": ">= 1.5x", "met": True},
+                                      "ttft_p50": {"bound": "< 1x", "met": True}}
+    assert serve_report.compute_llamacpp_ratios({"paged": runs["paged"]}, "concurrency", [1.0]) == {}
+
+
+def test_all_skips_llamacpp_where_it_cannot_be_built(bench, monkeypatch, tmp_path):
+    """--all without cmake or a compiler: the llama.cpp systems are skipped with the reason, not
+    failed (the other systems' run still counts)."""
+    import build_llamacpp
+    import serve_llamacpp
+
+    monkeypatch.setattr(build_llamacpp, "missing_tools", lambda: ["cmake"])
+    monkeypatch.setattr(build_llamacpp, "server_path", lambda version=None: tmp_path / "absent")
+
+    class Args:
+        all, llama_server, llamacpp_gguf = True, None, None
+
+    class Bench:
+        args, skipped, failures = Args(), {}, {}
+
+    serve_llamacpp.run(Bench, ["llamacpp", "llamacpp-q8_0"], "unused", "m", tmp_path, None, lambda _: None)
+    assert Bench.failures == {}
+    assert set(Bench.skipped) == {"llamacpp", "llamacpp-q8_0"}
+    assert "cmake not found" in Bench.skipped["llamacpp"] and "apt-get install" in Bench.skipped["llamacpp"]
