@@ -19,6 +19,7 @@ from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.engine.pooling import PoolingMode, PoolingParams
 from llmplatform.engine.sequence import SequenceStatus
 from llmplatform.sampling.params import SamplingParams
+from tests.polling import wait_until_async
 
 LAST = PoolingParams(PoolingMode.LAST, normalize=False)
 MEAN = PoolingParams(PoolingMode.MEAN, normalize=False)
@@ -184,21 +185,36 @@ def test_concurrent_embed_calls_run_in_one_engine_step(tiny_model_dir) -> None:
     llm = PagedLLM(EngineConfig(
         model=ModelConfig(str(tiny_model_dir), ("m",), device="cpu", dtype="float32"),
         cache=CacheConfig(kv_cache_memory_bytes=64 << 20),
-        scheduler=SchedulerConfig(max_model_len=512)), decoder_embedding(tiny_model_dir))
+        scheduler=SchedulerConfig(max_model_len=512, max_num_batched_tokens=128)),
+        decoder_embedding(tiny_model_dir))
 
     async def main() -> list:
         await llm.start()
         try:
             calls = [llm.embed([ids], request_id=f"r{i}") for i, ids in enumerate(prompts([9] * 6, 6))]
             calls.append(llm.embed(prompts([3, 11], 7), request_id="pair"))
-            return await asyncio.gather(*calls)
+            results = await asyncio.gather(*calls)
+            await cancelled_embed_frees_its_blocks()
+            return results
         finally:
             await llm.shutdown()
+
+    async def cancelled_embed_frees_its_blocks() -> None:
+        # Four 400-token inputs take many 128-token steps: cancel the call mid-way (a client
+        # that left), and every input still queued or running is aborted, its blocks freed.
+        task = asyncio.ensure_future(llm.embed(prompts([400] * 4, 8), request_id="gone"))
+        await wait_until_async(lambda: llm.engine.scheduler.num_running > 0, what="running")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until_async(lambda: not llm.engine.has_unfinished(), what="aborted")
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+        assert len(await llm.embed([[1, 2, 3]])) == 1  # still serving
 
     results = asyncio.run(main())
     assert [len(r) for r in results] == [1] * 6 + [2]
     assert all(abs(float(np.linalg.norm(r.vector)) - 1) < 1e-5 for rs in results for r in rs)
     assert [r.num_tokens for r in results[-1]] == [3, 11]
     stats = llm.engine.stats
-    assert stats.num_pooled_seqs == 8 and stats.max_pooled_per_step == 8
+    assert stats.max_pooled_per_step == 8
     assert llm.facts.tasks == ("embed",) and llm.facts.embedding.dimensions == 64
