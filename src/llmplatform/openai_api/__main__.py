@@ -77,6 +77,11 @@ class GatewayServiceSettings(ServerSettings):
     worker_refresh_interval: float = option(
         GatewaySettings.worker_refresh_interval, "with --routing local: seconds between two reads "
         "of the controller's worker list (default: %(default)s)", metavar="SECONDS")
+    worker_stream_deltas: bool = option(
+        GatewaySettings.worker_stream_deltas, "ask workers for delta stream frames (only the new "
+        "text and logprobs in each chunk; stock FastChat workers ignore it and send cumulative "
+        "ones, which are read as before); --no-worker-stream-deltas asks none, for comparison "
+        "(default: on)", negatable=True)
     session_header: OptionalText = option(
         None, "a request header (e.g. X-Session-Id) whose value keeps a conversation on one worker "
         "when the controller dispatches cache_aware; without it, or when a request lacks it, "

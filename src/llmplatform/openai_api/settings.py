@@ -100,6 +100,10 @@ class GatewaySettings:
     session_header: str | None = None
     """A request header whose value keeps a conversation on one worker under the controller's
     cache_aware dispatch (the `user` field does when the header is absent); None: `user` only."""
+    worker_stream_deltas: bool = True
+    """Ask workers for delta stream frames (`stream_deltas`: each chunk only the new text and
+    logprobs; a stock worker ignores it and sends cumulative ones). Off: FastChat's cumulative
+    frames from every worker, whose cost per token grows with the stream (for comparison)."""
     max_streams_per_key: int | None = None
     """Streamed generations one caller may have open at once (429 beyond); the caller is its API
     key, or its address on a gateway without keys (see `limits`). None: no cap."""

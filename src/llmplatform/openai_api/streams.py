@@ -59,7 +59,8 @@ class ChoiceStreams:
         self._address = address
         # Delta frames (only what is new in each chunk) from a worker of ours; a stock worker
         # ignores the field and sends cumulative chunks, which the consumers take as well.
-        self._params = [{**p, "stream_deltas": True} for p in params]
+        self._params = ([{**p, "stream_deltas": True} for p in params] if client.stream_deltas
+                        else list(params))
         self._queue: asyncio.Queue[Event] = asyncio.Queue(maxsize=_QUEUE_SLOTS_PER_CHOICE * len(params))
         self._tasks: list[asyncio.Task[None]] = []
         self._finished = [False] * len(params)

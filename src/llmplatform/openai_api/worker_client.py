@@ -424,6 +424,11 @@ class WorkerClient:
     def max_worker_attempts(self) -> int:
         return self._settings.max_worker_attempts
 
+    @property
+    def stream_deltas(self) -> bool:
+        """Whether generation params ask for delta frames (``stream_deltas``)."""
+        return self._settings.worker_stream_deltas
+
     def _stream_client(self) -> WorkerStreamClient:
         if self._streams is None:  # made in the event loop that will use it
             self._streams = WorkerStreamClient(
