@@ -181,3 +181,38 @@ def test_the_encoder_batches_concurrent_single_sentence_requests(embedding_model
     assert batcher.num_batched_inputs == 16
     assert batcher.num_batches == 1 and batcher.max_batch_inputs == 16
     assert all(len(r) == 1 and r[0].vector.shape == (384,) for r in results)
+
+
+def test_a_bare_mistral_model_checkpoint_embeds_like_transformers(tiny_model_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """e5-mistral's shape: a ``MistralModel`` checkpoint (no LM head, names without ``model.``),
+    served on the engine by --backend auto as an embedding model; generation is refused."""
+    from transformers import AutoTokenizer, MistralConfig, MistralModel
+
+    torch.manual_seed(1)
+    folder = tmp_path / "tiny-e5-mistral"
+    reference = MistralModel(MistralConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=512, vocab_size=49152,
+        sliding_window=None, initializer_range=0.2)).eval()
+    reference.save_pretrained(str(folder))
+    AutoTokenizer.from_pretrained(str(tiny_model_dir)).save_pretrained(str(folder))
+    llm = build_llm(BackendConfig(model_path=str(folder), device="cpu", dtype="float32",
+                                  kv_cache_memory="16MiB"))
+    ids = llm.embedding_token_ids_sync(TEXTS, None)
+
+    async def embed() -> list:
+        await llm.start()
+        try:
+            return await llm.embed(ids)
+        finally:
+            await llm.shutdown()
+
+    assert llm.backend_name == "paged" and [str(t) for t in llm.facts.tasks] == ["embed"]
+    got = np.stack([r.vector for r in asyncio.run(embed())])
+    with torch.inference_mode():
+        expected = np.stack([torch.nn.functional.normalize(
+            reference(torch.tensor([one])).last_hidden_state[0, -1], dim=0).numpy() for one in ids])
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+    with pytest.raises(ValueError, match="no LM head"):
+        build_llm(BackendConfig(model_path=str(folder), task="generate", device="cpu"))

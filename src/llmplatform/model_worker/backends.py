@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from llmplatform.llm.base import LLMBackend
 
@@ -68,9 +69,16 @@ def _load(config: BackendConfig) -> LLMBackend:
     resolved = resolve_model(config.model_path)
     names = config.model_names or (resolved.name,)
     backend = config.backend
-    embedding_folder = _is_embedding_model(resolved.path)
+    model_config, reason = (_paged_config(config, resolved.path) if backend in ("auto", "paged")
+                            else (None, None))
+    # A bare decoder (MistralModel: e5-mistral) has no LM head: it can only embed.
+    headless = reason is None and model_config is not None and _is_headless(model_config)
+    embedding_folder = headless or _is_embedding_model(resolved.path)
     task = config.task if config.task != "auto" else "embed" if embedding_folder else "generate"
-    reason = _paged_unsupported_reason(config, resolved.path) if backend in ("auto", "paged") else None
+    if headless and task == "generate":
+        raise ValueError(f"{resolved.path} is a bare decoder with no LM head ("
+                         f"{', '.join(model_config.architectures)}): it serves embeddings only "
+                         "(--task embed)")
     # An embedding folder whose network is a decoder the engine runs (gte-Qwen2) goes to the
     # engine's pooling mode; an encoder (BERT family) to the encoder backend.
     if backend == "encoder" or backend == "auto" and embedding_folder and reason is not None:
@@ -108,7 +116,8 @@ def _load(config: BackendConfig) -> LLMBackend:
     raise ValueError(f"unknown backend {config.backend!r}; choose from {', '.join(BACKENDS)}")
 
 
-def _paged_unsupported_reason(config: BackendConfig, path: object) -> str | None:
+def _paged_config(config: BackendConfig, path: object) -> tuple[Any, str | None]:
+    """(the folder's HF config, why the paged backend cannot run it or None)."""
     from transformers import AutoConfig
 
     from llmplatform.models.registry import unsupported_reason
@@ -117,8 +126,14 @@ def _paged_unsupported_reason(config: BackendConfig, path: object) -> str | None
         model_config = AutoConfig.from_pretrained(str(path),
                                                   trust_remote_code=config.trust_remote_code)
     except Exception as exc:  # e.g. an encoder whose config needs its own code
-        return f"its config.json does not load without its code ({type(exc).__name__}: {exc})"
-    return unsupported_reason(model_config)
+        return None, f"its config.json does not load ({type(exc).__name__}: {exc})"
+    return model_config, unsupported_reason(model_config)
+
+
+def _is_headless(model_config: Any) -> bool:
+    from llmplatform.models.registry import is_headless
+
+    return is_headless(model_config)
 
 
 def _no_pooling_flags(config: BackendConfig, why: str) -> None:

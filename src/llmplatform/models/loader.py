@@ -4,7 +4,9 @@ Checkpoint names map onto ours one to one, except the fused projections: ``q_pro
 ``v_proj`` stack into ``qkv_proj`` and ``gate_proj``/``up_proj`` into ``gate_up_proj`` (shard i of
 a fused ``Linear`` starts at row ``sum(output_sizes[:i])``). With tied embeddings the output
 projection is the embedding matrix, so a stored ``lm_head.weight`` is only a fallback for a
-missing ``embed_tokens``. Every parameter (every shard of a fused one) must be filled exactly
+missing ``embed_tokens``. A bare decoder checkpoint (``MistralModel``: an embedding model with no
+LM head) names its weights without the ``model.`` prefix; it loads with tied embeddings standing in
+for the head it lacks (its logits are never used). Every parameter (every shard of a fused one) must be filled exactly
 once, or loading fails naming what is missing.
 """
 
@@ -19,7 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from llmplatform.models.layers import Linear
-from llmplatform.models.registry import get_model_class
+from llmplatform.models.registry import get_model_class, is_headless
 from llmplatform.utils.logs import progress
 
 # checkpoint module name -> (our fused module name, shard index)
@@ -45,13 +47,17 @@ def load_model(
 
     config = AutoConfig.from_pretrained(str(model_dir))
     model_class = get_model_class(config)
+    headless = is_headless(config)
+    if headless:
+        config.tie_word_embeddings = True  # no head stored: the embeddings stand in (unused)
     model = model_class(config, dtype=dtype, device=device, max_model_len=max_model_len)
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, headless=headless)
     return model.eval()
 
 
-def load_weights(model: nn.Module, model_dir: str | Path) -> None:
-    """Fill ``model``'s parameters from the safetensors files in ``model_dir`` (dtype converted)."""
+def load_weights(model: nn.Module, model_dir: str | Path, *, headless: bool = False) -> None:
+    """Fill ``model``'s parameters from the safetensors files in ``model_dir`` (dtype converted).
+    ``headless``: a bare decoder checkpoint, whose names lack the ``model.`` prefix."""
     params = dict(model.named_parameters())
     missing = {(name, shard) for name in params for shard in range(_num_shards(model, name))}
     lm_head_fallback: torch.Tensor | None = None
@@ -63,6 +69,8 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     for checkpoint_name, tensor in tensors:
         if checkpoint_name.endswith("rotary_emb.inv_freq"):
             continue  # old checkpoints store the rotary table; we compute our own
+        if headless and not checkpoint_name.startswith("model."):
+            checkpoint_name = "model." + checkpoint_name
         if checkpoint_name == "lm_head.weight" and tied:
             lm_head_fallback = tensor
             continue

@@ -19,7 +19,13 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    # The bare networks, no LM head (decoder embedding models such as e5-mistral): they only
+    # embed (the paged backend's --task embed); the loader ties the unused head to the embeddings.
+    "LlamaModel": LlamaForCausalLM,
+    "MistralModel": LlamaForCausalLM,
+    "Qwen2Model": LlamaForCausalLM,
 }
+_HEADLESS_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model")
 
 
 class UnsupportedModelError(ValueError):
@@ -54,6 +60,12 @@ def unsupported_reason(config: Any) -> str | None:
     if _field(config, "num_attention_heads") % (_field(config, "num_key_value_heads") or 1):
         return "num_attention_heads is not a multiple of num_key_value_heads"
     return None
+
+
+def is_headless(config: Any) -> bool:
+    """True for a bare decoder checkpoint (``*Model``): no LM head, hidden states only."""
+    architectures = _field(config, "architectures") or []
+    return bool(architectures) and all(name in _HEADLESS_ARCHITECTURES for name in architectures)
 
 
 def is_supported(config: Any) -> bool:
