@@ -85,3 +85,85 @@ def test_a_linear_on_the_row_kernel_equals_the_eager_one_up_to_rounding(dtype, m
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
     assert calls == [1, 4]  # 5 rows: the eager product
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 70])  # 70: the parallel loop
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_kernel_equals_the_eager_module(dtype, rows, with_residual) -> None:
+    from llmplatform.kernels.cpu_norm import rms_norm_cpu
+    from llmplatform.models.layers import RMSNorm
+
+    norm = RMSNorm(96, 1e-5, dtype=dtype, device="cpu")
+    g = torch.Generator().manual_seed(rows)
+    norm.weight.copy_(1 + 0.1 * torch.randn(96, generator=g))
+    x = (3 * torch.randn(rows, 96, generator=g)).to(dtype)
+    residual = torch.randn(rows, 96, generator=g).to(dtype) if with_residual else None
+    want, want_residual = norm(x, residual)
+    got, got_residual = rms_norm_cpu(x, residual, norm.weight, norm.eps)
+    assert torch.equal(got_residual, want_residual)  # the add rounds exactly as torch's
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:  # one rounding step apart at most (the fp32 sum of squares in another order)
+        assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-6).all()
+    norm.use_row_kernel(max_rows=8)
+    routed, _ = norm(x, residual)
+    assert torch.equal(routed, got if rows <= 8 else want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_attention_equals_the_separate_ops(dtype, monkeypatch) -> None:
+    """Rotary + K/V store + decode attention in two C calls against the eager ops on the same
+    inputs: the same cache contents and the same attention output."""
+    from llmplatform import kernels
+    from llmplatform.models.layers import RotaryEmbedding
+
+    if not kernels.cpu_decode.available():
+        pytest.skip("the decode-attention kernel does not build here")
+    monkeypatch.delenv(kernels.BACKEND_ENV_VAR, raising=False)
+    H, Hkv, D, block_size = 4, 2, 32, 8
+    g = torch.Generator().manual_seed(2)
+    context_lens = [5, 17, 0]
+    tables = [[3, 1], [0, 4, 6], [2]]
+    metadata = kernels.AttentionMetadata.build(context_lens=context_lens, query_lens=[1, 1, 1],
+                                               block_tables=tables, block_size=block_size)
+    rotary = RotaryEmbedding(D, {"rope_type": "default", "rope_theta": 10000.0}, max_position=64,
+                             trained_max_position=64, device="cpu")
+    positions = torch.tensor(context_lens)
+    cos, sin = rotary.cos_sin(positions, dtype)
+    qkv = torch.randn(3, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    caches = [torch.randn(8, block_size, Hkv, D, generator=g).to(dtype) for _ in range(2)]
+    fused_caches = [c.clone() for c in caches]
+
+    qk = rotary(qkv[:, : (H + Hkv) * D].view(3, H + Hkv, D), cos, sin)
+    v = qkv[:, (H + Hkv) * D:].view(3, Hkv, D)
+    kernels.store_kv_cache(qk[:, H:], v, *caches, metadata.slot_mapping)
+    want = kernels.paged_attention(qk[:, :H], qk[:, H:], v, *caches, metadata, D**-0.5)
+
+    got = kernels.fused_decode_attention(qkv, cos, sin, *fused_caches, metadata, H, D**-0.5)
+    assert got is not None and got.dtype == torch.float32 and got.shape == (3, H, D)
+    # bf16: the same roundings, the same bits; fp32: a fused multiply-add here and there
+    tol = {"rtol": 0, "atol": 0} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-6}
+    torch.testing.assert_close(fused_caches[0], caches[0], **tol)
+    assert torch.equal(fused_caches[1], caches[1])  # v: copied
+    torch.testing.assert_close(got.to(dtype), want, **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32
+                                                       else {"rtol": 0, "atol": 0}))
+    monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "torch")  # another backend: the caller's ops
+    assert kernels.fused_decode_attention(qkv, cos, sin, *fused_caches, metadata, H, D**-0.5) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_kernel_equals_the_eager_ops(dtype) -> None:
+    from llmplatform.kernels.cpu_activation import silu_mul_cpu
+
+    g = torch.Generator().manual_seed(3)
+    gate_up = (4 * torch.randn(5, 2 * 300, generator=g)).to(dtype)
+    gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])  # the far tails and zero
+    want = F.silu(gate_up[:, :300]) * gate_up[:, 300:]
+    got = silu_mul_cpu(gate_up)
+    assert got.dtype == dtype and got.shape == (5, 300)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=3e-6, atol=1e-6)
+    else:  # the exp's last fp32 bit can move a rounding: at most one bf16 step, rarely
+        steps = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-30)) > 2**-8
+        assert steps.float().mean() < 0.01

@@ -2,10 +2,12 @@
 
 - ``eager``: every projection through torch (oneDNN over prepacked weights on CPU, in the compute
   dtype), every elementwise op a torch op. The reference path: debugging and parity tests.
-- ``fused``: products of up to ``FUSED_MAX_ROWS`` rows (decode batches, the LM head of the rows
-  that sample) run on the C kernel of ``kernels.cpu_linear``, which streams the weights as loaded
-  (bf16: half the bytes of the fp32 copy a CPU without bf16 matrix instructions multiplies in) and
-  accumulates in fp32. Larger steps (prefill chunks) keep the eager path. CPU only.
+- ``fused``: steps of up to ``FUSED_MAX_ROWS`` rows (decode batches; the LM head of up to that
+  many sampling rows) run their projections on the C kernel of ``kernels.cpu_linear``, which
+  streams the weights as loaded (bf16: half the bytes of the fp32 copy a CPU without bf16 matrix
+  instructions multiplies in) and accumulates in fp32, and each RMSNorm with its residual add as
+  one C call (``kernels.cpu_norm``) instead of ~9 torch ops. Larger steps (prefill chunks) keep
+  the eager path. CPU only.
 - ``auto``: ``fused`` on CPU when the kernel builds here, else ``eager`` (and a warning says why).
 
 Why it matters: at 1-8 rows a step is memory bound (every weight is used a few times and read
@@ -19,7 +21,7 @@ import logging
 
 import torch
 
-from llmplatform.kernels import cpu_linear
+from llmplatform.kernels import cpu_activation, cpu_decode, cpu_linear, cpu_norm, cpu_rotary
 from llmplatform.kernels.cbuild import KernelUnavailableError
 
 logger = logging.getLogger("llmplatform.engine")
@@ -39,7 +41,9 @@ def apply_decode_path(choice: str, model: torch.nn.Module, device: torch.device)
             raise ValueError(f"--decode-path fused runs on the CPU only, not {device}")
         return "eager"
     try:
-        cpu_linear.kernel()
+        for kernel in (cpu_linear.kernel, cpu_norm.kernel, cpu_activation.kernel, cpu_rotary.kernel,
+                       cpu_decode.kernel):
+            kernel()
     except KernelUnavailableError as exc:
         if choice == "fused":
             raise

@@ -27,7 +27,7 @@ from functools import cache
 
 import torch
 
-from llmplatform.kernels import cpu_decode
+from llmplatform.kernels import cpu_decode, cpu_rotary
 from llmplatform.kernels.attention import check_paged_attention_args, paged_attention_torch
 from llmplatform.kernels.cache_ops import check_store_kv_cache_args, store_kv_cache_torch
 from llmplatform.kernels.metadata import AttentionMetadata
@@ -106,6 +106,32 @@ def paged_attention(
     return paged_attention_torch(query, key, value, k_cache, v_cache, metadata, scale)
 
 
+def fused_decode_attention(
+    qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+    sin: torch.Tensor,  # [num_tokens, 1, head_dim] signed
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    metadata: AttentionMetadata,
+    num_heads: int,
+    scale: float,
+) -> torch.Tensor | None:  # [num_tokens, num_heads, head_dim] float32, or None
+    """A decode-only CPU step's rotary, K/V store and attention as two C calls (``cpu_rotary``,
+    then ``cpu_decode`` over the fp32 query it wrote): the fused decode path's per-layer attention.
+    None when it does not apply here (not decode-only, not the ``cpu`` backend, a layout or dtype
+    the kernels do not take): the caller then runs the separate ops (``store_kv_cache``,
+    ``paged_attention``), which give the same result."""
+    if not metadata.is_decode_only or qkv.device.type != "cpu" \
+            or attention_backend(qkv.device) is not AttentionBackend.CPU \
+            or not cpu_rotary.supports(qkv, cos, k_cache, metadata.slot_mapping) or not cpu_rotary.available():
+        return None
+    if metadata.num_tokens != qkv.shape[0] or not cpu_decode.supports_heads(num_heads, k_cache):
+        return None
+    query = cpu_rotary.rotary_store_cpu(qkv, cos, sin, k_cache, v_cache, metadata.slot_mapping, num_heads)
+    return cpu_decode.paged_decode_attention_cpu(query, k_cache, v_cache, metadata.block_tables,
+                                                 metadata.seq_lens, scale)
+
+
 def paged_attention_triton(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] (already in the cache: unused)
@@ -164,6 +190,7 @@ __all__ = [
     "AttentionMetadata",
     "attention_backend",
     "check_triton_launch",
+    "fused_decode_attention",
     "paged_attention",
     "paged_attention_triton",
     "store_kv_cache",

@@ -19,10 +19,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
-from llmplatform.utils.cache_folder import check_private_file, private_dir
+from llmplatform.utils.cache_folder import UnsafeCacheError, check_private_file, private_dir
 
 logger = logging.getLogger("llmplatform.kernels")
 
@@ -96,3 +98,41 @@ def open_library(source: Path) -> ctypes.CDLL:
         return ctypes.CDLL(str(path))
     except OSError as exc:
         raise KernelUnavailableError(f"cannot load {path}: {exc}") from exc
+
+
+class LazyFunction:
+    """One C function of one ``csrc`` source, built and loaded on first use (thread-safe). A
+    failure is remembered and raised again, with its first reason, on every later call; it is
+    logged once (an error for a refused library, which may have been planted; else a warning)."""
+
+    def __init__(self, source: str, symbol: str, argtypes: list[Any], restype: Any, what: str) -> None:
+        self.source = CSRC / source
+        self.symbol, self.argtypes, self.restype, self.what = symbol, argtypes, restype, what
+        self._lock = threading.Lock()
+        self._function: Any = None
+        self._error: str | None = None
+
+    def __call__(self) -> Any:
+        with self._lock:
+            if self._function is None and self._error is None:
+                try:
+                    function = getattr(open_library(self.source), self.symbol)
+                    function.argtypes, function.restype = self.argtypes, self.restype
+                    self._function = function
+                except UnsafeCacheError as exc:
+                    self._error = str(exc)
+                    logger.error("%s NOT loaded: %s", self.what, self._error)
+                except (KernelUnavailableError, OSError, subprocess.SubprocessError) as exc:
+                    self._error = str(exc) if isinstance(exc, KernelUnavailableError) \
+                        else f"{type(exc).__name__}: {exc}"
+                    logger.warning("%s unavailable: %s", self.what, self._error)
+            if self._function is None:
+                raise KernelUnavailableError(self._error or "unavailable")
+            return self._function
+
+    def available(self) -> bool:
+        try:
+            self()
+        except KernelUnavailableError:
+            return False
+        return True

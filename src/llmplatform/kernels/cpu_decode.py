@@ -91,10 +91,15 @@ def available() -> bool:
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernel handles these tensors (else the caller uses the torch path)."""
+    return supports_heads(query.shape[1], k_cache)
+
+
+def supports_heads(num_heads: int, k_cache: torch.Tensor) -> bool:
+    """``supports`` for a query of ``num_heads`` heads."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    group = query.shape[1] // num_kv_heads
+    group = num_heads // num_kv_heads
     return (k_cache.device.type == "cpu" and k_cache.dtype in SUPPORTED_CACHE_DTYPES
-            and k_cache.is_contiguous() and query.shape[1] % num_kv_heads == 0
+            and k_cache.is_contiguous() and num_heads % num_kv_heads == 0
             and block_size * head_dim <= 16384 and group * head_dim <= 8192 and group * block_size <= 8192)
 
 

@@ -15,59 +15,21 @@ ctypes releases the GIL for the call; the parallel loop runs on the calling thre
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
-import threading
 
 import torch
 
 from llmplatform.kernels import cbuild
-from llmplatform.kernels.cbuild import KernelUnavailableError
-from llmplatform.utils.cache_folder import UnsafeCacheError
 
-logger = logging.getLogger("llmplatform.kernels")
-
-SOURCE = cbuild.CSRC / "small_linear.c"
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 
-_lock = threading.Lock()
-_kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_error: str | None = None
-
-
-def _load() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-    function = cbuild.open_library(SOURCE).small_linear
-    pointer, i64, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    function.argtypes = [pointer, flag, pointer, flag, pointer, pointer, flag, i64, i64, i64, flag]
-    function.restype = ctypes.c_int
-    return function
-
-
-def kernel() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-    """The loaded kernel, building it on the first call; raises ``KernelUnavailableError`` (every
-    time, with the first failure's reason) if that is impossible here."""
-    global _kernel, _error
-    with _lock:
-        if _kernel is None and _error is None:
-            try:
-                _kernel = _load()
-            except UnsafeCacheError as exc:
-                _error = str(exc)  # loud: a refused library may be a planted one
-                logger.error("CPU projection kernel NOT loaded: %s", _error)
-            except (KernelUnavailableError, OSError, subprocess.SubprocessError) as exc:
-                _error = str(exc) if isinstance(exc, KernelUnavailableError) else f"{type(exc).__name__}: {exc}"
-                logger.warning("CPU projection kernel unavailable: %s", _error)
-        if _kernel is None:
-            raise KernelUnavailableError(_error or "unavailable")
-        return _kernel
-
-
-def available() -> bool:
-    try:
-        kernel()
-    except KernelUnavailableError:
-        return False
-    return True
+_pointer, _i64, _flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+kernel = cbuild.LazyFunction(
+    "small_linear.c", "small_linear",
+    [_pointer, _flag, _pointer, _flag, _pointer, _pointer, _flag, _i64, _i64, _i64, _flag], ctypes.c_int,
+    "CPU projection kernel")
+"""The loaded kernel (built on the first call); raises ``cbuild.KernelUnavailableError`` if that
+is impossible here."""
+available = kernel.available
 
 
 def small_linear_cpu(

@@ -22,6 +22,7 @@ class BackendConfig:
     device: str = "auto"
     dtype: str = "auto"
     compute_dtype: str = "auto"  # paged backend only
+    decode_path: str = "auto"  # paged backend only
     max_concurrency: int | None = None  # hf: forward passes at once (default 5)
     max_model_len: int | None = None
     # Native engine (paged backend) only.
@@ -178,7 +179,8 @@ def _build_paged(config: BackendConfig, path: str, names: tuple[str, ...], *,
         model_len = config.max_model_len
     engine_config = EngineConfig(
         model=ModelConfig(model_path=path, model_names=names, device=config.device,
-                          dtype=config.dtype, compute_dtype=config.compute_dtype),
+                          dtype=config.dtype, compute_dtype=config.compute_dtype,
+                          decode_path=config.decode_path),
         cache=CacheConfig(block_size=config.block_size,
                           kv_cache_memory_bytes=parse_memory_size(config.kv_cache_memory),
                           gpu_memory_utilization=config.gpu_memory_utilization,

@@ -12,7 +12,7 @@ from functools import cached_property
 from typing import Literal
 from urllib.parse import urlparse
 
-from llmplatform.engine.config import COMPUTE_DTYPES
+from llmplatform.engine.config import COMPUTE_DTYPES, DECODE_PATHS
 from llmplatform.llm.decoder_embedding import NORMALIZE_CHOICES, POOLING_CHOICES
 from llmplatform.model_worker.backends import BACKENDS, TASKS, BackendConfig
 from llmplatform.utils.cluster_secret import SECRET_HEADER
@@ -26,6 +26,7 @@ Task = Literal[TASKS]  # type: ignore[valid-type]
 Pooling = Literal[POOLING_CHOICES]  # type: ignore[valid-type]
 Normalize = Literal[NORMALIZE_CHOICES]  # type: ignore[valid-type]
 ComputeDtype = Literal[COMPUTE_DTYPES]  # type: ignore[valid-type]
+DecodePath = Literal[DECODE_PATHS]  # type: ignore[valid-type]
 _ENGINE = "native engine (--backend paged)"
 _EMBED = "embedding models (--task embed; --backend encoder or paged)"
 
@@ -91,6 +92,11 @@ class WorkerServiceSettings(ServerSettings):
         "without bf16/fp16 matrix instructions (no AMX or AVX512-BF16), where float32 is several "
         "times faster (projection weights are then held in float32: twice the bf16 memory); "
         "model: always the model dtype; float32: always float32", group=_ENGINE)
+    decode_path: DecodePath = option(
+        "auto", "how steps of up to 16 rows (decode batches) run. fused: projections on a C kernel "
+        "that streams the weights as loaded (bf16: half the bytes of the float32 copy), one C "
+        "call per RMSNorm, two for rotary + KV store + decode attention; eager: torch ops only (the reference, for debugging); auto: fused on "
+        "CPU when its kernels build, else eager (logged)", group=_ENGINE)
     max_num_seqs: int = option(64, "sequences batched together at most", group=_ENGINE, ge=1)
     max_num_batched_tokens: int = option(
         2048, "tokens computed per engine step (prefill chunks + decodes)", group=_ENGINE, ge=1)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmplatform.kernels.cpu_linear import small_linear_cpu
+from llmplatform.kernels.cpu_norm import rms_norm_cpu
 
 
 def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -70,10 +71,14 @@ class Linear(nn.Module):
         bias = None if self.bias is None else self.bias.detach().float().contiguous()
         self._row_kernel = (self.weight.detach().contiguous(), bias, max_rows)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(output_sizes)]
+    def forward(self, x: torch.Tensor,  # [T, in]
+                out_dtype: torch.dtype | None = None,  # default: x's
+                ) -> torch.Tensor:  # [T, sum(output_sizes)]
         if self._row_kernel is not None and x.shape[0] <= self._row_kernel[2]:
             weight, bias, _ = self._row_kernel
-            return small_linear_cpu(x, weight, bias)
+            return small_linear_cpu(x, weight, bias, out_dtype)
+        if out_dtype is not None and out_dtype != x.dtype:
+            return self.forward(x).to(out_dtype)
         if self._onednn_weight is not None:
             dtype = self._onednn_weight.dtype
             rows = x.shape[0]
@@ -192,12 +197,20 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = _empty_param(hidden_size, dtype=dtype, device=device)
+        self._row_kernel_max_rows = 0  # see use_row_kernel
+
+    def use_row_kernel(self, max_rows: int) -> None:
+        """Calls with up to ``max_rows`` rows run as one C call (``kernels.cpu_norm``, the same
+        roundings); the fused decode path's switch (``engine.decode_path``)."""
+        self._row_kernel_max_rows = max_rows
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
         residual: torch.Tensor | None = None,  # [T, hidden]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed [T, hidden], new residual [T, hidden])
+        if x.shape[0] <= self._row_kernel_max_rows:
+            return rms_norm_cpu(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual  # [T, hidden], in the model dtype like the reference implementation
         residual = x

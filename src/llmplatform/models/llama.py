@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmplatform.kernels import AttentionMetadata, paged_attention, store_kv_cache
+from llmplatform.kernels import AttentionMetadata, fused_decode_attention, paged_attention, store_kv_cache
+from llmplatform.kernels.cpu_activation import silu_mul_cpu
 from llmplatform.kernels.cpu_linear import small_linear_cpu
 from llmplatform.models.layers import (
     Embedding,
@@ -66,6 +67,9 @@ class LlamaAttention(nn.Module):
             config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias, dtype=dtype, device=device
         )
         self.o_proj = Linear(q_size, [config.hidden_size], bias=o_bias, dtype=dtype, device=device)
+        # Decode-only steps of up to this many tokens run rotary, the K/V store and attention as
+        # one fused call (kernels.fused_decode_attention); 0: never (the eager path).
+        self.fused_max_rows = 0
 
     def forward(
         self,
@@ -79,12 +83,16 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, (H + 2 * Hkv) * D]
+        k_cache, v_cache = kv_cache  # [num_blocks, block_size, Hkv, D] each
+        if num_tokens <= self.fused_max_rows:
+            fused = fused_decode_attention(qkv, cos, sin, k_cache, v_cache, attn_metadata, H, self.scale)
+            if fused is not None:  # [T, H, D] fp32
+                return self.o_proj(fused.view(num_tokens, H * D), out_dtype=x.dtype)  # [T, hidden]
         # q and k sit next to each other in qkv: rotate both with one set of ops.
         qk = rotary(qkv[:, : (H + Hkv) * D].view(num_tokens, H + Hkv, D), cos, sin)  # [T, H + Hkv, D]
         q = qk[:, :H]  # [T, H, D]
         k = qk[:, H:]  # [T, Hkv, D]
         v = qkv[:, (H + Hkv) * D :].view(num_tokens, Hkv, D)  # [T, Hkv, D]
-        k_cache, v_cache = kv_cache  # [num_blocks, block_size, Hkv, D] each
         store_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
         out = paged_attention(q, k, v, k_cache, v_cache, attn_metadata, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, H * D))  # [T, hidden]
@@ -100,9 +108,12 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = size
         self.gate_up_proj = Linear(config.hidden_size, [size, size], bias=bias, dtype=dtype, device=device)
         self.down_proj = Linear(size, [config.hidden_size], bias=bias, dtype=dtype, device=device)
+        self.fused_max_rows = 0  # steps of up to this many tokens: silu * up in one C call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if x.shape[0] <= self.fused_max_rows:
+            return self.down_proj(silu_mul_cpu(gate_up))  # [T, hidden]
         act = F.silu(gate_up[:, : self.intermediate_size])  # [T, intermediate]
         act.mul_(gate_up[:, self.intermediate_size :])  # [T, intermediate] silu(gate) * up
         return self.down_proj(act)  # [T, hidden]
@@ -204,11 +215,14 @@ class LlamaForCausalLM(nn.Module):
         self._row_kernel_lm_head: tuple[torch.Tensor, int] | None = None
 
     def use_row_kernels(self, max_rows: int) -> None:
-        """Projections (the LM head included) of up to ``max_rows`` rows run on the C kernel over
-        the weights as loaded (``Linear.use_row_kernel``); call before ``use_compute_dtype``."""
+        """Projections (the LM head included) and norms of up to ``max_rows`` rows run on the C
+        kernels, the projections over the weights as loaded (``Linear.use_row_kernel``,
+        ``RMSNorm.use_row_kernel``); call before ``use_compute_dtype``."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, RMSNorm)):
                 module.use_row_kernel(max_rows)
+            elif isinstance(module, (LlamaAttention, LlamaMLP)):
+                module.fused_max_rows = max_rows
         self._row_kernel_lm_head = (self.lm_head_weight.detach().contiguous(), max_rows)
 
     def use_compute_dtype(self, dtype: torch.dtype) -> None:
