@@ -5,9 +5,11 @@
 - ``fused``: steps of up to ``FUSED_MAX_ROWS`` rows (decode batches; the LM head of up to that
   many sampling rows) run their projections on the C kernel of ``kernels.cpu_linear``, which
   streams the weights as loaded (bf16: half the bytes of the fp32 copy a CPU without bf16 matrix
-  instructions multiplies in) and accumulates in fp32, and each RMSNorm with its residual add as
-  one C call (``kernels.cpu_norm``) instead of ~9 torch ops. Larger steps (prefill chunks) keep
-  the eager path. CPU only.
+  instructions multiplies in) and accumulates in fp32; each RMSNorm with its residual add is one
+  C call (``kernels.cpu_norm``) instead of ~9 torch ops, silu(gate) * up one
+  (``kernels.cpu_activation``), and rotary + K/V store + decode attention two
+  (``kernels.fused_decode_attention``). Larger steps (prefill chunks) keep the eager path. CPU
+  only.
 - ``auto``: ``fused`` on CPU when the kernel builds here, else ``eager`` (and a warning says why).
 
 Why it matters: at 1-8 rows a step is memory bound (every weight is used a few times and read
