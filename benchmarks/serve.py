@@ -134,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--request-rate", type=parse_list(float), default=None,
                       help="instead of --concurrency: Poisson arrivals at these rates (requests/s), one run each")
     load.add_argument("--max-concurrency", type=int, default=None, help="with --request-rate: cap on requests in flight")
-    load.add_argument("--num-prompts", type=int, default=None,
-                      help="requests per run (default: per system and level: max(16, 2*concurrency) for paged, "
+    load.add_argument("--num-prompts", type=parse_list(int), default=None,
+                      help="requests per run, one number or one per level (4,16,64 with --concurrency 1,8,32) "
+                           "(default: per system and level: max(16, 2*concurrency) for paged, "
                            "direct and --base-url; max(8, concurrency) for hf and tserve; with --request-rate "
                            "32 and 16)")
     load.add_argument("--prompt-len", type=parse_range, default=(32, 512), help="prompt tokens LOW:HIGH (32:512)")
@@ -180,7 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def num_prompts_for(system: str, mode: str, value: float, args: argparse.Namespace) -> int:
     if args.num_prompts is not None:
-        return args.num_prompts
+        if len(args.num_prompts) == 1:
+            return args.num_prompts[0]
+        return args.num_prompts[sorted(set(args.request_rate or args.concurrency)).index(value)]
     slow = system in SLOW_SYSTEMS
     if mode == "rate":
         return 16 if slow else 32
@@ -397,10 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(systems) - set(ALL_SYSTEMS)
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(ALL_SYSTEMS)}")
-    if args.num_prompts is not None and args.num_prompts < 1:
-        parser.error("--num-prompts must be at least 1")
     mode = "rate" if args.request_rate else "concurrency"
     levels = sorted(set(args.request_rate or args.concurrency))
+    if args.num_prompts is not None and len(args.num_prompts) not in (1, len(levels)):
+        parser.error(f"--num-prompts: give one number or one per level ({len(levels)})")
 
     from transformers import AutoTokenizer
 
