@@ -251,6 +251,18 @@ def worker_counters(url: str) -> dict[str, float]:
             "served": served}
 
 
+def routing_decisions(c: Cluster) -> dict[str, float]:
+    """The gateway's and the controller's dispatch decisions so far, by reason."""
+    counts: dict[str, float] = {}
+    for url, name in ((c.gateway, "gateway_dispatch_decisions_total"),
+                      (c.controller, "controller_dispatch_decisions_total")):
+        for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+            if line.startswith(f"llmplatform:{name}{{"):
+                reason = line.split('reason="', 1)[1].split('"', 1)[0]
+                counts[reason] = counts.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
 def _cache_epochs(c: Cluster) -> list[str | None]:
     listed = {w["worker_name"]: w.get("cache_epoch")
               for w in httpx.get(f"{c.controller}/list_workers", timeout=30).json()["workers"]}
@@ -314,8 +326,11 @@ def measure(c: Cluster, requests: list[Request], args: argparse.Namespace) -> di
         time.sleep(0.1)
     time.sleep(1.2)
     before = [worker_counters(url) for url in c.workers]
+    decisions_before = routing_decisions(c)
     outcomes, wall_s = asyncio.run(run_closed_loop(c.gateway, requests, args.concurrency, args.output_len))
     after = [worker_counters(url) for url in c.workers]
+    decisions = {reason: count - decisions_before.get(reason, 0.0)
+                 for reason, count in routing_decisions(c).items()}
     queries = sum(a["queries"] - b["queries"] for a, b in zip(after, before))
     hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before))
     served = [a["served"] - b["served"] for a, b in zip(after, before)]
@@ -326,7 +341,7 @@ def measure(c: Cluster, requests: list[Request], args: argparse.Namespace) -> di
             "prompt_tokens_looked_up": queries, "hit_tokens": hits,
             "ttft_p50_s": round(statistics.median(ttfts), 3), "ttft_p99_s": round(percentile(ttfts, 99), 3),
             "output_tokens": output_tokens, "output_tok_s": round(output_tokens / wall_s, 2),
-            "served_per_worker": served,
+            "served_per_worker": served, "decisions": decisions,
             "max_worker_share": round(max(served) / sum(served), 3) if sum(served) else 0.0}
 
 
