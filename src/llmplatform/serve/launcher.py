@@ -9,6 +9,7 @@ stops them all, each with its `--shutdown-timeout` to finish in-flight requests.
 Registration is closed by default: without a cluster secret (flag, variable or cluster file),
 serve makes a random one for the run. Secrets (that one, API keys, any secret flag of a
 service) reach the services in their environment, never on a command line (``secret_flags.py``).
+With ``--ray`` the same services run as Ray actors instead (``ray_launcher.py``).
 """
 
 from __future__ import annotations
@@ -94,6 +95,11 @@ class ServeSettings(LoggingSettings):
     startup_timeout: float = option(
         900.0, "seconds to wait for each service (the first start converts the default model "
         "once)", gt=0)
+    ray: OptionalText = option(
+        None, "run every service as a Ray actor instead of a child process (`pip install "
+        "'llmplatform[ray]'`; see docs/multihost.md): bare --ray starts a local Ray instance for "
+        "this run; `auto` or HOST:PORT joins a running cluster (`ray start --head`)",
+        metavar="ADDRESS")
 
     @classmethod
     def file_settings(cls, path: Path) -> dict[str, Any]:
@@ -287,8 +293,27 @@ def _gateway_key(api: ServiceSpec) -> str | None:
     return next((k.strip() for k in keys.split(",") if k.strip()), None)
 
 
+def _bare_ray_flag(argv: list[str]) -> list[str]:
+    """`--ray` takes an optional ADDRESS: alone (last, or before another flag) it means `local`."""
+    from llmplatform.serve.ray_launcher import LOCAL
+
+    return [item for i, arg in enumerate(argv)
+            for item in ([arg, LOCAL] if arg == "--ray" and (
+                i + 1 == len(argv) or argv[i + 1].startswith("-")) else [arg])]
+
+
+def print_addresses(services: list[ServiceSpec], note: str = "Ctrl-C stops everything") -> None:
+    urls = {service.name: service.url for service in services}
+    print(f"llmplatform serve: OpenAI API at {urls['api']}/v1  ({note})", flush=True)
+    if "webui" in urls:
+        print(f"llmplatform serve: web UI at {urls['webui']}  (open it in a browser)", flush=True)
+    metrics = " ".join(f"{url}/metrics" for name, url in urls.items()
+                       if name != "webui")  # the UI has none
+    print(f"llmplatform serve: Prometheus metrics at {metrics}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
-    settings = ServeSettings.parse(argv)
+    settings = ServeSettings.parse(_bare_ray_flag(list(sys.argv[1:] if argv is None else argv)))
     configure_logging(settings.log_level, settings.log_format)
     spec = cluster_spec(settings)
     spec.cluster_secret = settings.cluster_secret
@@ -300,6 +325,11 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("made a random cluster secret for this run (registration is closed; give "
                     "--cluster-secret or $%s to add workers started elsewhere)", SECRET_ENV)
     services = services_for(spec)
+    if settings.ray is not None:
+        from llmplatform.serve.ray_launcher import run_on_ray
+
+        raise SystemExit(run_on_ray(settings.ray, services, settings,
+                                    ["--worker-address" in w for w in spec.workers]))
     supervisor = Supervisor(
         services, startup_timeout=settings.startup_timeout, shutdown_timeout=spec.shutdown_timeout,
         policy=RestartPolicy(max_restarts_per_minute=settings.max_restarts_per_minute),
@@ -314,15 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     code = 0
     try:
         supervisor.start()
-        urls = {service.name: service.url for service in services}
-        print(f"llmplatform serve: OpenAI API at {urls['api']}/v1  (Ctrl-C stops everything)",
-              flush=True)
-        if "webui" in urls:
-            print(f"llmplatform serve: web UI at {urls['webui']}  (open it in a browser)",
-                  flush=True)
-        metrics = " ".join(f"{url}/metrics" for name, url in urls.items()
-                           if name != "webui")  # the UI has none
-        print(f"llmplatform serve: Prometheus metrics at {metrics}", flush=True)
+        print_addresses(services)
         code = supervisor.run()
     except KeyboardInterrupt:
         print("llmplatform serve: stopping", file=sys.stderr, flush=True)

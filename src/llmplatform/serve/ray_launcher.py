@@ -1,0 +1,372 @@
+"""``llmplatform serve --ray [ADDRESS]``: serve's services placed as Ray actors.
+
+One configuration, two launchers: the services are the very ``ServiceSpec`` list the local
+launcher builds (``launcher.services_for``: same flags, same cluster file, secrets in each
+service's environment, never its argv). Here each one becomes a ``ServiceActor`` that runs the
+service's command line as its child process; Ray places the actor (``num_cpus``/``num_gpus``),
+restarts it when it dies (``max_restarts=-1``), and the restarted service registers with the
+controller by itself, exactly as under the local supervisor. The actor exits when its child
+exits, so a crashed service is a dead actor that Ray restarts; the child dies with its actor
+(parent-death signal), so a killed actor leaves no orphan.
+
+Placement. The controller, the gateway and the web UI stay on the node that runs ``serve`` (their
+addresses are what serve prints and what the workers are told). Workers go wherever Ray finds
+their resources when ``--host`` is not loopback; each binds on its node and gives the controller
+its node's address (Ray's node IP). With a loopback ``--host`` (the default) nothing else could
+reach them, so every actor stays on serve's node. A worker needs no placement group until a
+worker spans several processes (tensor parallelism); one worker is one actor today.
+
+Ray itself: bare ``--ray`` starts a local Ray instance for this run (bounded object store, no
+dashboard) and shuts it down at exit; ``--ray auto`` or ``--ray HOST:PORT`` joins a running
+cluster (``ray start --head``) and leaves it running. Ctrl-C stops every service (each with its
+shutdown timeout), kills every actor and disconnects.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from llmplatform.serve.supervisor import RESTART_WINDOW_S, STOP_MARGIN_S, ServiceSpec
+
+logger = logging.getLogger("llmplatform.serve")
+
+LOCAL = "local"
+"""What bare ``--ray`` means: start a Ray instance on this machine for this run only."""
+LOCAL_OBJECT_STORE_BYTES = 128 * 2**20
+"""The services pass nothing through Ray's object store: the minimum-sized one is plenty."""
+MISSING_RAY = ("error: `serve --ray` needs Ray, an optional extra: "
+               "pip install 'llmplatform[ray]'")
+POLL_INTERVAL_S = 1.0
+FORWARDED_ENV_PREFIX = "LLMPLATFORM_"
+WILDCARD_HOSTS = ("0.0.0.0", "::")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of the last ``flag`` in argv (argparse's winner), None when absent."""
+    for i in range(len(argv) - 2, -1, -1):
+        if argv[i] == flag:
+            return argv[i + 1]
+    return None
+
+
+def _set_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    """argv with the value of every ``flag`` replaced (appended when absent)."""
+    out = list(argv)
+    found = False
+    for i in range(len(out) - 1):
+        if out[i] == flag:
+            out[i + 1], found = value, True
+    return out if found else out + [flag, value]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one service's actor runs and what it binds: computed by the driver, applied by the
+    actor on the node it lands on (again after a restart, which may land elsewhere)."""
+
+    num_cpus: float
+    num_gpus: float
+    pin_to_driver_node: bool
+    bind_node_ip: bool
+    """Bind on the actor's node (its IP, or the wildcard --host) and advertise the node's IP."""
+    advertise_worker_address: bool
+    """serve chose --worker-address (not the user): rewrite it to the node's address."""
+
+
+def placements(services: list[ServiceSpec], *, host: str, user_worker_addresses: list[bool],
+               cluster_has_gpus: bool) -> list[Placement]:
+    one_host = host in LOOPBACK_HOSTS
+    result, worker_index = [], 0
+    for service in services:
+        if not service.name.startswith("worker"):
+            result.append(Placement(0, 0, True, False, False))
+            continue
+        device = _flag_value(service.argv, "--device") or os.environ.get(
+            FORWARDED_ENV_PREFIX + "DEVICE", "auto")
+        gpus = 1 if device == "cuda" or (device == "auto" and cluster_has_gpus) else 0
+        result.append(Placement(1, gpus, one_host, not one_host,
+                                not user_worker_addresses[worker_index]))
+        worker_index += 1
+    return result
+
+
+def workers_reach_controller(services: list[ServiceSpec], *, host: str, driver_ip: str) -> None:
+    """Bound to the wildcard, serve tells its services the controller is at 127.0.0.1: true on
+    serve's node only. Workers placed elsewhere are told serve's node IP instead."""
+    if host not in WILDCARD_HOSTS:
+        return
+    for service in services:
+        url = _flag_value(service.argv, "--controller-address")
+        if service.name.startswith("worker") and url and "//127.0.0.1:" in url:
+            service.argv = _set_flag(service.argv, "--controller-address",
+                                     url.replace("//127.0.0.1:", f"//{driver_ip}:", 1))
+
+
+def on_node(service: ServiceSpec, placement: Placement, node_ip: str) -> tuple[list[str], str]:
+    """The service's argv as it runs on a node with IP ``node_ip``, and the URL that answers its
+    health there. Workers leave serve's node: they bind there and advertise its address."""
+    argv = [sys.executable] + service.argv[1:]  # this node's interpreter
+    port = service.url.rsplit(":", 1)[1]
+    if not placement.bind_node_ip:
+        return argv, service.health_url
+    host = _flag_value(argv, "--host") or ""
+    if host not in WILDCARD_HOSTS:
+        argv = _set_flag(argv, "--host", node_ip)
+    if placement.advertise_worker_address:
+        argv = _set_flag(argv, "--worker-address", f"http://{node_ip}:{port}")
+    return argv, f"http://{node_ip}:{port}/health"
+
+
+class ServiceActor:
+    """One service as a Ray actor: its process is the actor's child and lives as long as it."""
+
+    def __init__(self, service: ServiceSpec, placement: Placement, env: dict[str, str],
+                 startup_timeout_s: float, shutdown_timeout_s: float,
+                 log_dir: str | None) -> None:
+        import ray
+
+        self.name = service.name
+        self.incarnation = uuid.uuid4().hex  # the driver counts restarts by it changing
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.stopping = False
+        argv, health_url = on_node(service, placement, ray.util.get_node_ip_address())
+        _wait_port_free(health_url, shutdown_timeout_s + STOP_MARGIN_S)
+        output = None
+        if log_dir is not None:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            output = open(Path(log_dir) / (service.name.replace(" ", "-") + ".log"), "ab")  # noqa: SIM115
+        from llmplatform.serve.supervisor import _die_with_parent
+
+        self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=output,
+                                     stderr=subprocess.STDOUT if output else None,
+                                     preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + startup_timeout_s
+        while not _healthy(health_url):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} during "
+                                   "startup (its output is above, or in --log-dir)")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"{self.name} did not become healthy within "
+                                   f"{startup_timeout_s:.0f} s")
+            time.sleep(0.3)
+        threading.Thread(target=self._exit_with_child, daemon=True).start()
+
+    def _exit_with_child(self) -> None:
+        code = self.proc.wait()
+        if not self.stopping:
+            # A dead service must be a dead actor, or Ray would never restart it.
+            print(f"llmplatform serve: {self.name} (pid {self.proc.pid}) exited unexpectedly "
+                  f"(code {code}); Ray restarts it", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    def get_incarnation(self) -> str:
+        return self.incarnation
+
+    def child_pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> int | None:
+        """SIGTERM the service, let it drain for its shutdown timeout, then kill it."""
+        self.stopping = True
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=self.shutdown_timeout_s + STOP_MARGIN_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _wait_port_free(health_url: str, timeout_s: float) -> None:
+    """A restarted actor's new service needs the port its killed predecessor may still hold while
+    it drains (the parent-death signal is SIGTERM: in-flight requests may finish)."""
+    host_port = health_url.split("//", 1)[1].split("/", 1)[0]
+    host, port = host_port.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            try:
+                probe.bind((host.strip("[]"), int(port)))
+                return
+            except OSError:
+                time.sleep(0.3)
+
+
+class RayDeployment:
+    """The driver: starts the actors in serve's order, watches restarts, tears it all down."""
+
+    def __init__(self, services: list[ServiceSpec], placements_: list[Placement], *,
+                 startup_timeout_s: float, shutdown_timeout_s: float,
+                 max_restarts_per_minute: int, log_dir: Path | None) -> None:
+        self.services = services
+        self.placements = placements_
+        self.startup_timeout_s = startup_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.max_restarts_per_minute = max_restarts_per_minute
+        self.log_dir = log_dir
+        self.actors: list[Any] = []
+
+    def start(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        remote = ray.remote(ServiceActor)
+        here = ray.get_runtime_context().get_node_id()
+        forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIX)}
+        # Workers start together (each loads its model); the rest in serve's order.
+        groups: list[list[int]] = []
+        for i, service in enumerate(self.services):
+            if service.name.startswith("worker") and groups and \
+                    self.services[groups[-1][0]].name.startswith("worker"):
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        for group in groups:
+            started = []
+            for i in group:
+                service, placement = self.services[i], self.placements[i]
+                logger.info("starting %s as a Ray actor: %s", service.name,
+                            shlex.join(service.shown_argv or service.argv))
+                strategy = (NodeAffinitySchedulingStrategy(here, soft=False)
+                            if placement.pin_to_driver_node else "DEFAULT")
+                actor = remote.options(
+                    num_cpus=placement.num_cpus, num_gpus=placement.num_gpus,
+                    max_restarts=-1, max_task_retries=-1, scheduling_strategy=strategy,
+                ).remote(service, placement, {**forwarded, **service.env}, self.startup_timeout_s,
+                         self.shutdown_timeout_s, str(self.log_dir) if self.log_dir else None)
+                self.actors.append(actor)
+                started.append((service, actor.get_incarnation.remote()))
+            for service, ready in started:
+                try:
+                    ray.get(ready, timeout=self.startup_timeout_s + 60)
+                except ray.exceptions.RayActorError as exc:
+                    raise RuntimeError(f"{service.name} could not start: {exc}") from None
+                except ray.exceptions.GetTimeoutError:
+                    raise RuntimeError(f"{service.name} was not placed and started within "
+                                       f"{self.startup_timeout_s:.0f} s (enough CPUs/GPUs in the "
+                                       "Ray cluster? `ray status`)") from None
+                print(f"llmplatform serve: {service.name} ready at {service.url} (Ray actor)",
+                      flush=True)
+
+    def run(self) -> int:
+        """Watch for restarts (Ray does them) until one service restarts more often than
+        --max-restarts-per-minute allows or cannot be restarted; returns serve's exit status."""
+        import ray
+
+        incarnations = [ray.get(a.get_incarnation.remote()) for a in self.actors]
+        restarts: list[deque[float]] = [deque() for _ in self.actors]
+        while True:
+            time.sleep(POLL_INTERVAL_S)
+            refs = [a.get_incarnation.remote() for a in self.actors]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=POLL_INTERVAL_S)
+            for i, ref in enumerate(refs):
+                if ref not in ready:
+                    continue  # restarting: its new incarnation answers later
+                name = self.services[i].name
+                try:
+                    now_incarnation = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    print(f"llmplatform serve: error: {name} died and could not be restarted: "
+                          f"{exc}; stopping everything", file=sys.stderr, flush=True)
+                    return 1
+                if now_incarnation == incarnations[i]:
+                    continue
+                incarnations[i] = now_incarnation
+                now = time.monotonic()
+                restarts[i].append(now)
+                while now - restarts[i][0] >= RESTART_WINDOW_S:
+                    restarts[i].popleft()
+                if len(restarts[i]) > self.max_restarts_per_minute:
+                    print(f"llmplatform serve: error: {name} restarted {len(restarts[i])} times "
+                          f"within {RESTART_WINDOW_S:.0f} s (at most "
+                          f"{self.max_restarts_per_minute}, --max-restarts-per-minute); stopping "
+                          "everything", file=sys.stderr, flush=True)
+                    return 1
+                print(f"llmplatform serve: {name} was restarted by Ray and is ready again at "
+                      f"{self.services[i].url}", file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        import ray
+
+        # All at once, as the local supervisor does: each drains its own in-flight requests.
+        pending = [a.stop.remote() for a in reversed(self.actors)]
+        ray.wait(pending, num_returns=len(pending),
+                 timeout=self.shutdown_timeout_s + 2 * STOP_MARGIN_S)
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+
+
+def run_on_ray(address: str, services: list[ServiceSpec], settings: Any,
+               user_worker_addresses: list[bool]) -> int:
+    """serve's main under --ray: connect (or start Ray), deploy, print, run, tear down."""
+    try:
+        import ray
+    except ImportError:
+        raise SystemExit(MISSING_RAY) from None
+    if address == LOCAL:
+        num_workers = sum(s.name.startswith("worker") for s in services)
+        ray.init(address="local", include_dashboard=False,
+                 num_cpus=max(os.cpu_count() or 1, num_workers),
+                 object_store_memory=LOCAL_OBJECT_STORE_BYTES)
+    else:
+        ray.init(address=address)
+    workers_reach_controller(services, host=settings.host,
+                             driver_ip=ray.util.get_node_ip_address())
+    deployment = RayDeployment(
+        services, placements(services, host=settings.host,
+                             user_worker_addresses=user_worker_addresses,
+                             cluster_has_gpus=ray.cluster_resources().get("GPU", 0) > 0),
+        startup_timeout_s=settings.startup_timeout, shutdown_timeout_s=settings.shutdown_timeout,
+        max_restarts_per_minute=settings.max_restarts_per_minute, log_dir=settings.log_dir)
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 0
+    try:
+        deployment.start()
+        from llmplatform.serve.launcher import print_addresses
+
+        print_addresses(services, "Ray actors; Ctrl-C stops everything")
+        code = deployment.run()
+    except KeyboardInterrupt:
+        print("llmplatform serve: stopping", file=sys.stderr, flush=True)
+    except RuntimeError as exc:
+        print(f"llmplatform serve: error: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            deployment.stop()
+        finally:
+            ray.shutdown()  # stops the local instance we started; only disconnects otherwise
+    return code

@@ -1,0 +1,58 @@
+"""serve --ray's pure parts: the bare flag, where each service's actor goes and what it binds,
+and the message without Ray installed. The Ray run itself: tests/integration/test_serve_ray.py."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from llmplatform.serve.launcher import ClusterSpec, _bare_ray_flag, services_for
+from llmplatform.serve.ray_launcher import (
+    MISSING_RAY, on_node, placements, run_on_ray, workers_reach_controller)
+
+
+def test_bare_ray_flag_means_a_local_instance():
+    assert _bare_ray_flag(["--ray"]) == ["--ray", "local"]
+    assert _bare_ray_flag(["--ray", "--no-webui"]) == ["--ray", "local", "--no-webui"]
+    assert _bare_ray_flag(["--ray", "auto", "--no-webui"]) == ["--ray", "auto", "--no-webui"]
+    assert _bare_ray_flag(["--ray=10.0.0.1:6379"]) == ["--ray=10.0.0.1:6379"]
+
+
+def cluster(host: str) -> list:
+    spec = ClusterSpec(host=host, workers=[["--port", "9001"], ["--device", "cpu"]], webui=False,
+                       cluster_secret="s3cret")
+    return services_for(spec)
+
+
+def test_loopback_keeps_everything_on_serves_node():
+    services = cluster("127.0.0.1")
+    places = placements(services, host="127.0.0.1", user_worker_addresses=[False, False],
+                        cluster_has_gpus=True)
+    assert [p.pin_to_driver_node for p in places] == [True, True, True, True]
+    assert [(p.num_cpus, p.num_gpus) for p in places] == [(0, 0), (1, 1), (1, 0), (0, 0)]
+    argv, health = on_node(services[1], places[1], "10.0.0.7")
+    assert argv[1:] == services[1].argv[1:] and health == "http://127.0.0.1:9001/health"
+
+
+def test_workers_elsewhere_bind_and_advertise_their_node():
+    services = cluster("0.0.0.0")
+    workers_reach_controller(services, host="0.0.0.0", driver_ip="10.0.0.1")
+    places = placements(services, host="0.0.0.0", user_worker_addresses=[False, True],
+                        cluster_has_gpus=False)
+    assert [p.pin_to_driver_node for p in places] == [True, False, False, True]
+    argv, health = on_node(services[1], places[1], "10.0.0.7")
+    flags = dict(zip(argv, argv[1:]))
+    assert flags["--host"] == "0.0.0.0" and flags["--worker-address"] == "http://10.0.0.7:9001"
+    assert flags["--controller-address"] == "http://10.0.0.1:21001"
+    assert health == "http://10.0.0.7:9001/health"
+    assert "s3cret" not in argv and services[1].env  # the secret travels in the environment
+    api_flags = dict(zip(services[-1].argv, services[-1].argv[1:]))
+    assert api_flags["--controller-address"] == "http://127.0.0.1:21001"  # same node
+
+
+def test_without_ray_the_message_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(SystemExit, match=r"llmplatform\[ray\]") as exc:
+        run_on_ray("local", [], None, [])
+    assert str(exc.value) == MISSING_RAY
