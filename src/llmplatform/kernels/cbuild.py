@@ -61,7 +61,9 @@ def library_path(source: Path, compiler: str) -> Path:
     """Where this source, these flags, this compiler and this CPU's library lives (the cache's
     ``kernels/`` folder is created 0700, or checked if present)."""
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(CFLAGS).encode(), compiler.encode(), cpu_signature().encode()):
+    headers = [header.read_bytes() for header in sorted(source.parent.glob("*.h"))]  # shared by every source
+    for part in (source.read_bytes(), *headers, " ".join(CFLAGS).encode(), compiler.encode(),
+                 cpu_signature().encode()):
         key.update(part)
         key.update(b"\0")
     return private_dir("kernels") / f"{source.stem}-{key.hexdigest()[:16]}.so"

@@ -10,9 +10,7 @@
  *
  * Built at first use by llmplatform/kernels/cpu_decode.py (cc -O3 -march=native -fopenmp).
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "cpu_math.h"
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     float s = 0.0f;
@@ -39,27 +37,6 @@ static inline void load_rows(const void *cache, int64_t base, int64_t row, int64
             rows[j] = (const float *)cache + base + j * row;
         }
     }
-}
-
-/* e^x for x <= 0 (softmax scores minus their max), vectorizable: x = k ln2 + r with |r| <= ln2/2,
- * e^r by Cephes' degree-6 polynomial (about 1 ulp in float32), 2^k put in the exponent bits.
- * Below -87 the result would be subnormal: it is clamped there (e^-87 ~ 1.6e-38, as good as 0
- * next to the max's own term, which is 1). */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float k = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)k + 127) << 23; /* k >= -126 after the clamp: a normal 2^k */
-    float two_k;
-    memcpy(&two_k, &bits, sizeof two_k);
-    return p * two_k;
 }
 
 /* One (sequence, kv head) item. Inlined into specialized copies below, so the common head

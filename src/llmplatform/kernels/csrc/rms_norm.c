@@ -8,36 +8,7 @@
  * is then not written). Rows run in parallel on the calling thread's OpenMP team when there are
  * enough of them to pay for the fork.
  */
-#include <math.h>
-#include <stdint.h>
-
-static inline float load(const void *p, int64_t i, int is_bf16) {
-    if (is_bf16) {
-        union { uint32_t u; float f; } v;
-        v.u = (uint32_t)((const uint16_t *)p)[i] << 16;
-        return v.f;
-    }
-    return ((const float *)p)[i];
-}
-
-static inline float round_to(float f, int is_bf16) {
-    if (!is_bf16) return f;
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) { v.u = (v.u | 0x00400000u) & 0xffff0000u; return v.f; }
-    v.u = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;
-    return v.f;
-}
-
-static inline void store(void *p, int64_t i, float f, int is_bf16) {
-    if (is_bf16) {
-        union { uint32_t u; float f; } v;
-        v.f = round_to(f, 1);
-        ((uint16_t *)p)[i] = (uint16_t)(v.u >> 16);
-    } else {
-        ((float *)p)[i] = f;
-    }
-}
+#include "cpu_math.h"
 
 void rms_norm(const void *x, const void *residual, void *residual_out, void *out, const void *weight,
               int64_t rows, int64_t hidden, float eps, int is_bf16, int num_threads) {
@@ -46,17 +17,17 @@ void rms_norm(const void *x, const void *residual, void *residual_out, void *out
         int64_t base = r * hidden;
         float sum_sq = 0.0f;
         for (int64_t i = 0; i < hidden; i++) {
-            float h = load(x, base + i, is_bf16);
+            float h = load_value(x, base + i, is_bf16);
             if (residual) {
-                h = round_to(h + load(residual, base + i, is_bf16), is_bf16);
-                store(residual_out, base + i, h, is_bf16);
+                h = round_to(h + load_value(residual, base + i, is_bf16), is_bf16);
+                store_value(residual_out, base + i, h, is_bf16);
             }
             sum_sq += h * h;
         }
         float inv = 1.0f / sqrtf(sum_sq / (float)hidden + eps);
         for (int64_t i = 0; i < hidden; i++) {
-            float h = residual ? load(residual_out, base + i, is_bf16) : load(x, base + i, is_bf16);
-            store(out, base + i, load(weight, i, is_bf16) * round_to(h * inv, is_bf16), is_bf16);
+            float h = residual ? load_value(residual_out, base + i, is_bf16) : load_value(x, base + i, is_bf16);
+            store_value(out, base + i, load_value(weight, i, is_bf16) * round_to(h * inv, is_bf16), is_bf16);
         }
     }
 }

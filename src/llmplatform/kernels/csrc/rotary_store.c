@@ -11,36 +11,7 @@
  * qkv, cos, sin and the caches share one dtype, bf16 (is_bf16) or fp32; with bf16 every product
  * rounds as the eager ops do (x * cos rounded, then the add of roll(x) * sin rounded).
  */
-#include <stdint.h>
-#include <string.h>
-
-static inline float load(const void *p, int64_t i, int is_bf16) {
-    if (is_bf16) {
-        union { uint32_t u; float f; } v;
-        v.u = (uint32_t)((const uint16_t *)p)[i] << 16;
-        return v.f;
-    }
-    return ((const float *)p)[i];
-}
-
-static inline float round_to(float f, int is_bf16) {
-    if (!is_bf16) return f;
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) { v.u = (v.u | 0x00400000u) & 0xffff0000u; return v.f; }
-    v.u = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;
-    return v.f;
-}
-
-static inline void store(void *p, int64_t i, float f, int is_bf16) {
-    if (is_bf16) {
-        union { uint32_t u; float f; } v;
-        v.f = f;  /* already rounded */
-        ((uint16_t *)p)[i] = (uint16_t)(v.u >> 16);
-    } else {
-        ((float *)p)[i] = f;
-    }
-}
+#include "cpu_math.h"
 
 void rotary_store(const void *qkv, const void *cos, const void *sin, void *k_cache, void *v_cache,
                   const int64_t *slots, float *q_out, int64_t num_tokens, int64_t num_heads,
@@ -54,14 +25,14 @@ void rotary_store(const void *qkv, const void *cos, const void *sin, void *k_cac
         for (int64_t h = 0; h < num_heads + num_kv_heads; h++) {
             int64_t head = base + h * head_dim;
             for (int64_t i = 0; i < head_dim; i++) {
-                float x = load(qkv, head + i, is_bf16);
-                float x_rolled = load(qkv, head + (i + half) % head_dim, is_bf16);
-                float scaled = round_to(x * load(cos, t * head_dim + i, is_bf16), is_bf16);
-                float rotated = round_to(scaled + x_rolled * load(sin, t * head_dim + i, is_bf16), is_bf16);
+                float x = load_value(qkv, head + i, is_bf16);
+                float x_rolled = load_value(qkv, head + (i + half) % head_dim, is_bf16);
+                float scaled = round_to(x * load_value(cos, t * head_dim + i, is_bf16), is_bf16);
+                float rotated = round_to(scaled + x_rolled * load_value(sin, t * head_dim + i, is_bf16), is_bf16);
                 if (h < num_heads)
                     q_out[(t * num_heads + h) * head_dim + i] = rotated;
                 else
-                    store(k_cache, slots[t] * kv_row + (h - num_heads) * head_dim + i, rotated, is_bf16);
+                    store_value(k_cache, slots[t] * kv_row + (h - num_heads) * head_dim + i, rotated, is_bf16);
             }
         }
         memcpy((char *)v_cache + (size_t)(slots[t] * kv_row) * element,

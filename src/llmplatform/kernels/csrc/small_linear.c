@@ -14,9 +14,9 @@
  * Results are fp32 sums rounded once (to nearest even) when y is bf16: the same arithmetic as
  * widening the operands and multiplying in fp32, in another summation order.
  */
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "cpu_math.h"
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -24,20 +24,6 @@
 
 #define GROUP_M 8
 #define BLOCK_N 16
-
-static inline float bf16_to_float(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN stays NaN */
-    uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)((v.u + rounding) >> 16);
-}
 
 #ifdef __AVX2__
 static inline __m256 load8(const void *w, int w_bf16, int64_t i) {
@@ -55,10 +41,6 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 #endif
-
-static inline float weight_at(const void *w, int w_bf16, int64_t i) {
-    return w_bf16 ? bf16_to_float(((const uint16_t *)w)[i]) : ((const float *)w)[i];
-}
 
 /* dots[r] = x32[r] . wrow for r < rows (rows <= GROUP_M). */
 static void dot_rows(const float *x32, int64_t rows, const void *wrow, int w_bf16, int64_t k,
@@ -109,7 +91,7 @@ static void dot_rows(const float *x32, int64_t rows, const void *wrow, int w_bf1
     for (int64_t r = 0; r < rows; r++) dots[r] = 0.0f;
 #endif
     for (; i < k; i++) {
-        float wv = weight_at(wrow, w_bf16, i);
+        float wv = load_value(wrow, i, w_bf16);
         for (int64_t r = 0; r < rows; r++) dots[r] += wv * x32[r * k + i];
     }
 }
@@ -120,7 +102,7 @@ int small_linear(const void *x, int x_bf16, const void *w, int w_bf16, const flo
     float *x32 = (float *)malloc((size_t)(m * k) * sizeof(float));
     if (x32 == NULL) return -1;
     for (int64_t i = 0; i < m * k; i++)
-        x32[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+        x32[i] = load_value(x, i, x_bf16);
     int64_t num_blocks = (n + BLOCK_N - 1) / BLOCK_N;
     int64_t w_row_bytes = k * (w_bf16 ? 2 : 4);
 
@@ -136,8 +118,7 @@ int small_linear(const void *x, int x_bf16, const void *w, int w_bf16, const flo
                 dot_rows(x32 + r0 * k, rows, wrow, w_bf16, k, dots);
                 for (int64_t r = 0; r < rows; r++) {
                     float v = dots[r] + add;
-                    if (y_bf16) ((uint16_t *)y)[(r0 + r) * n + j] = float_to_bf16(v);
-                    else ((float *)y)[(r0 + r) * n + j] = v;
+                    store_value(y, (r0 + r) * n + j, v, y_bf16);
                 }
             }
         }

@@ -1,0 +1,63 @@
+/* Scalar helpers shared by the CPU kernels: bf16 <-> fp32 and a vectorizable e^x for x <= 0.
+ * (cbuild hashes every header here with each source, so a change rebuilds every kernel.) */
+#ifndef LLMPLATFORM_CPU_MATH_H
+#define LLMPLATFORM_CPU_MATH_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* bf16 is the top half of an fp32. */
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f); /* a bit copy, not a pointer pun (strict aliasing) */
+    return f;
+}
+
+/* fp32 -> bf16 bits, rounded to nearest even; a NaN stays a (quiet) NaN. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* f rounded to the model dtype (bf16 when is_bf16), kept as an fp32. */
+static inline float round_to(float f, int is_bf16) {
+    return is_bf16 ? bf16_to_float(float_to_bf16(f)) : f;
+}
+
+/* Element i of a bf16 or fp32 array, as an fp32. */
+static inline float load_value(const void *p, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* Store f (rounded to nearest even for bf16) as element i. */
+static inline void store_value(void *p, int64_t i, float f, int is_bf16) {
+    if (is_bf16) ((uint16_t *)p)[i] = float_to_bf16(f);
+    else ((float *)p)[i] = f;
+}
+
+/* e^x for x <= 0 (softmax scores minus their max), vectorizable: x = k ln2 + r with |r| <= ln2/2,
+ * e^r by Cephes' degree-6 polynomial (about 1 ulp in float32), 2^k put in the exponent bits.
+ * Below -87 the result would be subnormal: it is clamped there (e^-87 ~ 1.6e-38, as good as 0
+ * next to the max's own term, which is 1). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float k = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)k + 127) << 23; /* k >= -126 after the clamp: a normal 2^k */
+    float two_k;
+    memcpy(&two_k, &bits, sizeof two_k);
+    return p * two_k;
+}
+
+#endif
