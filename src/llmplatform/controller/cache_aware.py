@@ -95,9 +95,11 @@ class CacheAwareConfig:
     """cache_aware's knobs (the controller's flags; a gateway routing locally takes the
     controller's values from `/list_workers`)."""
 
-    balance_threshold: int = 4
+    balance_threshold: int = 2
     """Outstanding requests the preferred (matching or session) worker may have beyond the
-    least loaded one before load decides instead."""
+    least loaded one before load decides instead. 2: on benchmarks/routing.py's skewed load (8
+    in flight, 80% on one prefix) 4 let the hot prefix keep 80% of the requests, 2 spread it
+    53/47 at the same hit rate on the shared load."""
     entry_ttl_s: float = 600.0
     """Seconds after its last routing that a prefix (or a session) is forgotten."""
     max_chunks_per_worker: int = 32768
