@@ -335,7 +335,13 @@ def run_on_ray(address: str, services: list[ServiceSpec], settings: Any,
                  num_cpus=max(os.cpu_count() or 1, num_workers),
                  object_store_memory=LOCAL_OBJECT_STORE_BYTES)
     else:
-        ray.init(address=address)
+        try:
+            ray.init(address=address)
+        except (ConnectionError, RuntimeError) as exc:
+            raise SystemExit(f"error: cannot join the Ray cluster at {address!r}: {exc} (is it "
+                             "started, `ray start --head`? with token authentication, the "
+                             "driver needs RAY_AUTH_MODE=token and the cluster's token; see "
+                             "docs/multihost.md)") from None
     workers_reach_controller(services, host=settings.host,
                              driver_ip=ray.util.get_node_ip_address())
     deployment = RayDeployment(
