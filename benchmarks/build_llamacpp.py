@@ -130,14 +130,19 @@ def _model_key(model_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def gguf_path(model_dir: Path, outtype: str, version: str = LLAMACPP_VERSION) -> Path:
+    """Where :func:`ensure_gguf` keeps ``model_dir`` converted to ``outtype`` (there or not)."""
+    return private_dir("llamacpp", version, "gguf") / f"{model_dir.name}-{_model_key(model_dir)}-{outtype}.gguf"
+
+
 def ensure_gguf(model_dir: Path, outtype: str, version: str = LLAMACPP_VERSION,
                 log_path: Path | None = None) -> Path:
     """``model_dir`` (a safetensors Hugging Face directory) as a GGUF of ``outtype``, cached."""
-    ensure_llamacpp(version)
-    out_dir = private_dir("llamacpp", version, "gguf")
-    out = out_dir / f"{model_dir.name}-{_model_key(model_dir)}-{outtype}.gguf"
+    out = gguf_path(model_dir, outtype, version)
     if out.is_file():
         return out
+    ensure_llamacpp(version)
+    out_dir = out.parent
     convert_dir = version_dir(version) / "convert"
     partial = out.with_suffix(".partial")
     log_path = log_path or out_dir / f"{out.stem}.log"

@@ -78,7 +78,8 @@ def prepare(systems: list[str], model_path: str, given_server: str | None,
         if kind in given_ggufs:
             ggufs[system] = given_ggufs[kind]
             continue
-        log(f"converting {model_path} to a {kind} GGUF with llama.cpp's convert_hf_to_gguf.py (cached)")
+        if not build_llamacpp.gguf_path(Path(model_path), kind).is_file():
+            log(f"converting {model_path} to a {kind} GGUF with llama.cpp's convert_hf_to_gguf.py (once: cached)")
         ggufs[system] = str(build_llamacpp.ensure_gguf(Path(model_path), kind))
     return server, ggufs
 
