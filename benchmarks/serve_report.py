@@ -117,7 +117,8 @@ def _llamacpp_lines(ratios: dict[str, Any], mode: str) -> list[str]:
                 text = "-" if row[key] is None else f"{row[key]:.2f}x"
                 target = row["targets"].get(key)
                 if target:
-                    text += f" [{target['bound']}: {'met' if target['met'] else 'missed'}]"
+                    verdict = "n/a: no samples" if target["met"] is None else "met" if target["met"] else "missed"
+                    text += f" [{target['bound']}: {verdict}]"
                 cells.append(text)
             lines.append(f"| {system} | {level} | " + " | ".join(cells) + " |")
     return lines
