@@ -82,8 +82,8 @@ async def create_chat_completion(request: Request) -> Response:
         return _Prepared(prepared, constraint), streams
 
     response_id = new_id("chatcmpl")
-    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-    route = route_request(request, chat_routing_text(messages, tools), body.user)
+    # body.tools is the client's JSON as sent (checked later, in start_on): routing only hashes it.
+    route = route_request(request, chat_routing_text(messages, body.tools), body.user)
     return await answer(request, body.model, start_on,
                         lambda prepared: _ChatStream(body, response_id, prepared=prepared),
                         stream=bool(body.stream), route=route)

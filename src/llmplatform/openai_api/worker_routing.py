@@ -272,10 +272,11 @@ class RoutingTable:
         return False
 
 
-def chat_routing_text(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None) -> str:
-    """What a chat request is matched by: its tools, then each message as compact JSON, one per
-    line. Prefix-preserving: a conversation's next turn starts with its previous turn's text."""
-    lines = [json.dumps(list(tools), sort_keys=True, separators=(",", ":"))] if tools else []
+def chat_routing_text(messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
+    """What a chat request is matched by: its tools (any JSON value, as the client sent them),
+    then each message as compact JSON, one per line. Prefix-preserving: a conversation's next
+    turn starts with its previous turn's text."""
+    lines = [json.dumps(tools, sort_keys=True, separators=(",", ":"), default=str)] if tools else []
     length = sum(map(len, lines))
     for message in messages:
         if length > MAX_ROUTE_CHUNKS * CHUNK_CHARS:  # the rest would not be matched anyway
