@@ -200,10 +200,13 @@ def test_concurrent_embed_calls_run_in_one_engine_step(tiny_model_dir) -> None:
             await llm.shutdown()
 
     async def cancelled_embed_frees_its_blocks() -> None:
-        # Four 400-token inputs take many 128-token steps: cancel the call mid-way (a client
+        # Eight 400-token inputs take many 128-token steps: cancel the call mid-way (a client
         # that left), and every input still queued or running is aborted, its blocks freed.
-        task = asyncio.ensure_future(llm.embed(prompts([400] * 4, 8), request_id="gone"))
-        await wait_until_async(lambda: llm.engine.scheduler.num_running > 0, what="running")
+        task = asyncio.ensure_future(llm.embed(prompts([400] * 8, 8), request_id="gone"))
+        # Poll finely: on a fast machine the whole call takes a few tens of milliseconds.
+        await wait_until_async(lambda: llm.engine.scheduler.num_running > 0 or task.done(),
+                               what="running", interval_s=0.001)
+        assert not task.done(), "the call finished before it could be cancelled"
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

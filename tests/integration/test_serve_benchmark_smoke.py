@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -194,9 +195,14 @@ def test_llamacpp_systems_against_a_stand_in_server(bench, tiny_model_dir, tmp_p
     suite never builds llama.cpp. The stand-in stops after one token unless asked to ignore EOS,
     as the real server does, and records what the benchmark sent."""
     record = tmp_path / "standin.jsonl"
+    # Run the stand-in with this interpreter (its shebang's python3 may be one without our
+    # dependencies, e.g. the system one when the suite runs from a virtual environment).
+    server = tmp_path / "llama-server"
+    server.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(STANDIN))} \"$@\"\n")
+    server.chmod(0o755)
     code, result, report = run_bench(bench, tmp_path, "llamacpp", [
         "--systems", "llamacpp,llamacpp-q8_0", "--model-path", str(tiny_model_dir), "--concurrency", "1,3",
-        "--num-prompts", "4", "--llama-server", str(STANDIN),
+        "--num-prompts", "4", "--llama-server", str(server),
         "--llamacpp-gguf", f"bf16={tiny_model_dir},q8_0={tiny_model_dir}", "--llamacpp-slots", "4",
         f"--llamacpp-args=--record {record}", "--bandwidth-buffer-mib", "8", "--log-dir", str(tmp_path / "logs")])
     assert result["failures"] == {}, result["failures"]
