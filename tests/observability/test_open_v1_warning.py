@@ -14,7 +14,7 @@ OPEN_MARK = "/v1 is OPEN"
 
 def _started(json_service, *args: str):  # noqa: F811
     _, lines, url = json_service("llmplatform.openai_api", *args)
-    lines.until(lambda line: "startup complete" in line or "Uvicorn running" in line)
+    lines.until(lambda line: "Uvicorn running" in line)
     return lines, url
 
 
