@@ -63,11 +63,16 @@ class SchedulerConfig:
     max_num_seqs: sequences running at once (default 64).
     max_num_batched_tokens: tokens computed per step, prefill and decode together (default 2048).
     max_model_len: the longest prompt + output a sequence may reach (tokens).
+    min_in_flight_prefix_blocks: with prefix caching, a waiting sequence whose next this many (or
+        more) full KV blocks after its cached prefix another sequence is computing in the current
+        step waits a step for them to be cached instead of computing them again (blocks; default
+        1; 0: never wait). See engine.scheduler, "Prefixes in flight".
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    min_in_flight_prefix_blocks: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -76,6 +81,9 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be at least 1")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.min_in_flight_prefix_blocks < 0:
+            raise ValueError("min_in_flight_prefix_blocks must be at least 0, got "
+                             f"{self.min_in_flight_prefix_blocks}")
 
 
 COMPUTE_DTYPES = ("auto", "model", "float32")
