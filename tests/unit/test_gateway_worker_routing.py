@@ -30,7 +30,8 @@ from llmplatform.openai_api.worker_routing import (
     max_table_age,
 )
 from llmplatform.openai_api.settings import GatewaySettings
-from llmplatform.openai_api.worker_client import WorkerClient, with_failover
+from llmplatform.openai_api.failover import with_failover
+from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.openai_api.worker_wire import WorkerUnavailableError
 from llmplatform.protocol.controller import ListWorkersResponse, WorkerDescription, WorkerStatus
 

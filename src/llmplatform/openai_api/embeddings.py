@@ -29,7 +29,8 @@ from fastapi.responses import Response
 from llmplatform.errors import InvalidRequestError
 from llmplatform.metrics.gateway import note_model
 from llmplatform.openai_api.errors import UpstreamError, error_from_http, parse_request
-from llmplatform.openai_api.worker_client import WorkerClient, with_failover
+from llmplatform.openai_api.failover import with_failover
+from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.protocol.openai import EmbeddingRequest
 from llmplatform.protocol.worker import MAX_EMBEDDING_INPUTS
 from llmplatform.utils.request_id import worker_request_id_prefix

@@ -37,8 +37,9 @@ from starlette.requests import Request
 
 from llmplatform.errors import ContextLengthExceededError, LLMPlatformError
 from llmplatform.openai_api.errors import ClientDisconnected, UpstreamError
-from llmplatform.openai_api.worker_client import ACCEPTED, Accepted, WorkerClient, with_failover
-from llmplatform.openai_api.worker_wire import may_try_another_worker
+from llmplatform.openai_api.failover import with_failover
+from llmplatform.openai_api.worker_client import WorkerClient
+from llmplatform.openai_api.worker_wire import ACCEPTED, Accepted, may_try_another_worker
 from llmplatform.openai_api.deltas import FinalChunk
 from llmplatform.protocol.worker import ChunkLogprobs, WorkerChunk
 

@@ -13,7 +13,7 @@ Which worker: with `--routing local` the gateway's routing table answers (worker
 controller is asked only for what the table cannot answer; with `--routing controller`, for every
 request (`/get_worker_address`, FastChat's way).
 
-Failures are typed by what they allow (:func:`with_failover` builds on it): a worker that could
+Failures are typed by what they allow (failover.py's :func:`with_failover` builds on it): a worker that could
 not take the request before generating anything (unreachable, closed the connection before
 answering, 503 from a dead or draining worker: :class:`WorkerUnavailableError`; 429 from a full
 queue: ``EngineOverloadedError`` with ``retry_after``) may be replaced by another worker serving
@@ -26,24 +26,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
 
 import httpx
 from pydantic import ValidationError
 
 from llmplatform.conversation import ConvTemplate, render_chat_prompt
-from llmplatform.errors import LLMPlatformError, ModelNotFoundError, NoWorkerError
+from llmplatform.errors import ModelNotFoundError, NoWorkerError
 from llmplatform.openai_api.errors import UpstreamError, error_from_http
 from llmplatform.openai_api.worker_routing import RouteRequest, RouteSource, RoutingTable
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.openai_api.translate import PreparedPrompt
 from llmplatform.openai_api.worker_stream import WorkerStreamClient
 from llmplatform.openai_api.worker_wire import (
+    ACCEPTED,
+    Accepted,
     NulFrameDecoder,
     WorkerUnavailableError,
     has_error_code,
-    may_try_another_worker,
     parse_chunk,
     transport_errors,
     worker_http_error,
@@ -62,9 +63,6 @@ MAX_WORKER_CONNECTIONS = 1024
 """Connections to workers at once: every streamed choice holds one for its whole life."""
 
 _MAX_CACHE_ENTRIES = 1024
-
-T = TypeVar("T")
-
 
 _SINGLE_CALL = frozenset({"messages", "openai_max_tokens"})
 """Params additions that let the gateway send a request in one call (see prepare_chat)."""
@@ -445,55 +443,3 @@ class WorkerClient:
         if self._streams is not None:
             await self._streams.aclose()
             self._streams = None
-
-
-class Accepted:
-    """The type of :data:`ACCEPTED`."""
-
-    def __repr__(self) -> str:
-        return "ACCEPTED"
-
-
-ACCEPTED = Accepted()
-"""What :meth:`WorkerClient.generate_stream` yields first when the worker has checked the request."""
-
-
-async def with_failover(
-    client: WorkerClient, model: str, attempt: Callable[[str], Awaitable[T]], *, address: str | None = None,
-    tried: Sequence[str] = (), last: LLMPlatformError | None = None,
-) -> T:
-    """``attempt(address)`` on a worker serving `model` (`address` if already picked); when that
-    worker cannot take the request (:func:`may_try_another_worker`) it is marked down in the
-    routing table and another one is picked (from the table, else by the controller), excluding
-    those tried, up to ``max_worker_attempts`` workers in all. When none
-    is left, the last worker's error is raised (a 429 keeps its Retry-After). `attempt` must not
-    have sent the client anything: it is all or nothing.
-
-    `tried` (with `last`, the error of the last of them) continues a failover begun earlier:
-    those workers are excluded and count towards the limit.
-    """
-    excluded: list[str] = list(tried)
-    assert not excluded or last is not None, "a continued failover needs the last error"
-    for _ in range(client.max_worker_attempts - len(excluded)):
-        if address is None:
-            try:
-                address = await client.worker_address(model, exclude=excluded)
-            except NoWorkerError:
-                if last is None:
-                    raise
-                break
-        if address in excluded:  # a stock controller ignores `exclude`: nobody else to ask
-            break
-        try:
-            return await attempt(address)
-        except LLMPlatformError as exc:
-            if not may_try_another_worker(exc):
-                raise
-            logger.warning("worker %s could not take a request for %s (%s: %s); trying another",
-                           address, model, type(exc).__name__, exc.message)
-            client.worker_failed(address)
-            excluded.append(address)
-            address = None
-            last = exc
-    assert last is not None
-    raise last

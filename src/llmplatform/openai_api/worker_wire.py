@@ -118,3 +118,14 @@ def has_error_code(body: bytes) -> bool:
     except (ValueError, UnicodeDecodeError):
         return False
     return isinstance(data, dict) and bool(data.get("error_code"))
+
+
+class Accepted:
+    """The type of :data:`ACCEPTED`."""
+
+    def __repr__(self) -> str:
+        return "ACCEPTED"
+
+
+ACCEPTED = Accepted()
+"""What ``WorkerClient.generate_stream`` yields first when the worker has checked the request."""
