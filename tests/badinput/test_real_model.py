@@ -37,7 +37,7 @@ def cluster(tiny_model_dir: Any) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="module")
 def client(cluster: Cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{cluster.gateway_url}/v1", api_key="none", max_retries=0)
+    return cluster.openai_client()
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
+import openai
 
 from llmplatform.controller import ControllerConfig
 from llmplatform.controller import create_app as create_controller_app
@@ -36,6 +37,11 @@ class Cluster:
     gateway_url: str
     worker_urls: dict[str, str] = field(default_factory=dict)  # first model name -> URL
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+    def openai_client(self, timeout_s: float | None = None) -> openai.OpenAI:
+        """The official client on this cluster's gateway (no retries: a test sees every error)."""
+        extra = {} if timeout_s is None else {"timeout": timeout_s}
+        return openai.OpenAI(base_url=f"{self.gateway_url}/v1", api_key="none", max_retries=0, **extra)
 
     def add_worker(self, llm: LLMBackend, *, limit_worker_concurrency: int | None = None,
                    heartbeat_interval: float = 0.5) -> str:

@@ -56,8 +56,7 @@ def cluster(mrl_dir: Path) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="module")
 def client(cluster: Cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{cluster.gateway_url}/v1", api_key="none", max_retries=0,
-                         timeout=TIMEOUT_S)
+    return cluster.openai_client(timeout_s=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

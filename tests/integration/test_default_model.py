@@ -3,7 +3,6 @@ next to a second worker serving another model with the HF backend behind the sam
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from llmplatform.llm.hf import HFTransformersLLM
@@ -25,7 +24,7 @@ def two_model_cluster(tiny_model_dir):
 
 def test_two_models_behind_one_gateway_and_paris(two_model_cluster):
     cluster, tiny = two_model_cluster
-    client = openai.OpenAI(base_url=f"{cluster.gateway_url}/v1", api_key="none", max_retries=0)
+    client = cluster.openai_client()
     assert sorted(m.id for m in client.models.list()) == ["SmolLM2-135M-Instruct", "tiny"]
 
     reply = client.chat.completions.create(

@@ -36,7 +36,7 @@ def cluster(tiny_llm):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=f"{cluster.gateway_url}/v1", api_key="none", max_retries=0)
+    return cluster.openai_client()
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ def stack(tiny_model_dir):
         url = cluster.stack.enter_context(serve_in_thread(app))
         app.state.worker_address = url
         wait_for_models(cluster.controller_url, ["tiny"])
-        client = openai.OpenAI(base_url=f"{cluster.gateway_url}/v1", api_key="none", max_retries=0)
+        client = cluster.openai_client()
         # The first request to a worker asks /model_details once (cached per worker and model).
         client.completions.create(model="tiny", prompt="warm up", max_tokens=1)
         assert "/model_details" in paths

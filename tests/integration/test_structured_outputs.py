@@ -85,8 +85,7 @@ def cluster(default_model_dir: Any, backend: str) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="module")
 def client(cluster: Cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{cluster.gateway_url}/v1", api_key="none", max_retries=0,
-                         timeout=900)
+    return cluster.openai_client(timeout_s=900)
 
 
 def num_prompts(backend: str, count: int = NUM_OTHER_PROMPTS) -> int:

@@ -10,7 +10,6 @@ import re
 import threading
 
 import httpx
-import openai
 import pytest
 
 from tests.integration.cluster import paged_tiny_llm, running_cluster
@@ -29,7 +28,7 @@ def cluster(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=f"{cluster.gateway_url}/v1", api_key="none", max_retries=0)
+    return cluster.openai_client()
 
 
 @pytest.fixture
