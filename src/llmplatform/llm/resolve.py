@@ -78,6 +78,27 @@ class ResolvedModel:
     name: str
     """The default served model name (what clients put in ``"model"``)."""
     source: ModelSource
+    gguf_path: Path | None = None
+    """The GGUF file ``path`` was converted from (sources ``gguf`` and ``default``), else None."""
+
+
+QUANTIZATIONS = ("none", "gguf")
+"""Choices for ``--quantization``: ``gguf`` keeps a GGUF model's projection weights in their
+block formats (``models.quantized``) instead of the dequantized copy."""
+
+
+def quantized_gguf(resolved: ResolvedModel, quantization: str) -> Path | None:
+    """The GGUF whose blocks the engine keeps for ``--quantization``, or None (``none``); raises
+    ``ModelPathError`` for ``gguf`` with a model that is not a GGUF file."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if quantization == "none":
+        return None
+    if resolved.gguf_path is None:
+        raise ModelPathError(
+            f"--quantization gguf needs a .gguf model file (or the default model), not the "
+            f"{resolved.source} model at {resolved.path}; drop the flag to serve it as it is")
+    return resolved.gguf_path
 
 
 def resolve_model(model_path: str | None) -> ResolvedModel:
@@ -87,9 +108,9 @@ def resolve_model(model_path: str | None) -> ResolvedModel:
     that can be fetched (``HF_HUB_OFFLINE=1`` is honoured by huggingface_hub).
     """
     if model_path is None:
-        return ResolvedModel(
-            path=_converted_dir(default_gguf_path()), name=DEFAULT_MODEL_NAME, source="default"
-        )
+        gguf = default_gguf_path()
+        return ResolvedModel(path=_converted_dir(gguf), name=DEFAULT_MODEL_NAME, source="default",
+                             gguf_path=gguf)
 
     path = Path(model_path).expanduser()
     if model_path in (EMBEDDING_MODEL_NAME, f"sentence-transformers/{EMBEDDING_MODEL_NAME}") \
@@ -116,7 +137,7 @@ def resolve_model(model_path: str | None) -> ResolvedModel:
                 "a Hugging Face model directory, or a hub repo id"
             )
         path = Path(os.path.abspath(path))
-        return ResolvedModel(path=_converted_dir(path), name=path.stem, source="gguf")
+        return ResolvedModel(path=_converted_dir(path), name=path.stem, source="gguf", gguf_path=path)
     return _from_hub(model_path)
 
 

@@ -1,0 +1,214 @@
+"""Weight-only quantized projections: a GGUF model's Q8_0 / Q4_1 blocks kept as they are
+(``--quantization gguf``), instead of the dequantized copy the model directory holds.
+
+A GGUF model is served from the float32 directory ``llm.resolve`` converts it into (config,
+tokenizer, every weight). With the switch on, ``keep_gguf_quantized`` then replaces each
+projection (q/k/v, o, gate/up, down; per layer) whose GGUF tensors are in a supported block
+format by a ``QuantizedLinear`` over the file's raw blocks, read with ``gguf.GGUFReader``; norms,
+the embeddings and the (tied) LM head stay dense, as loaded. A projection whose tensors are in
+another format (a k-quant, say) stays dense too, and the summary says how many did.
+
+``QuantizedLinear`` runs products of up to the fused decode path's row count on the C kernel
+(``kernels.cpu_quant_linear``: each block read once, fp32 sums) and larger ones (prefill chunks)
+by dequantizing the weight to the compute dtype for the call and multiplying with ``F.linear``.
+Without the fused path (``--decode-path eager``, or no C compiler) every product takes the
+second way: right, but a decode step then dequantizes every weight.
+
+Layout facts the loading relies on: a GGUF tensor of shape ``[n, k]`` (ggml lists it as
+``(k, n)``) is ``n`` rows of ``k / 32`` blocks; llama.cpp's converter stores a Llama's q and k
+projections with the rows of each head reordered (the two rotary halves interleaved), which the
+loader undoes on whole rows of blocks, as transformers does on the dequantized weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmplatform.kernels import cpu_quant_linear
+from llmplatform.kernels.cpu_quant_linear import (FORMATS, dequantize_cpu, dequantize_reference,
+                                                  quant_linear_cpu)
+from llmplatform.models.layers import Linear
+
+logger = logging.getLogger("llmplatform.models")
+
+QUANTIZED_ARCHITECTURES = ("llama", "qwen2")
+"""GGUF architectures whose projections can stay quantized (their tensor names and row orders
+are known here)."""
+
+# GGUF tensor kind (blk.N.<kind>.weight) -> (our module under model.layers.N, shard)
+_PROJECTIONS = {
+    "attn_q": ("self_attn.qkv_proj", 0),
+    "attn_k": ("self_attn.qkv_proj", 1),
+    "attn_v": ("self_attn.qkv_proj", 2),
+    "attn_output": ("self_attn.o_proj", 0),
+    "ffn_gate": ("mlp.gate_up_proj", 0),
+    "ffn_up": ("mlp.gate_up_proj", 1),
+    "ffn_down": ("mlp.down_proj", 0),
+}
+_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(" + "|".join(_PROJECTIONS) + r")\.weight")
+
+
+class QuantizedLinear(Linear):
+    """A ``Linear`` whose weight is GGUF blocks (``blocks``: uint8 ``[n, k / 32 * block_bytes]``
+    in ``weight_format``); ``weight`` is None. The bias, if any, stays dense."""
+
+    def __init__(self, dense: Linear, blocks: torch.Tensor, weight_format: str) -> None:
+        nn.Module.__init__(self)  # not Linear's: no dense weight is allocated
+        self.output_sizes = list(dense.output_sizes)
+        self.weight = None
+        self.bias = dense.bias
+        self._onednn_weight = None
+        self._row_kernel = None
+        self.weight_format = weight_format
+        self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        self.in_features = cpu_quant_linear.in_features(blocks, weight_format)
+        self.compute_dtype = dense.weight_dtype
+        self.kernel_max_rows = 0  # products of up to this many rows on the C kernel (0: none)
+        self._bias32 = None if dense.bias is None else dense.bias.detach().float().contiguous()
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.compute_dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.blocks.numel()
+
+    def use_compute_dtype(self, dtype: torch.dtype) -> None:
+        """Products of many rows dequantize to ``dtype`` and multiply in it."""
+        self.compute_dtype = dtype
+
+    def use_onednn_weight(self) -> None:
+        raise TypeError("a quantized projection has no dense weight to prepack")
+
+    def use_row_kernel(self, max_rows: int) -> None:
+        """Products of up to ``max_rows`` rows run on the C kernel over the blocks (the fused decode
+        path's switch); without the kernel every product dequantizes (logged once by the kernel)."""
+        self.kernel_max_rows = max_rows if cpu_quant_linear.available() else 0
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # [n, k]
+        if self.blocks.device.type == "cpu" and dtype in cpu_quant_linear.SUPPORTED_DTYPES \
+                and cpu_quant_linear.dequantize_kernel.available():
+            return dequantize_cpu(self.blocks, self.weight_format, dtype)
+        return dequantize_reference(self.blocks, self.weight_format, dtype)
+
+    def forward(self, x: torch.Tensor,  # [T, k]
+                out_dtype: torch.dtype | None = None,  # default: x's
+                ) -> torch.Tensor:  # [T, n]
+        if x.shape[0] <= self.kernel_max_rows:
+            return quant_linear_cpu(x, self.blocks, self.weight_format, self._bias32, out_dtype)
+        dtype = self.compute_dtype
+        bias = None if self.bias is None else self.bias.to(dtype)
+        y = F.linear(x.to(dtype), self.dequantized(dtype), bias)  # [T, n]
+        return y.to(out_dtype or x.dtype)
+
+
+def keep_gguf_quantized(model: nn.Module, gguf_path: str | Path) -> int:
+    """Replace ``model``'s projections by ``QuantizedLinear``s over ``gguf_path``'s blocks (the
+    model was loaded from that file's converted directory); returns how many were replaced.
+
+    Raises ``ValueError`` for an architecture whose layout is not known here, a model off the
+    CPU, or a file that does not match the model (the first layer's projections are checked
+    against their dense weights, which catches a wrong row order)."""
+    from gguf import GGUFReader
+
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        raise ValueError(f"--quantization gguf runs on the CPU only, not {device}")
+    reader = GGUFReader(str(gguf_path))
+    arch = _architecture(reader)
+    if arch not in QUANTIZED_ARCHITECTURES:
+        raise ValueError(f"--quantization gguf: {gguf_path} is a {arch!r} model; its projections "
+                         f"can stay quantized for {', '.join(QUANTIZED_ARCHITECTURES)} only")
+    shards: dict[str, dict[int, Any]] = defaultdict(dict)  # our module name -> shard -> tensor
+    for tensor in reader.tensors:
+        match = _TENSOR_NAME.fullmatch(tensor.name)
+        if match:
+            module, shard = _PROJECTIONS[match.group(2)]
+            shards[f"model.layers.{match.group(1)}.{module}"][shard] = tensor
+    config = model.config
+    replaced, dense = 0, defaultdict(int)  # dense: format -> projections left dense
+    for name, tensors in shards.items():
+        linear = model.get_submodule(name)
+        kinds = {tensors[i].tensor_type.name.lower() for i in tensors}
+        if len(tensors) != len(linear.output_sizes) or len(kinds) != 1 or next(iter(kinds)) not in FORMATS:
+            dense["+".join(sorted(kinds))] += 1
+            continue
+        fmt = next(iter(kinds))
+        rows = []
+        for shard in range(len(tensors)):
+            tensor = tensors[shard]
+            blocks = np.asarray(tensor.data)  # [rows, k / 32 * block_bytes] uint8 (memory-mapped)
+            if arch == "llama" and shard < 2 and name.endswith("qkv_proj"):
+                heads = config.num_attention_heads if shard == 0 else \
+                    getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+                blocks = _unpermute_rows(blocks, heads)
+            if blocks.shape[0] != linear.output_sizes[shard]:
+                raise ValueError(f"{gguf_path}: {tensor.name} has {blocks.shape[0]} rows, the model "
+                                 f"expects {linear.output_sizes[shard]}")
+            rows.append(blocks)
+        quantized = QuantizedLinear(linear, torch.from_numpy(np.concatenate(rows)), fmt)
+        if quantized.in_features != linear.weight.shape[1]:
+            raise ValueError(f"{gguf_path}: {name} takes {quantized.in_features} inputs in the file, "
+                             f"{linear.weight.shape[1]} in the model")
+        if name.startswith("model.layers.0."):  # every projection of one layer: cheap, and it sees q/k's rows
+            _check_against_dense(quantized, linear.weight, f"{gguf_path}: {name}")
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, quantized)
+        replaced += 1
+    if dense:
+        logger.warning("--quantization gguf: %s stayed dense (formats without a kernel here)",
+                       ", ".join(f"{count} {fmt} projections" for fmt, count in dense.items()))
+    if not replaced:
+        raise ValueError(f"--quantization gguf: no projection of {gguf_path} is in a supported "
+                         f"block format ({', '.join(FORMATS)})")
+    return replaced
+
+
+def quantization_summary(model: nn.Module) -> str | None:
+    """How the projections are held, for the worker's startup summary; None when all are dense."""
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    if not quantized:
+        return None
+    total = sum(1 for m in model.modules() if isinstance(m, Linear))
+    formats = sorted({m.weight_format for m in quantized})
+    nbytes = sum(m.weight_bytes for m in quantized)
+    how = "decode steps on the C kernel" if all(m.kernel_max_rows for m in quantized) \
+        else "every product dequantized: no fused decode path"
+    return (f"projections kept quantized: {'+'.join(formats)} ({len(quantized)}/{total}, "
+            f"{nbytes / 1e6:.1f} MB; {how})")
+
+
+def _architecture(reader: Any) -> str:
+    field = reader.fields.get("general.architecture")
+    return str(field.contents()) if field is not None else "unknown"
+
+
+def _unpermute_rows(blocks: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row order for rotary (its ``permute``): within each head, GGUF row
+    ``2 * i + h`` is our row ``h * half + i`` (h: which half of the head, i < half)."""
+    rows = blocks.shape[0]
+    half = rows // num_heads // 2
+    return blocks.reshape(num_heads, half, 2, *blocks.shape[1:]).swapaxes(1, 2).reshape(blocks.shape)
+
+
+def _check_against_dense(quantized: QuantizedLinear, dense: torch.Tensor, what: str) -> None:
+    """The dense weight was dequantized from the same blocks (then rounded to the model dtype):
+    the two agree to that rounding, or the file does not match the model."""
+    reference = dense.detach().float()
+    got = dequantize_reference(quantized.blocks, quantized.weight_format)
+    tolerance = 2.0**-7 * reference.abs().max().item() + 1e-6  # bf16's relative rounding, twice
+    error = (got - reference).abs().max().item()
+    if error > tolerance:
+        raise ValueError(f"{what}: the GGUF blocks differ from the model's converted weights by "
+                         f"{error:.3g} (allowed {tolerance:.3g}): not the file this model was "
+                         "converted from, or rows in an order this loader does not know")
