@@ -6,6 +6,7 @@
 #      (tests/kernels, TRITON_INTERPRET unset so the kernels compile)
 #   2. benchmarks/kernels.py --quick: Triton vs the torch path vs SDPA, decode bandwidth
 #   3. benchmarks/throughput.py --systems ours on CUDA, if the script and its --device flag exist
+#   4. benchmarks/gpu_tp_smoke.py: an NCCL process group (engine.parallel), the TP=1 engine on CUDA
 #
 #   benchmarks/gpu_check.sh [OUT_DIR]      (default: $OUT if set, else ./gpu_check_out)
 #
@@ -70,6 +71,9 @@ else
   step throughput 180 "$PYTHON" benchmarks/throughput.py --device cuda --systems ours \
     --json-out "$OUT_DIR/throughput.json"
 fi
+
+# 4. Tensor-parallel plumbing: an NCCL group of one rank, then the TP=1 engine on CUDA.
+step tp_nccl_smoke 180 "$PYTHON" benchmarks/gpu_tp_smoke.py
 
 echo "=== summary"
 printf '%s\n' "${SUMMARY[@]}" | tee "$OUT_DIR/summary.txt"

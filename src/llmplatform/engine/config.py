@@ -117,6 +117,36 @@ class ModelConfig:
                              f"got {self.decode_path!r}")
 
 
+DEFAULT_RANK_TIMEOUT_S = 60.0
+DEFAULT_RANK_START_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism of the native engine (``engine.parallel``).
+
+    tensor_parallel_size: ranks the model is split over, each holding 1/N of the heads, the MLP
+        and the vocabulary, and the KV cache of its heads (default 1: one process, no process
+        group). Rank 0 is the engine's own process; ranks 1..N-1 are processes it starts. The
+        attention heads and key/value heads must divide by it.
+    rank_timeout_s: how long rank 0 waits on the other ranks within a step (an all-reduce, the
+        logits' gather) before the step fails, so a rank that hangs fails the engine instead of
+        stalling it (a rank that dies is noticed at once); default 60 s.
+    rank_start_timeout_s: how long starting the other ranks (importing torch, loading their
+        shards) may take (default 600 s; a rank that exits meanwhile fails the start at once).
+    """
+
+    tensor_parallel_size: int = 1
+    rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S
+    rank_start_timeout_s: float = DEFAULT_RANK_START_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.rank_timeout_s <= 0 or self.rank_start_timeout_s <= 0:
+            raise ValueError("rank_timeout_s and rank_start_timeout_s must be positive")
+
+
 @dataclass(frozen=True)
 class RestartConfig:
     """Rebuilding the engine in-process after a step fails in a way no single request explains.
@@ -165,8 +195,9 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     restart: RestartConfig = RestartConfig()
+    parallel: ParallelConfig = ParallelConfig()
     faults: FaultInjectionConfig | None = None  # tests only
 
 
 __all__ = ["COMPUTE_DTYPES", "DECODE_PATHS", "CacheConfig", "SchedulerConfig", "ModelConfig", "EngineConfig",
-           "RestartConfig", "FaultInjectionConfig", "parse_memory_size", "InvalidRequestError"]
+           "ParallelConfig", "RestartConfig", "FaultInjectionConfig", "parse_memory_size", "InvalidRequestError"]

@@ -112,11 +112,12 @@ class LLMEngine:
         if runner is None:
             faults = FaultInjector(config.faults, self.tokenizer) if config.faults else None
             runner = ModelRunner(config.model, config.cache, self.tokenizer, sched.max_model_len,
-                                 sched.max_num_batched_tokens, faults)
+                                 sched.max_num_batched_tokens, faults, config.parallel)
         self.runner = runner
         self.faults = runner.faults  # tests only; None in production
         layout = self.runner.layout
         if layout.num_tokens < sched.max_model_len:
+            self.runner.close()  # stops the other tensor-parallel ranks (none otherwise)
             raise ValueError(
                 f"the KV cache holds {layout.num_tokens} tokens ({layout.num_blocks} blocks of "
                 f"{layout.block_size}), less than one sequence of --max-model-len "
@@ -134,6 +135,11 @@ class LLMEngine:
             layout.num_blocks * layout.bytes_per_block / 2**30, self.runner.dtype,
             self.runner.device, sched.max_model_len, layout.num_tokens / sched.max_model_len,
             "on" if config.cache.enable_prefix_caching else "off")
+        if layout.tensor_parallel_size > 1:
+            logger.info("tensor parallel: %d ranks, %d KV head(s) per rank; each rank holds the %d "
+                        "blocks for its heads (%.2f GiB per rank)", layout.tensor_parallel_size,
+                        layout.num_kv_heads_per_rank, layout.num_blocks,
+                        layout.num_blocks * layout.bytes_per_block / 2**30)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -142,7 +148,7 @@ class LLMEngine:
         token id it carries checked against the model's vocabulary (the logits' width)."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        vocab_size = int(self.runner.model.lm_head_weight.shape[0])  # the logits' width
+        vocab_size = int(self.runner.model.vocab_size)  # the logits' width
         check_prompt_token_ids(prompt_token_ids, vocab_size)
         params.check_vocab(vocab_size)
         total = len(prompt_token_ids) + params.max_tokens
@@ -162,7 +168,7 @@ class LLMEngine:
         vocabulary, or longer than ``max_model_len``."""
         if not prompt_token_ids:
             raise InvalidRequestError("the input is empty", param="input")
-        check_prompt_token_ids(prompt_token_ids, int(self.runner.model.lm_head_weight.shape[0]))
+        check_prompt_token_ids(prompt_token_ids, int(self.runner.model.vocab_size))
         if len(prompt_token_ids) > self.max_model_len:
             raise ContextLengthExceededError(
                 f"the input has {len(prompt_token_ids)} tokens, more than this model's maximum "
@@ -211,7 +217,8 @@ class LLMEngine:
                 for seq in self.scheduler.abort_request(request_id)]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Sequences to step, or a tensor-parallel rank gone (the next step raises why)."""
+        return self.scheduler.has_unfinished() or self.runner.ranks_failed
 
     def rebuild(self) -> LLMEngine:
         """A fresh engine after a step failed in a way no single request explains: a new KV
@@ -230,6 +237,7 @@ class LLMEngine:
     # ---- the step loop -----------------------------------------------------------------------
 
     def step(self) -> list[SequenceUpdate]:
+        self.runner.raise_if_ranks_failed()  # a dead rank fails the step (rebuild: new ranks)
         scheduled = self.scheduler.schedule()
         updates = self._reject(scheduled)
         if scheduled.is_empty:

@@ -16,6 +16,12 @@ Layout of one step's batch (three sequences: a prefill chunk, two decodes):
     input_ids:  | seq A tokens [c_A, c_A + q_A) | seq B: 1 token | seq C: 1 token |
     positions:  | c_A ... c_A + q_A - 1         | c_B           | c_C           |
     sample row: the last token of each chunk that reaches its sequence's end
+
+With tensor parallelism (``ParallelConfig.tensor_parallel_size`` > 1) this runner is rank 0: its
+model is rank 0's shard, and every operation on the model (allocating the KV pool, a forward
+pass, a logits computation) is first sent to the other ranks (``engine.parallel``), which run
+the same on their shards; the logits arrive whole on rank 0, which samples alone. Each rank's KV
+pool has the same blocks, holding its own key/value heads.
 """
 
 from __future__ import annotations
@@ -26,66 +32,117 @@ from typing import Any
 
 import torch
 
-from llmplatform.engine.config import CacheConfig, ModelConfig
-from llmplatform.engine.decode_path import apply_decode_path
+from llmplatform.engine.config import CacheConfig, ModelConfig, ParallelConfig
 from llmplatform.engine.faults import FaultInjector
 from llmplatform.engine.isolation import IsolatingSampler, pinned_fault
+from llmplatform.engine.model_setup import copy_kv_blocks, prepare_model
 from llmplatform.engine.outputs import ModelOutput, SchedulerOutput
+from llmplatform.engine.parallel.messages import AllocateKV, ComputeLogits, StepInputs
+from llmplatform.engine.parallel.ranks import RankFailedError, TensorParallelRanks
 from llmplatform.engine.pooler import PoolingSpan, pool_spans
 from llmplatform.kernels import AttentionMetadata
-from llmplatform.models.layers import use_onednn_weights
-from llmplatform.models.loader import load_model
 from llmplatform.sampling.output_processor import token_text
 from llmplatform.sampling.outputs import TokenLogprob
 from llmplatform.sampling.sampler import Sampler, SamplingRow
-from llmplatform.utils.torch_utils import resolve_compute_dtype, resolve_device, resolve_dtype
+from llmplatform.utils.torch_utils import resolve_device, resolve_dtype
 
 logger = logging.getLogger("llmplatform.engine")
 
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """What the KV pool holds, for logs and admission."""
+    """What the KV pool holds, for logs and admission. Under tensor parallelism every rank has
+    ``num_blocks`` blocks of ``bytes_per_block`` (its ``num_kv_heads_per_rank`` heads)."""
 
     num_blocks: int
     block_size: int
     bytes_per_block: int
+    tensor_parallel_size: int = 1
+    num_kv_heads_per_rank: int | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, tokenizer: Any,
                  max_model_len: int, max_num_batched_tokens: int,
-                 faults: FaultInjector | None = None) -> None:
+                 faults: FaultInjector | None = None,
+                 parallel: ParallelConfig | None = None) -> None:
         self.faults = faults  # tests only (engine.faults); None in production
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.block_size = cache_config.block_size
-        self.model = load_model(model_config.model_path, dtype=self.dtype, device=self.device,
-                                max_model_len=max_model_len)
-        self.decode_path = apply_decode_path(model_config.decode_path, self.model, self.device)
-        self.compute_dtype = resolve_compute_dtype(model_config.compute_dtype, self.dtype, self.device)
-        if self.compute_dtype != self.dtype:
-            logger.info("matrix products in %s over %s weights (%s)", _name(self.compute_dtype),
-                        _name(self.dtype), "--compute-dtype float32" if model_config.compute_dtype
-                        == "float32" else "this CPU has no bf16/fp16 matrix instructions; "
-                        "--compute-dtype model keeps them in the model dtype")
-            self.model.use_compute_dtype(self.compute_dtype)
-        self.onednn_linears = use_onednn_weights(self.model) if self.device.type == "cpu" else 0
+        # The other tensor-parallel ranks (None: this process runs the whole model).
+        self.tp: TensorParallelRanks | None = None
+        if parallel is not None and parallel.tensor_parallel_size > 1:
+            self.tp = _start_ranks(parallel, model_config, self.device, max_model_len, self.block_size)
+        try:
+            prepared = prepare_model(model_config, self.device, self.dtype, max_model_len,
+                                     self.tp.shard if self.tp is not None else None)
+            if self.tp is not None:
+                self.tp.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        self.model = prepared.model
+        self.decode_path = prepared.decode_path
+        self.compute_dtype = prepared.compute_dtype
+        self.onednn_linears = prepared.onednn_linears
         self.sampler = Sampler(tokenizer)
         self._sample = IsolatingSampler(self.sampler, faults)
         self._tokenizer = tokenizer
         bytes_per_block = self.model.kv_cache_bytes_per_block(self.block_size)
-        num_blocks = self._num_blocks(cache_config, bytes_per_block, max_num_batched_tokens)
-        self.layout = CacheLayout(num_blocks, self.block_size, bytes_per_block)
-        self.kv_caches = self.model.allocate_kv_caches(num_blocks, self.block_size, device=self.device)
+        try:
+            num_blocks = self._num_blocks(cache_config, bytes_per_block, max_num_batched_tokens)
+            self.layout = CacheLayout(num_blocks, self.block_size, bytes_per_block,
+                                      1 if self.tp is None else self.tp.size,
+                                      self.model.num_kv_heads)
+            self.kv_caches = self._allocate_kv_caches(num_blocks)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks, if any (idempotent)."""
+        if self.tp is not None:
+            self.tp.close()
+
+    # ---- what every tensor-parallel rank does: sent to the others first ------------------------
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list:
+        if self.tp is not None:
+            self.tp.send(AllocateKV(num_blocks))
+        return self.model.allocate_kv_caches(num_blocks, self.block_size, device=self.device)
+
+    def _forward(self, inputs: StepInputs, kv_caches: list) -> torch.Tensor:  # [T, hidden]
+        if self.tp is not None:
+            self.tp.send(inputs)
+        metadata = AttentionMetadata.build(context_lens=inputs.context_lens,
+                                           query_lens=inputs.query_lens,
+                                           block_tables=inputs.block_tables,
+                                           block_size=self.block_size, device=self.device)
+        ids_t = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
+        return self.model(ids_t, pos_t, kv_caches, metadata)
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int] | None) -> torch.Tensor:  # [N, vocab]
+        """Logits of ``rows`` of ``hidden`` (None: all)."""
+        if self.tp is not None:
+            self.tp.send(ComputeLogits(rows))
+        if rows is not None:
+            hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        return self.model.compute_logits(hidden)
+
+    def raise_if_ranks_failed(self) -> None:
+        """Raises RankFailedError when another tensor-parallel rank is gone."""
+        if self.tp is not None:
+            self.tp.raise_if_failed()
+
+    @property
+    def ranks_failed(self) -> bool:
+        return self.tp is not None and self.tp.failure is not None
 
     def _num_blocks(self, cache_config: CacheConfig, bytes_per_block: int,
                     max_num_batched_tokens: int) -> int:
@@ -104,14 +161,13 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = max_num_batched_tokens
         num_blocks = (num_tokens + self.block_size - 1) // self.block_size
-        caches = self.model.allocate_kv_caches(num_blocks, self.block_size, device=self.device)
-        metadata = AttentionMetadata.build(context_lens=[0], query_lens=[num_tokens],
-                                           block_tables=[list(range(num_blocks))],
-                                           block_size=self.block_size, device=self.device)
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device) % self.model.max_position
-        hidden = self.model(ids, positions, caches, metadata)
-        self.model.compute_logits(hidden[-1:])
+        caches = self._allocate_kv_caches(num_blocks)
+        inputs = StepInputs(input_ids=[0] * num_tokens,
+                            positions=[p % self.model.max_position for p in range(num_tokens)],
+                            context_lens=[0], query_lens=[num_tokens],
+                            block_tables=[list(range(num_blocks))])
+        hidden = self._forward(inputs, caches)
+        self._logits(hidden, [num_tokens - 1])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         del caches, hidden
@@ -129,28 +185,40 @@ class ModelRunner:
     def reset_kv_cache(self) -> None:
         """A fresh, zeroed KV pool of the same layout (when the engine is rebuilt after a failed
         step: blocks may hold half-written K/V), then one forward pass through it to show that
-        the device still works (a CUDA error that poisoned the context raises here)."""
+        the device still works (a CUDA error that poisoned the context raises here). Under
+        tensor parallelism the other ranks are started again first (their state after a failed
+        step is unknown; they load their shards again)."""
         self.kv_caches = []  # the old pool goes first, so the two never coexist in memory
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.kv_caches = self.model.allocate_kv_caches(self.layout.num_blocks, self.block_size,
-                                                       device=self.device)
+        if self.tp is not None:
+            self.tp.restart()
+        self.kv_caches = self._allocate_kv_caches(self.layout.num_blocks)
         self._probe()
 
     @torch.inference_mode()
     def _probe(self) -> None:
         """One token through the model into block 0 (whose contents no sequence owns yet)."""
-        metadata = AttentionMetadata.build(context_lens=[0], query_lens=[1], block_tables=[[0]],
-                                           block_size=self.block_size, device=self.device)
-        ids = torch.zeros(1, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, torch.zeros_like(ids), self.kv_caches, metadata)
-        self.model.compute_logits(hidden).cpu()  # waits for the device
+        inputs = StepInputs(input_ids=[0], positions=[0], context_lens=[0], query_lens=[1],
+                            block_tables=[[0]])
+        hidden = self._forward(inputs, self.kv_caches)
+        self._logits(hidden, None).cpu()  # waits for the device
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
+        if self.tp is None:
+            return self._execute(scheduled)
+        try:
+            return self._execute(scheduled)
+        except RankFailedError:
+            raise
+        except Exception as exc:  # a collective that failed: say which rank, and how
+            raise self.tp.explain(exc) from exc
+
+    def _execute(self, scheduled: SchedulerOutput) -> ModelOutput:
         if self.faults is not None:
             self.faults.check_step(scheduled)
-        self._copy_blocks(scheduled.blocks_to_copy)
+        copy_kv_blocks(self.kv_caches, scheduled.blocks_to_copy, self.device)
         input_ids: list[int] = []
         positions: list[int] = []
         context_lens: list[int] = []
@@ -187,17 +255,13 @@ class ModelRunner:
                 sampling.append(seq.state.sampling_row(seq))
                 sample_seqs.append(seq)
 
-        metadata = AttentionMetadata.build(context_lens=context_lens, query_lens=query_lens,
-                                           block_tables=block_tables, block_size=self.block_size,
-                                           device=self.device)
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids_t, pos_t, self.kv_caches, metadata)  # [num_tokens, hidden]
+        inputs = StepInputs(input_ids, positions, context_lens, query_lens, block_tables,
+                            scheduled.blocks_to_copy)
+        hidden = self._forward(inputs, self.kv_caches)  # [num_tokens, hidden]
 
         output = ModelOutput(seq_ids=[], token_ids=[], logprobs=[])
         if sample_rows:
-            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-            logits = self.model.compute_logits(hidden[rows])  # [num_sampling, vocab]
+            logits = self._logits(hidden, sample_rows)  # [num_sampling, vocab]
             sampled = self._sample(logits, sampling, sample_seqs)
             for i, seq in enumerate(sample_seqs):
                 if i in sampled.errors:
@@ -231,17 +295,20 @@ class ModelRunner:
             records.append(TokenLogprob(prompt[0], token_text(self._tokenizer, prompt[0]), None))
         last_q = min(start + num_new, len(prompt) - 1)
         if last_q > start:
-            rows = torch.arange(first_row, first_row + (last_q - start), device=self.device)
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+            rows = list(range(first_row, first_row + (last_q - start)))
+            logprobs = torch.log_softmax(self._logits(hidden, rows).float(), dim=-1)
             records.extend(self.sampler.logprob_records(logprobs, prompt[start + 1:last_q + 1],
                                                         seq.params.prompt_logprobs or 0))
         return records
 
-    def _copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
-        if not blocks_to_copy:
-            return
-        src = torch.tensor([s for s, _ in blocks_to_copy], device=self.device)
-        dst = torch.tensor([d for _, d in blocks_to_copy], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+
+def _start_ranks(parallel: ParallelConfig, model_config: ModelConfig, device: torch.device,
+                 max_model_len: int, block_size: int) -> TensorParallelRanks:
+    """Checks that the model splits over the ranks (before any is started), then starts them."""
+    from transformers import AutoConfig
+
+    from llmplatform.models.parallel import check_divisible
+
+    check_divisible(AutoConfig.from_pretrained(model_config.model_path), parallel.tensor_parallel_size)
+    return TensorParallelRanks(parallel, model_config, device=device, max_model_len=max_model_len,
+                               block_size=block_size)

@@ -80,6 +80,8 @@ class BackendInfo:
     num_kv_blocks: int | None = None
     kv_block_size: int | None = None  # tokens per block
     attention: str | None = None  # the attention kernels (``kernels.attention_backend``)
+    tensor_parallel_size: int = 1  # ranks the model is split over (each: num_kv_blocks blocks)
+    num_kv_heads_per_rank: int | None = None  # KV heads each rank's cache holds
 
     @property
     def kv_capacity_tokens(self) -> int | None:

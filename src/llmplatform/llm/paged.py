@@ -10,6 +10,11 @@ Given a :class:`~llmplatform.llm.decoder_embedding.DecoderEmbedding`, it serves 
 of generation (``--task embed``): each input is one pooling request of the engine
 (:mod:`llmplatform.engine.pooling`), so concurrent requests' inputs are batched by the engine's
 scheduler like any prompts, and a generation request is refused with a 400.
+
+With tensor parallelism the engine's other ranks are processes (``engine.parallel``): one that
+dies while the engine idles wakes the engine loop, whose next look fails like a step and rebuilds
+the engine with fresh ranks (or, past the restart budget, leaves it dead with the reason);
+``shutdown`` stops them.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ class PagedLLM(LLMBackend):
         self.embedding = embedding
         self._facts = ModelFacts(names=config.model.model_names,
                                  context_length=config.scheduler.max_model_len,
-                                 vocab_size=int(self.engine.runner.model.lm_head_weight.shape[0]),
+                                 vocab_size=int(self.engine.runner.model.vocab_size),
                                  eos_token_ids=self.engine.eos_token_ids)
         if embedding is not None:
             self._facts = dataclasses.replace(self._facts, tasks=(ModelTask.EMBED,),
@@ -98,6 +103,17 @@ class PagedLLM(LLMBackend):
         if self._async is None:
             self._async = AsyncEngine(self._engine, self._thread, restart=self._engine.config.restart)
             self._async.start()
+            ranks = self._engine.runner.tp
+            if ranks is not None:
+                loop = asyncio.get_running_loop()
+                ranks.on_failure = lambda: loop.call_soon_threadsafe(self._wake_for_rank_failure)
+
+    def _wake_for_rank_failure(self) -> None:
+        """A rank died: an idle engine loop wakes up (a no-op between steps) to find it."""
+        if self._async is None or self._async.dead_reason is not None:
+            return
+        waking = asyncio.ensure_future(self._async.call_between_steps(lambda engine: None))
+        waking.add_done_callback(lambda future: future.cancelled() or future.exception())
 
     async def shutdown(self) -> None:
         self._closed = True
@@ -106,6 +122,7 @@ class PagedLLM(LLMBackend):
             self._async = None
         await asyncio.get_running_loop().run_in_executor(
             None, functools.partial(self._thread.shutdown, wait=True, cancel_futures=True))
+        await asyncio.to_thread(self.engine.runner.close)  # the other tensor-parallel ranks
 
     def is_healthy(self) -> bool:
         return self._async is None or self._async.is_healthy
@@ -140,7 +157,9 @@ class PagedLLM(LLMBackend):
         return BackendInfo(backend=self.backend_name, dtype=dtype,
                            device=str(self.engine.runner.device), num_kv_blocks=layout.num_blocks,
                            kv_block_size=layout.block_size,
-                           attention=attention_backend(self.engine.runner.device).value)
+                           attention=attention_backend(self.engine.runner.device).value,
+                           tensor_parallel_size=layout.tensor_parallel_size,
+                           num_kv_heads_per_rank=layout.num_kv_heads_per_rank)
 
     async def abort(self, request_id: str) -> bool:
         return self._async is not None and await self._async.abort(request_id)

@@ -143,6 +143,7 @@ def create_app(llm: LLMBackend, settings: WorkerSettings, *,
 def _status(app: FastAPI) -> dict[str, Any]:
     llm: LLMBackend = app.state.llm
     load = llm.load()
+    info = llm.backend_info()
     return {
         "model_names": list(llm.model_names),
         "speed": app.state.settings.speed,
@@ -168,6 +169,9 @@ def _status(app: FastAPI) -> dict[str, Any]:
         "limit_worker_concurrency": app.state.worker.limit,
         "num_free_kv_blocks": load.num_free_kv_blocks,
         "num_kv_blocks": load.num_kv_blocks,
+        # Ours: the parallel layout (every rank holds num_kv_blocks blocks of its KV heads).
+        "tensor_parallel_size": info.tensor_parallel_size,
+        "num_kv_heads_per_rank": info.num_kv_heads_per_rank,
     }
 
 
@@ -408,4 +412,4 @@ def _add_routes(app: FastAPI) -> None:
             return JSONResponse({"status": "ok", "models": list(llm.model_names)})
         if app.state.backend_failure is None:  # e.g. rebuilding its engine after a failure
             return JSONResponse({"status": "unavailable"}, status_code=503)
-        return JSONResponse({"status": "dead"}, status_code=503)
+        return JSONResponse({"status": "dead", "reason": app.state.backend_failure}, status_code=503)

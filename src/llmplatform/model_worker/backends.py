@@ -26,6 +26,8 @@ class BackendConfig:
     max_concurrency: int | None = None  # hf: forward passes at once (default 5)
     max_model_len: int | None = None
     # Native engine (paged backend) only.
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout: float = 60.0  # seconds a step waits on the other ranks
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
@@ -88,6 +90,8 @@ def _load(config: BackendConfig) -> LLMBackend:
                              "(--task generate)")
         _no_pooling_flags(config, "the encoder backend follows the folder's sentence-transformers "
                                   "configuration")
+        if config.tensor_parallel_size > 1:
+            raise ValueError("--tensor-parallel-size runs on the paged backend, not encoder")
         return _build_encoder(config, str(resolved.path), names)
     if task == "embed" and backend == "hf":
         raise ValueError("--task embed runs on the paged backend (decoders) or the encoder "
@@ -102,6 +106,8 @@ def _load(config: BackendConfig) -> LLMBackend:
         else:
             logger.info("using the hf backend: %s", reason)
             backend = "hf"
+    if backend != "paged" and config.tensor_parallel_size > 1:
+        raise ValueError(f"--tensor-parallel-size runs on the paged backend, not {backend}")
     if backend == "paged":
         return _build_paged(config, str(resolved.path), names, embed=task == "embed")
     if task == "embed":
@@ -166,7 +172,7 @@ def _build_paged(config: BackendConfig, path: str, names: tuple[str, ...], *,
                  embed: bool = False) -> LLMBackend:
     from transformers import AutoConfig
 
-    from llmplatform.engine.config import (CacheConfig, EngineConfig, ModelConfig,
+    from llmplatform.engine.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
                                            SchedulerConfig, parse_memory_size)
     from llmplatform.llm.paged import PagedLLM
     from llmplatform.models.registry import max_model_len
@@ -187,7 +193,9 @@ def _build_paged(config: BackendConfig, path: str, names: tuple[str, ...], *,
                           enable_prefix_caching=config.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                  max_model_len=model_len))
+                                  max_model_len=model_len),
+        parallel=ParallelConfig(tensor_parallel_size=config.tensor_parallel_size,
+                                rank_timeout_s=config.tensor_parallel_timeout))
     embedding = None
     if embed:
         from llmplatform.llm.decoder_embedding import decoder_embedding

@@ -12,7 +12,7 @@ from functools import cached_property
 from typing import Literal
 from urllib.parse import urlparse
 
-from llmplatform.engine.config import COMPUTE_DTYPES, DECODE_PATHS
+from llmplatform.engine.config import COMPUTE_DTYPES, DECODE_PATHS, DEFAULT_RANK_TIMEOUT_S
 from llmplatform.llm.decoder_embedding import NORMALIZE_CHOICES, POOLING_CHOICES
 from llmplatform.model_worker.backends import BACKENDS, TASKS, BackendConfig
 from llmplatform.utils.cluster_secret import SECRET_HEADER
@@ -97,6 +97,17 @@ class WorkerServiceSettings(ServerSettings):
         "that streams the weights as loaded (bf16: half the bytes of the float32 copy), one C "
         "call per RMSNorm, two for rotary + KV store + decode attention; eager: torch ops only (the reference, for debugging); auto: fused on "
         "CPU when its kernels build, else eager (logged)", group=_ENGINE)
+    tensor_parallel_size: int = option(
+        1, "split the model over this many ranks (tensor parallelism: each holds 1/N of the "
+        "attention heads, KV heads, MLP and vocabulary, and the KV cache of its heads; rank 0 is "
+        "this process, the others are processes it starts on this host; NCCL on CUDA, gloo on "
+        "CPU). The model's attention and KV head counts must divide by it (default: %(default)s)",
+        group=_ENGINE, ge=1)
+    tensor_parallel_timeout: float = option(
+        DEFAULT_RANK_TIMEOUT_S, "with --tensor-parallel-size > 1: how long a step waits on the "
+        "other ranks before it fails (a rank that hangs; one that dies is noticed at once). The "
+        "engine then starts the ranks again, or the worker exits for its supervisor "
+        "(default: %(default)s)", metavar="SECONDS", group=_ENGINE, gt=0)
     max_num_seqs: int = option(64, "sequences batched together at most", group=_ENGINE, ge=1)
     max_num_batched_tokens: int = option(
         2048, "tokens computed per engine step (prefill chunks + decodes)", group=_ENGINE, ge=1)

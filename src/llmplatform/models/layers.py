@@ -78,7 +78,7 @@ class Linear(nn.Module):
             weight, bias, _ = self._row_kernel
             return small_linear_cpu(x, weight, bias, out_dtype)
         if out_dtype is not None and out_dtype != x.dtype:
-            return self.forward(x).to(out_dtype)
+            return Linear.forward(self, x).to(out_dtype)  # not a subclass's (it may all-reduce)
         if self._onednn_weight is not None:
             dtype = self._onednn_weight.dtype
             rows = x.shape[0]

@@ -11,6 +11,12 @@ K/V go in the cache and what each may attend to. One layer:
 
 The residual add happens inside the next RMSNorm call. q/k/v and gate/up are fused projections
 (one matmul each instead of three and two); the loader stacks the checkpoint's matrices into them.
+
+Given a ``ShardGroup`` of N > 1 ranks (tensor parallelism, ``models.parallel``), each module holds
+one rank's shard: H/N query heads, Hkv/N key/value heads (and their KV cache), I/N MLP columns,
+V/N vocabulary rows; ``o_proj``, ``down_proj`` and the embedding all-reduce, and
+``compute_logits`` gathers the logits on rank 0. Counts below (``num_heads``, ``num_kv_heads``)
+are this rank's.
 """
 
 from __future__ import annotations
@@ -25,12 +31,20 @@ from llmplatform.kernels import AttentionMetadata, fused_decode_attention, paged
 from llmplatform.kernels.cpu_activation import silu_mul_cpu
 from llmplatform.kernels.cpu_linear import small_linear_cpu
 from llmplatform.models.layers import (
-    Embedding,
     Linear,
     RMSNorm,
     RotaryEmbedding,
     rope_max_position,
     rope_parameters,
+)
+from llmplatform.models.parallel import (
+    ShardGroup,
+    check_divisible,
+    column_linear,
+    gather_logits,
+    lm_head_linear,
+    row_linear,
+    vocab_embedding,
 )
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -55,18 +69,22 @@ def _attention_biases(config: Any) -> tuple[bool, bool]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str,
+                 shard: ShardGroup | None = None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = num_kv_heads_of(config)
+        num_ranks = 1 if shard is None else shard.size
+        self.num_heads = config.num_attention_heads // num_ranks
+        self.num_kv_heads = num_kv_heads_of(config) // num_ranks
         self.head_dim = head_dim_of(config)
         self.scale = self.head_dim**-0.5
         qkv_bias, o_bias = _attention_biases(config)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(
-            config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias, dtype=dtype, device=device
+        # The whole model's sizes: a sharded projection keeps its rank's share of each.
+        q_size = config.num_attention_heads * self.head_dim
+        kv_size = num_kv_heads_of(config) * self.head_dim
+        self.qkv_proj = column_linear(
+            shard, config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias, dtype=dtype, device=device
         )
-        self.o_proj = Linear(q_size, [config.hidden_size], bias=o_bias, dtype=dtype, device=device)
+        self.o_proj = row_linear(shard, q_size, config.hidden_size, bias=o_bias, dtype=dtype, device=device)
         # Decode-only steps of up to this many tokens run rotary, the K/V store and attention as
         # one fused call (kernels.fused_decode_attention); 0: never (the eager path).
         self.fused_max_rows = 0
@@ -99,15 +117,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str,
+                 shard: ShardGroup | None = None) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
         bias = bool(getattr(config, "mlp_bias", False))
         size = config.intermediate_size
-        self.intermediate_size = size
-        self.gate_up_proj = Linear(config.hidden_size, [size, size], bias=bias, dtype=dtype, device=device)
-        self.down_proj = Linear(size, [config.hidden_size], bias=bias, dtype=dtype, device=device)
+        self.intermediate_size = size // (1 if shard is None else shard.size)  # this rank's columns
+        self.gate_up_proj = column_linear(shard, config.hidden_size, [size, size], bias=bias,
+                                          dtype=dtype, device=device)
+        self.down_proj = row_linear(shard, size, config.hidden_size, bias=bias, dtype=dtype, device=device)
         self.fused_max_rows = 0  # steps of up to this many tokens: silu * up in one C call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
@@ -120,13 +140,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str,
+                 shard: ShardGroup | None = None) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.self_attn = LlamaAttention(config, dtype=dtype, device=device)
+        self.self_attn = LlamaAttention(config, dtype=dtype, device=device, shard=shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.mlp = LlamaMLP(config, dtype=dtype, device=device)
+        self.mlp = LlamaMLP(config, dtype=dtype, device=device, shard=shard)
 
     def forward(
         self,
@@ -146,12 +167,15 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, config: Any, *, dtype: torch.dtype, device: torch.device | str, max_position: int
+        self, config: Any, *, dtype: torch.dtype, device: torch.device | str, max_position: int,
+        shard: ShardGroup | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = vocab_embedding(shard, config.vocab_size, config.hidden_size, dtype=dtype,
+                                            device=device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, dtype=dtype, device=device, shard=shard)
+            for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding(
@@ -180,7 +204,8 @@ class LlamaForCausalLM(nn.Module):
 
     Parameters are created empty; ``models.loader.load_weights`` fills them from a checkpoint
     (or use ``models.loader.load_model``). ``max_model_len`` bounds the rotary table (default:
-    what the config supports).
+    what the config supports). ``shard``: build this rank's shard of a tensor-parallel model
+    (``models.parallel``; None or one rank: the whole model).
     """
 
     def __init__(
@@ -190,22 +215,29 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         max_model_len: int | None = None,
+        shard: ShardGroup | None = None,
     ) -> None:
         super().__init__()
+        if shard is not None and shard.size == 1:
+            shard = None
+        if shard is not None:
+            check_divisible(config, shard.size)
         self.config = config
         self.dtype = dtype
+        self.shard = shard
+        self.vocab_size = config.vocab_size  # the logits' width (every rank's slice gathered)
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = num_kv_heads_of(config)
+        self.num_kv_heads = num_kv_heads_of(config) // (1 if shard is None else shard.size)  # this rank's
         self.head_dim = head_dim_of(config)
         max_position = rope_max_position(config)
         if max_model_len is not None:
             max_position = min(max_position, max_model_len)
         self.max_position = max_position
-        self.model = LlamaModel(config, dtype=dtype, device=device, max_position=max_position)
+        self.model = LlamaModel(config, dtype=dtype, device=device, max_position=max_position, shard=shard)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (
             None if self.tie_word_embeddings
-            else Linear(config.hidden_size, [config.vocab_size], bias=False, dtype=dtype, device=device)
+            else lm_head_linear(shard, config.hidden_size, config.vocab_size, dtype=dtype, device=device)
         )
         self.compute_dtype = dtype
         # With tied embeddings and a compute dtype other than ``dtype``: the output projection's
@@ -239,7 +271,7 @@ class LlamaForCausalLM(nn.Module):
         self.compute_dtype = dtype
 
     @property
-    def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]
+    def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden] (sharded: this rank's rows)
         """The output projection: the embedding matrix itself when the config ties them."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
@@ -253,7 +285,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
-        """Logits (model dtype) of the rows the caller samples from."""
+        """Logits (model dtype) of the rows the caller samples from. Sharded: a collective that
+        every rank calls with the same rows; rank 0 gets the whole vocabulary's logits."""
+        if self.shard is not None:
+            return gather_logits(self.shard, self._local_logits(hidden), self.vocab_size)
+        return self._local_logits(hidden)
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab rows]
         if self._row_kernel_lm_head is not None and hidden.shape[0] <= self._row_kernel_lm_head[1]:
             return small_linear_cpu(hidden, self._row_kernel_lm_head[0])
         if self.lm_head is not None:

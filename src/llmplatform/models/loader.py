@@ -8,6 +8,9 @@ missing ``embed_tokens``. A bare decoder checkpoint (``MistralModel``: an embedd
 LM head) names its weights without the ``model.`` prefix; it loads with tied embeddings standing in
 for the head it lacks (its logits are never used). Every parameter (every shard of a fused one) must be filled exactly
 once, or loading fails naming what is missing.
+
+A tensor-parallel shard (``models.parallel``) reads each tensor through safetensors' lazy slice and
+its module's ``checkpoint_slice``: only this rank's rows or columns leave the file.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from llmplatform.models.layers import Linear
+from llmplatform.models.parallel import ShardGroup
 from llmplatform.models.registry import get_model_class, is_headless
 from llmplatform.utils.logs import progress
 
@@ -41,8 +46,10 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     max_model_len: int | None = None,
+    shard: ShardGroup | None = None,
 ) -> nn.Module:
-    """Build the registered model class for ``model_dir``'s config.json and load its weights."""
+    """Build the registered model class for ``model_dir``'s config.json and load its weights
+    (``shard``: only this rank's shard of them)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(model_dir))
@@ -50,7 +57,10 @@ def load_model(
     headless = is_headless(config)
     if headless:
         config.tie_word_embeddings = True  # no head stored: the embeddings stand in (unused)
-    model = model_class(config, dtype=dtype, device=device, max_model_len=max_model_len)
+    if shard is not None and shard.size > 1:
+        model = model_class(config, dtype=dtype, device=device, max_model_len=max_model_len, shard=shard)
+    else:
+        model = model_class(config, dtype=dtype, device=device, max_model_len=max_model_len)
     load_weights(model, model_dir, headless=headless)
     return model.eval()
 
@@ -62,9 +72,10 @@ def load_weights(model: nn.Module, model_dir: str | Path, *, headless: bool = Fa
     missing = {(name, shard) for name in params for shard in range(_num_shards(model, name))}
     lm_head_fallback: torch.Tensor | None = None
     tied = _EMBED in params and "lm_head.weight" not in params
+    sliced = getattr(model, "shard", None) is not None  # read lazily, each module its slice
 
     # A big checkpoint takes a while: show it moving (on a terminal; see utils.logs.progress).
-    tensors = progress(_iter_checkpoint(Path(model_dir)), total=_num_tensors(Path(model_dir)),
+    tensors = progress(_iter_checkpoint(Path(model_dir), lazy=sliced), total=_num_tensors(Path(model_dir)),
                        desc="Loading weights", unit="tensor")
     for checkpoint_name, tensor in tensors:
         if checkpoint_name.endswith("rotary_emb.inv_freq"):
@@ -72,7 +83,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, *, headless: bool = Fa
         if headless and not checkpoint_name.startswith("model."):
             checkpoint_name = "model." + checkpoint_name
         if checkpoint_name == "lm_head.weight" and tied:
-            lm_head_fallback = tensor
+            lm_head_fallback = _read_part(model, _EMBED, 0, tensor)  # now: the file closes
             continue
         name, shard = _our_name(checkpoint_name)
         if name not in params:
@@ -106,6 +117,7 @@ def _copy_shard(
     model: nn.Module, param: torch.Tensor, name: str, shard: int, tensor: torch.Tensor, source: str
 ) -> None:
     module = model.get_submodule(name.rsplit(".", 1)[0])
+    tensor = _read_part(model, name, shard, tensor)
     target = param.data
     if isinstance(module, Linear) and len(module.output_sizes) > 1:
         start = sum(module.output_sizes[:shard])
@@ -115,11 +127,20 @@ def _copy_shard(
     target.copy_(tensor)
 
 
-def _iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_part(model: nn.Module, name: str, shard: int, tensor: Any) -> torch.Tensor:
+    """``tensor`` itself, or from a lazy safetensors slice only the part this rank holds."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor
+    read = getattr(model.get_submodule(name.rsplit(".", 1)[0]), "checkpoint_slice", None)
+    return read(name.rsplit(".", 1)[1], shard, tensor) if read is not None else tensor[:]
+
+
+def _iter_checkpoint(model_dir: Path, *, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor), or with ``lazy`` (name, safetensors slice) read only when indexed."""
     for path in _safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
 
 
 def _num_tensors(model_dir: Path) -> int:

@@ -13,8 +13,11 @@ Placement. The controller, the gateway and the web UI stay on the node that runs
 addresses are what serve prints and what the workers are told). Workers go wherever Ray finds
 their resources when ``--host`` is not loopback; each binds on its node and gives the controller
 its node's address (Ray's node IP). With a loopback ``--host`` (the default) nothing else could
-reach them, so every actor stays on serve's node. A worker needs no placement group until a
-worker spans several processes (tensor parallelism); one worker is one actor today.
+reach them, so every actor stays on serve's node. A worker with ``--tensor-parallel-size N``
+runs its N ranks as its own child processes, so its actor reserves N CPUs (and N GPUs on CUDA):
+one actor's resources always come from one node, which packs the ranks there and makes all N
+GPUs visible to the worker (a placement group of one bundle per rank would hand the worker's
+process one bundle's GPU only).
 
 Ray itself: bare ``--ray`` starts a local Ray instance for this run (bounded object store, no
 dashboard) and shuts it down at exit; ``--ray auto`` or ``--ray HOST:PORT`` joins a running
@@ -100,7 +103,9 @@ def placements(services: list[ServiceSpec], *, host: str, user_worker_addresses:
         device = _flag_value(service.argv, "--device") or os.environ.get(
             FORWARDED_ENV_PREFIX + "DEVICE", "auto")
         gpus = 1 if device == "cuda" or (device == "auto" and cluster_has_gpus) else 0
-        result.append(Placement(1, gpus, one_host, not one_host,
+        ranks = int(_flag_value(service.argv, "--tensor-parallel-size") or os.environ.get(
+            FORWARDED_ENV_PREFIX + "TENSOR_PARALLEL_SIZE", "1"))
+        result.append(Placement(ranks, gpus * ranks, one_host, not one_host,
                                 not user_worker_addresses[worker_index]))
         worker_index += 1
     return result

@@ -38,6 +38,9 @@ def worker_summary(llm: LLMBackend, settings: WorkerSettings, listen: str) -> di
         "device": info.device,
         **({"attention": info.attention} if info.attention else {}),
         "kv_cache": kv,
+        **({"tensor_parallel": f"{info.tensor_parallel_size} ranks, {info.num_kv_heads_per_rank} "
+                               f"KV head(s) and {info.num_kv_blocks} KV blocks per rank"}
+           if info.tensor_parallel_size > 1 else {}),
         "max_model_len": llm.context_length,
         "concurrency": settings.limit_worker_concurrency,
         "listen": listen,

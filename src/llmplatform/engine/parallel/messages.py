@@ -1,0 +1,46 @@
+"""What rank 0 tells the other tensor-parallel ranks, one message per operation on the model.
+
+Rank 0 sends each message (over a pipe per rank: the ranks share one host) right before doing the
+same operation itself; an operation's collectives (all-reduces, the logits' gather) then meet on
+the process group. So the ranks run the same sequence of forward passes and logit computations in
+lockstep, and a rank never decides anything: it never schedules and never samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One forward pass: the flattened batch of ``ModelRunner.execute`` (no padding), as lists.
+    ``blocks_to_copy`` (copy-on-write, source -> destination) are applied first."""
+
+    input_ids: list[int]
+    positions: list[int]
+    context_lens: list[int]
+    query_lens: list[int]
+    block_tables: list[list[int]]
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ComputeLogits:
+    """Logits of these rows of the last forward pass's hidden states (None: all rows)."""
+
+    rows: list[int] | None
+
+
+@dataclass(frozen=True)
+class AllocateKV:
+    """A fresh, zeroed KV pool of ``num_blocks`` blocks (the previous one is dropped first)."""
+
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Exit (status 0)."""
+
+
+RankMessage = StepInputs | ComputeLogits | AllocateKV | Stop

@@ -1,0 +1,141 @@
+"""A tensor-parallel rank other than 0: a process that holds one shard and runs what rank 0 says.
+
+Started by ``ranks.TensorParallelRanks`` (the spawn start method: a fresh interpreter, no state
+inherited from the worker). Its life:
+
+1. join the process group (``group``) and run the low-precision probes with the others;
+2. load its shard (``model_setup.prepare_model``: the code path rank 0 runs) and report
+   ``("ready", facts)`` on its pipe, or ``("error", text)`` when that fails;
+3. run each message from rank 0 (``messages``): allocate the KV pool, a forward pass (block copies
+   first), a logits computation (its part of the gather), until ``Stop``.
+
+It leaves with its parent: the pipe's end-of-file (the parent exited, or was killed: the kernel
+closes its end) ends the loop; a collective that fails (another rank died, or the timeout passed)
+ends the process with status 1 after reporting the error. Its log lines go to the parent's
+stderr, prefixed with its rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from llmplatform.engine.config import ModelConfig
+
+logger = logging.getLogger("llmplatform.engine")
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a spawned rank needs (pickled to it)."""
+
+    rank: int
+    size: int
+    generation: int  # which start of the ranks (a restart's ranks use fresh store keys)
+    store_port: int
+    model: ModelConfig
+    max_model_len: int
+    block_size: int
+    rank_timeout_s: float
+    start_timeout_s: float
+    num_threads: int  # torch CPU threads (the ranks share the host's cores)
+    log_level: int
+
+
+def main(spec: RankSpec, conn: Connection) -> None:
+    """The process's entry point (``multiprocessing`` target)."""
+    logging.basicConfig(level=spec.log_level, stream=sys.stderr,
+                        format=f"%(asctime)s tp-rank{spec.rank} %(levelname)s %(name)s: %(message)s")
+    try:
+        shard = _Shard(spec, conn)
+    except BaseException as exc:
+        _report(conn, f"rank {spec.rank} could not start: {type(exc).__name__}: {exc}\n"
+                      f"{traceback.format_exc()}")
+        os._exit(1)
+    try:
+        shard.serve()
+    except EOFError:  # the parent is gone: so is our reason to run
+        os._exit(0)
+    except BaseException as exc:
+        _report(conn, f"rank {spec.rank} failed: {type(exc).__name__}: {exc}")
+        logger.error("tensor-parallel rank %d failed", spec.rank, exc_info=exc)
+        os._exit(1)
+    os._exit(0)
+
+
+def _report(conn: Connection, text: str) -> None:
+    try:
+        conn.send(("error", text))
+    except OSError:
+        pass
+
+
+class _Shard:
+    def __init__(self, spec: RankSpec, conn: Connection) -> None:
+        import torch
+
+        from llmplatform.engine.model_setup import prepare_model
+        from llmplatform.engine.parallel.group import (GroupCollectives, client_store,
+                                                       new_process_group)
+        from llmplatform.models.parallel import ShardGroup
+        from llmplatform.utils.torch_utils import resolve_device, resolve_dtype
+
+        self.spec = spec
+        self.conn = conn
+        if spec.num_threads > 0:
+            torch.set_num_threads(spec.num_threads)
+        device = resolve_device(spec.model.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", spec.rank)
+            torch.cuda.set_device(device)
+        self.device = device
+        dtype = resolve_dtype(spec.model.dtype, device)
+        store = client_store(spec.store_port, spec.size, spec.start_timeout_s)
+        conn.send(("joining", os.getpid()))
+        group = new_process_group(store, spec.rank, spec.size, device, spec.rank_timeout_s,
+                                  spec.generation)
+        self.shard = ShardGroup(spec.rank, spec.size)
+        self.shard.bind(GroupCollectives(group, spec.rank, spec.size, device))
+        self._store, self._group = store, group  # kept alive with the process
+        prepared = prepare_model(spec.model, device, dtype, spec.max_model_len, self.shard)
+        self.model = prepared.model
+        self.kv_caches: list = []
+        self.hidden = None
+        conn.send(("ready", {"decode_path": prepared.decode_path}))
+
+    def serve(self) -> None:
+        import torch
+
+        from llmplatform.engine.model_setup import copy_kv_blocks
+        from llmplatform.engine.parallel.messages import AllocateKV, ComputeLogits, StepInputs, Stop
+        from llmplatform.kernels import AttentionMetadata
+
+        model, device, block_size = self.model, self.device, self.spec.block_size
+        with torch.inference_mode():
+            while True:
+                message = self.conn.recv()  # EOFError when the parent is gone
+                if isinstance(message, StepInputs):
+                    copy_kv_blocks(self.kv_caches, message.blocks_to_copy, device)
+                    metadata = AttentionMetadata.build(
+                        context_lens=message.context_lens, query_lens=message.query_lens,
+                        block_tables=message.block_tables, block_size=block_size, device=device)
+                    ids = torch.tensor(message.input_ids, dtype=torch.long, device=device)
+                    positions = torch.tensor(message.positions, dtype=torch.long, device=device)
+                    self.hidden = model(ids, positions, self.kv_caches, metadata)
+                elif isinstance(message, ComputeLogits):
+                    hidden = self.hidden
+                    if message.rows is not None:
+                        hidden = hidden[torch.tensor(message.rows, dtype=torch.long, device=device)]
+                    model.compute_logits(hidden)  # this rank's part of the gather
+                elif isinstance(message, AllocateKV):
+                    self.kv_caches = []  # the old pool goes first
+                    self.kv_caches = model.allocate_kv_caches(message.num_blocks, block_size,
+                                                              device=device)
+                elif isinstance(message, Stop):
+                    return
+                else:
+                    raise TypeError(f"unknown message {type(message).__name__}")

@@ -1,0 +1,283 @@
+"""Rank 0's side of a tensor-parallel engine: starting ranks 1..N-1, talking to them, watching
+them, stopping them.
+
+Rank 0 is the engine's own process (scheduler, sampler, HTTP); the other ranks are processes it
+spawns (``rank_process``), each with a pipe: rank 0 sends every operation on the model down the
+pipes (``messages``) and the ranks' collectives meet on the process group (``group``).
+
+Failure (the engine never waits forever on a rank):
+- a rank that exits or is killed is seen at once by a watcher thread (the process's sentinel):
+  the next step, or the idle engine's next look (``LLMEngine.has_unfinished``), raises
+  ``RankFailedError`` naming the rank, its pid and how it ended;
+- a rank that hangs leaves rank 0 waiting in a collective for at most the group's timeout
+  (``ParallelConfig.rank_timeout_s``), then the step fails;
+- a rank that does not start (its import or its shard fails) fails the start with its error.
+The engine's rebuild after a failed step (``ModelRunner.reset_kv_cache``) stops every rank and
+starts a fresh set, which loads its shards again; rank 0 keeps its own.
+
+No orphans: each rank ends when its pipe reaches end-of-file (the parent exited or was killed),
+``close`` stops them (``Stop``, then terminate and kill after a grace period), and they are
+daemonic, so a normal interpreter exit terminates them too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from llmplatform.engine.config import ModelConfig, ParallelConfig
+from llmplatform.engine.parallel import rank_process
+from llmplatform.engine.parallel.group import GroupCollectives, master_store, new_process_group
+from llmplatform.engine.parallel.messages import RankMessage, Stop
+from llmplatform.models.parallel import ShardGroup
+
+logger = logging.getLogger("llmplatform.engine")
+
+STOP_GRACE_S = 5.0
+"""How long a rank gets to exit after ``Stop`` (then after SIGTERM) before the next signal."""
+DEATH_NOTICE_S = 2.0
+"""After a collective failed: how long to wait for a rank's exit to explain it."""
+
+
+class RankFailedError(RuntimeError):
+    """A tensor-parallel rank died, hung or failed to start: the engine cannot step with it."""
+
+
+class TensorParallelRanks:
+    """Ranks 1..N-1 of one engine. ``shard`` is rank 0's place in the group, for its model's
+    layers. Construct, load rank 0's own shard, then ``wait_ready`` (the ranks load theirs
+    meanwhile)."""
+
+    def __init__(self, parallel: ParallelConfig, model: ModelConfig, *, device: torch.device,
+                 max_model_len: int, block_size: int) -> None:
+        self.config = parallel
+        self.size = parallel.tensor_parallel_size
+        self.shard = ShardGroup(0, self.size)
+        self._model = model
+        self._device = device
+        self._max_model_len = max_model_len
+        self._block_size = block_size
+        self._generation = 0
+        self._procs: list[Any] = []  # rank r at index r - 1
+        self._conns: list[Connection] = []
+        self._store: dist.TCPStore | None = None
+        self._failure: str | None = None
+        self._closing = False
+        self.widened: tuple[torch.dtype, ...] = ()
+        # Called (on the watcher thread) once a rank is found gone; set by the engine's owner.
+        self.on_failure: Callable[[], None] | None = None
+        self._start()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._generation += 1
+        self._failure = None
+        self._closing = False
+        config = self.config
+        self._store = master_store(self.size, config.rank_start_timeout_s)
+        context = torch.multiprocessing.get_context("spawn")
+        # The ranks share the host's cores: each takes its share (rank 0 keeps its own setting).
+        threads = max(1, (os.cpu_count() or 1) // self.size) if self._device.type == "cpu" else 0
+        try:
+            for rank in range(1, self.size):
+                ours, theirs = context.Pipe(duplex=True)
+                spec = rank_process.RankSpec(
+                    rank=rank, size=self.size, generation=self._generation,
+                    store_port=self._store.port, model=self._model,
+                    max_model_len=self._max_model_len, block_size=self._block_size,
+                    rank_timeout_s=config.rank_timeout_s,
+                    start_timeout_s=config.rank_start_timeout_s, num_threads=threads,
+                    log_level=logging.getLogger("llmplatform").getEffectiveLevel())
+                proc = context.Process(target=rank_process.main, args=(spec, theirs),
+                                       name=f"llmplatform-tp-rank{rank}", daemon=True)
+                proc.start()
+                theirs.close()  # only the child holds its end: our exit gives it end-of-file
+                self._procs.append(proc)
+                self._conns.append(ours)
+            self._expect("joining")
+            group = new_process_group(self._store, 0, self.size, self._device,
+                                      config.rank_timeout_s, self._generation)
+            collectives = GroupCollectives(group, 0, self.size, self._device)
+        except BaseException:
+            self.close()
+            raise
+        self.widened = collectives.widened
+        self.shard.bind(collectives)
+        logger.info("tensor parallel: %d ranks (%s), ranks 1-%d are pids %s; loading their shards",
+                    self.size, "nccl" if self._device.type == "cuda" else "gloo", self.size - 1,
+                    ", ".join(str(p.pid) for p in self._procs))
+
+    def wait_ready(self) -> None:
+        """Returns once every rank has loaded its shard; raises RankFailedError (and stops them
+        all) when one failed or did not finish within ``rank_start_timeout_s``."""
+        try:
+            self._expect("ready")
+        except BaseException:
+            self.close()
+            raise
+        threading.Thread(target=self._watch, args=(self._generation,), daemon=True,
+                         name=f"tp-watch-{self._generation}").start()
+
+    def restart(self) -> None:
+        """A fresh set of ranks (after a failed step: the old ones' state is unknown)."""
+        self.close()
+        self._procs, self._conns = [], []
+        self._start()
+        self.wait_ready()
+
+    def close(self) -> None:
+        """Stops every rank and reaps it (idempotent)."""
+        self._closing = True
+        for conn in self._conns:
+            try:
+                conn.send(Stop())
+            except OSError:
+                pass
+        for proc in self._procs:
+            proc.join(STOP_GRACE_S)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(STOP_GRACE_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+        self._store = None
+
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self._procs]
+
+    # ---- operations --------------------------------------------------------------------------
+
+    def send(self, message: RankMessage) -> None:
+        """Tells every rank to do what rank 0 is about to do."""
+        self.raise_if_failed()
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self._conns:
+                conn.send_bytes(payload)
+        except OSError as exc:
+            raise self.explain(exc) from exc
+
+    @property
+    def failure(self) -> str | None:
+        """Why a rank is gone (None while all run)."""
+        return self._failure
+
+    def raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise RankFailedError(self._failure)
+
+    def explain(self, exc: BaseException) -> BaseException:
+        """What a failed step's exception means: a RankFailedError naming the rank when a rank
+        exited (waiting briefly for its exit to show), or when a collective failed or timed
+        out; ``exc`` itself when the other ranks had nothing to do with it."""
+        if self._failure is None:
+            sentinels = [proc.sentinel for proc in self._procs]
+            if wait(sentinels, timeout=DEATH_NOTICE_S):
+                time.sleep(0.1)  # let the watcher record which rank, and how
+        if self._failure is not None:
+            return RankFailedError(self._failure)
+        if isinstance(exc, (dist.DistError, OSError)) or _from_the_group(exc):
+            return RankFailedError(
+                f"no answer from the other tensor-parallel ranks ({type(exc).__name__}: {exc}); "
+                f"every rank is still running, so one hangs or is too slow (the timeout is "
+                f"{self.config.rank_timeout_s:g} s, --tensor-parallel-timeout)")
+        return exc
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _expect(self, kind: str) -> None:
+        deadline = time.monotonic() + self.config.rank_start_timeout_s
+        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True), start=1):
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RankFailedError(
+                        f"tensor-parallel rank {rank} (pid {proc.pid}) did not start within "
+                        f"{self.config.rank_start_timeout_s:g} s")
+                ready = wait([conn, proc.sentinel], timeout=remaining)
+                if conn in ready:
+                    try:
+                        message_kind, payload = conn.recv()
+                    except (EOFError, OSError):
+                        proc.join(STOP_GRACE_S)
+                        raise RankFailedError(_ended(rank, proc, None)) from None
+                    if message_kind == "error":
+                        proc.join(STOP_GRACE_S)
+                        raise RankFailedError(_ended(rank, proc, payload))
+                    if message_kind == kind:
+                        break
+                elif ready:
+                    proc.join(STOP_GRACE_S)
+                    raise RankFailedError(_ended(rank, proc, None))
+
+    def _watch(self, generation: int) -> None:
+        """Waits for any rank to end (or to report an error first); records why."""
+        procs, conns = list(self._procs), list(self._conns)
+        rank_of: dict[Any, int] = {}
+        for rank, (proc, conn) in enumerate(zip(procs, conns, strict=True), start=1):
+            rank_of[proc.sentinel] = rank
+            rank_of[conn] = rank
+        errors: dict[int, str] = {}
+        watched = list(rank_of)
+        while watched:
+            for ready in wait(watched):
+                rank = rank_of[ready]
+                if isinstance(ready, Connection):
+                    try:
+                        kind, payload = ready.recv()
+                    except (EOFError, OSError):
+                        watched.remove(ready)
+                        continue
+                    if kind == "error":
+                        errors[rank] = payload
+                    continue
+                if self._closing or generation != self._generation:
+                    return
+                proc = procs[rank - 1]
+                proc.join(STOP_GRACE_S)
+                self._failure = _ended(rank, proc, errors.get(rank))
+                logger.error("%s; the engine fails its step and starts the ranks again (or "
+                             "stops, see the restart budget)", self._failure)
+                if self.on_failure is not None:
+                    self.on_failure()
+                return
+
+
+def _from_the_group(exc: BaseException) -> bool:
+    """Whether a plain RuntimeError came from the process group (gloo raises those for a closed
+    connection or a timed-out receive: ``[.../gloo/transport/tcp/...] Timed out waiting``)."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        mark in text for mark in ("gloo", "NCCL", "Timed out", "Connection closed"))
+
+
+def _ended(rank: int, proc: Any, error: str | None) -> str:
+    code = proc.exitcode
+    if code is None:
+        how = "stopped answering"
+    elif code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with status {code}"
+    text = f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"
+    if error:
+        text += f": {error.strip().splitlines()[0]}"
+    return text
