@@ -36,12 +36,21 @@ A sequence admitted with nothing computed takes the blocks of its longest cached
 number of sequences, like a fork) and leaves the free pool if it was there; those tokens count as
 computed. Cached blocks are full and never written again, so sharing them needs no copy-on-write.
 
+Blocks in flight. ``allocate_slots`` also notes, by hash, the full blocks a sequence is about to
+compute (its table covers them, its computed tokens do not yet); ``cache_full_blocks`` after the
+step, or ``free``, clears them. Between a step's scheduling and its update, then,
+``num_in_flight_blocks`` tells a waiting sequence how many of the blocks right after its cached
+prefix another sequence is computing in that very step: the scheduler defers it one step rather
+than compute the same prefix twice (engine.scheduler). Only sequences holding blocks have blocks in
+flight, and each of them computes them in the step that allocated them, so nothing waits on a
+waiting sequence and no note outlives its step.
+
 Pure Python, no torch: the model runner owns the KV tensors; this class owns only the ids.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 
 from llmplatform.engine.prefix_cache import (BlockHash, PrefixCache, PrefixCacheStats,
@@ -64,6 +73,11 @@ class BlockManager:
         self._free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.prefix_cache = PrefixCache(num_blocks) if enable_prefix_caching else None
         self.prefix_cache_stats = PrefixCacheStats()
+        # Blocks in flight (see the module docstring): how many sequences are computing each hash
+        # now, and per sequence id the end of its in-flight blocks, which run from its
+        # num_cached_blocks (the blocks before it are computed and offered to the cache).
+        self._in_flight: Counter[BlockHash] = Counter()
+        self._in_flight_end: dict[int, int] = {}
 
     # ---- pool facts ---------------------------------------------------------------------------
 
@@ -161,11 +175,13 @@ class BlockManager:
         assert all(self._ref_counts[b] == 1 for b in seq.block_table[start:]), "writing a shared block"
         while len(seq.block_table) < self.num_blocks_for(num_total_tokens):
             seq.block_table.append(self._take_free_block())
+        self._note_in_flight(seq, num_total_tokens // self.block_size)
         return blocks_to_copy
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references, tail first; blocks no one references return to the pool
-        (cached ones keep their hash until they are evicted)."""
+        (cached ones keep their hash until they are evicted). Its blocks are no longer in flight."""
+        self._clear_in_flight(seq, len(seq.block_table))
         for block_id in reversed(seq.block_table):
             self._ref_counts[block_id] -= 1
             assert self._ref_counts[block_id] >= 0, f"block {block_id} freed twice"
@@ -227,7 +243,29 @@ class BlockManager:
         hashes = self._block_hashes(seq, num_full_blocks)
         for index in range(seq.num_cached_blocks, num_full_blocks):
             self.prefix_cache.register(seq.block_table[index], hashes[index])
+        self._clear_in_flight(seq, num_full_blocks)
         seq.num_cached_blocks = num_full_blocks
+
+    def num_in_flight_blocks(self, seq: Sequence, num_cached_blocks: int, max_num_tokens: int) -> int:
+        """How many of waiting ``seq``'s full blocks, right after its first ``num_cached_blocks``
+        (its cached prefix) and within its first ``max_num_tokens`` tokens, other sequences are
+        computing now (in flight: allocated, hash known, KV not written yet). ``seq`` holds no
+        blocks, so the blocks counted are others'. Changes nothing but ``seq``'s hash memo."""
+        if not self._in_flight:
+            return 0
+        assert not seq.block_table, "only a sequence holding nothing waits for others' blocks"
+        num_blocks = min(max_num_tokens, seq.num_tokens) // self.block_size
+        num_in_flight = 0
+        for block_hash in self._block_hashes(seq, num_blocks)[num_cached_blocks:]:
+            if block_hash not in self._in_flight:
+                break
+            num_in_flight += 1
+        return num_in_flight
+
+    @property
+    def num_in_flight_hashes(self) -> int:
+        """Distinct full-block hashes some sequence is computing now (0 between steps)."""
+        return len(self._in_flight)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block: the next lookup misses. Blocks in use keep their data (their
@@ -244,8 +282,10 @@ class BlockManager:
         Each block's reference count equals the number of tables listing it (so the counts sum to
         the tables' total length); the free pool holds, once each, exactly the unreferenced blocks
         (so free + used == num_blocks). With prefix caching, a cached block in a table sits at an
-        index where the table's sequence has that very hash.
+        index where the table's sequence has that very hash, and the blocks in flight are exactly
+        those the live sequences noted, each past its offered blocks and within its table.
         """
+        live_seqs = list(live_seqs)
         expected = [0] * self.num_blocks
         for seq in live_seqs:
             assert len(set(seq.block_table)) == len(seq.block_table), f"repeated block in {seq.block_table}"
@@ -258,6 +298,17 @@ class BlockManager:
                         assert index < len(seq.block_hashes) and seq.block_hashes[index] == block_hash, \
                             f"cached block {block_id} at index {index} of a sequence with other tokens"
         assert expected == self._ref_counts, f"ref counts {self._ref_counts}, tables say {expected}"
+        in_flight: Counter[BlockHash] = Counter()
+        live_ids = set()
+        for seq in live_seqs:
+            live_ids.add(seq.seq_id)
+            end = self._in_flight_end.get(seq.seq_id)
+            if end is not None:
+                assert seq.num_cached_blocks < end <= len(seq.block_table), \
+                    f"seq {seq.seq_id}: blocks in flight up to {end}, {seq.num_cached_blocks} cached"
+                in_flight.update(seq.block_hashes[seq.num_cached_blocks:end])
+        assert set(self._in_flight_end) <= live_ids, "blocks in flight for a sequence holding none"
+        assert in_flight == self._in_flight, "in-flight hash counts out of sync"
         free = set(self._free_block_ids)
         assert free == {b for b, count in enumerate(expected) if count == 0}, "free pool != unreferenced blocks"
         if self.prefix_cache is not None:
@@ -275,6 +326,29 @@ class BlockManager:
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None,
                                             seq.token_ids_in(start, start + size)))
         return hashes[:num_blocks]
+
+    def _note_in_flight(self, seq: Sequence, num_full_blocks: int) -> None:
+        """``seq``'s first ``num_full_blocks`` blocks will be full once this step computes them:
+        those past its computed ones are in flight."""
+        if self.prefix_cache is None:
+            return
+        start = self._in_flight_end.get(seq.seq_id, seq.num_cached_blocks)
+        if num_full_blocks <= start:
+            return
+        self._in_flight.update(self._block_hashes(seq, num_full_blocks)[start:])
+        self._in_flight_end[seq.seq_id] = num_full_blocks
+
+    def _clear_in_flight(self, seq: Sequence, num_blocks: int) -> None:
+        """``seq``'s blocks before ``num_blocks`` are no longer in flight (computed, or freed)."""
+        end = self._in_flight_end.get(seq.seq_id)
+        if end is None:
+            return
+        for block_hash in seq.block_hashes[seq.num_cached_blocks:min(end, num_blocks)]:
+            self._in_flight[block_hash] -= 1
+            if not self._in_flight[block_hash]:
+                del self._in_flight[block_hash]
+        if num_blocks >= end:
+            del self._in_flight_end[seq.seq_id]
 
     def _shared_write_index(self, seq: Sequence, num_total_tokens: int) -> int | None:
         """Table index of the shared block the next written token lands in, if there is one."""

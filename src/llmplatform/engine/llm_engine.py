@@ -91,6 +91,9 @@ class StepStats:
     # Pooling sequences finished (vector made), and the most finished by one step (batching).
     num_pooled_seqs: int = 0
     max_pooled_per_step: int = 0
+    # Waiting sequences deferred because another one was computing their prefix's next blocks
+    # (each counted once per wait; engine.scheduler, "Prefixes in flight").
+    num_deferred_for_prefix: int = 0
 
 
 class LLMEngine:
@@ -334,6 +337,14 @@ class LLMEngine:
             with request_context(seq.request_id):
                 logger.debug("preempted output %d at %d tokens (KV cache full); it will be "
                              "recomputed", seq.index, seq.num_tokens)
+        # A deferral waits for blocks a scheduled sequence computes, so no step that defers is
+        # empty (empty steps return before this).
+        stats.num_deferred_for_prefix += len(scheduled.deferred)
+        for seq, num_blocks in scheduled.deferred:
+            with request_context(seq.request_id):
+                logger.debug("output %d waits for %d prompt blocks another request is computing "
+                             "now (a shared prefix); it reuses them once cached", seq.index,
+                             num_blocks)
         stats.num_batched_tokens += scheduled.num_batched_tokens
         running = self.scheduler.running
         slots = sum(len(s.block_table) for s in running) * self.block_manager.block_size

@@ -35,6 +35,10 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # Requests rejected at admission because they can never fit, with the reason.
     rejected: list[tuple[Sequence, str]] = field(default_factory=list)
+    # Waiting sequences deferred this step, for the first time since they queued, because another
+    # sequence is computing the blocks after their cached prefix (engine.scheduler), each with the
+    # number of those blocks. They stay waiting.
+    deferred: list[tuple[Sequence, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -15,9 +15,11 @@ tokens, and at most ``max_num_seqs`` sequences run at once:
    are simply more uncomputed tokens. The oldest running sequence can always take blocks from
    newer ones, so it always progresses.
 2. Unless step 1 preempted (then the pool is full and the head of the queue is the sequence just
-   preempted), waiting sequences are admitted in strict FCFS order while the budget,
-   ``max_num_seqs`` and the free blocks allow. A prefill larger than the budget left is chunked.
-   Admission stops at the first sequence that does not fit: nobody skips ahead.
+   preempted), waiting sequences are admitted in FCFS order while the budget, ``max_num_seqs``
+   and the free blocks allow. A prefill larger than the budget left is chunked. Admission stops at
+   the first sequence that does not fit: nobody skips ahead of it. The one exception is a
+   sequence deferred for an in-flight prefix (below): it stays in its place and the next is
+   considered.
 
 A chunk that reaches a sequence's last token ``samples``: the model appends one token, which
 leaves the sequence one uncomputed token (its next decode).
@@ -39,6 +41,26 @@ below the fork point. A request asking for prompt logprobs skips the lookup: it 
 position computed, and so does a mean pooling request (engine.pooling). After each step the
 newly full blocks of each sequence are registered, generated tokens included, so a multi-turn
 conversation's next prompt finds the previous answer cached.
+
+Prefixes in flight (``min_in_flight_prefix_blocks``, with prefix caching). Requests sharing a long
+prefix often arrive together (one system prompt, several questions): admitted in the same step, each
+would miss the cache and compute the prefix again, since its blocks are cached only once computed.
+So a waiting sequence whose next ``min_in_flight_prefix_blocks`` or more full blocks after its
+cached prefix are being computed in this very step by a running sequence (the block manager's
+blocks in flight, by hash) is *deferred*: it stays in the queue, in place, and the scheduler goes on
+to the next one, so unrelated requests are not held up. Next step those blocks are cached and it is
+admitted with the hit (or deferred again, while the sharer's chunked prefill goes on: it is
+admitted as soon as the blocks it shares are computed, not the whole of the other prompt).
+Nothing waits on a waiting sequence, and no wait outlives the computation it waits for: only
+sequences holding blocks have blocks in flight, each computes them in the step that allocated
+them (so each step a sequence is deferred, its cached prefix grows), and one that is preempted,
+aborted or failed frees them, which releases the waiter (it then computes, or finds cached, what
+is left). Usually the wait is one step. A deferred sequence is waiting like any other
+(``num_waiting``); while it waits, a sequence queued behind it may take the budget. Sequences
+that skip the lookup (prompt logprobs, mean pooling) are never deferred; two children of one request
+released to run on their own (their parent finished before the fork) share this path too.
+``SchedulerOutput.deferred`` lists each sequence the first step it is deferred (the engine counts
+and logs them).
 
 Pooling sequences (``Sequence.pooling``, engine.pooling) are scheduled like any prompt, chunked
 prefill included, but their chunks never sample: the engine finishes each one in the step that
@@ -79,6 +101,8 @@ class Scheduler:
         self._pending_children: dict[int, list[Sequence]] = {}
         # request_id -> all its sequences (parent first), until every one has finished.
         self._requests: dict[str, list[Sequence]] = {}
+        # Waiting sequences deferred for an in-flight prefix since they last queued (reported once).
+        self._deferred_seq_ids: set[int] = set()
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -142,6 +166,7 @@ class Scheduler:
         preempted: list[Sequence] = []
         blocks_to_copy: list[tuple[int, int]] = []
         rejected: list[tuple[Sequence, str]] = []
+        deferred: list[tuple[Sequence, int]] = []
 
         # 0. Reject what can never run (every step: a sequence may outgrow the pool as it decodes).
         for seq in [*self.running, *self.waiting]:
@@ -162,13 +187,21 @@ class Scheduler:
                 scheduled.append(self._chunk(seq, num_new_tokens))
                 budget -= num_new_tokens
 
-        # 2. Waiting sequences, strict FCFS, unless step 1 found the pool full.
-        while self.waiting and budget > 0 and not preempted:
-            seq = self.waiting[0]  # holds no blocks, has nothing computed
-            if self._num_seq_slots_used() + self._num_seq_slots(seq) > self.config.max_num_seqs:
-                break
+        # 2. Waiting sequences, FCFS but for deferrals, unless step 1 found the pool full.
+        index = 0  # into self.waiting: the sequences before it are deferred this step
+        while index < len(self.waiting) and budget > 0 and not preempted:
+            seq = self.waiting[index]  # holds no blocks, has nothing computed
             num_target_tokens = self._num_target_tokens(seq)
             cached = self._cached_prefix(seq, num_target_tokens)
+            num_in_flight_blocks = self._num_in_flight_blocks(seq, cached, num_target_tokens)
+            if num_in_flight_blocks:
+                if seq.seq_id not in self._deferred_seq_ids:
+                    self._deferred_seq_ids.add(seq.seq_id)
+                    deferred.append((seq, num_in_flight_blocks))
+                index += 1
+                continue
+            if self._num_seq_slots_used() + self._num_seq_slots(seq) > self.config.max_num_seqs:
+                break
             num_cached_tokens = len(cached or ()) * bm.block_size
             num_total_tokens = min(num_target_tokens, num_cached_tokens + budget)
             if not bm.can_allocate(bm.blocks_needed(seq, num_total_tokens, cached)):
@@ -177,7 +210,8 @@ class Scheduler:
                 bm.take_cached_prefix(seq, cached)
             # Writing starts in a new block (after full cached blocks, if any): no copy.
             blocks_to_copy += bm.allocate_slots(seq, num_total_tokens)
-            self.waiting.popleft()
+            del self.waiting[index]
+            self._deferred_seq_ids.discard(seq.seq_id)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             num_new_tokens = num_total_tokens - seq.num_computed_tokens
@@ -185,7 +219,7 @@ class Scheduler:
             budget -= num_new_tokens
 
         return SchedulerOutput(scheduled=scheduled, preempted=preempted,
-                               blocks_to_copy=blocks_to_copy, rejected=rejected)
+                               blocks_to_copy=blocks_to_copy, rejected=rejected, deferred=deferred)
 
     def update(self, output: SchedulerOutput, model_output: ModelOutput) -> None:
         """Advance each scheduled sequence past its chunk; append sampled tokens; fork children."""
@@ -224,6 +258,18 @@ class Scheduler:
         if seq.pooling is not None and seq.pooling.uses_every_position:
             return None  # a mean pool needs every prompt position's hidden state (engine.pooling)
         return self.block_manager.find_cached_prefix(seq, num_target_tokens - 1)
+
+    def _num_in_flight_blocks(self, seq: Sequence, cached: list[int] | None,
+                              num_target_tokens: int) -> int:
+        """The full blocks right after ``seq``'s cached prefix that running sequences are
+        computing this step, when there are enough to defer ``seq`` for; else 0. ``cached`` is
+        ``_cached_prefix``'s answer (None: ``seq`` does not use the cache, it never defers)."""
+        threshold = self.config.min_in_flight_prefix_blocks
+        if cached is None or threshold == 0:
+            return 0
+        # The same cap as the lookup's: the blocks that could be hits next step.
+        num_blocks = self.block_manager.num_in_flight_blocks(seq, len(cached), num_target_tokens - 1)
+        return num_blocks if num_blocks >= threshold else 0
 
     def _chunk(self, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
         samples = seq.num_computed_tokens + num_new_tokens == seq.num_tokens and seq.pooling is None
@@ -287,6 +333,7 @@ class Scheduler:
 
     def _discard(self, seq: Sequence) -> None:
         """Remove ``seq`` from whichever queue holds it (``Sequence`` compares by identity)."""
+        self._deferred_seq_ids.discard(seq.seq_id)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
