@@ -126,7 +126,8 @@ def test_backend_specific_series(backend, client, worker_url):
                what="the request to be counted")
     after = scrape(worker_url)
     names = ("llmplatform:kv_cache_usage_perc", "llmplatform:prefix_cache_queries_total",
-             "llmplatform:prefix_cache_hits_total", "llmplatform:num_preemptions_total")
+             "llmplatform:prefix_cache_hits_total", "llmplatform:num_preemptions_total",
+             "llmplatform:prefix_cache_deferred_requests_total")
     if backend == "hf":
         # No paged KV cache: absent, never a misleading 0.
         assert all(value(after, name, **M) is None for name in names)

@@ -68,6 +68,9 @@ class LoadStats:
     num_preemptions: int | None = None
     # Times the backend rebuilt its engine after a failure no single request explained.
     num_engine_restarts: int | None = None
+    # Requests the engine held back until a prefix another request was computing was cached
+    # (computed once, not once each), cumulative since the engine started.
+    num_deferred_for_prefix: int | None = None
 
 
 @dataclass(frozen=True)

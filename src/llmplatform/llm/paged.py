@@ -146,7 +146,8 @@ class PagedLLM(LLMBackend):
                          num_free_kv_blocks=self.engine.block_manager.num_free_blocks,
                          num_kv_blocks=self.engine.block_manager.num_blocks,
                          num_preemptions=self.engine.stats.num_preemptions,
-                         num_engine_restarts=self._async.num_restarts if self._async else 0)
+                         num_engine_restarts=self._async.num_restarts if self._async else 0,
+                         num_deferred_for_prefix=self.engine.stats.num_deferred_for_prefix)
 
     def backend_info(self) -> BackendInfo:
         layout = self.engine.runner.layout

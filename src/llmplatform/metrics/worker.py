@@ -3,8 +3,9 @@
 Two sources:
 
 * **Load, read at scrape time** (:class:`_LoadCollector`): running and waiting requests, KV-cache
-  usage, and the counters the engine keeps itself (prefix-cache queries and hits, preemptions,
-  engine restarts: ``llmplatform:engine_restarts_total``).
+  usage, and the counters the engine keeps itself (prefix-cache queries and hits, requests
+  deferred for a prefix in flight, preemptions, engine restarts:
+  ``llmplatform:engine_restarts_total``).
   Read when scraped, they are never stale and need no bookkeeping on the hot path.
 * **Per-request timings, observed by the worker** (:class:`RequestObserver`): time to first
   token, inter-token latency, end-to-end latency, queue time, token counters and finished
@@ -85,6 +86,11 @@ class _LoadCollector(Collector):
                                 "Times the engine was rebuilt in-process after a step failed "
                                 "as a whole (its in-flight requests failed).",
                                 stats.num_engine_restarts)
+        if stats.num_deferred_for_prefix is not None:
+            yield self._counter("prefix_cache_deferred_requests",
+                                "Requests held back until a prompt prefix another request was "
+                                "computing was cached, so that it is computed once.",
+                                stats.num_deferred_for_prefix)
 
 
 class WorkerMetrics:
