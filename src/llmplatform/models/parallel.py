@@ -93,10 +93,12 @@ def check_divisible(config: Any, size: int) -> None:
         (heads, "attention heads"), (kv_heads, "key/value heads"),
         (config.intermediate_size, "MLP columns (intermediate_size)")) if count % size]
     if problems:
+        fitting = [n for n in range(1, kv_heads + 1)
+                   if not (heads % n or kv_heads % n or config.intermediate_size % n)]
         raise ValueError(
-            f"--tensor-parallel-size {size} does not divide this model's {' and '.join(problems)} "
-            f"(it has {heads} attention heads and {kv_heads} key/value heads; each rank holds whole "
-            f"heads): choose a size that divides both")
+            f"--tensor-parallel-size {size} does not divide this model's {' and '.join(problems)}: "
+            f"each rank holds whole heads and an equal share of the MLP (sizes that fit: "
+            f"{', '.join(map(str, fitting))})")
 
 
 # ---- layers ------------------------------------------------------------------------------------

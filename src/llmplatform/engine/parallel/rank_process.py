@@ -10,8 +10,8 @@ inherited from the worker). Its life:
    first), a logits computation (its part of the gather), until ``Stop``.
 
 It leaves with its parent: the pipe's end-of-file (the parent exited, or was killed: the kernel
-closes its end) ends the loop; a collective that fails (another rank died, or the timeout passed)
-ends the process with status 1 after reporting the error. Its log lines go to the parent's
+closes its end) ends the loop, like ``Stop``; a collective that fails (another rank died, or the
+timeout passed) ends the process with status 1 after reporting the error. Its log lines go to the parent's
 stderr, prefixed with its rank.
 """
 
@@ -59,12 +59,12 @@ def main(spec: RankSpec, conn: Connection) -> None:
     try:
         shard.serve()
     except EOFError:  # the parent is gone: so is our reason to run
-        os._exit(0)
+        pass
     except BaseException as exc:
         _report(conn, f"rank {spec.rank} failed: {type(exc).__name__}: {exc}")
         logger.error("tensor-parallel rank %d failed", spec.rank, exc_info=exc)
-        os._exit(1)
-    os._exit(0)
+        os._exit(1)  # at once: a broken group's threads must not hold the exit up
+    # A normal return: multiprocessing's exit runs the finalizers (named semaphores unlinked).
 
 
 def _report(conn: Connection, text: str) -> None:
