@@ -94,7 +94,7 @@ class LLM:
     """The native engine for offline use. Keyword arguments mirror the worker's engine flags."""
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                 compute_dtype: str = "auto", decode_path: str = "auto",
+                 compute_dtype: str = "auto", decode_path: str = "auto", quantization: str = "none",
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, block_size: int = 16,
                  kv_cache_memory: str = "2GiB", gpu_memory_utilization: float = 0.9,
@@ -104,14 +104,16 @@ class LLM:
         from llmplatform.engine.config import (CacheConfig, EngineConfig, ModelConfig,
                                                SchedulerConfig, parse_memory_size)
         from llmplatform.engine.llm_engine import LLMEngine
-        from llmplatform.llm.resolve import resolve_model
+        from llmplatform.llm.resolve import quantized_gguf, resolve_model
         from llmplatform.models.registry import max_model_len as model_max_len
 
         resolved = resolve_model(model)
+        gguf = quantized_gguf(resolved, quantization)
         limit = model_max_len(AutoConfig.from_pretrained(str(resolved.path)))
         self.engine = LLMEngine(EngineConfig(
             model=ModelConfig(str(resolved.path), (resolved.name,), device=device, dtype=dtype,
-                              compute_dtype=compute_dtype, decode_path=decode_path),
+                              compute_dtype=compute_dtype, decode_path=decode_path,
+                              quantized_gguf=None if gguf is None else str(gguf)),
             cache=CacheConfig(block_size=block_size,
                               kv_cache_memory_bytes=parse_memory_size(kv_cache_memory),
                               gpu_memory_utilization=gpu_memory_utilization, num_blocks=num_blocks,

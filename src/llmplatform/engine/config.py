@@ -99,7 +99,9 @@ class ModelConfig:
     """Which weights, on which device, in which dtype; ``compute_dtype`` is the dtype of the
     matrix products (``auto``, ``model`` or ``float32``: see ``torch_utils.resolve_compute_dtype``);
     ``decode_path`` how small-row steps run (``auto``, ``eager`` or ``fused``: see
-    ``engine.decode_path``)."""
+    ``engine.decode_path``); ``quantized_gguf`` the GGUF file ``model_path`` was converted from,
+    whose projections then stay in their block formats (``--quantization gguf``:
+    ``models.quantized``), or None for dense weights."""
 
     model_path: str
     model_names: tuple[str, ...]
@@ -107,6 +109,7 @@ class ModelConfig:
     dtype: str = "auto"
     compute_dtype: str = "auto"
     decode_path: str = "auto"
+    quantized_gguf: str | None = None
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in COMPUTE_DTYPES:

@@ -38,7 +38,7 @@ def _name(dtype: torch.dtype) -> str:
 def prepare_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
                   max_model_len: int, shard: ShardGroup | None = None) -> PreparedModel:
     model = load_model(model_config.model_path, dtype=dtype, device=device,
-                       max_model_len=max_model_len, shard=shard)
+                       max_model_len=max_model_len, shard=shard, quantized_gguf=model_config.quantized_gguf)
     decode_path = apply_decode_path(model_config.decode_path, model, device)
     compute_dtype = resolve_compute_dtype(model_config.compute_dtype, dtype, device)
     if compute_dtype != dtype:

@@ -85,6 +85,7 @@ class BackendInfo:
     attention: str | None = None  # the attention kernels (``kernels.attention_backend``)
     tensor_parallel_size: int = 1  # ranks the model is split over (each: num_kv_blocks blocks)
     num_kv_heads_per_rank: int | None = None  # KV heads each rank's cache holds
+    weights: str | None = None  # how the weights are held when not plainly in ``dtype`` (quantized)
 
     @property
     def kv_capacity_tokens(self) -> int | None:

@@ -35,6 +35,7 @@ from llmplatform.kernels import attention_backend
 from llmplatform.llm.base import BackendInfo, GenerateRequest, LLMBackend, LoadStats, ModelFacts
 from llmplatform.llm.decoder_embedding import DecoderEmbedding
 from llmplatform.llm.embedding import EmbeddingFacts, EmbeddingResult, ModelTask, check_lengths
+from llmplatform.models.quantized import quantization_summary
 from llmplatform.sampling.outputs import GenerateChunk
 from llmplatform.sampling.params import SamplingParams
 from llmplatform.utils.torch_utils import torch_thread
@@ -160,7 +161,8 @@ class PagedLLM(LLMBackend):
                            kv_block_size=layout.block_size,
                            attention=attention_backend(self.engine.runner.device).value,
                            tensor_parallel_size=layout.tensor_parallel_size,
-                           num_kv_heads_per_rank=layout.num_kv_heads_per_rank)
+                           num_kv_heads_per_rank=layout.num_kv_heads_per_rank,
+                           weights=quantization_summary(runner.model))
 
     async def abort(self, request_id: str) -> bool:
         return self._async is not None and await self._async.abort(request_id)

@@ -23,6 +23,7 @@ class BackendConfig:
     dtype: str = "auto"
     compute_dtype: str = "auto"  # paged backend only
     decode_path: str = "auto"  # paged backend only
+    quantization: str = "none"  # paged backend only: gguf keeps a GGUF's projection blocks
     max_concurrency: int | None = None  # hf: forward passes at once (default 5)
     max_model_len: int | None = None
     # Native engine (paged backend) only.
@@ -65,11 +66,14 @@ def build_llm(config: BackendConfig) -> LLMBackend:
 
 
 def _load(config: BackendConfig) -> LLMBackend:
-    from llmplatform.llm.resolve import resolve_model
+    from llmplatform.llm.resolve import quantized_gguf, resolve_model
 
     if config.task not in TASKS:
         raise ValueError(f"unknown task {config.task!r}; choose from {', '.join(TASKS)}")
     resolved = resolve_model(config.model_path)
+    gguf = quantized_gguf(resolved, config.quantization)  # None unless --quantization gguf
+    if gguf is not None and config.tensor_parallel_size > 1:
+        raise ValueError("--quantization gguf does not combine with --tensor-parallel-size > 1 yet")
     names = config.model_names or (resolved.name,)
     backend = config.backend
     model_config, reason = (_paged_config(config, resolved.path) if backend in ("auto", "paged")
@@ -109,7 +113,10 @@ def _load(config: BackendConfig) -> LLMBackend:
     if backend != "paged" and config.tensor_parallel_size > 1:
         raise ValueError(f"--tensor-parallel-size runs on the paged backend, not {backend}")
     if backend == "paged":
-        return _build_paged(config, str(resolved.path), names, embed=task == "embed")
+        return _build_paged(config, str(resolved.path), names, embed=task == "embed",
+                            quantized_gguf=None if gguf is None else str(gguf))
+    if gguf is not None:
+        raise ValueError(f"--quantization gguf runs on the paged backend, not {backend}")
     if task == "embed":
         raise ValueError(f"--task embed needs the paged backend for this decoder, which cannot "
                          f"serve {resolved.path}: {reason}")
@@ -169,7 +176,7 @@ def _build_encoder(config: BackendConfig, path: str, names: tuple[str, ...]) -> 
 
 
 def _build_paged(config: BackendConfig, path: str, names: tuple[str, ...], *,
-                 embed: bool = False) -> LLMBackend:
+                 embed: bool = False, quantized_gguf: str | None = None) -> LLMBackend:
     from transformers import AutoConfig
 
     from llmplatform.engine.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
@@ -186,7 +193,7 @@ def _build_paged(config: BackendConfig, path: str, names: tuple[str, ...], *,
     engine_config = EngineConfig(
         model=ModelConfig(model_path=path, model_names=names, device=config.device,
                           dtype=config.dtype, compute_dtype=config.compute_dtype,
-                          decode_path=config.decode_path),
+                          decode_path=config.decode_path, quantized_gguf=quantized_gguf),
         cache=CacheConfig(block_size=config.block_size,
                           kv_cache_memory_bytes=parse_memory_size(config.kv_cache_memory),
                           gpu_memory_utilization=config.gpu_memory_utilization,

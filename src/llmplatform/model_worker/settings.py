@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 
 from llmplatform.engine.config import COMPUTE_DTYPES, DECODE_PATHS, DEFAULT_RANK_TIMEOUT_S
 from llmplatform.llm.decoder_embedding import NORMALIZE_CHOICES, POOLING_CHOICES
+from llmplatform.llm.resolve import QUANTIZATIONS
 from llmplatform.model_worker.backends import BACKENDS, TASKS, BackendConfig
 from llmplatform.utils.cluster_secret import SECRET_HEADER
 from llmplatform.utils.request_guard import RequestGuardConfig
@@ -27,6 +28,7 @@ Pooling = Literal[POOLING_CHOICES]  # type: ignore[valid-type]
 Normalize = Literal[NORMALIZE_CHOICES]  # type: ignore[valid-type]
 ComputeDtype = Literal[COMPUTE_DTYPES]  # type: ignore[valid-type]
 DecodePath = Literal[DECODE_PATHS]  # type: ignore[valid-type]
+Quantization = Literal[QUANTIZATIONS]  # type: ignore[valid-type]
 _ENGINE = "native engine (--backend paged)"
 _EMBED = "embedding models (--task embed; --backend encoder or paged)"
 
@@ -97,6 +99,11 @@ class WorkerServiceSettings(ServerSettings):
         "that streams the weights as loaded (bf16: half the bytes of the float32 copy), one C "
         "call per RMSNorm, two for rotary + KV store + decode attention; eager: torch ops only (the reference, for debugging); auto: fused on "
         "CPU when its kernels build, else eager (logged)", group=_ENGINE)
+    quantization: Quantization = option(
+        "none", "gguf: a GGUF model's projection weights (q/k/v, o, gate/up, down) stay in their "
+        "Q8_0/Q4_1 blocks and decode steps read those (2-3x fewer bytes than bf16) instead of the "
+        "dequantized copy; needs a .gguf --model-path or the default model, CPU only. none: "
+        "dequantize at load (default: %(default)s)", group=_ENGINE)
     tensor_parallel_size: int = option(
         1, "split the model over this many ranks (tensor parallelism: each holds 1/N of the "
         "attention heads, KV heads, MLP and vocabulary, and the KV cache of its heads; rank 0 is "

@@ -47,11 +47,16 @@ def load_model(
     device: torch.device | str = "cpu",
     max_model_len: int | None = None,
     shard: ShardGroup | None = None,
+    quantized_gguf: str | Path | None = None,
 ) -> nn.Module:
     """Build the registered model class for ``model_dir``'s config.json and load its weights
-    (``shard``: only this rank's shard of them)."""
+    (``shard``: only this rank's shard of them; ``quantized_gguf``: the GGUF ``model_dir`` was
+    converted from, whose projection blocks then replace the dense projections:
+    ``models.quantized``)."""
     from transformers import AutoConfig
 
+    if quantized_gguf is not None and shard is not None and shard.size > 1:
+        raise ValueError("--quantization gguf does not combine with tensor parallelism yet")
     config = AutoConfig.from_pretrained(str(model_dir))
     model_class = get_model_class(config)
     headless = is_headless(config)
@@ -62,6 +67,10 @@ def load_model(
     else:
         model = model_class(config, dtype=dtype, device=device, max_model_len=max_model_len)
     load_weights(model, model_dir, headless=headless)
+    if quantized_gguf is not None:
+        from llmplatform.models.quantized import keep_gguf_quantized
+
+        keep_gguf_quantized(model, quantized_gguf)
     return model.eval()
 
 

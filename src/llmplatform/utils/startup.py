@@ -37,6 +37,7 @@ def worker_summary(llm: LLMBackend, settings: WorkerSettings, listen: str) -> di
         "dtype": info.dtype,
         "device": info.device,
         **({"attention": info.attention} if info.attention else {}),
+        **({"weights": info.weights} if info.weights else {}),
         "kv_cache": kv,
         **({"tensor_parallel": f"{info.tensor_parallel_size} ranks, {info.num_kv_heads_per_rank} "
                                f"KV head(s) and {info.num_kv_blocks} KV blocks per rank"}
