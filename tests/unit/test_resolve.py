@@ -152,7 +152,8 @@ def test_default_model_resolves_and_loads(default_model_dir: Path, no_conversion
     started = time.monotonic()
     resolved = resolve_model(None)
     assert time.monotonic() - started < 1.0
-    assert resolved == ResolvedModel(default_model_dir, DEFAULT_MODEL_NAME, "default")
+    assert resolved == ResolvedModel(default_model_dir, DEFAULT_MODEL_NAME, "default",
+                                     gguf_path=resolve.default_gguf_path())
 
     config = json.loads((resolved.path / "config.json").read_text())
     assert "quantization_config" not in config
