@@ -18,14 +18,13 @@ import logging
 import os
 import secrets
 import shlex
-import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from llmplatform.serve.secret_flags import move_secrets_to_env, redacted
-from llmplatform.serve.supervisor import RestartPolicy, ServiceSpec, Supervisor
+from llmplatform.serve.supervisor import RestartPolicy, ServiceSpec, Supervisor, run_until_stopped
 from llmplatform.utils.cluster_secret import SECRET_ENV
 from llmplatform.utils.logs import configure_logging
 from llmplatform.utils.service_settings import LoggingSettings
@@ -334,25 +333,4 @@ def main(argv: list[str] | None = None) -> None:
         services, startup_timeout=settings.startup_timeout, shutdown_timeout=spec.shutdown_timeout,
         policy=RestartPolicy(max_restarts_per_minute=settings.max_restarts_per_minute),
         log_dir=settings.log_dir)
-
-    def on_signal(signum, frame):
-        raise KeyboardInterrupt
-
-    # SIGINT explicitly too: a shell starting us in the background leaves it ignored.
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    code = 0
-    try:
-        supervisor.start()
-        print_addresses(services)
-        code = supervisor.run()
-    except KeyboardInterrupt:
-        print("llmplatform serve: stopping", file=sys.stderr, flush=True)
-    except RuntimeError as exc:
-        print(f"llmplatform serve: error: {exc}", file=sys.stderr, flush=True)
-        code = 1
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        supervisor.stop()
-    raise SystemExit(code)
+    raise SystemExit(run_until_stopped(supervisor, lambda: print_addresses(services)))

@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -44,7 +43,7 @@ from typing import Any
 
 import httpx
 
-from llmplatform.serve.supervisor import RESTART_WINDOW_S, STOP_MARGIN_S, ServiceSpec
+from llmplatform.serve.supervisor import RESTART_WINDOW_S, STOP_MARGIN_S, ServiceSpec, run_until_stopped
 
 logger = logging.getLogger("llmplatform.serve")
 
@@ -356,28 +355,10 @@ def run_on_ray(address: str, services: list[ServiceSpec], settings: Any,
         startup_timeout_s=settings.startup_timeout, shutdown_timeout_s=settings.shutdown_timeout,
         max_restarts_per_minute=settings.max_restarts_per_minute, log_dir=settings.log_dir)
 
-    def on_signal(signum, frame):
-        raise KeyboardInterrupt
+    from llmplatform.serve.launcher import print_addresses
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    code = 0
     try:
-        deployment.start()
-        from llmplatform.serve.launcher import print_addresses
-
-        print_addresses(services, "Ray actors; Ctrl-C stops everything")
-        code = deployment.run()
-    except KeyboardInterrupt:
-        print("llmplatform serve: stopping", file=sys.stderr, flush=True)
-    except RuntimeError as exc:
-        print(f"llmplatform serve: error: {exc}", file=sys.stderr, flush=True)
-        code = 1
+        return run_until_stopped(
+            deployment, lambda: print_addresses(services, "Ray actors; Ctrl-C stops everything"))
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        try:
-            deployment.stop()
-        finally:
-            ray.shutdown()  # stops the local instance we started; only disconnects otherwise
-    return code
+        ray.shutdown()  # stops the local instance we started; only disconnects otherwise

@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO, Callable, Protocol
 
 import httpx
 
@@ -238,3 +238,42 @@ class Supervisor:
                 proc.wait()
         for log in self._logs:
             log.close()
+
+
+class Deployment(Protocol):
+    """What serve runs: the local :class:`Supervisor` or the Ray deployment."""
+
+    def start(self) -> None: ...
+
+    def run(self) -> int: ...
+
+    def stop(self) -> None: ...
+
+
+def run_until_stopped(deployment: Deployment, announce: Callable[[], None]) -> int:
+    """Start ``deployment``, ``announce`` it, and run it until it ends, Ctrl-C or SIGTERM; stop it
+    in every case. Returns the exit code: the deployment's, 0 when stopped by a signal, 1 when it
+    could not start or run (the error printed)."""
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    # SIGINT explicitly too: a shell starting us in the background leaves it ignored.
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 0
+    try:
+        deployment.start()
+        announce()
+        code = deployment.run()
+    except KeyboardInterrupt:
+        print("llmplatform serve: stopping", file=sys.stderr, flush=True)
+    except RuntimeError as exc:
+        print(f"llmplatform serve: error: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        deployment.stop()
+    return code
+
