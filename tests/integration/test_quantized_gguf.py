@@ -64,7 +64,8 @@ def test_one_forward_gives_the_dense_logits_on_both_decode_paths(tiny_q8_gguf, c
     dense = load_model(converted_dir, dtype=torch.float32)
     quantized = load_model(converted_dir, dtype=torch.float32, quantized_gguf=tiny_q8_gguf)
     projections = [m for m in quantized.modules() if isinstance(m, QuantizedLinear)]
-    assert len(projections) == 8 and {m.weight_format for m in projections} == {"q8_0"}  # 2 layers x 4
+    assert len(projections) == 9 and {m.weight_format for m in projections} == {"q8_0"}  # 2 layers x 4, head
+    assert quantized.quantized_lm_head in projections and dense.quantized_lm_head is None
     ids = list(range(1000, 1012))  # 12 rows: F.linear on the eager path, the C kernel on the fused one
     paths = ["eager", "fused"] if cpu_quant_linear.available() else ["eager"]
     for decode_path in paths:
@@ -91,7 +92,7 @@ def test_served_quantized_matches_served_dequantized(tiny_q8_gguf) -> None:
     quantized = build_llm(BackendConfig(model_names=("tiny-q8",), quantization="gguf", **common))
     dense = build_llm(BackendConfig(model_names=("tiny-dense",), **common))
     summary = worker_summary(quantized, WorkerSettings(register=False), "http://127.0.0.1:1")
-    assert summary["weights"].startswith("projections kept quantized: q8_0 (8/8")
+    assert summary["weights"].startswith("projections kept quantized: q8_0 (9/9")
     assert "weights" not in worker_summary(dense, WorkerSettings(register=False), "http://127.0.0.1:1")
     with running_cluster() as cluster:
         cluster.add_worker(quantized)

@@ -90,7 +90,7 @@ def quantized_linear(fmt: str, bias: bool) -> tuple[QuantizedLinear, torch.Tenso
     dense.weight.data.copy_(held)
     if bias:
         dense.bias.data.copy_(b)
-    return QuantizedLinear(dense, blocks, fmt), held
+    return QuantizedLinear.replacing(dense, blocks, fmt), held
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])

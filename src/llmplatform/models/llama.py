@@ -245,6 +245,9 @@ class LlamaForCausalLM(nn.Module):
         self._tied_lm_head: torch.Tensor | None = None
         # With the fused decode path: the output projection as loaded, for up to this many rows.
         self._row_kernel_lm_head: tuple[torch.Tensor, int] | None = None
+        # --quantization gguf (models.quantized): the output projection kept in GGUF blocks, for
+        # the rows its kernel takes; more rows use the dense one.
+        self.quantized_lm_head: Linear | None = None
 
     def use_row_kernels(self, max_rows: int) -> None:
         """Projections (the LM head included) and norms of up to ``max_rows`` rows run on the C
@@ -292,6 +295,8 @@ class LlamaForCausalLM(nn.Module):
         return self._local_logits(hidden)
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab rows]
+        if self.quantized_lm_head is not None and hidden.shape[0] <= self.quantized_lm_head.kernel_max_rows:
+            return self.quantized_lm_head(hidden)
         if self._row_kernel_lm_head is not None and hidden.shape[0] <= self._row_kernel_lm_head[1]:
             return small_linear_cpu(hidden, self._row_kernel_lm_head[0])
         if self.lm_head is not None:

@@ -4,9 +4,12 @@
 A GGUF model is served from the float32 directory ``llm.resolve`` converts it into (config,
 tokenizer, every weight). With the switch on, ``keep_gguf_quantized`` then replaces each
 projection (q/k/v, o, gate/up, down; per layer) whose GGUF tensors are in a supported block
-format by a ``QuantizedLinear`` over the file's raw blocks, read with ``gguf.GGUFReader``; norms,
-the embeddings and the (tied) LM head stay dense, as loaded. A projection whose tensors are in
-another format (a k-quant, say) stays dense too, and the summary says how many did.
+format by a ``QuantizedLinear`` over the file's raw blocks, read with ``gguf.GGUFReader``, and
+gives the model a quantized twin of its output projection (``output.weight``, or with tied
+embeddings ``token_embd.weight``: the default model's is Q8_0) for the rows of decode steps;
+norms, the embedding lookup and the dense output projection (for larger row counts, e.g. prompt
+logprobs) stay as loaded. A projection whose tensors are in another format (a k-quant, say)
+stays dense, with a warning saying how many did.
 
 ``QuantizedLinear`` runs products of up to the fused decode path's row count on the C kernel
 (``kernels.cpu_quant_linear``: each block read once, fp32 sums) and larger ones (prefill chunks)
@@ -61,19 +64,25 @@ class QuantizedLinear(Linear):
     """A ``Linear`` whose weight is GGUF blocks (``blocks``: uint8 ``[n, k / 32 * block_bytes]``
     in ``weight_format``); ``weight`` is None. The bias, if any, stays dense."""
 
-    def __init__(self, dense: Linear, blocks: torch.Tensor, weight_format: str) -> None:
+    def __init__(self, blocks: torch.Tensor, weight_format: str, output_sizes: list[int],
+                 bias: nn.Parameter | None, compute_dtype: torch.dtype) -> None:
         nn.Module.__init__(self)  # not Linear's: no dense weight is allocated
-        self.output_sizes = list(dense.output_sizes)
+        self.output_sizes = list(output_sizes)
         self.weight = None
-        self.bias = dense.bias
+        self.bias = bias
         self._onednn_weight = None
         self._row_kernel = None
         self.weight_format = weight_format
         self.register_buffer("blocks", blocks.contiguous(), persistent=False)
         self.in_features = cpu_quant_linear.in_features(blocks, weight_format)
-        self.compute_dtype = dense.weight_dtype
+        self.compute_dtype = compute_dtype
         self.kernel_max_rows = 0  # products of up to this many rows on the C kernel (0: none)
-        self._bias32 = None if dense.bias is None else dense.bias.detach().float().contiguous()
+        self._bias32 = None if bias is None else bias.detach().float().contiguous()
+
+    @classmethod
+    def replacing(cls, dense: Linear, blocks: torch.Tensor, weight_format: str) -> QuantizedLinear:
+        """The quantized twin of ``dense`` (its shards, bias and compute dtype)."""
+        return cls(blocks, weight_format, dense.output_sizes, dense.bias, dense.weight_dtype)
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -156,7 +165,7 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str | Path) -> int:
                 raise ValueError(f"{gguf_path}: {tensor.name} has {blocks.shape[0]} rows, the model "
                                  f"expects {linear.output_sizes[shard]}")
             rows.append(blocks)
-        quantized = QuantizedLinear(linear, torch.from_numpy(np.concatenate(rows)), fmt)
+        quantized = QuantizedLinear.replacing(linear, torch.from_numpy(np.concatenate(rows)), fmt)
         if quantized.in_features != linear.weight.shape[1]:
             raise ValueError(f"{gguf_path}: {name} takes {quantized.in_features} inputs in the file, "
                              f"{linear.weight.shape[1]} in the model")
@@ -165,6 +174,12 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str | Path) -> int:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, quantized)
         replaced += 1
+    head = _quantized_lm_head(model, reader, gguf_path)
+    if head is not None:
+        model.quantized_lm_head = head
+    else:
+        logger.info("--quantization gguf: the output projection stays dense (its GGUF tensor is in "
+                    "none of %s)", ", ".join(FORMATS))
     if dense:
         logger.warning("--quantization gguf: %s stayed dense (formats without a kernel here)",
                        ", ".join(f"{count} {fmt} projections" for fmt, count in dense.items()))
@@ -172,6 +187,23 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str | Path) -> int:
         raise ValueError(f"--quantization gguf: no projection of {gguf_path} is in a supported "
                          f"block format ({', '.join(FORMATS)})")
     return replaced
+
+
+def _quantized_lm_head(model: nn.Module, reader: Any, gguf_path: str | Path) -> QuantizedLinear | None:
+    """The output projection's blocks (``output.weight``, or with tied embeddings the token
+    embedding's), when they are in a supported format; checked against the dense head."""
+    name = "token_embd.weight" if model.lm_head is None else "output.weight"
+    tensor = next((t for t in reader.tensors if t.name == name), None)
+    if tensor is None or tensor.tensor_type.name.lower() not in FORMATS:
+        return None
+    dense = model.lm_head_weight
+    blocks = torch.from_numpy(np.array(tensor.data))  # [vocab, hidden / 32 * block_bytes] uint8
+    head = QuantizedLinear(blocks, tensor.tensor_type.name.lower(), [dense.shape[0]], None, dense.dtype)
+    if blocks.shape[0] != dense.shape[0] or head.in_features != dense.shape[1]:
+        raise ValueError(f"{gguf_path}: {name} is {blocks.shape[0]} x {head.in_features}, the model's "
+                         f"output projection {dense.shape[0]} x {dense.shape[1]}")
+    _check_against_dense(head, dense, f"{gguf_path}: {name}")
+    return head
 
 
 def quantization_summary(model: nn.Module) -> str | None:
