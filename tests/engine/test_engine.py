@@ -295,5 +295,6 @@ def test_worker_rebuilds_a_failed_engine_and_answers_503_once_it_cannot(tiny_mod
                 wait_health(200)
                 assert llm.load().num_engine_restarts == attempt + 1
         wait_health(503)
-        assert httpx.get(f"{url}/health", timeout=10).json() == {"status": "dead"}
+        health_body = httpx.get(f"{url}/health", timeout=10).json()
+        assert health_body["status"] == "dead" and "simulated kernel crash" in health_body["reason"]
         assert llm.load().num_engine_restarts == 3
