@@ -2,7 +2,8 @@
 heads) split over 2 ranks computes what one process computes: logits of one forward pass within
 1e-5, greedy tokens equal under preemption, chunked prefill and prefix caching; a size that does
 not divide the heads is refused before any rank starts; a killed rank fails the engine with its
-name, and a rebuild starts fresh ranks that serve again; closing leaves no rank running."""
+name, and a rebuild starts fresh ranks that serve again; a hung rank fails a step within the
+timeout; closing leaves no rank running."""
 
 from __future__ import annotations
 
@@ -165,6 +166,27 @@ def test_with_no_restarts_a_killed_rank_leaves_the_engine_dead_with_the_reason(t
 
     reason = asyncio.run(scenario())
     assert "tensor-parallel rank 1" in reason and "SIGKILL" in reason, reason
+
+
+def test_a_rank_that_hangs_fails_the_step_within_the_timeout(tiny_model_dir):
+    """SIGSTOP of rank 1: the next request's step waits at most the group's timeout (3 s here),
+    then the engine fails saying no rank answered; closing still reaps the stopped rank."""
+    async def scenario() -> tuple[str, int]:
+        llm = PagedLLM(engine_config(tiny_model_dir, tp=2, restart=0, rank_timeout_s=3))
+        try:
+            await llm.start()
+            prompt = llm.tokenizer("one two three four")["input_ids"]
+            (pid,) = rank_pids(llm)
+            os.kill(pid, signal.SIGSTOP)
+            with pytest.raises(Exception):
+                await first_tokens(llm, prompt, "hung")
+            return await asyncio.wait_for(llm.wait_failed(), timeout=60), pid
+        finally:
+            await llm.shutdown()
+
+    reason, pid = asyncio.run(scenario())
+    assert "no answer from the other tensor-parallel ranks" in reason and "3 s" in reason, reason
+    assert not alive(pid)
 
 
 def test_closing_the_runner_stops_its_ranks(tiny_model_dir):

@@ -16,7 +16,7 @@ The engine's rebuild after a failed step (``ModelRunner.reset_kv_cache``) stops 
 starts a fresh set, which loads its shards again; rank 0 keeps its own.
 
 No orphans: each rank ends when its pipe reaches end-of-file (the parent exited or was killed),
-``close`` stops them (``Stop``, then terminate and kill after a grace period), and they are
+``close`` stops them (``Stop``, then SIGKILL after a grace period), and they are
 daemonic, so a normal interpreter exit terminates them too.
 """
 
@@ -44,7 +44,7 @@ from llmplatform.models.parallel import ShardGroup
 logger = logging.getLogger("llmplatform.engine")
 
 STOP_GRACE_S = 5.0
-"""How long a rank gets to exit after ``Stop`` (then after SIGTERM) before the next signal."""
+"""How long a rank gets to exit after ``Stop`` before it is killed."""
 DEATH_NOTICE_S = 2.0
 """After a collective failed: how long to wait for a rank's exit to explain it."""
 
@@ -146,10 +146,7 @@ class TensorParallelRanks:
                 pass
         for proc in self._procs:
             proc.join(STOP_GRACE_S)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(STOP_GRACE_S)
-            if proc.is_alive():
+            if proc.is_alive():  # hung (or stopped): a rank holds nothing worth a clean exit
                 proc.kill()
                 proc.join()
         for conn in self._conns:
