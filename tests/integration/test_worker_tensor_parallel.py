@@ -1,8 +1,8 @@
 """`llmplatform worker --tensor-parallel-size 2` as a user runs it (real processes, gloo on CPU):
 its startup line and /worker_get_status report the layout, its greedy outputs over HTTP equal a
-one-process worker's, a killed rank is replaced and the worker serves again, and neither SIGTERM
-nor SIGKILL of the worker leaves a rank running. In-process: with restarts off, /health says
-which rank died."""
+one-process worker's (in-process, same routes), a killed rank is replaced and the worker serves
+again, and neither SIGTERM nor SIGKILL of the worker leaves a rank running. In-process: with
+restarts off, /health says which rank died."""
 
 from __future__ import annotations
 
@@ -54,11 +54,13 @@ def greedy_texts(url: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def workers(tiny_model_dir, tmp_path_factory):
+    """(a one-process worker in-process: its URL, the 2-rank worker subprocess)."""
     log_dir = tmp_path_factory.mktemp("tp-workers")
-    with services(start(tiny_model_dir, log_dir, "tp1"),
-                  start(tiny_model_dir, log_dir, "tp2", "--tensor-parallel-size", "2",
-                        "--tensor-parallel-timeout", "30")) as started:
-        yield started
+    split = start(tiny_model_dir, log_dir, "tp2", "--tensor-parallel-size", "2",
+                  "--tensor-parallel-timeout", "30")
+    with services(split), serve_worker(worker_app(PagedLLM(engine_config(tiny_model_dir, tp=1)),
+                                                  None)) as single_url:
+        yield single_url, split
 
 
 def test_the_startup_line_and_status_report_the_layout(workers):
@@ -66,19 +68,19 @@ def test_the_startup_line_and_status_report_the_layout(workers):
     assert "tensor_parallel=2 ranks, 1 KV head(s) and" in split.output(), split.output()
     status = httpx.post(f"{split.url}/worker_get_status", timeout=10).json()
     assert status["tensor_parallel_size"] == 2 and status["num_kv_heads_per_rank"] == 1
-    one = httpx.post(f"{single.url}/worker_get_status", timeout=10).json()
+    one = httpx.post(f"{single}/worker_get_status", timeout=10).json()
     assert one["tensor_parallel_size"] == 1 and one["num_kv_heads_per_rank"] == 2
     assert len(rank_pids(split.pid)) == 1
 
 
 def test_greedy_outputs_over_http_equal_one_process(workers):
     single, split = workers
-    assert greedy_texts(split.url) == greedy_texts(single.url)
+    assert greedy_texts(split.url) == greedy_texts(single)
 
 
 def test_a_killed_rank_is_replaced_and_the_worker_serves_again(workers):
     single, split = workers
-    want = greedy_texts(single.url)
+    want = greedy_texts(single)
     (old,) = rank_pids(split.pid)
     os.kill(old, signal.SIGKILL)
     wait_until(lambda: f"tensor-parallel rank 1 (pid {old}) was killed by SIGKILL" in split.output(),
