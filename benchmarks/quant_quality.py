@@ -96,8 +96,10 @@ def projection_bytes(model: Any) -> int:
         elif isinstance(module, Linear):
             weight = module._row_kernel[0] if module._row_kernel is not None else module.weight
             total += weight.numel() * weight.element_size()
-    head = model.lm_head_weight
-    return total + (head.numel() * head.element_size() if model.lm_head is None else 0)
+    if model.lm_head is not None or model.quantized_lm_head is not None:
+        return total  # counted above
+    head = model.lm_head_weight  # tied: the embedding, read whole by the product
+    return total + head.numel() * head.element_size()
 
 
 def perplexity(engine: Any, windows: list[list[int]]) -> tuple[float, int]:
