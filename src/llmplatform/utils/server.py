@@ -57,6 +57,13 @@ _FDS_PER_CONNECTION = 2
 _SPARE_FDS = 256
 """Descriptors besides connections: model files, logs, the controller's and workers' pools."""
 
+KEEP_ALIVE_S = 75.0
+"""How long a client's idle connection stays open (uvicorn's default is 5 s). Clients built on
+httpx, the official openai client included, drop idle connections after 5 s too: with equal
+timers a request sent on a connection the moment the server closes it fails with a reset. Well
+above the clients' timer, closing is theirs; 75 s is nginx's default. Idle connections still
+count against ``--max-connections``."""
+
 DrainHook = Callable[[], Awaitable[None]]
 
 
@@ -116,6 +123,7 @@ def run_server(
         # The service configured logging (utils.logs.configure_logging): uvicorn's records go to
         # that handler, in that format (text or JSON), instead of uvicorn's own.
         log_config=None, access_log=access_log, http=protocol_for(limits),
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     _fit_file_limit(limits.max_connections)
     server = _DrainingServer(config, on_drain)
@@ -157,6 +165,7 @@ def serve_in_thread(
         log_level="warning",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         http=protocol_for(limits),
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"uvicorn-{host}", daemon=True)
