@@ -63,6 +63,7 @@ class PagedLLM(LLMBackend):
             raise
         self.tokenizer = self.engine.tokenizer
         self.embedding = embedding
+        self._backend_info: BackendInfo | None = None  # fixed for this worker's life: see backend_info
         self._facts = ModelFacts(names=config.model.model_names,
                                  context_length=config.scheduler.max_model_len,
                                  vocab_size=int(self.engine.runner.model.vocab_size),
@@ -151,6 +152,13 @@ class PagedLLM(LLMBackend):
                          num_deferred_for_prefix=self.engine.stats.num_deferred_for_prefix)
 
     def backend_info(self) -> BackendInfo:
+        """What the engine runs on: worked out once, since every status and heartbeat reports it
+        and none of it changes (a rebuilt engine has the same configuration)."""
+        if self._backend_info is None:
+            self._backend_info = self._describe_backend()
+        return self._backend_info
+
+    def _describe_backend(self) -> BackendInfo:
         layout = self.engine.runner.layout
         runner = self.engine.runner
         dtype = _dtype_name(runner.dtype)
