@@ -133,7 +133,7 @@ def test_the_engine_reports_and_uses_the_compute_dtype(tiny_model_dir: Path) -> 
 
     from llmplatform.llm.paged import PagedLLM
 
-    info = PagedLLM.backend_info(type("Fake", (), {"engine": llm.engine, "backend_name": "paged"})())
+    info = PagedLLM._describe_backend(type("Fake", (), {"engine": llm.engine, "backend_name": "paged"})())
     assert info.dtype == "bfloat16 (float32 matmuls)"
     same = LLM(str(tiny_model_dir), dtype="bfloat16", compute_dtype="model", device="cpu",
                num_blocks=32, max_model_len=128)
