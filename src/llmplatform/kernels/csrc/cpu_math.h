@@ -1,4 +1,4 @@
-/* Scalar helpers shared by the CPU kernels: bf16 <-> fp32 and a vectorizable e^x for x <= 0.
+/* Helpers shared by the CPU kernels: bf16 <-> fp32, a vectorizable e^x for x <= 0, an AVX2 lane sum.
  * (cbuild hashes every header here with each source, so a change rebuilds every kernel.) */
 #ifndef LLMPLATFORM_CPU_MATH_H
 #define LLMPLATFORM_CPU_MATH_H
@@ -59,5 +59,17 @@ static inline float exp_nonpositive(float x) {
     memcpy(&two_k, &bits, sizeof two_k);
     return p * two_k;
 }
+
+#ifdef __AVX2__
+#include <immintrin.h>
+
+/* The sum of v's eight lanes. */
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
 
 #endif

@@ -103,12 +103,6 @@ static inline __attribute__((always_inline)) void block_to_vectors(const uint8_t
     }
 }
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 #endif
 
 /* dots[r] = x32[r] . (weight row) for r < rows (rows <= GROUP_M). Inlined with constant rows and
