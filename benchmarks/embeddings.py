@@ -1,6 +1,6 @@
 """Embeddings benchmark: the gateway's /v1/embeddings against sentence-transformers, in one run.
 
-    python benchmarks/embeddings.py                        # all-MiniLM-L6-v2, in-process cluster
+    python benchmarks/embeddings.py                        # the packaged all-MiniLM-L6-v2
     python benchmarks/embeddings.py --num-sentences 2048 --out result.json
 
 Sentences/s for the same sentences (1 to 60 words, seeded) and model:
@@ -12,10 +12,10 @@ Sentences/s for the same sentences (1 to 60 words, seeded) and model:
 - ``gateway batch32``: 32 sentences per request, one request at a time.
 
 Targets: ``gateway c=64`` >= 0.6x ``st``; ``gateway batch32`` >= 0.8x ``st``. Every gateway
-vector is checked against ``st``'s (cosine >= 0.9999); a mismatch fails the run. The cluster
-(controller, embedding worker, gateway) runs in this process's threads on 127.0.0.1 ephemeral
-ports, so the load generator shares the interpreter with the servers: a quiet machine is
-needed, and the ratios are a floor. Reported: a markdown table and ``RESULT_JSON {...}`` last.
+vector is checked against ``st``'s (cosine >= 0.9999); a mismatch fails the run. The cluster is
+``llmplatform serve`` with one worker on the model (controller, worker, gateway: processes on
+127.0.0.1 ephemeral ports), the load generator this process; they share the machine's cores, so
+a quiet machine is needed. Reported: a markdown table and ``RESULT_JSON {...}`` last.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import contextlib
 import json
 import random
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,37 +47,21 @@ def sentences(count: int, seed: int = 0, max_words: int = 60) -> list[str]:
 
 
 @contextlib.contextmanager
-def in_process_cluster(model_path: str | None) -> Iterator[tuple[str, str, str]]:
-    """(base URL, model name, model dir) of a controller + one embedding worker + a gateway."""
-    from llmplatform.controller import ControllerConfig
-    from llmplatform.controller import create_app as create_controller_app
+def cluster(model_path: str | None, log_dir: Path) -> Iterator[tuple[str, str, str]]:
+    """(OpenAI base URL, model name, model dir) of ``llmplatform serve`` with one embedding
+    worker, as its own processes: a gateway, a controller and a worker in this process's
+    threads would share its interpreter lock with the load generator and each other, which no
+    deployment does (that measured c=64 at 0.33x of st where separate processes reach more)."""
+    from serve_systems import start_llmplatform
+
     from llmplatform.llm.resolve import EMBEDDING_MODEL_NAME, resolve_model
-    from llmplatform.model_worker.app import WorkerSettings
-    from llmplatform.model_worker.app import create_app as create_worker_app
-    from llmplatform.model_worker.backends import BackendConfig, build_llm
-    from llmplatform.openai_api.app import create_app as create_gateway_app
-    from llmplatform.openai_api.settings import GatewaySettings
-    from llmplatform.utils.server import serve_in_thread
 
     path = str(resolve_model(model_path or EMBEDDING_MODEL_NAME).path)
-    llm = build_llm(BackendConfig(model_path=path, model_names=("bench",), device="cpu"))
-    with contextlib.ExitStack() as stack:
-        controller = stack.enter_context(serve_in_thread(create_controller_app(ControllerConfig())))
-        gateway = stack.enter_context(serve_in_thread(create_gateway_app(
-            GatewaySettings(controller_address=controller))))
-        app = create_worker_app(llm, WorkerSettings(
-            worker_address=None, controller_address=controller,
-            limit_worker_concurrency=llm.default_concurrency, heartbeat_interval=0.5))
-        worker = stack.enter_context(serve_in_thread(app))
-        app.state.worker_address = worker
-        import httpx
-
-        deadline = time.monotonic() + 60
-        while "bench" not in httpx.post(f"{controller}/list_models", timeout=5).json()["models"]:
-            if time.monotonic() > deadline:
-                raise TimeoutError("the worker did not register")
-            time.sleep(0.1)
-        yield f"{gateway}/v1", "bench", path
+    started = start_llmplatform(path, "bench", "--device cpu", log_dir / "serve.log", startup_timeout_s=300)
+    try:
+        yield started.gateway_url, "bench", path
+    finally:
+        started.stop()
 
 
 async def gateway_run(base_url: str, model: str, texts: list[str], *, concurrency: int,
@@ -116,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     texts = sentences(args.num_sentences)
     levels = [int(c) for c in args.concurrency.split(",") if c]
     rows: list[dict[str, Any]] = []
-    with in_process_cluster(args.model_path) as (base_url, model, path):
+    with tempfile.TemporaryDirectory(prefix="embeddings-bench-") as tmp, \
+            cluster(args.model_path, Path(tmp)) as (base_url, model, path):
         st = SentenceTransformer(path, device="cpu")
         st.encode(texts[:args.warmup], batch_size=args.batch)
         started = time.perf_counter()

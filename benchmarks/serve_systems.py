@@ -1,6 +1,6 @@
 """Starting and stopping the systems that ``benchmarks/serve.py --all`` compares, one at a time.
 
-- an llmplatform cluster (``llmplatform serve``: controller, one worker, gateway) as one
+- an llmplatform cluster (``llmplatform serve --no-webui``: controller, one worker, gateway) as one
   subprocess, on free ports, with the worker's flags given; ready once the gateway lists the model;
 - ``transformers serve`` (transformers' own OpenAI-compatible server) as a subprocess, offline,
   with the model preloaded from its local directory; ready once ``/health`` answers;
@@ -181,7 +181,8 @@ def start_llmplatform(model_path: str, model_name: str, worker_args: str, log_pa
     worker = f"--model-path {shlex.quote(model_path)} --model-names {shlex.quote(model_name)} {worker_args}"
     argv = [sys.executable, "-m", "llmplatform.cli", "serve", "--host", "127.0.0.1",
             "--controller-port", str(controller_port), "--api-port", str(api_port),
-            "--worker-port-base", str(worker_port), "--worker", worker]
+            "--worker-port-base", str(worker_port), "--worker", worker,
+            "--no-webui"]  # the web UI (gradio) would start, and use the cores, during the runs
     process = ManagedProcess.start("llmplatform serve", argv, log_path, env={SECRET_ENV: CLUSTER_SECRET})
     gateway = f"http://127.0.0.1:{api_port}/v1"
 

@@ -1,16 +1,21 @@
-"""benchmarks/embeddings.py, smoke-sized: the real packaged model in an in-process cluster.
-Checks the report's rows and that every vector matched sentence-transformers'; never timings."""
+"""benchmarks/embeddings.py, smoke-sized: the real packaged model behind `llmplatform serve`
+(real processes). Checks the report's rows and that every vector matched sentence-transformers';
+never timings."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "embeddings.py"
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+BENCH = BENCH_DIR / "embeddings.py"
 
 
 def test_embeddings_benchmark_smoke(embedding_model_dir, tmp_path, capsys):
+    if str(BENCH_DIR) not in sys.path:  # it imports its siblings, as when run as a script
+        sys.path.insert(0, str(BENCH_DIR))
     spec = importlib.util.spec_from_file_location("bench_embeddings", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
