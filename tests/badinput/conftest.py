@@ -3,6 +3,11 @@ repository (and the example database off: the property tests are derandomized).
 
 `two_backends`: the tiny model on the paged and the hf backend behind real workers, a controller
 and a gateway, shared by the tests that need real token ids checked against a real vocabulary.
+
+`cluster` and `http`: a real controller and gateway with the fake worker (tests/fake_worker.py),
+one per module, for the gateway's refusals (test_gateway_bad_body.py, test_gateway_bad_fields.py);
+modules that need other servers override `cluster`. `still_serving` checks after each test that a
+good request is still answered; `post_refused` that a refused one never reached the worker.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import Any
 import httpx
 import pytest
 from hypothesis.configuration import set_hypothesis_home_dir
+
+from tests.fake_worker import MODEL, FakeCluster, assert_envelope, fake_cluster, reply
 
 set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "llmplatform-hypothesis")
 
@@ -72,3 +79,45 @@ def two_backends(tiny_model_dir: Any) -> Iterator[TwoBackendCluster]:
             assert llm.facts.vocab_size == TINY_VOCAB_SIZE
             urls[backend] = cluster.add_worker(llm)
         yield TwoBackendCluster(cluster.gateway_url, urls, AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
+# ---- a fake worker behind the real gateway ----------------------------------------------------------
+
+USER = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[FakeCluster]:
+    with fake_cluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def http(cluster: FakeCluster) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=cluster.gateway, timeout=30) as client:
+        yield client
+
+
+@pytest.fixture
+def still_serving(http: httpx.Client) -> Iterator[None]:
+    """After every bad request, a good one is still answered."""
+    yield
+    response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": USER, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == reply(2)
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": USER, **fields}
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "once upon", **fields}
+
+
+def post_refused(cluster: FakeCluster, http: httpx.Client, path: str, status: int, **kwargs: Any) -> dict[str, Any]:
+    """POST that must be refused with `status` before any worker generates."""
+    before = cluster.worker.received()
+    error = assert_envelope(http.post(path, **kwargs), status)
+    assert cluster.worker.received() == before, "a refused request reached the worker"
+    return error
