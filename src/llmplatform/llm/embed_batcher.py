@@ -2,9 +2,10 @@
 
 Every request's inputs join one queue. A single background task takes what is queued, having
 waited at most ``max_wait_s`` after the first arrival for more to come (or less, once a batch's
-worth of tokens is there), sorts it by length and cuts it into batches whose padded size
-(``num_inputs * longest``) stays within ``max_batch_tokens``. Sorting first keeps the padding
-small; one input longer than the bound runs alone. Batches run one at a time on the model's torch
+worth of tokens is there), sorts it by length and cuts it into batches whose size stays within
+``max_batch_tokens``: the padded size (``num_inputs * longest``) for a runner that pads, the
+tokens themselves for one that packs inputs into rows without padding (``packed``). Sorting
+first keeps the padding small; one input longer than the bound runs alone. Batches run one at a time on the model's torch
 thread (the forward pass uses every core already): while one runs, new arrivals queue up and form the
 next, so under load the wait costs nothing and the batches grow by themselves.
 
@@ -38,6 +39,9 @@ class BatchingConfig:
     """Padded tokens (inputs x longest input) per forward pass at most."""
     max_wait_s: float = 0.002
     """How long the first queued input waits for company before its batch runs."""
+    packed: bool = False
+    """The runner packs inputs without padding: a batch is bounded by its tokens, not by
+    ``num_inputs * longest``."""
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1:
@@ -52,18 +56,23 @@ class _Item:
     future: asyncio.Future[np.ndarray]
 
 
-def plan_batches(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:
+def plan_batches(lengths: Sequence[int], max_batch_tokens: int, *,
+                 packed: bool = False) -> list[list[int]]:
     """Indices into ``lengths`` grouped into batches: ascending length, each batch's
-    ``count * longest`` within ``max_batch_tokens`` (an input over it alone)."""
+    ``count * longest`` (``packed``: the sum of its lengths) within ``max_batch_tokens`` (an
+    input over it alone)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     batches: list[list[int]] = []
     current: list[int] = []
+    current_tokens = 0
     for index in order:
-        longest = max(lengths[index], 1)  # ascending: the newcomer is the longest
-        if current and (len(current) + 1) * longest > max_batch_tokens:
+        length = max(lengths[index], 1)  # ascending: the newcomer is the longest
+        size = current_tokens + length if packed else (len(current) + 1) * length
+        if current and size > max_batch_tokens:
             batches.append(current)
-            current = []
+            current, current_tokens = [], 0
         current.append(index)
+        current_tokens += length
     if current:
         batches.append(current)
     return batches
@@ -131,7 +140,8 @@ class EmbedBatcher:
             self.num_waiting -= len(taken)
             live = [item for item in taken if not item.future.done()]
             lengths = [len(item.token_ids) for item in live]
-            for indices in plan_batches(lengths, self._config.max_batch_tokens):
+            for indices in plan_batches(lengths, self._config.max_batch_tokens,
+                                        packed=self._config.packed):
                 batch = [live[i] for i in indices if not live[i].future.done()]
                 if batch:
                     await self._run(batch)

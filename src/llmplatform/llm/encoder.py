@@ -7,14 +7,25 @@ mean/sqrt(len), concatenated when several are on), normalized when the pipeline 
 Normalize. Inputs longer than ``max_seq_length`` (or the tokenizer's or the model's limit,
 whichever is least) are refused or, on request, truncated by the worker before they get here.
 
-Requests are batched together (``embed_batcher``); every forward pass, and the weights' load,
-run on one torch thread (``torch_thread``: one OpenMP team for the process), never on the event
+Requests are batched together (``embed_batcher``). A BERT-architecture model (BERT, MiniLM, BGE,
+e5, ...) runs a batch **packed**: its inputs are laid end to end in rows of ``PACK_ROW_TOKENS``
+(first fit, longest first), each with position ids restarting at 0 and an attention mask that
+lets a token see only its own input, so no work is spent on padding; a batch that would pad
+little (``PACK_ABOVE_PADDING``) is padded instead. The vectors equal the padded run's to float
+rounding (2e-7 cosine on all-MiniLM-L6-v2). It pays where lengths are mixed: requests of 32
+sentences of 1-60 words ran 102-111 sentences/s padded (sorted, in batches of at most 1024
+padded tokens) and 124-144 packed (batches of at most 1024 tokens) on 2 cores, 3 runs each;
+512 sentences sorted together ran 149-156 and 156-162. Other architectures are padded: packing relies
+on the model taking absolute ``position_ids`` and a 4D mask, which BertModel does and others may
+not (RoBERTa's positions start past its padding index, MPNet adds relative buckets). Every
+forward pass, and the weights' load, run on one torch thread (``torch_thread``: one OpenMP team for the process), never on the event
 loop. ``auto`` dtype is float32: these models are small, and their vectors then match
 sentence-transformers' to float precision.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, AsyncIterator, Sequence
 
@@ -35,6 +46,15 @@ logger = logging.getLogger("llmplatform.encoder")
 
 # A tokenizer without a stated limit reports a huge sentinel (1e30) as model_max_length.
 _UNBOUNDED = 1_000_000
+
+PACK_ROW_TOKENS = 256
+"""Tokens per packed row: attention is computed over a whole row (masked), so a row much longer
+than its inputs wastes it; 128 ran slower than 256 on the request above, 512 slower still."""
+PACK_ABOVE_PADDING = 1.25
+"""A batch is packed when padding it would compute this many times its tokens or more; below,
+padding costs less than the packed rows' wider attention (length-sorted batches of many small
+requests pad little: 168 sentences/s padded, 134-144 packed, on 2 cores)."""
+_PACKED_MODEL_TYPES = frozenset({"bert"})
 
 
 class EncoderEmbeddingLLM(LLMBackend):
@@ -69,7 +89,9 @@ class EncoderEmbeddingLLM(LLMBackend):
             embedding=EmbeddingFacts(dimensions=width, max_input_tokens=limit,
                                      normalized=self.pipeline.normalize,
                                      matryoshka_dimensions=self.pipeline.matryoshka_dimensions))
-        self._batcher = EmbedBatcher(self._forward, self._executor, batching)
+        self.packed = getattr(config, "model_type", None) in _PACKED_MODEL_TYPES
+        self._batcher = EmbedBatcher(self._forward, self._executor,
+                                     dataclasses.replace(batching, packed=self.packed))
         logger.info("loaded %s on %s as %s: %d-dimensional %s embeddings%s, inputs up to %d tokens",
                     model_path, self.device, self.dtype, width, "+".join(self.pipeline.pooling_modes),
                     " (normalized)" if self.pipeline.normalize else "", limit)
@@ -137,6 +159,20 @@ class EncoderEmbeddingLLM(LLMBackend):
     @torch.inference_mode()
     def _forward(self, token_id_lists: list[Sequence[int]]) -> np.ndarray:
         seq_lens = [len(ids) for ids in token_id_lists]
+        padded_tokens = len(seq_lens) * max(seq_lens)
+        if self.packed and padded_tokens > PACK_ABOVE_PADDING * sum(seq_lens):
+            hidden, mask = self._run_packed(token_id_lists)
+        else:
+            hidden, mask = self._run_padded(token_id_lists)
+        pooled = pool(hidden, mask, self.pipeline.pooling_modes)
+        if self.pipeline.normalize:
+            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        return pooled.cpu().numpy().astype(np.float32, copy=False)
+
+    def _run_padded(self, token_id_lists: list[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Last hidden states ``[batch, longest, hidden]`` (float32) and the ``[batch, longest]``
+        mask of real tokens, each input right-padded to the longest."""
+        seq_lens = [len(ids) for ids in token_id_lists]
         longest = max(max(seq_lens), 1)
         input_ids = torch.full((len(token_id_lists), longest), self._pad_id, dtype=torch.long)
         mask = torch.zeros((len(token_id_lists), longest), dtype=torch.long)
@@ -146,11 +182,63 @@ class EncoderEmbeddingLLM(LLMBackend):
         inputs = {"input_ids": input_ids.to(self.device), "attention_mask": mask.to(self.device)}
         if self._accepts_token_types:
             inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
-        hidden = self.model(**inputs).last_hidden_state.float()  # [batch, longest, hidden]
-        pooled = pool(hidden, inputs["attention_mask"], self.pipeline.pooling_modes)
-        if self.pipeline.normalize:
-            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        return pooled.cpu().numpy().astype(np.float32, copy=False)
+        return self.model(**inputs).last_hidden_state.float(), inputs["attention_mask"]
+
+    def _run_packed(self, token_id_lists: list[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_run_padded`'s result, computed on the inputs packed into rows (module doc)."""
+        rows = pack_rows([len(ids) for ids in token_id_lists], PACK_ROW_TOKENS)
+        width = max(sum(len(token_id_lists[i]) for i in row) for row in rows)
+        input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
+        positions = torch.zeros((len(rows), width), dtype=torch.long)
+        owner = torch.full((len(rows), width), -1, dtype=torch.long)  # which input; -1: padding
+        place: list[tuple[int, int]] = [(0, 0)] * len(token_id_lists)  # input -> (row, start)
+        for r, row in enumerate(rows):
+            start = 0
+            for i in row:
+                n = len(token_id_lists[i])
+                input_ids[r, start:start + n] = torch.tensor(token_id_lists[i], dtype=torch.long)
+                positions[r, start:start + n] = torch.arange(n)
+                owner[r, start:start + n] = i
+                place[i] = (r, start)
+                start += n
+        # A token attends to its own input's tokens; a padding slot to itself (a row of all
+        # -inf would give NaN, and its output is never read).
+        allowed = (owner[:, :, None] == owner[:, None, :]) & (owner[:, :, None] >= 0)
+        allowed |= torch.eye(width, dtype=torch.bool)
+        bias = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, torch.finfo(self.dtype).min)
+        inputs = {"input_ids": input_ids.to(self.device), "position_ids": positions.to(self.device),
+                  "attention_mask": bias[:, None].to(self.device)}
+        if self._accepts_token_types:
+            inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
+        packed = self.model(**inputs).last_hidden_state.float()  # [rows, width, hidden]
+        # Back to one padded row per input, for the pooling every mode shares.
+        seq_lens = [len(ids) for ids in token_id_lists]
+        longest = max(max(seq_lens), 1)
+        hidden = packed.new_zeros((len(token_id_lists), longest, packed.shape[-1]))
+        mask = torch.zeros((len(token_id_lists), longest), dtype=torch.long, device=packed.device)
+        for i, (r, start) in enumerate(place):
+            n = seq_lens[i]
+            hidden[i, :n] = packed[r, start:start + n]
+            mask[i, :n] = 1
+        return hidden, mask
+
+
+def pack_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
+    """Indices into ``lengths`` packed into rows of at most ``row_tokens`` (an input longer than
+    that gets a row of its own): first fit, longest first."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        length = lengths[index]
+        for r, free in enumerate(room):
+            if free >= length:
+                rows[r].append(index)
+                room[r] -= length
+                break
+        else:
+            rows.append([index])
+            room.append(max(row_tokens - length, 0))
+    return rows
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torch.Tensor:

@@ -177,7 +177,8 @@ def _build_encoder(config: BackendConfig, path: str, names: tuple[str, ...]) -> 
 
 
 CPU_ENCODER_BATCH_TOKENS = 1024
-"""Padded tokens per encoder forward pass on CPU. all-MiniLM-L6-v2 on 2 cores, 512 sentences
+"""Tokens per encoder forward pass on CPU (padded tokens; the tokens themselves for an encoder
+that packs its inputs, see llm/encoder.py). Measured padded: all-MiniLM-L6-v2 on 2 cores, 512 sentences
 of 1-60 words, sentences/s by bound: all of them length-sorted (many small requests batched
 together) 140 at 512, 150 at 1024, 153 at 2048, 137 at 4096, 111 at 8192, 91 at 16384 (a large
 batch's activations outgrow the caches); 32 sentences at a time, as one request of 32 brings
