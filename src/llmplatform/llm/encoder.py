@@ -15,12 +15,13 @@ little (``PACK_ABOVE_PADDING``) is padded instead. The vectors equal the padded 
 rounding (2e-7 cosine on all-MiniLM-L6-v2). It pays where lengths are mixed: requests of 32
 sentences of 1-60 words ran 102-111 sentences/s padded (sorted, in batches of at most 1024
 padded tokens) and 124-144 packed (batches of at most 1024 tokens) on 2 cores, 3 runs each;
-512 sentences sorted together ran 149-156 and 156-162. Other architectures are padded: packing relies
-on the model taking absolute ``position_ids`` and a 4D mask, which BertModel does and others may
-not (RoBERTa's positions start past its padding index, MPNet adds relative buckets). Every
-forward pass, and the weights' load, run on one torch thread (``torch_thread``: one OpenMP team for the process), never on the event
-loop. ``auto`` dtype is float32: these models are small, and their vectors then match
-sentence-transformers' to float precision.
+512 sentences sorted together ran 149-156 and 156-162. Other architectures are padded: packing
+relies on the model taking absolute ``position_ids`` and a 4D mask, which BertModel does and
+others may not (RoBERTa's positions start past its padding index, MPNet adds relative buckets).
+
+Every forward pass, and the weights' load, run on one torch thread (``torch_thread``: one OpenMP
+team for the process), never on the event loop. ``auto`` dtype is float32: these models are
+small, and their vectors then match sentence-transformers' to float precision.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ than its inputs wastes it; 128 ran slower than 256 on the request above, 512 slo
 PACK_ABOVE_PADDING = 1.25
 """A batch is packed when padding it would compute this many times its tokens or more; below,
 padding costs less than the packed rows' wider attention (length-sorted batches of many small
-requests pad little: 168 sentences/s padded, 134-144 packed, on 2 cores)."""
+requests pad little: 168 sentences/s padded against 134-144 with every batch packed, 2 cores)."""
 _PACKED_MODEL_TYPES = frozenset({"bert"})
 
 
@@ -205,7 +206,8 @@ class EncoderEmbeddingLLM(LLMBackend):
         # -inf would give NaN, and its output is never read).
         allowed = (owner[:, :, None] == owner[:, None, :]) & (owner[:, :, None] >= 0)
         allowed |= torch.eye(width, dtype=torch.bool)
-        bias = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(~allowed, torch.finfo(self.dtype).min)
+        bias = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill(
+            ~allowed, torch.finfo(self.dtype).min)
         inputs = {"input_ids": input_ids.to(self.device), "position_ids": positions.to(self.device),
                   "attention_mask": bias[:, None].to(self.device)}
         if self._accepts_token_types:
