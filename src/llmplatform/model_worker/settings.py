@@ -124,9 +124,10 @@ class WorkerServiceSettings(ServerSettings):
     gpu_memory_utilization: float = option(
         0.9, "fraction of GPU memory for weights, activations and KV cache (CUDA)", group=_ENGINE)
     embed_max_batch_tokens: int | None = option(
-        None, "embedding models: padded tokens (inputs x longest) per forward pass at most; "
-        "concurrent requests' inputs are batched together up to it (default: 1024 on CPU, where "
-        "larger batches run slower, 16384 on GPU)", group=_EMBED, ge=1)
+        None, "embedding models: tokens per forward pass at most (padded: inputs x longest; a "
+        "BERT encoder's packed batches count their tokens); concurrent requests' inputs are "
+        "batched together up to it (default: 1024 on CPU, where larger batches run slower, "
+        "16384 on GPU)", group=_EMBED, ge=1)
     embed_batch_wait_ms: float = option(
         2.0, "embedding models: how long a first queued input waits for others to batch with "
         "(default: %(default)s)", group=_EMBED, ge=0, le=1000)
