@@ -49,9 +49,8 @@ def sentences(count: int, seed: int = 0, max_words: int = 60) -> list[str]:
 @contextlib.contextmanager
 def cluster(model_path: str | None, log_dir: Path) -> Iterator[tuple[str, str, str]]:
     """(OpenAI base URL, model name, model dir) of ``llmplatform serve`` with one embedding
-    worker, as its own processes: a gateway, a controller and a worker in this process's
-    threads would share its interpreter lock with the load generator and each other, which no
-    deployment does (that measured c=64 at 0.33x of st where separate processes reach more)."""
+    worker, as its own processes, as it is deployed: in this process's threads the services
+    would share one interpreter lock with the load generator and each other."""
     from serve_systems import start_llmplatform
 
     from llmplatform.llm.resolve import EMBEDDING_MODEL_NAME, resolve_model
