@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fake_worker import MODEL, FakeCluster, fake_cluster
+from tests.fake_worker import MODEL, FakeCluster
 
 PATHS = ["/v1/chat/completions", "/v1/completions"]
 CLIENT_ERRORS = {400, 404, 413}
@@ -115,10 +115,7 @@ completion_requests = st.fixed_dictionaries(
 # ---- the checks ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[FakeCluster]:
-    with fake_cluster() as cluster:
-        yield cluster
+# `cluster` (a fake worker behind the real gateway) comes from tests/badinput/conftest.py.
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,10 @@ waited at most ``max_wait_s`` after the first arrival for more to come (or less,
 worth of tokens is there), sorts it by length and cuts it into batches whose size stays within
 ``max_batch_tokens``: the padded size (``num_inputs * longest``) for a runner that pads, the
 tokens themselves for one that packs inputs into rows without padding (``packed``). Sorting
-first keeps the padding small; one input longer than the bound runs alone. Batches run one at a time on the model's torch
-thread (the forward pass uses every core already): while one runs, new arrivals queue up and form the
-next, so under load the wait costs nothing and the batches grow by themselves.
+first keeps the padding small; one input longer than the bound runs alone. Batches run one at a
+time on the model's torch thread (the forward pass uses every core already): while one runs, new
+arrivals queue up and form the next, so under load the wait costs nothing and the batches grow
+by themselves.
 
 A vector must not depend on its batch: the model masks padding, and only float summation order
 differs between batch shapes (well under 1e-5 cosine).
@@ -36,7 +37,8 @@ float32: blocking, called in the batcher's thread."""
 @dataclass(frozen=True)
 class BatchingConfig:
     max_batch_tokens: int = 16384
-    """Padded tokens (inputs x longest input) per forward pass at most."""
+    """Tokens per forward pass at most: padded (inputs x longest input), or the inputs' own
+    tokens when ``packed``."""
     max_wait_s: float = 0.002
     """How long the first queued input waits for company before its batch runs."""
     packed: bool = False

@@ -187,8 +187,9 @@ class EncoderEmbeddingLLM(LLMBackend):
 
     def _run_packed(self, token_id_lists: list[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_run_padded`'s result, computed on the inputs packed into rows (module doc)."""
-        rows = pack_rows([len(ids) for ids in token_id_lists], PACK_ROW_TOKENS)
-        width = max(sum(len(token_id_lists[i]) for i in row) for row in rows)
+        seq_lens = [len(ids) for ids in token_id_lists]
+        rows = pack_rows(seq_lens, PACK_ROW_TOKENS)
+        width = max(sum(seq_lens[i] for i in row) for row in rows)
         input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
         positions = torch.zeros((len(rows), width), dtype=torch.long)
         owner = torch.full((len(rows), width), -1, dtype=torch.long)  # which input; -1: padding
@@ -196,7 +197,7 @@ class EncoderEmbeddingLLM(LLMBackend):
         for r, row in enumerate(rows):
             start = 0
             for i in row:
-                n = len(token_id_lists[i])
+                n = seq_lens[i]
                 input_ids[r, start:start + n] = torch.tensor(token_id_lists[i], dtype=torch.long)
                 positions[r, start:start + n] = torch.arange(n)
                 owner[r, start:start + n] = i
@@ -214,7 +215,6 @@ class EncoderEmbeddingLLM(LLMBackend):
             inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
         packed = self.model(**inputs).last_hidden_state.float()  # [rows, width, hidden]
         # Back to one padded row per input, for the pooling every mode shares.
-        seq_lens = [len(ids) for ids in token_id_lists]
         longest = max(max(seq_lens), 1)
         hidden = packed.new_zeros((len(token_id_lists), longest, packed.shape[-1]))
         mask = torch.zeros((len(token_id_lists), longest), dtype=torch.long, device=packed.device)
