@@ -1,6 +1,7 @@
-"""The gateway's hot path to the workers: ``POST /worker_generate_stream`` on pooled connections.
+"""The gateway's hot path to the workers: ``POST /worker_generate_stream`` (and
+``/worker_get_embeddings``) on pooled connections.
 
-Every request the gateway serves is one of these streams, so their cost is the gateway's added
+Every request the gateway serves is one of these calls, so their cost is the gateway's added
 latency. This is a small HTTP/1.1 client made for exactly this exchange: one pooled keep-alive
 connection per stream, the request written in one call (head and JSON body), the answer parsed
 by httptools (the C parser uvicorn already uses) as it arrives, chunked bodies decoded there.
@@ -12,6 +13,8 @@ the gateway's CPU per request 1.86 -> 1.45 ms and 0.38 ms less time to first tok
 worker that answers at once (1,500 interleaved pairs), and 0.5-1.2 ms less added latency against
 the real worker (three runs of 40-60 interleaved requests, the method of benchmarks/serve_gateway.py).
 The other, rare calls (controller, model details, aborts) stay on the app's httpx client.
+Embeddings calls came here later: at 64 requests in flight, httpx's pool spent ~45% of the
+gateway's CPU checking its connections (benchmarks/embeddings.py).
 
 Connections. A connection goes back to the pool only when its answer was read to the end and
 both sides keep it alive; otherwise it is closed (leaving a stream early closes it, which tells
