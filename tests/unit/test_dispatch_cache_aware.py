@@ -94,6 +94,70 @@ def test_load_beyond_the_threshold_overrides_the_match() -> None:
     assert (both.worker.worker_name, both.reason) == (B, Reason.AFFINITY)
 
 
+def _systems(count: int) -> list[str]:
+    return [f"System prompt number {i}: you are assistant {i}. " * 20 for i in range(count)]
+
+
+def test_a_cold_prefix_waits_for_its_worker_up_to_the_cold_threshold() -> None:
+    """One prefix of many (at most one worker's share of the traffic): moving it would compute
+    it again elsewhere, so it stays with its worker up to cold_balance_threshold."""
+    p = policy(FakeClock(), balance_threshold=2, cold_balance_threshold=6)
+    systems = _systems(8)
+    owner = {s: p.pick([worker(A), worker(B, outstanding=i % 2)], hint(s + "first")).worker.worker_name
+             for i, s in enumerate(systems)}
+    for system in systems:  # every prefix seen twice: each has 1/8 of the traffic
+        p.pick([worker(A), worker(B)], hint(system + "second"))
+    system = next(s for s in systems if owner[s] == A)
+    load = {A: 7, B: 1}  # 6 ahead: beyond balance_threshold, within the cold one
+    kept = p.pick([worker(A, outstanding=load[A]), worker(B, outstanding=load[B])], hint(system + "third"))
+    assert (kept.worker.worker_name, kept.reason) == (A, Reason.AFFINITY)
+    moved = p.pick([worker(A, outstanding=8), worker(B, outstanding=1)], hint(system + "fourth"))
+    assert (moved.worker.worker_name, moved.reason) == (B, Reason.LOAD_OVERRIDE)  # 7 ahead
+
+
+def test_a_hot_prefix_spreads_at_the_balance_threshold() -> None:
+    """A prefix with more than one worker's share of the recent requests needs more than one
+    worker: it moves at balance_threshold, and once both hold it, load decides between them."""
+    clock = FakeClock()
+    p = policy(clock, balance_threshold=2, cold_balance_threshold=100)
+    hot, other = _systems(2)
+    p.pick([worker(A), worker(B)], hint(hot + "q0"))  # A owns it
+    p.pick([worker(A), worker(B)], hint(other + "q0"))
+    for i in range(1, 5):
+        clock.now += 1
+        assert p.pick([worker(A, outstanding=2), worker(B)], hint(hot + f"q{i}")).worker.worker_name == A
+    moved = p.pick([worker(A, outstanding=3), worker(B)], hint(hot + "q5"))
+    assert (moved.worker.worker_name, moved.reason) == (B, Reason.LOAD_OVERRIDE)
+    both = p.pick([worker(A, outstanding=3), worker(B, outstanding=1)], hint(hot + "q6"))
+    assert (both.worker.worker_name, both.reason) == (B, Reason.AFFINITY)
+
+
+def test_heat_is_recent_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefix that was hot cools down as other traffic takes over (its count halves every
+    heat_half_life x N requests, whatever the clock says), and the counts kept are bounded."""
+    import llmplatform.controller.cache_aware as cache_aware
+
+    clock = FakeClock()
+    systems = _systems(4)
+    p = policy(clock, balance_threshold=2, cold_balance_threshold=100, heat_half_life=2.0)
+    for _ in range(6):  # systems[0] alone: hot
+        p.pick([worker(A), worker(B)], hint(systems[0] + "q"))
+    clock.now += 300.0  # time alone cools nothing (within the entries' TTL): only requests do
+    assert p.pick([worker(A, outstanding=3), worker(B)], hint(systems[0] + "q")).reason is Reason.LOAD_OVERRIDE
+    p2 = policy(clock, balance_threshold=2, cold_balance_threshold=100, heat_half_life=2.0)
+    for _ in range(6):
+        p2.pick([worker(A), worker(B)], hint(systems[0] + "q"))
+    for _ in range(4):  # 12 requests of the others: three half-lives (2 x 2 workers) each
+        for system in systems[1:]:
+            p2.pick([worker(A), worker(B)], hint(system + "q"))
+    cold = p2.pick([worker(A, outstanding=3), worker(B)], hint(systems[0] + "q"))
+    assert (cold.worker.worker_name, cold.reason) == (A, Reason.AFFINITY)
+    monkeypatch.setattr(cache_aware, "MAX_HEAT_ENTRIES", 5)
+    for i in range(20):
+        p2.pick([worker(A), worker(B)], hint(f"unrelated {i} " * 30))
+    assert p2.cache_aware is not None and len(p2.cache_aware._heat.counts) == 5
+
+
 def test_kv_pressure_overrides_the_match() -> None:
     p = policy(FakeClock(), balance_threshold=100)
     p.pick([worker(A), worker(B)], hint(SYSTEM_1))
@@ -211,7 +275,8 @@ def test_dispatcher_routes_by_prefix_and_counts_dispatches() -> None:
     assert dispatcher.decide("other-model", hint=hint(SYSTEM_1)) is None
 
 
-@pytest.mark.parametrize("field,value", [("balance_threshold", -1), ("entry_ttl_s", 0),
+@pytest.mark.parametrize("field,value", [("balance_threshold", -1), ("cold_balance_threshold", -1),
+                                         ("heat_half_life", 0), ("entry_ttl_s", 0),
                                          ("max_chunks_per_worker", 0), ("max_sessions", 0)])
 def test_config_is_validated(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):

@@ -4,7 +4,7 @@ and the routing text a request is matched by."""
 
 from __future__ import annotations
 
-from llmplatform.controller.cache_aware import Reason
+from llmplatform.controller.cache_aware import CacheAwareConfig, Reason
 from llmplatform.openai_api.worker_routing import (
     RouteRequest,
     RoutingTable,
@@ -24,9 +24,9 @@ def described(name: str, *, running: int = 0, epoch: str | None = "e0") -> Worke
                              last_heartbeat_age_s=0.0, max_num_running=8, cache_epoch=epoch)
 
 
-def listing(*workers: WorkerDescription, threshold: int = 2) -> ListWorkersResponse:
+def listing(*workers: WorkerDescription, threshold: int = 2, **knobs: object) -> ListWorkersResponse:
     options = CacheAwareOptions(balance_threshold=threshold, entry_ttl_s=600.0,
-                                max_chunks_per_worker=1024, max_sessions=16)
+                                max_chunks_per_worker=1024, max_sessions=16, **knobs)
     return ListWorkersResponse(workers=list(workers), dispatch_method="cache_aware", cache_aware=options)
 
 
@@ -88,3 +88,16 @@ def test_table_keeps_what_it_learned_across_reads_and_takes_new_knobs() -> None:
     table.update(listing(described(A, running=5), described(B), threshold=10), requested_at=1.0)
     kept = table.decide("m", route=chat("q1", "a", "q2"))
     assert (kept.worker.worker_name, kept.reason) == (A, Reason.AFFINITY)  # 5 - 0 <= 10
+
+
+def test_table_takes_the_controllers_hot_and_cold_knobs() -> None:
+    """An older controller sends neither: the gateway's defaults. A newer one's reach the table."""
+    table = RoutingTable(max_age=10.0, clock=FakeClock(), rng=FixedRandom(*[0.0] * 20))
+    table.update(listing(described(A), described(B)), requested_at=0.0)
+    policy = table._policy
+    assert policy is not None and policy.cache_aware is not None
+    assert policy.cache_aware.config.cold_balance_threshold == CacheAwareConfig().cold_balance_threshold
+    table.update(listing(described(A), described(B), cold_balance_threshold=3, heat_half_life=9.0),
+                 requested_at=1.0)
+    config = table._policy.cache_aware.config
+    assert (config.cold_balance_threshold, config.heat_half_life) == (3, 9.0)

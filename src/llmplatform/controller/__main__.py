@@ -40,8 +40,17 @@ class ControllerServiceSettings(ServerSettings):
         "lottery (random, weighted by speed) (default: %(default)s)")
     cache_aware_balance_threshold: int = option(
         CacheAwareConfig.balance_threshold, "cache_aware: outstanding requests the worker holding "
-        "the prefix (or the session) may have beyond the least loaded worker before load decides "
-        "instead (default: %(default)s)", metavar="REQUESTS", ge=0)
+        "a hot prefix (more than one worker's share of the recent requests) or the session may "
+        "have beyond the least loaded worker before load decides instead (default: %(default)s)", metavar="REQUESTS", ge=0)
+    cache_aware_cold_balance_threshold: int = option(
+        CacheAwareConfig.cold_balance_threshold, "cache_aware: outstanding requests the worker "
+        "holding a cold prefix (at most one worker's share of the recent requests) may have beyond "
+        "the least loaded worker before load decides instead; moving it computes it again "
+        "elsewhere (default: %(default)s)", metavar="REQUESTS", ge=0)
+    cache_aware_heat_half_life: float = option(
+        CacheAwareConfig.heat_half_life, "cache_aware: the request counts that tell hot prefixes "
+        "from cold ones halve every this many requests per worker of the model (default: "
+        "%(default)s)", metavar="REQUESTS", gt=0)
     cache_aware_entry_ttl: float = option(
         CacheAwareConfig.entry_ttl_s, "cache_aware: seconds after it was last routed that a "
         "prefix or a session is forgotten (default: %(default)s)", metavar="SECONDS", gt=0)
@@ -78,6 +87,8 @@ class ControllerServiceSettings(ServerSettings):
         """The app's section of these settings (checked when the settings are made)."""
         cache_aware = CacheAwareConfig(
             balance_threshold=self.cache_aware_balance_threshold,
+            cold_balance_threshold=self.cache_aware_cold_balance_threshold,
+            heat_half_life=self.cache_aware_heat_half_life,
             entry_ttl_s=self.cache_aware_entry_ttl,
             max_chunks_per_worker=self.cache_aware_max_chunks_per_worker,
             max_sessions=self.cache_aware_max_sessions)

@@ -309,7 +309,9 @@ def create_app(
         now = clock()
         options = config.cache_aware
         cache_aware = CacheAwareOptions(
-            balance_threshold=options.balance_threshold, entry_ttl_s=options.entry_ttl_s,
+            balance_threshold=options.balance_threshold,
+            cold_balance_threshold=options.cold_balance_threshold,
+            heat_half_life=options.heat_half_life, entry_ttl_s=options.entry_ttl_s,
             max_chunks_per_worker=options.max_chunks_per_worker, max_sessions=options.max_sessions,
         ) if dispatcher.policy.cache_aware is not None else None
         return ListWorkersResponse(dispatch_method=dispatcher.method.value, cache_aware=cache_aware, workers=[

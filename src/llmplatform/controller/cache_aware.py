@@ -33,8 +33,12 @@ session key (``RouteHint.session``) is stickier still: while the session's last 
 candidate it is preferred over any match. Either preference yields to load: when the preferred
 worker has more than ``balance_threshold`` outstanding requests more than the worker least_load
 would pick (or its KV cache is under pressure and that one's is not), least_load decides
-(``load_override``). A request with no match goes by least_load. Every decision is recorded: the
-chosen worker's tree takes the request's chain, the session points at it.
+(``load_override``). A cold prefix (one with at most 1/N of the recent requests over N
+candidates) stays with its worker longer, up to ``cold_balance_threshold``: moving it means
+computing it again elsewhere, and one worker can serve it. A hot one needs more than one worker
+and spreads at ``balance_threshold``. A request with no match goes by least_load. Every
+decision is recorded: the chosen worker's tree takes the request's chain, the session points at
+it.
 """
 
 from __future__ import annotations
@@ -96,10 +100,23 @@ class CacheAwareConfig:
     controller's values from `/list_workers`)."""
 
     balance_threshold: int = 2
-    """Outstanding requests the preferred (matching or session) worker may have beyond the
-    least loaded one before load decides instead. 2: on benchmarks/routing.py's skewed load (8
-    in flight, 80% on one prefix) 4 let the hot prefix keep 80% of the requests, 2 spread it
-    53/47 at the same hit rate on the shared load."""
+    """Outstanding requests the preferred worker may have beyond the least loaded one before
+    load decides instead, for a session or a hot prefix (one that gets more than one worker's
+    share of the recent requests: it needs more than one worker anyway). 2: on
+    benchmarks/routing.py's skewed load (8 in flight, 80% on one prefix) 4 let the hot prefix
+    keep 80% of the requests, 2 spread it 53/47."""
+    cold_balance_threshold: int = 8
+    """The same for a cold prefix (at most one worker's share of the recent requests). Moving
+    one of its requests computes the whole prefix again on the other worker, which then holds
+    it too; waiting costs the queue. On benchmarks/routing.py's shared load (16 prefixes, 8 in
+    flight) a threshold of 2 moved 14 of 128 requests, nearly all while their worker was
+    prefilling another prefix, and the 16 prefixes were computed 30 times instead of 16."""
+    heat_half_life: float = 4.0
+    """How fast a prefix's share of the recent requests forgets: its count (and the total)
+    halves every ``heat_half_life x N`` requests routed, N the candidate workers. In requests,
+    not seconds, so a prefix that turns hot is seen as hot after about as many requests at
+    any request rate (~10 with 2 workers; with a 30 s half-life, 40 s of an 80% skew after a
+    mixed load were not enough); per worker, so one worker's share (1/N) stays many requests."""
     entry_ttl_s: float = 600.0
     """Seconds after its last routing that a prefix (or a session) is forgotten."""
     max_chunks_per_worker: int = 32768
@@ -112,6 +129,10 @@ class CacheAwareConfig:
             raise ValueError(f"balance_threshold must be >= 0 requests, got {self.balance_threshold}")
         if not self.entry_ttl_s > 0:
             raise ValueError(f"entry_ttl_s must be > 0 seconds, got {self.entry_ttl_s}")
+        if isinstance(self.cold_balance_threshold, bool) or self.cold_balance_threshold < 0:
+            raise ValueError(f"cold_balance_threshold must be >= 0 requests, got {self.cold_balance_threshold}")
+        if not self.heat_half_life > 0:
+            raise ValueError(f"heat_half_life must be > 0 requests per worker, got {self.heat_half_life}")
         for name in ("max_chunks_per_worker", "max_sessions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -211,6 +232,7 @@ class CacheAwarePolicy:
         self._clock = clock
         self._trees: dict[str, _PrefixTree] = {}
         self._sessions: OrderedDict[int, tuple[str, float]] = OrderedDict()
+        self._heat = _Heat(config.heat_half_life)
 
     # ---- the pick -----------------------------------------------------------------------------
 
@@ -225,6 +247,7 @@ class CacheAwarePolicy:
         balanced = self._least_load(candidates)
         preferred, reason, matched = self._session_worker(candidates, hint, oldest), Reason.SESSION, 0
         hashes = hint.prefix_hashes
+        threshold = self.config.balance_threshold
         if hashes:
             matches = [tree.match(hashes) for tree in trees]
             matched = max(matches)
@@ -233,10 +256,16 @@ class CacheAwarePolicy:
                 preferred = self._least_load([c for c, m in zip(candidates, matches) if m == matched])
             elif preferred is not None:
                 matched = matches[list(candidates).index(preferred)]
+            self._heat.record(hashes, len(candidates))
+            # A prefix (what the request shares with earlier ones) is cold while it has at most
+            # one worker's share of the recent requests.
+            if (reason is Reason.AFFINITY
+                    and self._heat.share(hashes, matched, len(candidates)) <= 1 / len(candidates)):
+                threshold = self.config.cold_balance_threshold
         chosen: C
         if preferred is None:
             chosen, reason, matched = balanced, Reason.NO_MATCH, 0
-        elif self._too_loaded(preferred, balanced):
+        elif self._too_loaded(preferred, balanced, threshold):
             chosen, reason = balanced, Reason.LOAD_OVERRIDE
             matched = trees[list(candidates).index(balanced)].match(hashes) if hashes else 0
         else:
@@ -244,14 +273,14 @@ class CacheAwarePolicy:
         self._record(chosen, hint, now)
         return Decision(chosen, reason, matched * CHUNK_CHARS)
 
-    def _too_loaded(self, preferred: C, balanced: C) -> bool:
+    def _too_loaded(self, preferred: C, balanced: C, threshold: int) -> bool:
         if preferred is balanced:
             return False
         preferred_pressure, preferred_outstanding = self._load_of(preferred)
         balanced_pressure, balanced_outstanding = self._load_of(balanced)
         if preferred_pressure and not balanced_pressure:
             return True
-        return preferred_outstanding - balanced_outstanding > self.config.balance_threshold
+        return preferred_outstanding - balanced_outstanding > threshold
 
     def _session_worker(self, candidates: Sequence[C], hint: RouteHint, oldest: float) -> C | None:
         if hint.session is None:
@@ -304,9 +333,50 @@ class CacheAwarePolicy:
         policy = CacheAwarePolicy(config, least_load=self._least_load, load_of=self._load_of,
                                   clock=self._clock)
         policy._trees, policy._sessions = self._trees, self._sessions
+        policy._heat.counts, policy._heat.total, policy._heat.seq = (
+            self._heat.counts, self._heat.total, self._heat.seq)
         return policy
+
+
+MAX_HEAT_ENTRIES = 65536
+"""Prefixes whose share of the recent requests is tracked (least recently seen dropped first)."""
+
+
+class _Heat:
+    """How many recent requests share a prefix: counts that halve every ``half_life x N``
+    requests, kept for each request's chain at the power-of-two depths (1, 2, 4, ... chunks), so
+    a share is read at any depth (rounded down to one of those) for a few updates per request."""
+
+    def __init__(self, half_life_per_worker: float) -> None:
+        self.half_life_per_worker = half_life_per_worker
+        self.counts: OrderedDict[int, tuple[float, int]] = OrderedDict()  # chain hash -> (count, seq)
+        self.total = (0.0, 0)
+        self.seq = 0
+        """Requests recorded: the clock the counts decay by."""
+
+    def _decayed(self, entry: tuple[float, int], num_workers: int) -> float:
+        count, seq = entry
+        return count * 0.5 ** ((self.seq - seq) / (self.half_life_per_worker * num_workers))
+
+    def record(self, hashes: Sequence[int], num_workers: int) -> None:
+        self.seq += 1
+        self.total = (self._decayed(self.total, num_workers) + 1.0, self.seq)
+        depth = 1
+        while depth <= len(hashes):
+            key = hashes[depth - 1]
+            count = self._decayed(self.counts.pop(key, (0.0, self.seq)), num_workers) + 1.0
+            self.counts[key] = (count, self.seq)
+            depth *= 2
+        while len(self.counts) > MAX_HEAT_ENTRIES:
+            self.counts.popitem(last=False)
+
+    def share(self, hashes: Sequence[int], depth: int, num_workers: int) -> float:
+        """The share of the recent requests that began with ``hashes[:depth]`` (``depth`` >= 1,
+        rounded down to a power of two)."""
+        entry = self.counts.get(hashes[(1 << (depth.bit_length() - 1)) - 1])
+        total = self._decayed(self.total, num_workers)
+        return self._decayed(entry, num_workers) / total if entry is not None and total > 0 else 0.0
 
 
 def _name(candidate: object) -> str:
     return getattr(candidate, "worker_name")
-

@@ -193,7 +193,7 @@ class RoutingTable:
     def _policy_for(self, method: DispatchMethod, options: CacheAwareOptions | None) -> DispatchPolicy:
         """The policy to rank with: the current one (with what cache_aware learned) while the
         controller's method stays, its knobs updated; a new one when the method changes."""
-        config = CacheAwareConfig(**options.model_dump()) if options is not None else None
+        config = CacheAwareConfig(**options.model_dump(exclude_none=True)) if options is not None else None
         policy = self._policy
         if policy is None or policy.method is not method:
             return DispatchPolicy(method, self._rng, cache_aware=config, clock=self._clock)

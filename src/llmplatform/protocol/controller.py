@@ -169,6 +169,9 @@ class CacheAwareOptions(_Message):
     """The controller's cache_aware knobs, so a gateway routing locally uses the same ones."""
 
     balance_threshold: int = Field(ge=0)
+    # None from a controller older than these two: the gateway's defaults then.
+    cold_balance_threshold: int | None = Field(default=None, ge=0)
+    heat_half_life: float | None = Field(default=None, gt=0)
     entry_ttl_s: float = Field(gt=0)
     max_chunks_per_worker: int = Field(ge=1)
     max_sessions: int = Field(ge=1)
