@@ -41,7 +41,8 @@ class ControllerServiceSettings(ServerSettings):
     cache_aware_balance_threshold: int = option(
         CacheAwareConfig.balance_threshold, "cache_aware: outstanding requests the worker holding "
         "a hot prefix (more than one worker's share of the recent requests) or the session may "
-        "have beyond the least loaded worker before load decides instead (default: %(default)s)", metavar="REQUESTS", ge=0)
+        "have beyond the least loaded worker before load decides instead (default: %(default)s)",
+        metavar="REQUESTS", ge=0)
     cache_aware_cold_balance_threshold: int = option(
         CacheAwareConfig.cold_balance_threshold, "cache_aware: outstanding requests the worker "
         "holding a cold prefix (at most one worker's share of the recent requests) may have beyond "
