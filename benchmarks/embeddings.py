@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from serve_systems import start_llmplatform
 
 _WORDS = ("the sea river mountain quick brown fox jumps over lazy dog embeddings vectors search "
           "retrieval of documents about cooking physics history music a an is was were to from "
@@ -57,8 +58,6 @@ def cluster(model_path: str | None, log_dir: Path) -> Iterator[tuple[str, str, s
     """(OpenAI base URL, model name, model dir) of ``llmplatform serve`` with one embedding
     worker, as its own processes, as it is deployed: in this process's threads the services
     would share one interpreter lock with the load generator and each other."""
-    from serve_systems import start_llmplatform
-
     from llmplatform.llm.resolve import EMBEDDING_MODEL_NAME, resolve_model
 
     path = str(resolve_model(model_path or EMBEDDING_MODEL_NAME).path)

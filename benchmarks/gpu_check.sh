@@ -4,7 +4,7 @@
 #
 #   1. the `gpu` tests: the kernel grid and the engine test on CUDA, compiled Triton
 #      (tests/kernels, TRITON_INTERPRET unset so the kernels compile)
-#   2. benchmarks/kernels.py --quick: Triton vs the torch path vs SDPA, decode bandwidth
+#   2. benchmarks/kernel_bench.py --quick: Triton vs the torch path vs SDPA, decode bandwidth
 #   3. benchmarks/throughput.py --systems ours on CUDA, if the script and its --device flag exist
 #   4. benchmarks/gpu_tp_smoke.py: an NCCL process group (engine.parallel), the TP=1 engine on CUDA
 #
@@ -59,7 +59,7 @@ if [[ ${PIPESTATUS[0]} -ne 0 ]]; then exit 1; fi
 step gpu_tests 240 "$PYTHON" -m pytest tests/kernels -m gpu -q -p no:cacheprovider -rs
 
 # 2. Kernel benchmark (quick set of cases).
-step kernel_benchmark 150 "$PYTHON" benchmarks/kernels.py --quick --json-out "$OUT_DIR/kernels.json"
+step kernel_benchmark 150 "$PYTHON" benchmarks/kernel_bench.py --quick --json-out "$OUT_DIR/kernels.json"
 
 # 3. Engine throughput on CUDA: ours only. throughput.py is another component's; skip (not fail)
 #    when it or its --device flag is missing.

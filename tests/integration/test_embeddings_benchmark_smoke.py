@@ -4,21 +4,13 @@ never timings."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
-BENCH = BENCH_DIR / "embeddings.py"
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_embeddings_benchmark_smoke(embedding_model_dir, tmp_path, capsys):
-    if str(BENCH_DIR) not in sys.path:  # it imports its siblings, as when run as a script
-        sys.path.insert(0, str(BENCH_DIR))
-    spec = importlib.util.spec_from_file_location("bench_embeddings", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("embeddings")
     out = tmp_path / "result.json"
     code = bench.main(["--model-path", str(embedding_model_dir), "--num-sentences", "12",
                        "--concurrency", "1,4", "--batch", "4", "--warmup", "2", "--repeats", "2",

@@ -5,25 +5,13 @@ prefix caches, cache_aware's decisions reaching both workers on the skewed load.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
-BENCH = BENCH_DIR / "routing.py"
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_routing_benchmark_smoke(tiny_model_dir, tmp_path, capsys):
-    if str(BENCH_DIR) not in sys.path:  # it imports its siblings, as when run as a script
-        sys.path.insert(0, str(BENCH_DIR))
-    spec = importlib.util.spec_from_file_location("bench_routing", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # its dataclasses resolve their annotations through it
-    try:
-        spec.loader.exec_module(bench)
-    finally:
-        del sys.modules[spec.name]
+    bench = load_benchmark("routing")
     out = tmp_path / "result.json"
     code = bench.main(["--model-path", str(tiny_model_dir), "--dtype", "float32",
                        "--policies", "least_load,cache_aware", "--concurrency", "2",

@@ -5,7 +5,6 @@ itself. Checks the report's structure and that its counts add up; never its timi
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import shlex
 import sys
@@ -14,25 +13,15 @@ from pathlib import Path
 import pytest
 
 from llmplatform.model_worker.backends import BackendConfig, build_llm
+from tests.benchmark_scripts import load_benchmark
 from tests.integration.cluster import running_cluster
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 WORKLOAD = ["--prompt-len", "8:40", "--output-len", "3:9", "--warmup-requests", "1", "--seed", "3"]
-
-
-def load_bench():
-    """benchmarks/ is scripts, not a package: serve.py imports its siblings by plain name."""
-    if str(BENCH_DIR) not in sys.path:
-        sys.path.insert(0, str(BENCH_DIR))
-    spec = importlib.util.spec_from_file_location("bench_serve", BENCH_DIR / "serve.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_bench()
+    return load_benchmark("serve")
 
 
 @pytest.fixture(scope="module")

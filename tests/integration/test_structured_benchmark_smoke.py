@@ -6,20 +6,15 @@ here (the tools path has its end-to-end tests on the default model)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 from llmplatform.model_worker.backends import BackendConfig, build_llm
+from tests.benchmark_scripts import load_benchmark
 from tests.integration.cluster import running_cluster
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "structured.py"
 
 
 def test_structured_benchmark_smoke(tiny_model_dir, tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_structured", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("structured")
     llm = build_llm(BackendConfig(model_path=str(tiny_model_dir), model_names=("tiny",),
                                   backend="paged", device="cpu", dtype="float32",
                                   kv_cache_memory="64MiB"))

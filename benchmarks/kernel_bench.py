@@ -1,7 +1,7 @@
 """Kernel benchmark: the Triton kernels against the torch path and against PyTorch's SDPA.
 
-    python benchmarks/kernels.py [--quick] [--dtype bfloat16] [--json-out FILE]
-    python benchmarks/kernels.py --device cpu      # smoke run of this script, interpreted, tiny
+    python benchmarks/kernel_bench.py [--quick] [--dtype bfloat16] [--json-out FILE]
+    python benchmarks/kernel_bench.py --device cpu      # smoke run of this script, interpreted, tiny
 
 Shapes are a Llama-3-8B layer's (32 query heads, 8 kv heads, head_dim 128), block_size 16, in
 bf16 unless ``--dtype`` says otherwise. Each sequence's blocks are a random permutation of the
