@@ -94,8 +94,10 @@ def test_local_routing_serves_without_asking_the_controller(controller, workers)
         ask(url)
         assert address_requests(controller) == asked, "the gateway asked the controller per request"
         assert routing_decisions(url, "table") == NUM_REQUESTS
-        # Both idle, and the gateway counts its own picks: the burst is spread evenly.
-        assert [len(w.params) - b for w, b in zip(workers, before)] == [NUM_REQUESTS // 2] * 2
+        # One request at a time: each ended (and came off the table's load) before the next
+        # was picked, so the workers tie every time; the spreading of a burst by the table's
+        # own picks is tested in tests/unit/test_gateway_worker_routing.py.
+        assert sum(len(w.params) - b for w, b in zip(workers, before)) == NUM_REQUESTS
 
 
 def test_controller_routing_asks_the_controller_for_every_request(controller, workers) -> None:

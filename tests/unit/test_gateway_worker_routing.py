@@ -151,6 +151,30 @@ def test_own_picks_count_as_load_until_a_newer_heartbeat_reports_them() -> None:
     assert table.pick("m") == A  # 2/4 < 3/4, the own picks are gone
 
 
+def test_requests_that_ended_since_the_heartbeat_come_off_the_load() -> None:
+    """A worker whose requests finish between heartbeats (short answers, cached prompts) must
+    not keep looking as busy as its last report plus every pick since: bursts would alternate
+    between the workers, each looking full in turn."""
+    clock = FakeClock(100.0)
+    table = table_with(described(A, age=0.5, running=3), described(B, age=0.5, running=2), clock=clock,
+                       rng=FixedRandom(0.99))  # one tie below, for B
+    assert table.pick("m") == B  # 2/4 < 3/4
+    clock.now += 0.1
+    for _ in range(3):  # A's three reported requests end (the stream's end tells the table)
+        table.request_ended(A + "/")
+    assert table.pick("m") == A  # A: 3 - 3 = 0 < B: 2 + 1
+    assert table.pick("m") == A  # A: 1 < B: 3
+    for _ in range(3):  # A's two picks end, and one more: nothing left to take off, not kept
+        table.request_ended(A)
+    assert [table.pick("m") for _ in range(4)] == [A, A, A, B]  # 3 picks: A 3 = B 3, a tie
+    # A read with a heartbeat after the ends drops them: the report no longer counts them.
+    clock.now += 0.5
+    table.update(listing(described(A, age=0.1, running=3), described(B, age=0.1, running=2)),
+                 requested_at=clock.now)
+    assert table.pick("m") == B  # 2/4 < 3/4: A's ends before the heartbeat are not taken off again
+    table.request_ended("http://unknown:1")  # not listed: ignored
+
+
 def test_the_controllers_own_dispatches_count_too() -> None:
     table = table_with(described(A, dispatched=3), described(B, running=2))
     assert table.pick("m") == B  # 3/4 > 2/4

@@ -62,10 +62,9 @@ async def create_chat_completion(request: Request) -> Response:
 
     async def start_on(address: str) -> tuple[_Prepared, ChoiceStreams]:
         await check_generates(client, address, body.model)
-        announced = await client.worker_extensions(address, body.model)
-        check_worker_extensions(body, announced)
-        constraint = constraints.for_worker(body.model, announced,
-                                            await client.tool_call_parser(address, body.model))
+        details = await client.model_details(address, body.model)
+        check_worker_extensions(body, details.extensions)
+        constraint = constraints.for_worker(body.model, details.extensions, details.tool_call_parser)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         prepared = await client.prepare_chat(address, body.model, messages, requested=requested)
         max_new_tokens = max_new_tokens_for(prepared, requested, default=None, prompt_param="messages")

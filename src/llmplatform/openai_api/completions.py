@@ -56,7 +56,7 @@ async def create_completion(request: Request) -> Response:
 
     async def start_on(address: str) -> tuple[list[PreparedPrompt], ChoiceStreams]:
         await check_generates(client, address, body.model)
-        announced = await client.worker_extensions(address, body.model)
+        announced = (await client.model_details(address, body.model)).extensions
         check_worker_extensions(body, announced)
         constraint = constraints.for_worker(body.model, announced, None)
 

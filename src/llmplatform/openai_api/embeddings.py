@@ -69,7 +69,7 @@ async def create_embeddings(request: Request) -> Response:
     request_id = worker_request_id_prefix(request)
 
     async def attempt(address: str) -> tuple[list[np.ndarray | str], int]:
-        details = await client.model_details(address, body.model)
+        details = (await client.model_details(address, body.model)).raw
         tasks = details.get("tasks")
         if isinstance(tasks, list):  # ours
             if "embed" not in tasks:
@@ -112,7 +112,7 @@ async def _stock_worker(client: WorkerClient, address: str, body: EmbeddingReque
 async def _call(client: WorkerClient, address: str, payload: Mapping[str, Any],
                 num_inputs: int) -> tuple[list[np.ndarray | str], int]:
     url = f"{address}/worker_get_embeddings"
-    data = await client.post_worker(url, payload)
+    data = await client.post_worker(address, "/worker_get_embeddings", payload)
     if isinstance(data, dict) and data.get("error_code"):
         raise error_from_http(200, json.dumps(data).encode(), f"The worker at {url}")
     vectors = data.get("embedding") if isinstance(data, dict) else None
@@ -148,7 +148,7 @@ async def check_generates(client: WorkerClient, address: str, model: str) -> Non
     """Refuses chat and completions for a model whose worker (ours) says it serves no generation
     (``tasks`` in its ``/model_details``: an embedding model), before anything is sent for it; the
     worker refuses too. A stock FastChat worker announces no tasks and is taken at its word."""
-    tasks = (await client.model_details(address, model)).get("tasks")
+    tasks = (await client.model_details(address, model)).raw.get("tasks")
     if isinstance(tasks, list) and "generate" not in tasks:
         raise InvalidRequestError(
             f"model {model!r} is an embedding model: it serves /v1/embeddings, not chat or "

@@ -8,7 +8,8 @@ peer is 503, a silent one 504, a worker's FastChat error code keeps its meaning.
 
 Chat prompts: our workers render them (`/worker_apply_chat_template`); a stock FastChat worker
 answers 404 there, and then the gateway renders FastChat's conversation template itself, as
-FastChat's own gateway does (`/worker_get_conv_template`, `/count_token`, `/model_details`).
+FastChat's own gateway does (`/worker_get_conv_template`, `/count_token`, `/model_details`; what
+is learnt once per worker is kept in worker_details.py).
 
 Which worker: with `--routing local` the gateway's routing table answers (worker_routing.py) and the
 controller is asked only for what the table cannot answer; with `--routing controller`, for every
@@ -33,12 +34,13 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from llmplatform.conversation import ConvTemplate, render_chat_prompt
+from llmplatform.conversation import render_chat_prompt
 from llmplatform.errors import ModelNotFoundError, NoWorkerError
 from llmplatform.openai_api.errors import UpstreamError, error_from_http
 from llmplatform.openai_api.worker_routing import RouteRequest, RouteSource, RoutingTable
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.openai_api.translate import PreparedPrompt
+from llmplatform.openai_api.worker_details import ModelDetails, WorkerDetails
 from llmplatform.openai_api.worker_stream import WorkerStreamClient
 from llmplatform.openai_api.worker_wire import (
     ACCEPTED,
@@ -62,8 +64,6 @@ logger = logging.getLogger("llmplatform.openai_api")
 
 MAX_WORKER_CONNECTIONS = 1024
 """Connections to workers at once: every streamed choice holds one for its whole life."""
-
-_MAX_CACHE_ENTRIES = 1024
 
 _SINGLE_CALL = frozenset({"messages", "openai_max_tokens"})
 """Params additions that let the gateway send a request in one call (see prepare_chat)."""
@@ -90,16 +90,8 @@ class WorkerClient:
         # Every model name the controller has listed: an empty address for one of these means
         # "no live worker now" (503), for any other name "no such model" (404).
         self._known_models: set[str] = set()
-        # Per (worker address, model): FastChat caches these too; a worker's model is fixed.
-        self._context_lengths: dict[tuple[str, str], int] = {}
-        self._conv_templates: dict[tuple[str, str], ConvTemplate] = {}
-        # Which params-dict additions (our protocol's `messages`, `openai_max_tokens`) a worker
-        # understands, from its /model_details: a stock FastChat worker lists none.
-        self._extensions: dict[tuple[str, str], frozenset[str]] = {}
-        # The syntax each worker's model writes tool calls in (/model_details' tool_call_parser).
-        self._tool_call_parsers: dict[tuple[str, str], str | None] = {}
-        # The whole /model_details answer (what the model serves: `tasks`, `embedding`).
-        self._details: dict[tuple[str, str], dict[str, Any]] = {}
+        self._details = WorkerDetails(
+            lambda url, payload: self._post_json("worker", url, payload, self._worker_timeout))
         self._background: set[asyncio.Task[None]] = set()
         self._streams: WorkerStreamClient | None = None  # generation streams and embeddings calls
 
@@ -120,12 +112,6 @@ class WorkerClient:
             return response.json()
         except ValueError:
             raise UpstreamError(f"The {peer} at {url} answered with malformed JSON.") from None
-
-    @staticmethod
-    def _cache_put(cache: dict[Any, Any], key: Any, value: Any) -> None:
-        if len(cache) >= _MAX_CACHE_ENTRIES:
-            cache.clear()
-        cache[key] = value
 
     # ---- controller --------------------------------------------------------------------------
 
@@ -261,7 +247,7 @@ class WorkerClient:
         """What to send for a chat request. A worker of ours renders, counts and sizes it itself
         (one round trip: the generate call); a stock one needs the render and the count first."""
         budget = OpenAIMaxTokens(requested=requested, default=None, param="messages")
-        if _SINGLE_CALL <= await self._worker_extensions(address, model):
+        if _SINGLE_CALL <= (await self.model_details(address, model)).extensions:
             return PreparedPrompt(None, 0, None, messages=[dict(m) for m in messages], budget=budget)
         url = f"{address}/worker_apply_chat_template"
         payload = {"model": model, "messages": list(messages), "add_generation_prompt": True}
@@ -276,7 +262,7 @@ class WorkerClient:
             raise worker_http_error(response.status_code, response.headers, response.content,
                                     f"The worker at {url}")
         # A stock FastChat worker: render its conversation template here.
-        conv = await self._conv_template(address, model)
+        conv = await self._details.conv_template(address, model)
         prompt = render_chat_prompt(conv, messages)
         prompt_tokens, context_length = await asyncio.gather(
             self.count_tokens(address, model, prompt), self.context_length(address, model)
@@ -292,7 +278,7 @@ class WorkerClient:
     async def prepare_completion(
         self, address: str, model: str, prompt: str, *, requested: int | None, default: int
     ) -> PreparedPrompt:
-        if _SINGLE_CALL <= await self._worker_extensions(address, model):
+        if _SINGLE_CALL <= (await self.model_details(address, model)).extensions:
             budget = OpenAIMaxTokens(requested=requested, default=default, param="prompt")
             return PreparedPrompt(prompt, 0, None, budget=budget)
         prompt_tokens, context_length = await asyncio.gather(
@@ -310,74 +296,27 @@ class WorkerClient:
         return data["count"]
 
     async def context_length(self, address: str, model: str) -> int:
-        cached = self._context_lengths.get((address, model))
-        if cached is None:
-            await self._model_details(address, model)
-            cached = self._context_lengths[(address, model)]
-        return cached
+        return (await self.model_details(address, model)).context_length
 
-    async def worker_extensions(self, address: str, model: str) -> frozenset[str]:
-        """The params-dict additions the worker announced in /model_details (cached)."""
-        return await self._worker_extensions(address, model)
+    async def model_details(self, address: str, model: str) -> ModelDetails:
+        """The worker's /model_details, read (cached per worker and model)."""
+        return await self._details.model_details(address, model)
 
-    async def tool_call_parser(self, address: str, model: str) -> str | None:
-        """The tool-call syntax the worker's model writes (None: it serves no tools)."""
-        if (address, model) not in self._tool_call_parsers:
-            await self._model_details(address, model)
-        return self._tool_call_parsers.get((address, model))
-
-    async def _worker_extensions(self, address: str, model: str) -> frozenset[str]:
-        cached = self._extensions.get((address, model))
-        if cached is None:
-            await self._model_details(address, model)
-            cached = self._extensions[(address, model)]
-        return cached
-
-    async def _model_details(self, address: str, model: str) -> None:
-        """One /model_details call, cached per (address, model): the context length and the
-        params additions the worker understands."""
-        url = f"{address}/model_details"
-        data = await self._post_json("worker", url, {"model": model}, self._worker_timeout)
-        if not isinstance(data, dict) or not isinstance(data.get("context_length"), int):
-            raise UpstreamError(f"The worker at {url} answered with an invalid response (no context length).")
-        extensions = data.get("params")
-        self._cache_put(self._details, (address, model), data)
-        self._cache_put(self._context_lengths, (address, model), data["context_length"])
-        self._cache_put(self._extensions, (address, model), frozenset(
-            e for e in extensions if isinstance(e, str)) if isinstance(extensions, list) else frozenset())
-        parser = data.get("tool_call_parser")
-        self._cache_put(self._tool_call_parsers, (address, model),
-                        parser if isinstance(parser, str) else None)
-
-    async def model_details(self, address: str, model: str) -> Mapping[str, Any]:
-        """The worker's /model_details answer as sent (cached); ours adds ``tasks``."""
-        if (address, model) not in self._details:
-            await self._model_details(address, model)
-        return self._details[(address, model)]
-
-    async def post_worker(self, url: str, payload: Any) -> Any:
+    async def post_worker(self, address: str, path: str, payload: Any) -> Any:
         """A worker's JSON answer to ``payload``; its refusals (429, 503) typed as for generation.
         Embeddings come this way, one call per client request like the generation streams, so
         it takes their pool: httpx's pool scans every open connection on each request and
         release (with 64 requests in flight, ~45% of the gateway's CPU went there)."""
-        async with self._stream_client().stream(url, payload) as body:
-            content = b"".join([chunk async for chunk in body])
+        url = f"{address}{path}"
+        try:
+            async with self._stream_client().stream(url, payload) as body:
+                content = b"".join([chunk async for chunk in body])
+        finally:
+            self._request_ended(address)
         try:
             return json.loads(content)
         except ValueError:
             raise UpstreamError(f"The worker at {url} answered with malformed JSON.") from None
-
-    async def _conv_template(self, address: str, model: str) -> ConvTemplate:
-        cached = self._conv_templates.get((address, model))
-        if cached is not None:
-            return cached
-        url = f"{address}/worker_get_conv_template"
-        data = await self._post_json("worker", url, {"model": model}, self._worker_timeout)
-        if not isinstance(data, dict) or not isinstance(data.get("conv"), dict):
-            raise UpstreamError(f"The worker at {url} answered without a conversation template.")
-        conv = ConvTemplate.from_dict(data["conv"])
-        self._cache_put(self._conv_templates, (address, model), conv)
-        return conv
 
     # ---- generation --------------------------------------------------------------------------
 
@@ -413,6 +352,13 @@ class WorkerClient:
             raise UpstreamError(
                 f"The worker at {address} stopped in the middle of the response ({exc.message})"
             ) from None
+        finally:
+            self._request_ended(address)
+
+    def _request_ended(self, address: str) -> None:
+        """Tell the routing table (its load estimate between heartbeats)."""
+        if self._routes is not None:
+            self._routes.request_ended(address)
 
     def abort_soon(self, address: str, request_id: str) -> None:
         """Best-effort `POST /worker_abort` in the background (a stock worker lacks the route)."""

@@ -19,10 +19,16 @@ What the table cannot answer, the controller is asked, exactly as before (`pick`
 Load between reads. A worker's load facts change only with its heartbeat. Like the controller,
 which counts its picks since each worker's last heartbeat (`num_dispatched`), the table adds its
 own picks since the worker's last heartbeat (and the controller's count) to the reported load,
-so a burst spreads out instead of piling onto the worker that looked idlest. A read that brings
-a newer heartbeat drops the picks made before that heartbeat (the report includes them); a read
-that brings none keeps them (resetting on every read would forget them while the worker's
-report still cannot show them: reads are ~3x as frequent as heartbeats by default).
+so a burst spreads out instead of piling onto the worker that looked idlest. Unlike the
+controller, the gateway also sees its requests end (`request_ended`): each one that ended since
+the heartbeat comes off the estimate. Without that, a worker whose requests finish within a
+heartbeat (short answers, prompts found in its prefix cache) keeps looking as busy as at its
+last report plus every pick since, and bursts alternate between the workers: on
+benchmarks/routing.py's skewed load whole rounds of 8 requests went to one worker while the
+other, just as idle, looked full. A read that brings a newer heartbeat drops the picks and ends
+before that heartbeat (the report includes them); a read that brings none keeps them (resetting
+on every read would forget them while the worker's report still cannot show them: reads are ~3x
+as frequent as heartbeats by default).
 
 cache_aware. When the controller's method is cache_aware, the table runs the same policy
 (:class:`~llmplatform.controller.dispatch.DispatchPolicy`, with the knobs the listing carries)
@@ -60,7 +66,7 @@ from llmplatform.controller.cache_aware import (
     Decision,
     RouteHint,
 )
-from llmplatform.controller.dispatch import DispatchMethod, DispatchPolicy, RandomSource
+from llmplatform.controller.dispatch import DispatchMethod, DispatchPolicy, RandomSource, outstanding_requests
 from llmplatform.errors import LLMPlatformError
 from llmplatform.protocol.controller import CacheAwareOptions, ListWorkersResponse, WorkerDescription
 
@@ -74,8 +80,8 @@ RECHECK_UNSUPPORTED_S = 60.0
 """How often a controller that cannot drive local routing (no `/list_workers`, or an unknown
 dispatch method) is asked again, in case it was upgraded."""
 MAX_PICKS_TRACKED = 4096
-"""Own picks remembered per worker. A worker that never heartbeats (`check_heart_beat` false)
-never has them dropped; past this the count saturates (the controller's grows forever)."""
+"""Own picks (and requests ended) remembered per worker. A worker that never heartbeats
+(`check_heart_beat` false) never has them dropped; past this the counts saturate."""
 
 
 def max_table_age(refresh_interval: float) -> float:
@@ -109,6 +115,8 @@ class RoutedWorker:
     """When the worker's last heartbeat arrived, on the gateway's clock."""
     cache_epoch: str | None = None
     """Changes when the worker's prefix cache is known to be gone (cache_aware forgets it)."""
+    prefix_cache_queries: int | None = None
+    """None: the worker reports no prefix cache (cache_aware ranks it by load alone)."""
 
     @classmethod
     def from_description(cls, worker: WorkerDescription, now: float) -> RoutedWorker:
@@ -124,6 +132,7 @@ class RoutedWorker:
             num_dispatched=worker.num_dispatched,
             heartbeat_at=now - worker.last_heartbeat_age_s,
             cache_epoch=worker.cache_epoch,
+            prefix_cache_queries=worker.prefix_cache_queries,
         )
 
 
@@ -152,6 +161,8 @@ class RoutingTable:
         self._refreshed_at: float | None = None
         self._picks: dict[str, deque[float]] = {}
         """Per worker, when the table picked it, oldest first (the clock only moves forward)."""
+        self._ended: dict[str, deque[float]] = {}
+        """Per worker, when a request this gateway sent it ended, oldest first."""
         self._down: dict[str, float] = {}
         """Workers that failed a request, and when."""
 
@@ -179,16 +190,12 @@ class RoutingTable:
         self._method = method
         self._workers = workers
         self._refreshed_at = now
-        self._picks = {w.worker_name: self._picks_after(w) for w in workers}
+        self._picks = {w.worker_name: _after(self._picks.get(w.worker_name), w.heartbeat_at)
+                       for w in workers}
+        self._ended = {w.worker_name: _after(self._ended.get(w.worker_name), w.heartbeat_at)
+                       for w in workers}
         # A failure seen after this read was asked for is newer than what the read says.
         self._down = {name: at for name, at in self._down.items() if at >= requested_at}
-
-    def _picks_after(self, worker: RoutedWorker) -> deque[float]:
-        """The table's picks of `worker` that its last heartbeat could not have counted yet."""
-        picks = self._picks.get(worker.worker_name, deque(maxlen=MAX_PICKS_TRACKED))
-        while picks and picks[0] <= worker.heartbeat_at:
-            picks.popleft()
-        return picks
 
     def _policy_for(self, method: DispatchMethod, options: CacheAwareOptions | None) -> DispatchPolicy:
         """The policy to rank with: the current one (with what cache_aware learned) while the
@@ -208,7 +215,18 @@ class RoutingTable:
         self._workers = []
         self._refreshed_at = None
         self._picks = {}
+        self._ended = {}
         self._down = {}
+
+    def request_ended(self, worker_name: str) -> None:
+        """A request this gateway sent `worker_name` (picked here or by the controller) ended:
+        it comes off the worker's estimated load until a heartbeat that no longer counts it."""
+        name = worker_name.rstrip("/")
+        worker = next((w for w in self._workers if w.worker_name == name), None)
+        # An end with nothing left to take off (a request with several streams, one pick) is
+        # not kept as credit against the next picks.
+        if worker is not None and outstanding_requests(self._estimated(worker)) > 0:
+            self._ended[name].append(self._clock())
 
     def mark_down(self, worker_name: str) -> None:
         """`worker_name` failed a request: skip it until a read that started after now."""
@@ -241,11 +259,8 @@ class RoutingTable:
         if not self._fresh():
             return None
         unusable = {name.rstrip("/") for name in exclude} | self._down.keys()
-        candidates = [
-            dataclasses.replace(w, num_dispatched=w.num_dispatched + len(self._picks[w.worker_name]))
-            for w in self._workers
-            if model in w.model_names and w.worker_name not in unusable
-        ]
+        candidates = [self._estimated(w) for w in self._workers
+                      if model in w.model_names and w.worker_name not in unusable]
         assert self._policy is not None  # set with every read that made the table fresh
         hint = route.hint if route is not None and self._policy.cache_aware is not None else NO_HINT
         decision = self._policy.pick(candidates, hint)
@@ -253,6 +268,24 @@ class RoutingTable:
             return None
         self._picks[decision.worker.worker_name].append(self._clock())
         return decision
+
+    def _estimated(self, worker: RoutedWorker) -> RoutedWorker:
+        """`worker` as dispatch should see it now: its report, plus the requests sent it since
+        (the controller's and this table's picks), less those of this gateway's that ended
+        since. More ended than were sent since: they come off the reported queue (waiting
+        first)."""
+        net = len(self._picks[worker.worker_name]) - len(self._ended[worker.worker_name])
+        if net >= 0:
+            return dataclasses.replace(worker, num_dispatched=worker.num_dispatched + net)
+        gone = -net
+        dispatched = max(worker.num_dispatched - gone, 0)
+        gone -= worker.num_dispatched - dispatched
+        waiting, running = worker.num_waiting, worker.num_running
+        if waiting is not None and running is not None:
+            off_waiting = min(waiting, gone)
+            waiting, running = waiting - off_waiting, max(running - (gone - off_waiting), 0)
+        return dataclasses.replace(worker, num_dispatched=dispatched, num_waiting=waiting,
+                                   num_running=running, queue_length=max(worker.queue_length - gone, 0))
 
     @property
     def method(self) -> DispatchMethod | None:
@@ -270,6 +303,14 @@ class RoutingTable:
                        "controller per request until it answers again", age)
         self.clear()
         return False
+
+
+def _after(times: deque[float] | None, heartbeat_at: float) -> deque[float]:
+    """`times` after `heartbeat_at` (events a worker's report could not count yet)."""
+    kept = times if times is not None else deque(maxlen=MAX_PICKS_TRACKED)
+    while kept and kept[0] <= heartbeat_at:
+        kept.popleft()
+    return kept
 
 
 def chat_routing_text(messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
