@@ -22,6 +22,7 @@ import pytest
 
 from llmplatform.controller import ControllerConfig
 from llmplatform.controller import create_app as create_controller_app
+from llmplatform.controller.dispatch import DispatchMethod
 from llmplatform.controller.registry import WorkerInfo, WorkerRegistry
 from llmplatform.model_worker.app import WorkerSettings
 from llmplatform.model_worker.app import create_app as create_worker_app
@@ -70,7 +71,7 @@ def worker_running(worker_url: str) -> int:
 def test_requests_go_to_the_worker_with_the_smaller_share_of_capacity(
     long_context_model: Path,
 ) -> None:
-    controller_app = create_controller_app(ControllerConfig())  # default dispatch: least_load
+    controller_app = create_controller_app(ControllerConfig(dispatch_method=DispatchMethod.LEAST_LOAD))
     registry: WorkerRegistry = controller_app.state.registry
 
     def entry(url: str) -> WorkerInfo:

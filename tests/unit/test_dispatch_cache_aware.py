@@ -24,11 +24,12 @@ SYSTEM_2 = "You answer in French only. " * 30
 
 
 def worker(name: str, *, outstanding: int = 0, kv: float = 0.1, epoch: str | None = "e0",
-           capacity: int = 8) -> WorkerInfo:
+           capacity: int = 8, caching: bool = True) -> WorkerInfo:
     info = WorkerInfo(worker_name=name, model_names=("m",), speed=1, queue_length=outstanding,
                       check_heart_beat=True, multimodal=False, last_heartbeat=0.0,
                       num_running=outstanding, num_waiting=0, kv_cache_usage=kv,
-                      max_num_running=capacity, instance_id="i", prefix_cache_resets=0)
+                      max_num_running=capacity, instance_id="i", prefix_cache_resets=0,
+                      prefix_cache_queries=0 if caching else None)
     return _Epoched(info, epoch)
 
 
@@ -44,7 +45,7 @@ class _Epoched:
 
 def policy(clock: FakeClock, **config: object) -> DispatchPolicy:
     # Draws only break exact least_load ties; 0.0 takes the first tied candidate.
-    return DispatchPolicy(DispatchMethod.CACHE_AWARE, FixedRandom(*[0.0] * 100),
+    return DispatchPolicy(DispatchMethod.CACHE_AWARE, FixedRandom(*[0.0] * 10_000),
                           cache_aware=CacheAwareConfig(**config), clock=clock)
 
 
@@ -83,7 +84,7 @@ def test_longest_match_wins_over_load_within_the_threshold() -> None:
 
 def test_load_beyond_the_threshold_overrides_the_match() -> None:
     clock = FakeClock()
-    p = policy(clock, balance_threshold=2)
+    p = policy(clock, balance_threshold=2, cold_balance_threshold=2)
     p.pick([worker(A), worker(B)], hint(SYSTEM_1 + "q1"))  # A owns SYSTEM_1
     kept = p.pick([worker(A, outstanding=3), worker(B, outstanding=1)], hint(SYSTEM_1 + "q2"))
     assert (kept.worker.worker_name, kept.reason) == (A, Reason.AFFINITY)  # 3 - 1 = 2: within
@@ -115,21 +116,51 @@ def test_a_cold_prefix_waits_for_its_worker_up_to_the_cold_threshold() -> None:
     assert (moved.worker.worker_name, moved.reason) == (B, Reason.LOAD_OVERRIDE)  # 7 ahead
 
 
-def test_a_hot_prefix_spreads_at_the_balance_threshold() -> None:
+def test_a_hot_prefix_spreads_to_a_second_worker() -> None:
     """A prefix with more than one worker's share of the recent requests needs more than one
-    worker: it moves at balance_threshold, and once both hold it, load decides between them."""
+    worker: once it is hot, the next request goes to the other worker if that one is no busier
+    (before any load override would), and from then on load decides between the two."""
     clock = FakeClock()
-    p = policy(clock, balance_threshold=2, cold_balance_threshold=100)
+    p = policy(clock, balance_threshold=2, cold_balance_threshold=100, heat_half_life=1.0)
     hot, other = _systems(2)
     p.pick([worker(A), worker(B)], hint(hot + "q0"))  # A owns it
-    p.pick([worker(A), worker(B)], hint(other + "q0"))
-    for i in range(1, 5):
-        clock.now += 1
-        assert p.pick([worker(A, outstanding=2), worker(B)], hint(hot + f"q{i}")).worker.worker_name == A
-    moved = p.pick([worker(A, outstanding=3), worker(B)], hint(hot + "q5"))
-    assert (moved.worker.worker_name, moved.reason) == (B, Reason.LOAD_OVERRIDE)
-    both = p.pick([worker(A, outstanding=3), worker(B, outstanding=1)], hint(hot + "q6"))
+    p.pick([worker(A, outstanding=1), worker(B)], hint(other + "q0"))  # B owns the other
+    # Two of three requests: not yet more than half of a full window of requests (3.4 here).
+    early = p.pick([worker(A, outstanding=2), worker(B, outstanding=1)], hint(hot + "q1"))
+    assert (early.worker.worker_name, early.reason) == (A, Reason.AFFINITY)
+    busier = p.pick([worker(A, outstanding=2), worker(B, outstanding=3)], hint(hot + "q2"))
+    assert (busier.worker.worker_name, busier.reason) == (A, Reason.AFFINITY)  # B is busier
+    spread = p.pick([worker(A, outstanding=2), worker(B, outstanding=1)], hint(hot + "q3"))
+    assert (spread.worker.worker_name, spread.reason) == (B, Reason.SPREAD)
+    assert spread.matched_chars == 0  # B computes it once
+    both = p.pick([worker(A, outstanding=3), worker(B, outstanding=2)], hint(hot + "q4"))
     assert (both.worker.worker_name, both.reason) == (B, Reason.AFFINITY)
+    again = p.pick([worker(A, outstanding=1), worker(B, outstanding=2)], hint(hot + "q5"))
+    assert (again.worker.worker_name, again.reason) == (A, Reason.AFFINITY)
+
+
+def test_a_hot_prefix_spreads_to_as_many_workers_as_its_share_fills() -> None:
+    """80% of the requests over 4 workers: ceil(3.2) = 4 of them hold it in the end; a prefix
+    with 30% of them stays on its 2 workers (ceil(1.2))."""
+    p = policy(FakeClock(), balance_threshold=8, cold_balance_threshold=8, heat_half_life=1.0)
+    hot, warm, *others = _systems(12)
+    workers = [A, B, C, "http://127.0.0.1:4"]
+    sequence = [hot if i % 10 < 8 else others[i % 10 - 8] for i in range(60)]
+    holders: dict[str, set[str]] = {}
+    for i, system in enumerate(sequence):
+        # The worker that was picked last is the busiest: an idle one is always available.
+        decision = p.pick([worker(w, outstanding=1 if w in holders.get(system, ()) else 0) for w in workers],
+                          hint(system + f"q{i}"))
+        holders.setdefault(system, set()).add(decision.worker.worker_name)
+    assert holders[hot] == set(workers)
+    p2 = policy(FakeClock(), balance_threshold=8, cold_balance_threshold=8, heat_half_life=1.0)
+    sequence = [warm if i % 10 < 3 else others[i % 10] for i in range(60)]
+    holders = {}
+    for i, system in enumerate(sequence):
+        decision = p2.pick([worker(w, outstanding=1 if w in holders.get(system, ()) else 0) for w in workers],
+                           hint(system + f"q{i}"))
+        holders.setdefault(system, set()).add(decision.worker.worker_name)
+    assert len(holders[warm]) == 2
 
 
 def test_heat_is_recent_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -143,14 +174,14 @@ def test_heat_is_recent_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     for _ in range(6):  # systems[0] alone: hot
         p.pick([worker(A), worker(B)], hint(systems[0] + "q"))
     clock.now += 300.0  # time alone cools nothing (within the entries' TTL): only requests do
-    assert p.pick([worker(A, outstanding=3), worker(B)], hint(systems[0] + "q")).reason is Reason.LOAD_OVERRIDE
+    assert p.pick([worker(A, outstanding=1), worker(B)], hint(systems[0] + "q")).reason is Reason.SPREAD
     p2 = policy(clock, balance_threshold=2, cold_balance_threshold=100, heat_half_life=2.0)
     for _ in range(6):
         p2.pick([worker(A), worker(B)], hint(systems[0] + "q"))
     for _ in range(4):  # 12 requests of the others: three half-lives (2 x 2 workers) each
         for system in systems[1:]:
             p2.pick([worker(A), worker(B)], hint(system + "q"))
-    cold = p2.pick([worker(A, outstanding=3), worker(B)], hint(systems[0] + "q"))
+    cold = p2.pick([worker(A, outstanding=1), worker(B)], hint(systems[0] + "q"))
     assert (cold.worker.worker_name, cold.reason) == (A, Reason.AFFINITY)
     monkeypatch.setattr(cache_aware, "MAX_HEAT_ENTRIES", 5)
     for i in range(20):
@@ -261,7 +292,8 @@ def test_dispatcher_routes_by_prefix_and_counts_dispatches() -> None:
     registry = WorkerRegistry(clock=clock)
     for name in (A, B):
         registry.register(name, WorkerStatus(model_names=["m"], max_num_running=8, num_running=0,
-                                             num_waiting=0, prefix_cache_resets=0), instance_id=name)
+                                             num_waiting=0, prefix_cache_queries=0,
+                                             prefix_cache_resets=0), instance_id=name)
     dispatcher = Dispatcher(registry, DispatchMethod.CACHE_AWARE, FixedRandom(0.0, 0.0),
                             cache_aware=CacheAwareConfig(balance_threshold=4), clock=clock)
     owners = {}
@@ -281,3 +313,24 @@ def test_dispatcher_routes_by_prefix_and_counts_dispatches() -> None:
 def test_config_is_validated(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(CacheAwareConfig(), **{field: value})
+
+
+def test_workers_without_a_prefix_cache_are_ranked_by_load_alone() -> None:
+    """hf workers, stock FastChat workers and paged ones with prefix caching off report no
+    prefix-cache counters: affinity to them would cost balance for nothing."""
+    p = policy(FakeClock(), balance_threshold=100, cold_balance_threshold=100)
+    plain = [worker(A, caching=False), worker(B, caching=False)]
+    first = p.pick(plain, hint(SYSTEM_1 + "q1", session="alice"))
+    assert (first.worker.worker_name, first.reason) == (A, Reason.NO_CACHE)
+    again = p.pick([worker(A, caching=False, outstanding=1), worker(B, caching=False)],
+                   hint(SYSTEM_1 + "q2", session="alice"))
+    assert (again.worker.worker_name, again.reason) == (B, Reason.NO_CACHE)
+    assert p.cache_aware is not None and p.cache_aware.num_chunks(A) == 0
+    # Mixed: only the caching worker is matched; the other is never preferred for a prefix.
+    mixed = [worker(A, caching=False), worker(B, outstanding=1)]
+    to_b = p.pick(mixed, hint(SYSTEM_2 + "q1"))
+    assert (to_b.worker.worker_name, to_b.reason) == (A, Reason.NO_MATCH)  # by load: A idler
+    p.pick([worker(A, caching=False, outstanding=2), worker(B)], hint(SYSTEM_2 + "q2"))  # B, by load
+    kept = p.pick([worker(A, caching=False), worker(B, outstanding=3)], hint(SYSTEM_2 + "q3"))
+    assert (kept.worker.worker_name, kept.reason) == (B, Reason.AFFINITY)
+    assert p.cache_aware.num_chunks(A) == 0

@@ -163,13 +163,15 @@ def status(capacity: int | None, **load: float) -> WorkerStatus:
     return WorkerStatus(model_names=["m"], max_num_running=capacity, **load)  # type: ignore[arg-type]
 
 
-def test_dispatcher_default_is_least_load_and_spreads_a_burst(registry: WorkerRegistry) -> None:
+def test_dispatcher_default_over_workers_without_a_prefix_cache_is_least_load(registry: WorkerRegistry) -> None:
+    """The default, cache_aware, ranks workers that report no prefix cache by least_load alone;
+    and a burst spreads out."""
     registry.register(A, status(4, num_running=0, num_waiting=0))
     registry.register(B, status(2, num_running=0, num_waiting=0))
     # loads (A/4, B/2): 0,0 tie -> draw 0.0 -> A; 1/4,0 -> B; 1/4,1/2 -> A; 2/4,1/2 tie -> draw
     # 0.99 -> B; 2/4,1 -> A; 3/4,1 -> A; 1,1 tie -> draw 0.0 -> A.
     dispatcher = Dispatcher(registry, rng=FixedRandom(0.0, 0.99, 0.0))
-    assert dispatcher.method is DispatchMethod.LEAST_LOAD
+    assert dispatcher.method is DispatchMethod.CACHE_AWARE
     picks = [dispatcher.choose("m").worker_name for _ in range(7)]  # type: ignore[union-attr]
     assert picks == [A, B, A, B, A, A, A]
     assert (registry.get(A).num_dispatched, registry.get(B).num_dispatched) == (5, 2)  # type: ignore[union-attr]
@@ -217,9 +219,9 @@ def test_protocol_capacity_is_optional_and_positive() -> None:
     assert not hasattr(beat, "max_num_running")
 
 
-def test_controller_defaults_to_least_load() -> None:
-    assert ControllerConfig().dispatch_method is DispatchMethod.LEAST_LOAD
-    assert ControllerServiceSettings.parse([]).dispatch_method is DispatchMethod.LEAST_LOAD
+def test_controller_defaults_to_cache_aware() -> None:
+    assert ControllerConfig().dispatch_method is DispatchMethod.CACHE_AWARE
+    assert ControllerServiceSettings.parse([]).dispatch_method is DispatchMethod.CACHE_AWARE
     for method in ("least_load", "shortest_queue", "lottery"):
         assert ControllerServiceSettings.parse(["--dispatch-method", method]).dispatch_method == method
 

@@ -18,10 +18,12 @@ from tests.unit.controller_fakes import A, B, FakeClock, FixedRandom
 SYSTEM = {"role": "system", "content": "You are a terse assistant for a shipping company. " * 20}
 
 
-def described(name: str, *, running: int = 0, epoch: str | None = "e0") -> WorkerDescription:
+def described(name: str, *, running: int = 0, epoch: str | None = "e0", caching: bool = True
+              ) -> WorkerDescription:
     return WorkerDescription(worker_name=name, model_names=["m"], speed=1, queue_length=running,
                              num_running=running, num_waiting=0, kv_cache_usage=0.0,
-                             last_heartbeat_age_s=0.0, max_num_running=8, cache_epoch=epoch)
+                             last_heartbeat_age_s=0.0, max_num_running=8, cache_epoch=epoch,
+                             prefix_cache_queries=0 if caching else None)
 
 
 def listing(*workers: WorkerDescription, threshold: int = 2, **knobs: object) -> ListWorkersResponse:
@@ -56,7 +58,8 @@ def test_session_key_prefers_the_named_header() -> None:
 def test_table_keeps_a_conversation_on_its_worker_until_the_threshold() -> None:
     clock = FakeClock()
     table = RoutingTable(max_age=10.0, clock=clock, rng=FixedRandom(*[0.0] * 20))
-    table.update(listing(described(A), described(B)), requested_at=0.0)
+    # A conversation is a cold prefix (its own): the cold threshold is the one that applies.
+    table.update(listing(described(A), described(B), cold_balance_threshold=2), requested_at=0.0)
     first = table.decide("m", route=chat("Where is my parcel?"))
     assert (first.worker.worker_name, first.reason) == (A, Reason.NO_MATCH)
     # The table counts its own pick: A is 1 ahead, within the threshold of 2.

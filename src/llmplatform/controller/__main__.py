@@ -33,11 +33,12 @@ class ControllerServiceSettings(ServerSettings):
 
     port: int = option(DEFAULT_PORT, "bind port; 0 picks a free one (default: %(default)s)")
     dispatch_method: DispatchMethod = option(
-        DEFAULT_DISPATCH_METHOD, "how to choose among workers serving a model: least_load (share "
-        "of batch capacity in use, avoiding full KV caches), cache_aware (the worker most likely "
-        "to hold the prompt's prefix, or the session's worker, within --cache-aware-balance-"
-        "threshold of the least loaded), shortest_queue (FastChat's queue_length/speed) or "
-        "lottery (random, weighted by speed) (default: %(default)s)")
+        DEFAULT_DISPATCH_METHOD, "how to choose among workers serving a model: cache_aware (the "
+        "worker most likely to hold the prompt's prefix in its prefix cache, or the session's "
+        "worker, within a balance threshold of the least loaded; least_load among workers "
+        "without a prefix cache), least_load (share of batch capacity in use, avoiding full KV "
+        "caches), shortest_queue (FastChat's queue_length/speed) or lottery (random, weighted "
+        "by speed) (default: %(default)s)")
     cache_aware_balance_threshold: int = option(
         CacheAwareConfig.balance_threshold, "cache_aware: outstanding requests the worker holding "
         "a hot prefix (more than one worker's share of the recent requests) or the session may "

@@ -35,16 +35,23 @@ worker has more than ``balance_threshold`` outstanding requests more than the wo
 would pick (or its KV cache is under pressure and that one's is not), least_load decides
 (``load_override``). A cold prefix (one with at most 1/N of the recent requests over N
 candidates) stays with its worker longer, up to ``cold_balance_threshold``: moving it means
-computing it again elsewhere, and one worker can serve it. A hot one needs more than one worker
-and spreads at ``balance_threshold``. A request with no match goes by least_load. Every
-decision is recorded: the chosen worker's tree takes the request's chain, the session points at
-it.
+computing it again elsewhere, and one worker can serve it. A hot one needs more than one worker:
+while fewer workers hold it than its share fills (``ceil(share x N)``), a request goes to the
+least loaded worker without it, if that one is no busier (``spread``); among those holding it the
+balance threshold applies. A request with no match goes by least_load. Every decision is
+recorded: the chosen worker's tree takes the request's chain, the session points at it.
+
+Only workers with a prefix cache take part (:func:`has_prefix_cache`: they report its counters).
+Affinity to an hf worker or a stock FastChat one would cost balance and gain nothing: among
+those, and for any request where no candidate caches, least_load decides (``no_cache``). That
+makes cache_aware a safe default for any cluster.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
@@ -149,6 +156,11 @@ class Reason(str, enum.Enum):
     """cache_aware: a match or session was preferred, but its worker was too loaded."""
     NO_MATCH = "no_match"
     """cache_aware: no worker matched; least_load decided."""
+    SPREAD = "spread"
+    """cache_aware: a hot prefix sent to a worker that does not hold it yet (its share of the
+    recent requests needs more workers than hold it)."""
+    NO_CACHE = "no_cache"
+    """cache_aware: no candidate has a prefix cache; least_load decided."""
     LOAD = "load"
     """Any other policy: its own ranking."""
 
@@ -162,6 +174,18 @@ class CacheAwareCandidate(Protocol):
     def cache_epoch(self) -> str | None:
         """Changes when the worker's cache is known gone (new process, reported reset)."""
         ...
+    @property
+    def prefix_cache_queries(self) -> int | None:
+        """None when the worker reports no prefix cache (see :func:`has_prefix_cache`)."""
+        ...
+
+
+def has_prefix_cache(candidate: object) -> bool:
+    """Whether a worker reuses cached prompt prefixes: it reports its prefix-cache counters
+    (paged workers with prefix caching on). An hf worker, a stock FastChat worker or a paged
+    one with ``--no-enable-prefix-caching`` gains nothing from affinity: cache_aware ranks them
+    by load alone and keeps no tree for them."""
+    return getattr(candidate, "prefix_cache_queries") is not None
 
 
 W = TypeVar("W")
@@ -243,13 +267,16 @@ class CacheAwarePolicy:
             return None
         now = self._clock()
         oldest = now - self.config.entry_ttl_s
-        trees = [self._tree_of(c, oldest) for c in candidates]
+        caching = [has_prefix_cache(c) for c in candidates]
         balanced = self._least_load(candidates)
+        if not any(caching):
+            return Decision(balanced, Reason.NO_CACHE)
+        trees = [self._tree_of(c, oldest) if cached else None for c, cached in zip(candidates, caching)]
         preferred, reason, matched = self._session_worker(candidates, hint, oldest), Reason.SESSION, 0
         hashes = hint.prefix_hashes
         threshold = self.config.balance_threshold
         if hashes:
-            matches = [tree.match(hashes) for tree in trees]
+            matches = [tree.match(hashes) if tree is not None else 0 for tree in trees]
             matched = max(matches)
             if preferred is None and matched > 0:
                 reason = Reason.AFFINITY
@@ -257,21 +284,48 @@ class CacheAwarePolicy:
             elif preferred is not None:
                 matched = matches[list(candidates).index(preferred)]
             self._heat.record(hashes, len(candidates))
-            # A prefix (what the request shares with earlier ones) is cold while it has at most
-            # one worker's share of the recent requests.
-            if (reason is Reason.AFFINITY
-                    and self._heat.share(hashes, matched, len(candidates)) <= 1 / len(candidates)):
-                threshold = self.config.cold_balance_threshold
+            if reason is Reason.AFFINITY:
+                depth = 1 << (matched.bit_length() - 1)  # the depth the share is counted at
+                share = self._heat.share(hashes, depth, len(candidates))
+                # A prefix (what the request shares with earlier ones) is cold while it has at
+                # most one worker's share of the recent requests; a hot one needs as many
+                # workers as its share of the recent requests fills.
+                if share <= 1 / len(candidates):
+                    threshold = self.config.cold_balance_threshold
+                else:
+                    spread = self._spread_to(candidates, caching, matches, depth, share, preferred)
+                    if spread is not None:
+                        preferred, reason, matched = spread, Reason.SPREAD, 0
         chosen: C
         if preferred is None:
             chosen, reason, matched = balanced, Reason.NO_MATCH, 0
+        elif reason is Reason.SPREAD:
+            chosen = preferred
         elif self._too_loaded(preferred, balanced, threshold):
             chosen, reason = balanced, Reason.LOAD_OVERRIDE
-            matched = trees[list(candidates).index(balanced)].match(hashes) if hashes else 0
+            matched = matches[list(candidates).index(balanced)] if hashes else 0
         else:
             chosen = preferred
-        self._record(chosen, hint, now)
+        if has_prefix_cache(chosen):
+            self._record(chosen, hint, now)
         return Decision(chosen, reason, matched * CHUNK_CHARS)
+
+    def _spread_to(self, candidates: Sequence[C], caching: Sequence[bool], matches: Sequence[int],
+                   depth: int, share: float, preferred: C) -> C | None:
+        """For a hot prefix held by fewer workers than its share of the recent requests needs
+        (``ceil(share x N)``), the least loaded caching worker that does not hold it, if it is no
+        more loaded than `preferred`: it computes the prefix once and shares the load from then
+        on. Waiting for a load override instead leaves the prefix on one worker for as long as
+        that worker's requests, cheap since they hit its cache, finish fast enough to keep its
+        count of outstanding requests low."""
+        holders = sum(1 for m in matches if m >= depth)
+        if holders >= math.ceil(share * len(candidates) - 1e-9):
+            return None
+        others = [c for c, cached, m in zip(candidates, caching, matches) if cached and m < depth]
+        if not others:
+            return None
+        other = self._least_load(others)
+        return other if self._least_load([preferred, other]) is other else None
 
     def _too_loaded(self, preferred: C, balanced: C, threshold: int) -> bool:
         if preferred is balanced:
@@ -288,7 +342,7 @@ class CacheAwarePolicy:
         entry = self._sessions.get(hint.session)
         if entry is None or entry[1] < oldest:
             return None
-        return next((c for c in candidates if _name(c) == entry[0]), None)
+        return next((c for c in candidates if _name(c) == entry[0] and has_prefix_cache(c)), None)
 
     def _record(self, chosen: C, hint: RouteHint, now: float) -> None:
         if hint.prefix_hashes:
@@ -372,10 +426,15 @@ class _Heat:
 
     def share(self, hashes: Sequence[int], depth: int, num_workers: int) -> float:
         """The share of the recent requests that began with ``hashes[:depth]`` (``depth`` >= 1,
-        rounded down to a power of two)."""
+        rounded down to a power of two). Until a full window of requests has been seen, the
+        share is of a full window: three requests after a start, two of them alike, are not
+        yet a hot prefix."""
         entry = self.counts.get(hashes[(1 << (depth.bit_length() - 1)) - 1])
-        total = self._decayed(self.total, num_workers)
-        return self._decayed(entry, num_workers) / total if entry is not None and total > 0 else 0.0
+        if entry is None:
+            return 0.0
+        # The total a steady stream of requests settles at: sum of 2^(-k / (half_life x N)).
+        window = 1.0 / (1.0 - 0.5 ** (1.0 / (self.half_life_per_worker * num_workers)))
+        return self._decayed(entry, num_workers) / max(self._decayed(self.total, num_workers), window)
 
 
 def _name(candidate: object) -> str:

@@ -6,7 +6,7 @@ so a gateway routing locally ranks workers exactly as the controller would); `Di
 to the registry and records the pick. Randomness is injected (anything with `random() -> float`, e.g.
 `random.Random(seed)`) so tests can pin exact outcomes.
 
-least_load (the default) ranks each candidate by, in order:
+least_load ranks each candidate by, in order:
 
 1. KV-cache pressure: a worker whose last report has `kv_cache_usage >= KV_CACHE_PRESSURE` would
    have to preempt or queue a new sequence, so it is chosen only when every candidate is under
@@ -23,8 +23,9 @@ least_load (the default) ranks each candidate by, in order:
 
 Exact ties on all three are broken at random. Loads are exact fractions, so 1/4 and 2/8 tie.
 
-cache_aware (cache_aware.py) prefers the worker most likely to hold the request's prompt prefix
-(or its session's worker) and falls back on least_load past a balance threshold. It keeps state,
+cache_aware (cache_aware.py, the default) prefers the worker most likely to hold the request's
+prompt prefix (or its session's worker) and falls back on least_load past a balance threshold;
+among workers without a prefix cache it is least_load. It keeps state,
 so it is reached through a :class:`DispatchPolicy` (which every method is, for its callers: the
 controller's `Dispatcher` and the gateway's routing table each hold one), not `pick_worker`.
 """
@@ -62,7 +63,7 @@ class DispatchMethod(str, enum.Enum):
     least loaded (see cache_aware.py)."""
 
 
-DEFAULT_DISPATCH_METHOD = DispatchMethod.LEAST_LOAD
+DEFAULT_DISPATCH_METHOD = DispatchMethod.CACHE_AWARE
 
 KV_CACHE_PRESSURE = 0.9
 """KV-cache usage from which a worker is avoided: near full, the scheduler must preempt running

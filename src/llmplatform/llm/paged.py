@@ -137,14 +137,15 @@ class PagedLLM(LLMBackend):
 
     def load(self) -> LoadStats:
         cache = self.engine.prefix_cache_stats
+        caching = self.engine.block_manager.enable_prefix_caching  # None below: "no prefix cache"
         if self._async is None:
             num_running = num_waiting = 0
         else:
             num_running, num_waiting = self._async.num_running, self._async.num_waiting
         return LoadStats(num_running=num_running, num_waiting=num_waiting,
                          kv_cache_usage=self.engine.kv_cache_usage,
-                         prefix_cache_queries=cache.num_queried_tokens,
-                         prefix_cache_hits=cache.num_hit_tokens,
+                         prefix_cache_queries=cache.num_queried_tokens if caching else None,
+                         prefix_cache_hits=cache.num_hit_tokens if caching else None,
                          num_free_kv_blocks=self.engine.block_manager.num_free_blocks,
                          num_kv_blocks=self.engine.block_manager.num_blocks,
                          num_preemptions=self.engine.stats.num_preemptions,
