@@ -191,6 +191,13 @@ def test_the_switch_reaches_the_engine_from_the_worker_flag_and_the_offline_api(
         "--dtype", "float32", "--kv-cache-memory", "16MiB", "--no-enable-prefix-caching"])
     llm = build_llm(settings.backend_config)
     assert not llm.engine.block_manager.enable_prefix_caching
+    # Off, it reports no prefix-cache counters (None, not zeros): cache_aware dispatch then
+    # ranks it by load alone, as a worker with nothing to reuse.
+    assert (llm.load().prefix_cache_queries, llm.load().prefix_cache_hits) == (None, None)
+    on = build_llm(WorkerServiceSettings.parse([
+        "--model-path", str(tiny_model_dir), "--backend", "paged", "--device", "cpu",
+        "--dtype", "float32", "--kv-cache-memory", "16MiB"]).backend_config)
+    assert (on.load().prefix_cache_queries, on.load().prefix_cache_hits) == (0, 0)
     offline = LLM(str(tiny_model_dir), dtype="float32", device="cpu", kv_cache_memory="16MiB")
     assert offline.engine.block_manager.enable_prefix_caching and offline.reset_prefix_cache()
     off = LLM(str(tiny_model_dir), dtype="float32", device="cpu", kv_cache_memory="16MiB",
