@@ -3,6 +3,7 @@
     python benchmarks/routing.py [--policies least_load,shortest_queue,cache_aware]
                                  [--model-path DIR] [--threads-per-worker 1] [--concurrency 8]
                                  [--num-prefixes 16] [--questions-per-prefix 8] [--prefix-tokens 1000]
+                                 [--workloads shared,skewed,unshared]
                                  [--skewed-requests 64] [--skew 0.8] [--unshared-requests 32]
                                  [--output-len 8] [--seed 0] [--controller-flag=--FLAG=V]
                                  [--worker-flag=--FLAG=V] [--out FILE]
@@ -26,7 +27,10 @@ cold.
   prompt cached waits about one engine step; one that does not, its whole prefill), so the p50
   jumps between the two modes from run to run; the mean moves with the share of slow ones.
 - ``skewed``: ``--skewed-requests`` requests, ``--skew`` of them on one system prompt and the rest
-  on the others: the share of requests each worker served (from the workers' own metrics).
+  on the others: the share of requests each worker served (from the workers' own metrics), and
+  the share of the prompt tokens it computed (looked up and not found cached: the prefill work).
+  The two differ when requests differ in cost: one that finds its prompt cached is a fraction of
+  one that computes ~1,000 tokens.
 - ``unshared``: ``--unshared-requests`` requests whose prompts share nothing (~``--unshared-tokens``
   random words each): output tokens/s, to show what a policy costs where there is nothing to reuse.
 
@@ -337,6 +341,8 @@ def measure(c: Cluster, requests: list[Request], args: argparse.Namespace) -> di
     queries = sum(a["queries"] - b["queries"] for a, b in zip(after, before))
     hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before))
     served = [a["served"] - b["served"] for a, b in zip(after, before)]
+    # Prompt tokens each worker computed (looked up, not found cached): where the prefill work went.
+    computed = [(a["queries"] - b["queries"]) - (a["hits"] - b["hits"]) for a, b in zip(after, before)]
     ttfts = [o.ttft_s for o in outcomes]
     output_tokens = sum(o.output_tokens for o in outcomes)
     return {"num_requests": len(outcomes), "wall_s": round(wall_s, 2),
@@ -345,7 +351,9 @@ def measure(c: Cluster, requests: list[Request], args: argparse.Namespace) -> di
             "ttft_p50_s": round(statistics.median(ttfts), 3), "ttft_p99_s": round(percentile(ttfts, 99), 3),
             "ttft_mean_s": round(statistics.fmean(ttfts), 3),
             "output_tokens": output_tokens, "output_tok_s": round(output_tokens / wall_s, 2),
-            "served_per_worker": served, "decisions": decisions,
+            "served_per_worker": served, "computed_prompt_tokens_per_worker": computed,
+            "max_worker_computed_share": round(max(computed) / sum(computed), 3) if sum(computed) else 0.0,
+            "decisions": decisions,
             "max_worker_share": round(max(served) / sum(served), 3) if sum(served) else 0.0}
 
 
@@ -355,24 +363,32 @@ def measure(c: Cluster, requests: list[Request], args: argparse.Namespace) -> di
 def report(results: dict[str, dict[str, Any]], ideal: float) -> dict[str, Any]:
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
     print("\n| policy | shared: hit rate | of ideal | TTFT p50 s | TTFT mean s | TTFT p99 s | output tok/s "
-          "| skewed: max worker share | unshared: output tok/s |")
+          "| skewed: max worker share of requests (of computed prompt tokens) | unshared: output tok/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for policy, r in results.items():
-        s, k, u = r["shared"], r["skewed"], r["unshared"]
-        print(f"| {policy} | {s['hit_rate']:.1%} | {s['hit_rate'] / ideal:.1%} | {s['ttft_p50_s']:.2f} "
-              f"| {s['ttft_mean_s']:.2f} | {s['ttft_p99_s']:.2f} | {s['output_tok_s']:.1f} "
-              f"| {k['max_worker_share']:.1%} | {u['output_tok_s']:.1f} |")
+        s, k, u = r.get("shared"), r.get("skewed"), r.get("unshared")
+        shared = (f"{s['hit_rate']:.1%} | {s['hit_rate'] / ideal:.1%} | {s['ttft_p50_s']:.2f} | "
+                  f"{s['ttft_mean_s']:.2f} | {s['ttft_p99_s']:.2f} | {s['output_tok_s']:.1f}"
+                  if s else " | ".join(["-"] * 6))
+        skewed = f"{k['max_worker_share']:.1%} ({k['max_worker_computed_share']:.1%})" if k else "-"
+        unshared = f"{u['output_tok_s']:.1f}" if u else "-"
+        print(f"| {policy} | {shared} | {skewed} | {unshared} |")
     print(f"\nsingle-worker ideal hit rate (shared): {ideal:.1%}")
     ratios: dict[str, Any] = {}
-    base = results.get("least_load")
+    base = results.get("least_load", {})
     for policy, r in results.items():
-        entry = {"hit_rate_of_ideal": round(r["shared"]["hit_rate"] / ideal, 3) if ideal else None,
-                 "skewed_max_worker_share": r["skewed"]["max_worker_share"]}
-        if base is not None and policy != "least_load":
+        entry: dict[str, Any] = {}
+        if "shared" in r:
+            entry["hit_rate_of_ideal"] = round(r["shared"]["hit_rate"] / ideal, 3) if ideal else None
+        if "skewed" in r:
+            entry["skewed_max_worker_share"] = r["skewed"]["max_worker_share"]
+            entry["skewed_max_worker_computed_share"] = r["skewed"]["max_worker_computed_share"]
+        if policy != "least_load" and "shared" in r and "shared" in base:
             entry["ttft_p50_least_load_over_this"] = round(
                 base["shared"]["ttft_p50_s"] / r["shared"]["ttft_p50_s"], 2)
             entry["ttft_mean_least_load_over_this"] = round(
                 base["shared"]["ttft_mean_s"] / r["shared"]["ttft_mean_s"], 2)
+        if policy != "least_load" and "unshared" in r and "unshared" in base:
             entry["unshared_throughput_over_least_load"] = round(
                 r["unshared"]["output_tok_s"] / base["unshared"]["output_tok_s"], 3)
         ratios[policy] = entry
@@ -384,6 +400,8 @@ def report(results: dict[str, dict[str, Any]], ideal: float) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--workloads", default="shared,skewed,unshared",
+                        help="which to run, in this order (a partial run reports no ratios for the others)")
     parser.add_argument("--model-path", default=None, help="default: the packaged SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads-per-worker", type=int, default=1)
@@ -405,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="an extra flag for both workers (repeat; e.g. --worker-flag=--max-num-batched-tokens=512)")
     parser.add_argument("--out", type=Path, default=None, help="write the result JSON here too")
     args = parser.parse_args(argv)
+    unknown = set(args.workloads.split(",")) - {"shared", "skewed", "unshared"}
+    if unknown:
+        parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
 
     from transformers import AutoTokenizer
 
@@ -432,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
             for policy in args.policies.split(","):
                 with cluster(policy, controller, workers, args, log_dir) as c:
                     results[policy] = {}
-                    for name, requests in workloads.items():
-                        results[policy][name] = measure(c, requests, args)
+                    for name in args.workloads.split(","):
+                        results[policy][name] = measure(c, workloads[name], args)
                         log(f"{policy} {name}: {results[policy][name]}")
     ratios = report(results, ideal)
     result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

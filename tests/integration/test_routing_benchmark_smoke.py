@@ -29,9 +29,12 @@ def test_routing_benchmark_smoke(tiny_model_dir, tmp_path, capsys):
             assert run["output_tokens"] == 2 * run["num_requests"]  # EOS ignored: exactly max_tokens
             assert sum(run["served_per_worker"]) == run["num_requests"]
             assert run["prompt_tokens_looked_up"] > 0
+            assert (sum(run["computed_prompt_tokens_per_worker"])
+                    == run["prompt_tokens_looked_up"] - run["hit_tokens"])
         assert runs["shared"]["hit_tokens"] > 0  # 3 questions per prefix: some reuse, any policy
     assert set(result["ratios"]["cache_aware"]) == {
-        "hit_rate_of_ideal", "skewed_max_worker_share", "ttft_p50_least_load_over_this",
+        "hit_rate_of_ideal", "skewed_max_worker_share", "skewed_max_worker_computed_share",
+        "ttft_p50_least_load_over_this",
         "ttft_mean_least_load_over_this", "unshared_throughput_over_least_load"}
     printed = capsys.readouterr().out
     assert "| cache_aware |" in printed and printed.splitlines()[-1].startswith("RESULT_JSON ")
