@@ -98,6 +98,9 @@ def test_local_routing_serves_without_asking_the_controller(controller, workers)
         # was picked, so the workers tie every time; the spreading of a burst by the table's
         # own picks is tested in tests/unit/test_gateway_worker_routing.py.
         assert sum(len(w.params) - b for w, b in zip(workers, before)) == NUM_REQUESTS
+        # The default method, cache_aware, over workers that report no prefix cache: load only.
+        assert value(scrape(url), "llmplatform:gateway_dispatch_decisions_total",
+                     policy="cache_aware", reason="no_cache") == NUM_REQUESTS
 
 
 def test_controller_routing_asks_the_controller_for_every_request(controller, workers) -> None:
