@@ -23,8 +23,11 @@ def test_list_workers_shows_each_live_workers_facts():
     clock = Clock()
     app = create_controller_app(ControllerConfig(heartbeat_expiration=30.0), clock=clock)
     with serve_in_thread(app) as url, stub_workers() as stubs:
+        # The default method, and its knobs (a gateway routing locally runs the same policy).
         assert httpx.get(f"{url}/list_workers", timeout=5).json() == {
-            "workers": [], "dispatch_method": "least_load", "cache_aware": None}
+            "workers": [], "dispatch_method": "cache_aware", "cache_aware": {
+                "balance_threshold": 2, "cold_balance_threshold": 8, "heat_half_life": 4.0,
+                "entry_ttl_s": 600.0, "max_chunks_per_worker": 32768, "max_sessions": 65536}}
         ours = {"model_names": ["a", "b"], "speed": 2, "queue_length": 3, "num_running": 2,
                 "num_waiting": 1, "kv_cache_usage": 0.25, "backend": "paged",
                 "max_num_running": 8, "tasks": ["generate"]}
@@ -42,8 +45,9 @@ def test_list_workers_shows_each_live_workers_facts():
         assert beat.json() == {"exist": True}
         clock.now += 1.0
         # A dispatch since the heartbeat shows (what a gateway routing locally adds to the load).
+        # Neither worker reports a prefix cache: cache_aware ranks them by load alone.
         picked = httpx.post(f"{url}/get_worker_address", json={"model": "a"}, timeout=5)
-        assert picked.json() == {"address": first, "reason": "load"}
+        assert picked.json() == {"address": first, "reason": "no_cache"}
         workers = httpx.get(f"{url}/list_workers", timeout=5).json()["workers"]
         assert workers == [
             {"worker_name": first, "model_names": ["a", "b"], "backend": "paged",
