@@ -1,0 +1,95 @@
+"""benchmarks/routing.py's workloads: what is sent, seeded, and the single-worker ideal hit rate.
+
+- shared: distinct long system prompts, several short questions each, shuffled;
+- skewed: a share of the requests on one system prompt, the rest on the others;
+- unshared: prompts that share nothing.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+WORDS = ("time year people way day man thing woman life child world school state family student "
+         "group country problem hand part place case week company system program question work "
+         "government number night point home water room mother area money story fact month lot "
+         "right study book eye job word business issue side kind head house service friend father "
+         "power hour game line end member law car city community name president team minute idea "
+         "kid body information back parent face others level office door health person art war "
+         "history party result change morning reason research girl guy moment air teacher force "
+         "education").split()
+
+
+@dataclass(frozen=True)
+class Request:
+    system: str
+    question: str
+    prefix_id: int | None  # which shared system prompt (None: shares nothing)
+
+
+def words(rng: random.Random, count: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(count))
+
+
+def system_prompts(rng: random.Random, count: int, tokens: int, tokenizer: Any) -> list[str]:
+    """`count` distinct system prompts of about `tokens` tokens each (random words)."""
+    prompts = []
+    for i in range(count):
+        text = f"Document {i}. " + words(rng, tokens)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
+        prompts.append(tokenizer.decode(ids))
+    return prompts
+
+
+def question(rng: random.Random, k: int) -> str:
+    return f"Question {k}: what does the document say about {rng.choice(WORDS)} and {rng.choice(WORDS)}?"
+
+
+def shared_workload(rng: random.Random, prompts: list[str], per_prefix: int) -> list[Request]:
+    requests = [Request(p, question(rng, k), i) for i, p in enumerate(prompts) for k in range(per_prefix)]
+    rng.shuffle(requests)
+    return requests
+
+
+def skewed_workload(rng: random.Random, prompts: list[str], count: int, skew: float) -> list[Request]:
+    requests = []
+    for k in range(count):
+        i = 0 if rng.random() < skew else rng.randrange(1, len(prompts))
+        requests.append(Request(prompts[i], question(rng, k), i))
+    return requests
+
+
+def unshared_workload(rng: random.Random, count: int, tokens: int) -> list[Request]:
+    return [Request(f"Note {k} {rng.random()}: " + words(rng, tokens), question(rng, k), None)
+            for k in range(count)]
+
+
+def ideal_hit_tokens(tokenizer: Any, requests: list[Request], block_size: int) -> int:
+    """Prompt tokens one worker that caches everything would find cached: for every request but
+    the first of its prefix, the full KV blocks of what it shares with that prefix's others."""
+    def ids(r: Request) -> list[int]:
+        return tokenizer.apply_chat_template(
+            [{"role": "system", "content": r.system}, {"role": "user", "content": r.question}],
+            add_generation_prompt=True, tokenize=True, return_dict=False)
+
+    by_prefix: dict[int, list[list[int]]] = {}
+    for r in requests:
+        if r.prefix_id is not None:
+            by_prefix.setdefault(r.prefix_id, []).append(ids(r))
+    total = 0
+    for prompts in by_prefix.values():
+        if len(prompts) < 2:
+            continue
+        common = min(_common_prefix(prompts[0], p) for p in prompts[1:])
+        total += (len(prompts) - 1) * (common // block_size * block_size)
+    return total
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
