@@ -109,9 +109,8 @@ class CacheAwareConfig:
     balance_threshold: int = 2
     """Outstanding requests the preferred worker may have beyond the least loaded one before
     load decides instead, for a session or a hot prefix (one that gets more than one worker's
-    share of the recent requests: it needs more than one worker anyway). 2: on
-    benchmarks/routing.py's skewed load (8 in flight, 80% on one prefix) 4 let the hot prefix
-    keep 80% of the requests, 2 spread it 53/47."""
+    share of the recent requests: it needs more than one worker anyway, and goes to the ones
+    that do not hold it yet first, see ``spread``)."""
     cold_balance_threshold: int = 8
     """The same for a cold prefix (at most one worker's share of the recent requests). Moving
     one of its requests computes the whole prefix again on the other worker, which then holds
