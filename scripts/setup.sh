@@ -67,7 +67,12 @@ if [[ -z "${LLMPLATFORM_SETUP_FORCE:-}" && -f "$stamp_file" ]] \
   exit 0  # installed already, from this pyproject.toml (a test install covers the runtime one)
 fi
 
-pip_install() { "$PYTHON" -m pip install --disable-pip-version-check -q "$@"; }
+# --use-pep517: build every sdist in its own isolated environment. The pip a new venv brings
+# (23.x on Python 3.11) otherwise runs an sdist without a pyproject.toml through `setup.py
+# egg_info` in this environment, whose setup_requires eggs come without their own dependencies
+# (wavedrom, from fschat's markdown2[all], broke that way when setuptools_scm 10 started to need
+# vcs_versioning). Newer pips always build this way.
+pip_install() { "$PYTHON" -m pip install --disable-pip-version-check --use-pep517 -q "$@"; }
 
 # ---- torch ------------------------------------------------------------------------------------
 has_nvidia_gpu() {
