@@ -3,7 +3,8 @@
     python benchmarks/routing.py [--policies least_load,shortest_queue,cache_aware]
                                  [--model-path DIR] [--threads-per-worker 1] [--concurrency 8]
                                  [--num-prefixes 16] [--questions-per-prefix 8] [--prefix-tokens 1000]
-                                 [--workloads shared,skewed,unshared]
+                                 [--workloads shared,skewed,unshared,shared_bound]
+                                 [--bound-cache-fraction 0.6]
                                  [--skewed-requests 64] [--skew 0.8] [--unshared-requests 32]
                                  [--output-len 8] [--seed 0] [--controller-flag=--FLAG=V]
                                  [--worker-flag=--FLAG=V] [--out FILE]
@@ -33,9 +34,18 @@ cold.
   one that computes ~1,000 tokens.
 - ``unshared``: ``--unshared-requests`` requests whose prompts share nothing (~``--unshared-tokens``
   random words each): output tokens/s, to show what a policy costs where there is nothing to reuse.
+- ``shared_bound``: the ``shared`` workload again, on the two workers restarted with a KV pool of
+  ``--bound-cache-fraction`` of its working set (the KV blocks that hold every shared system prompt
+  once; at least one ``--max-model-len`` sequence, which is set to the longest prompt plus the
+  output), so neither worker can keep every prompt but the two together can: the regime where a
+  fleet's caches are bound, which is what routing by prefix is for. With an ample pool (the
+  workers' default 2 GiB holds the default workload's ~354 MiB working set nearly six times over) least_load also finds
+  most prompts cached, since each prompt is computed at most once per worker; both TTFT medians
+  then fall in the fast mode, and cache_aware's gain shows in the mean and the throughput.
 
 Ratios to ``least_load``: cache_aware's hit rate over the ideal, its TTFT p50 and mean over least_load's
-(lower is better), its unshared throughput over least_load's. The load average is printed: on a
+(lower is better) and its throughput over least_load's, for ``shared`` and ``shared_bound``; its unshared
+throughput over least_load's. The load average is printed: on a
 shared machine other processes slow every number; compare policies within one run. The last
 line, ``RESULT_JSON {...}``, is machine readable.
 """
@@ -65,6 +75,7 @@ from prefix import log, percentile
 from routing_workloads import (
     Request,
     ideal_hit_tokens,
+    shared_prefix_blocks,
     shared_workload,
     skewed_workload,
     system_prompts,
@@ -73,6 +84,7 @@ from routing_workloads import (
 
 MODEL = "bench"
 POLICIES = ("least_load", "shortest_queue", "cache_aware")
+WORKLOADS = ("shared", "skewed", "unshared", "shared_bound")
 
 
 def free_port() -> int:
@@ -112,10 +124,12 @@ def _environment() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def running_workers(args: argparse.Namespace, log_dir: Path) -> Iterator[tuple[str, list[str]]]:
+def running_workers(args: argparse.Namespace, log_dir: Path, extra_flags: list[str]
+                    ) -> Iterator[tuple[str, list[str]]]:
     """The two workers, started once for every policy (so each policy meets the same warm
     processes; their caches are reset before each workload), registered with whichever
-    controller listens at the address yielded (a heartbeat answered "unknown" re-registers)."""
+    controller listens at the address yielded (a heartbeat answered "unknown" re-registers).
+    `extra_flags` come after ``--worker-flag``'s (the last of a repeated flag wins)."""
     controller = f"http://127.0.0.1:{free_port()}"
     ports = [free_port() for _ in range(2)]
     env = dict(_environment(), OMP_NUM_THREADS=str(args.threads_per_worker),
@@ -124,7 +138,7 @@ def running_workers(args: argparse.Namespace, log_dir: Path) -> Iterator[tuple[s
     processes = [_start(f"worker{i}", [sys.executable, "-m", "llmplatform.model_worker", "--port", str(port),
                                       "--controller-address", controller, "--model-names", MODEL,
                                       "--device", "cpu", "--dtype", args.dtype, "--heartbeat-interval", "0.5",
-                                      *model, *args.worker_flag], env, log_dir)
+                                      *model, *args.worker_flag, *extra_flags], env, log_dir)
                  for i, port in enumerate(ports)]
     try:
         yield controller, [f"http://127.0.0.1:{p}" for p in ports]
@@ -283,34 +297,49 @@ def measure(c: Cluster, requests: list[Request], args: argparse.Namespace) -> di
 # ---- the report -------------------------------------------------------------------------------
 
 
-def report(results: dict[str, dict[str, Any]], ideal: float) -> dict[str, Any]:
+def _shared_cells(s: dict[str, Any] | None, ideal: float) -> str:
+    if not s:
+        return " | ".join(["-"] * 6)
+    return (f"{s['hit_rate']:.1%} | {s['hit_rate'] / ideal:.1%} | {s['ttft_p50_s']:.2f} | "
+            f"{s['ttft_mean_s']:.2f} | {s['ttft_p99_s']:.2f} | {s['output_tok_s']:.1f}")
+
+
+def report(results: dict[str, dict[str, Any]], ideal: float, bound: dict[str, Any] | None) -> dict[str, Any]:
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
     print("\n| policy | shared: hit rate | of ideal | TTFT p50 s | TTFT mean s | TTFT p99 s | output tok/s "
           "| skewed: max worker share of requests (of computed prompt tokens) | unshared: output tok/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for policy, r in results.items():
-        s, k, u = r.get("shared"), r.get("skewed"), r.get("unshared")
-        shared = (f"{s['hit_rate']:.1%} | {s['hit_rate'] / ideal:.1%} | {s['ttft_p50_s']:.2f} | "
-                  f"{s['ttft_mean_s']:.2f} | {s['ttft_p99_s']:.2f} | {s['output_tok_s']:.1f}"
-                  if s else " | ".join(["-"] * 6))
+        k, u = r.get("skewed"), r.get("unshared")
         skewed = f"{k['max_worker_share']:.1%} ({k['max_worker_computed_share']:.1%})" if k else "-"
         unshared = f"{u['output_tok_s']:.1f}" if u else "-"
-        print(f"| {policy} | {shared} | {skewed} | {unshared} |")
+        print(f"| {policy} | {_shared_cells(r.get('shared'), ideal)} | {skewed} | {unshared} |")
+    if bound is not None:
+        print(f"\ncache-bound (shared_bound): each worker's KV pool {bound['pool_blocks']} blocks "
+              f"({bound['pool_mib']:.0f} MiB), {bound['pool_blocks'] / bound['working_set_blocks']:.0%} of the "
+              f"shared prompts' {bound['working_set_blocks']} blocks ({bound['working_set_mib']:.0f} MiB)")
+        print("\n| policy | shared_bound: hit rate | of ideal | TTFT p50 s | TTFT mean s | TTFT p99 s | output tok/s |")
+        print("|---|---|---|---|---|---|---|")
+        for policy, r in results.items():
+            if "shared_bound" in r:
+                print(f"| {policy} | {_shared_cells(r['shared_bound'], ideal)} |")
     print(f"\nsingle-worker ideal hit rate (shared): {ideal:.1%}")
     ratios: dict[str, Any] = {}
     base = results.get("least_load", {})
     for policy, r in results.items():
         entry: dict[str, Any] = {}
-        if "shared" in r:
-            entry["hit_rate_of_ideal"] = round(r["shared"]["hit_rate"] / ideal, 3) if ideal else None
+        for workload, tag in (("shared", ""), ("shared_bound", "bound_")):
+            if workload not in r:
+                continue
+            entry[f"{tag}hit_rate_of_ideal"] = round(r[workload]["hit_rate"] / ideal, 3) if ideal else None
+            if policy != "least_load" and workload in base:
+                mine, theirs = r[workload], base[workload]
+                entry[f"{tag}ttft_p50_least_load_over_this"] = round(theirs["ttft_p50_s"] / mine["ttft_p50_s"], 2)
+                entry[f"{tag}ttft_mean_least_load_over_this"] = round(theirs["ttft_mean_s"] / mine["ttft_mean_s"], 2)
+                entry[f"{tag}throughput_over_least_load"] = round(mine["output_tok_s"] / theirs["output_tok_s"], 2)
         if "skewed" in r:
             entry["skewed_max_worker_share"] = r["skewed"]["max_worker_share"]
             entry["skewed_max_worker_computed_share"] = r["skewed"]["max_worker_computed_share"]
-        if policy != "least_load" and "shared" in r and "shared" in base:
-            entry["ttft_p50_least_load_over_this"] = round(
-                base["shared"]["ttft_p50_s"] / r["shared"]["ttft_p50_s"], 2)
-            entry["ttft_mean_least_load_over_this"] = round(
-                base["shared"]["ttft_mean_s"] / r["shared"]["ttft_mean_s"], 2)
         if policy != "least_load" and "unshared" in r and "unshared" in base:
             entry["unshared_throughput_over_least_load"] = round(
                 r["unshared"]["output_tok_s"] / base["unshared"]["output_tok_s"], 3)
@@ -320,11 +349,41 @@ def report(results: dict[str, dict[str, Any]], ideal: float) -> dict[str, Any]:
     return ratios
 
 
+def kv_bytes_per_block(model_dir: Path, dtype: str, block_size: int) -> int:
+    """What one KV block of the model takes: layers x (K, V) x KV heads x head dim x tokens x bytes."""
+    import torch
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return config.num_hidden_layers * 2 * kv_heads * head_dim * block_size * element
+
+
+def bound_regime(args: argparse.Namespace, model_dir: Path, tokenizer: Any, requests: list[Request],
+                 longest_prompt: int) -> tuple[dict[str, Any], list[str]]:
+    """The cache-bound regime's pool (``--bound-cache-fraction`` of the shared prompts' blocks, at
+    least one ``--max-model-len`` sequence: the longest prompt and its output) and the worker
+    flags that give it."""
+    working_set = shared_prefix_blocks(tokenizer, requests, args.block_size)
+    max_model_len = -(-(longest_prompt + args.output_len) // args.block_size) * args.block_size
+    pool_blocks = max(round(args.bound_cache_fraction * working_set), max_model_len // args.block_size)
+    block_bytes = kv_bytes_per_block(model_dir, args.dtype, args.block_size)
+    info = {"working_set_blocks": working_set, "working_set_mib": round(working_set * block_bytes / 2**20, 1),
+            "pool_blocks": pool_blocks, "pool_mib": round(pool_blocks * block_bytes / 2**20, 1),
+            "max_model_len": max_model_len, "block_bytes": block_bytes}
+    return info, [f"--kv-cache-memory={pool_blocks * block_bytes}", f"--max-model-len={max_model_len}"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--workloads", default="shared,skewed,unshared",
-                        help="which to run, in this order (a partial run reports no ratios for the others)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help="which to run, in this order (a partial run reports no ratios for the others); "
+                        "shared_bound runs last, on workers restarted with a bound KV pool")
+    parser.add_argument("--bound-cache-fraction", type=float, default=0.6,
+                        help="shared_bound: each worker's KV pool as a fraction of the shared prompts' blocks")
     parser.add_argument("--model-path", default=None, help="default: the packaged SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads-per-worker", type=int, default=1)
@@ -346,9 +405,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="an extra flag for both workers (repeat; e.g. --worker-flag=--max-num-batched-tokens=512)")
     parser.add_argument("--out", type=Path, default=None, help="write the result JSON here too")
     args = parser.parse_args(argv)
-    unknown = set(args.workloads.split(",")) - {"shared", "skewed", "unshared"}
+    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
     if unknown:
         parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
+    if not 0 < args.bound_cache_fraction:
+        parser.error("--bound-cache-fraction must be positive")
 
     from transformers import AutoTokenizer
 
@@ -363,25 +424,36 @@ def main(argv: list[str] | None = None) -> int:
         "skewed": skewed_workload(rng, prompts, args.skewed_requests, args.skew),
         "unshared": unshared_workload(rng, args.unshared_requests, args.unshared_tokens),
     }
-    shared_prompt_tokens = sum(len(tokenizer.apply_chat_template(
+    workloads["shared_bound"] = workloads["shared"]
+    shared_lengths = [len(tokenizer.apply_chat_template(
         [{"role": "system", "content": r.system}, {"role": "user", "content": r.question}],
-        add_generation_prompt=True, tokenize=True, return_dict=False)) for r in workloads["shared"])
-    ideal = ideal_hit_tokens(tokenizer, workloads["shared"], args.block_size) / shared_prompt_tokens
+        add_generation_prompt=True, tokenize=True, return_dict=False)) for r in workloads["shared"]]
+    ideal = ideal_hit_tokens(tokenizer, workloads["shared"], args.block_size) / sum(shared_lengths)
     log(f"model {model_dir.name}; policies {args.policies}; load average {os.getloadavg()[0]:.2f}")
 
-    results: dict[str, dict[str, Any]] = {}
+    chosen = args.workloads.split(",")
+    # Two passes over the policies, each on its own pair of workers: the default pool, then the
+    # bound one (a worker's pool is fixed at start).
+    passes = [([], [w for w in chosen if w != "shared_bound"])]
+    bound = None
+    if "shared_bound" in chosen:
+        bound, flags = bound_regime(args, model_dir, tokenizer, workloads["shared"], max(shared_lengths))
+        passes.append((flags, ["shared_bound"]))
+    results: dict[str, dict[str, Any]] = {policy: {} for policy in args.policies.split(",")}
     with tempfile.TemporaryDirectory(prefix="routing-bench-") as tmp:
         log_dir = Path(tmp)
-        with running_workers(args, log_dir) as (controller, workers):
-            for policy in args.policies.split(","):
-                with cluster(policy, controller, workers, args, log_dir) as c:
-                    results[policy] = {}
-                    for name in args.workloads.split(","):
-                        results[policy][name] = measure(c, workloads[name], args)
-                        log(f"{policy} {name}: {results[policy][name]}")
-    ratios = report(results, ideal)
+        for flags, names in passes:
+            if not names:
+                continue
+            with running_workers(args, log_dir, flags) as (controller, workers):
+                for policy in results:
+                    with cluster(policy, controller, workers, args, log_dir) as c:
+                        for name in names:
+                            results[policy][name] = measure(c, workloads[name], args)
+                            log(f"{policy} {name}: {results[policy][name]}")
+    ratios = report(results, ideal, bound)
     result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "ideal_hit_rate": round(ideal, 4), "results": results, "ratios": ratios,
+              "ideal_hit_rate": round(ideal, 4), "bound_regime": bound, "results": results, "ratios": ratios,
               "load_average": list(os.getloadavg())}
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2))

@@ -65,9 +65,9 @@ def unshared_workload(rng: random.Random, count: int, tokens: int) -> list[Reque
             for k in range(count)]
 
 
-def ideal_hit_tokens(tokenizer: Any, requests: list[Request], block_size: int) -> int:
-    """Prompt tokens one worker that caches everything would find cached: for every request but
-    the first of its prefix, the full KV blocks of what it shares with that prefix's others."""
+def shared_prefix_lengths(tokenizer: Any, requests: list[Request], block_size: int) -> dict[int, tuple[int, int]]:
+    """For each shared prefix: (its requests, the tokens in full KV blocks that all of them share,
+    rendered as the workers render them)."""
     def ids(r: Request) -> list[int]:
         return tokenizer.apply_chat_template(
             [{"role": "system", "content": r.system}, {"role": "user", "content": r.question}],
@@ -77,13 +77,25 @@ def ideal_hit_tokens(tokenizer: Any, requests: list[Request], block_size: int) -
     for r in requests:
         if r.prefix_id is not None:
             by_prefix.setdefault(r.prefix_id, []).append(ids(r))
-    total = 0
-    for prompts in by_prefix.values():
-        if len(prompts) < 2:
-            continue
-        common = min(_common_prefix(prompts[0], p) for p in prompts[1:])
-        total += (len(prompts) - 1) * (common // block_size * block_size)
-    return total
+    lengths = {}
+    for prefix_id, prompts in by_prefix.items():
+        common = min((_common_prefix(prompts[0], p) for p in prompts[1:]), default=0)
+        lengths[prefix_id] = (len(prompts), common // block_size * block_size)
+    return lengths
+
+
+def ideal_hit_tokens(tokenizer: Any, requests: list[Request], block_size: int) -> int:
+    """Prompt tokens one worker that caches everything would find cached: for every request but
+    the first of its prefix, the full KV blocks of what it shares with that prefix's others."""
+    return sum((count - 1) * shared for count, shared in
+               shared_prefix_lengths(tokenizer, requests, block_size).values())
+
+
+def shared_prefix_blocks(tokenizer: Any, requests: list[Request], block_size: int) -> int:
+    """KV blocks that hold every shared prefix once: the working set a cache must keep for the
+    ideal hit rate."""
+    return sum(shared // block_size for _, shared in
+               shared_prefix_lengths(tokenizer, requests, block_size).values())
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
