@@ -300,7 +300,8 @@ def measure(c: Cluster, requests: list[Request], args: argparse.Namespace) -> di
 def _shared_cells(s: dict[str, Any] | None, ideal: float) -> str:
     if not s:
         return " | ".join(["-"] * 6)
-    return (f"{s['hit_rate']:.1%} | {s['hit_rate'] / ideal:.1%} | {s['ttft_p50_s']:.2f} | "
+    of_ideal = f"{s['hit_rate'] / ideal:.1%}" if ideal else "-"
+    return (f"{s['hit_rate']:.1%} | {of_ideal} | {s['ttft_p50_s']:.2f} | "
             f"{s['ttft_mean_s']:.2f} | {s['ttft_p99_s']:.2f} | {s['output_tok_s']:.1f}")
 
 
@@ -315,9 +316,11 @@ def report(results: dict[str, dict[str, Any]], ideal: float, bound: dict[str, An
         unshared = f"{u['output_tok_s']:.1f}" if u else "-"
         print(f"| {policy} | {_shared_cells(r.get('shared'), ideal)} | {skewed} | {unshared} |")
     if bound is not None:
+        fraction = (f"{bound['pool_blocks'] / bound['working_set_blocks']:.0%}"
+                    if bound["working_set_blocks"] else "all")
         print(f"\ncache-bound (shared_bound): each worker's KV pool {bound['pool_blocks']} blocks "
-              f"({bound['pool_mib']:.0f} MiB), {bound['pool_blocks'] / bound['working_set_blocks']:.0%} of the "
-              f"shared prompts' {bound['working_set_blocks']} blocks ({bound['working_set_mib']:.0f} MiB)")
+              f"({bound['pool_mib']:.0f} MiB), {fraction} of the shared prompts' {bound['working_set_blocks']} "
+              f"blocks ({bound['working_set_mib']:.0f} MiB)")
         print("\n| policy | shared_bound: hit rate | of ideal | TTFT p50 s | TTFT mean s | TTFT p99 s | output tok/s |")
         print("|---|---|---|---|---|---|---|")
         for policy, r in results.items():
