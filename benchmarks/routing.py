@@ -65,16 +65,18 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from prefix import log, percentile
+from routing_report import report
 from routing_workloads import (
     Request,
     ideal_hit_tokens,
+    kv_bytes_per_block,
     shared_prefix_blocks,
     shared_workload,
     skewed_workload,
@@ -294,74 +296,7 @@ def measure(c: Cluster, requests: list[Request], args: argparse.Namespace) -> di
             "max_worker_share": round(max(served) / sum(served), 3) if sum(served) else 0.0}
 
 
-# ---- the report -------------------------------------------------------------------------------
-
-
-def _shared_cells(s: dict[str, Any] | None, ideal: float) -> str:
-    if not s:
-        return " | ".join(["-"] * 6)
-    of_ideal = f"{s['hit_rate'] / ideal:.1%}" if ideal else "-"
-    return (f"{s['hit_rate']:.1%} | {of_ideal} | {s['ttft_p50_s']:.2f} | "
-            f"{s['ttft_mean_s']:.2f} | {s['ttft_p99_s']:.2f} | {s['output_tok_s']:.1f}")
-
-
-def report(results: dict[str, dict[str, Any]], ideal: float, bound: dict[str, Any] | None) -> dict[str, Any]:
-    print(f"\nload average at the end: {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[1]:.2f} (5 min)")
-    print("\n| policy | shared: hit rate | of ideal | TTFT p50 s | TTFT mean s | TTFT p99 s | output tok/s "
-          "| skewed: max worker share of requests (of computed prompt tokens) | unshared: output tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for policy, r in results.items():
-        k, u = r.get("skewed"), r.get("unshared")
-        skewed = f"{k['max_worker_share']:.1%} ({k['max_worker_computed_share']:.1%})" if k else "-"
-        unshared = f"{u['output_tok_s']:.1f}" if u else "-"
-        print(f"| {policy} | {_shared_cells(r.get('shared'), ideal)} | {skewed} | {unshared} |")
-    if bound is not None:
-        fraction = (f"{bound['pool_blocks'] / bound['working_set_blocks']:.0%}"
-                    if bound["working_set_blocks"] else "all")
-        print(f"\ncache-bound (shared_bound): each worker's KV pool {bound['pool_blocks']} blocks "
-              f"({bound['pool_mib']:.0f} MiB), {fraction} of the shared prompts' {bound['working_set_blocks']} "
-              f"blocks ({bound['working_set_mib']:.0f} MiB)")
-        print("\n| policy | shared_bound: hit rate | of ideal | TTFT p50 s | TTFT mean s | TTFT p99 s | output tok/s |")
-        print("|---|---|---|---|---|---|---|")
-        for policy, r in results.items():
-            if "shared_bound" in r:
-                print(f"| {policy} | {_shared_cells(r['shared_bound'], ideal)} |")
-    print(f"\nsingle-worker ideal hit rate (shared): {ideal:.1%}")
-    ratios: dict[str, Any] = {}
-    base = results.get("least_load", {})
-    for policy, r in results.items():
-        entry: dict[str, Any] = {}
-        for workload, tag in (("shared", ""), ("shared_bound", "bound_")):
-            if workload not in r:
-                continue
-            entry[f"{tag}hit_rate_of_ideal"] = round(r[workload]["hit_rate"] / ideal, 3) if ideal else None
-            if policy != "least_load" and workload in base:
-                mine, theirs = r[workload], base[workload]
-                entry[f"{tag}ttft_p50_least_load_over_this"] = round(theirs["ttft_p50_s"] / mine["ttft_p50_s"], 2)
-                entry[f"{tag}ttft_mean_least_load_over_this"] = round(theirs["ttft_mean_s"] / mine["ttft_mean_s"], 2)
-                entry[f"{tag}throughput_over_least_load"] = round(mine["output_tok_s"] / theirs["output_tok_s"], 2)
-        if "skewed" in r:
-            entry["skewed_max_worker_share"] = r["skewed"]["max_worker_share"]
-            entry["skewed_max_worker_computed_share"] = r["skewed"]["max_worker_computed_share"]
-        if policy != "least_load" and "unshared" in r and "unshared" in base:
-            entry["unshared_throughput_over_least_load"] = round(
-                r["unshared"]["output_tok_s"] / base["unshared"]["output_tok_s"], 3)
-        ratios[policy] = entry
-    for policy, entry in ratios.items():
-        print(f"{policy}: " + ", ".join(f"{k} {v}" for k, v in entry.items()))
-    return ratios
-
-
-def kv_bytes_per_block(model_dir: Path, dtype: str, block_size: int) -> int:
-    """What one KV block of the model takes: layers x (K, V) x KV heads x head dim x tokens x bytes."""
-    import torch
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(model_dir))
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    return config.num_hidden_layers * 2 * kv_heads * head_dim * block_size * element
+# ---- the run ----------------------------------------------------------------------------------
 
 
 def bound_regime(args: argparse.Namespace, model_dir: Path, tokenizer: Any, requests: list[Request],

@@ -1,4 +1,5 @@
-"""benchmarks/routing.py's workloads: what is sent, seeded, and the single-worker ideal hit rate.
+"""benchmarks/routing.py's workloads: what is sent, seeded, the single-worker ideal hit rate, and
+the shared prompts' working set in KV blocks (what the cache-bound pass sizes its pool from).
 
 - shared: distinct long system prompts, several short questions each, shuffled;
 - skewed: a share of the requests on one system prompt, the rest on the others;
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 WORDS = ("time year people way day man thing woman life child world school state family student "
@@ -105,3 +107,16 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def kv_bytes_per_block(model_dir: Path, dtype: str, block_size: int) -> int:
+    """What one KV block of the model takes: layers x (K, V) x KV heads x head dim x tokens x bytes
+    (what the engine's model computes from its weights, here from the config alone)."""
+    import torch
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return config.num_hidden_layers * 2 * kv_heads * head_dim * block_size * element
