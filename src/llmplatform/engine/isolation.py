@@ -11,7 +11,12 @@ fails the step; :mod:`.async_engine` then rebuilds the engine.
 rows one by one to find the culprit(s). The rows' grammars (structured outputs) advance only
 once their tokens are final, so a retry never advances one twice; a row whose grammar refuses
 its token fails alone like any other row. :func:`pinned_fault` is the one way a per-sequence fault
-is logged and turned into the client's error message.
+is logged and turned into the client's error.
+
+Grammars whose matchers live in a grammar process (:mod:`llmplatform.sampling.grammar_sandbox`)
+get their masks before the batch samples, each within the per-token budget; a row whose mask
+did not come in time is the request's own fault (a 400-class error) and is left out of the
+batch, so it never costs the other rows a retry.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from llmplatform.engine.faults import FaultInjector
+from llmplatform.engine.outputs import Failure
 from llmplatform.engine.sequence import Sequence
+from llmplatform.errors import LLMPlatformError
+from llmplatform.sampling.grammar_sandbox import fill_remote_grammars
 from llmplatform.sampling.outputs import TokenLogprob
 from llmplatform.sampling.sampler import Sampler, SamplingRow, advance_grammars
 from llmplatform.utils.logs import request_context
@@ -31,14 +39,19 @@ from llmplatform.utils.logs import request_context
 logger = logging.getLogger("llmplatform.engine")
 
 
-def pinned_fault(seq: Sequence, stage: str, exc: BaseException) -> str:
+def pinned_fault(seq: Sequence, stage: str, exc: BaseException) -> Failure:
     """Logs a fault pinned on ``seq`` (with its traceback, in its request's context) and returns
-    the error message its client gets."""
+    the error its client gets. A client-class error (the request's own doing, e.g. a grammar
+    past its per-token budget) keeps its message and code and is logged without a traceback."""
+    if isinstance(exc, LLMPlatformError) and exc.http_status < 500:
+        with request_context(seq.request_id):
+            logger.info("%s refused output %d of this request: %s", stage, seq.index, exc.message)
+        return Failure(exc.message, exc.error_code)
     with request_context(seq.request_id):
         logger.error("%s failed for output %d of this request; failing it alone, the other "
                      "requests go on", stage, seq.index, exc_info=exc)
-    return (f"this request failed during {stage} ({type(exc).__name__}: {exc}); other requests "
-            "were not affected")
+    return Failure(f"this request failed during {stage} ({type(exc).__name__}: {exc}); other "
+                   "requests were not affected")
 
 
 @dataclass(frozen=True)
@@ -48,7 +61,7 @@ class SampledRows:
 
     token_ids: list[int | None]
     logprobs: list[TokenLogprob | None]
-    errors: dict[int, str]  # row index -> error message
+    errors: dict[int, Failure]  # row index -> the error for its client
 
 
 class IsolatingSampler:
@@ -62,6 +75,26 @@ class IsolatingSampler:
 
         Raises only when no row can be blamed: every row also fails on its own (with more than
         one row that looks like the device, not the requests)."""
+        refused = fill_remote_grammars([row.grammar for row in rows])
+        if not refused:
+            return self._sample_rows(logits, rows, seqs)
+        keep = [i for i, row in enumerate(rows) if row.grammar not in refused]
+        sampled = SampledRows([None] * len(rows), [None] * len(rows), {})
+        for i, row in enumerate(rows):
+            if row.grammar in refused:
+                sampled.errors[i] = pinned_fault(seqs[i], "structured output",
+                                                 refused[row.grammar])
+        if keep:
+            kept = self._sample_rows(logits[keep], [rows[i] for i in keep],
+                                     [seqs[i] for i in keep])
+            for j, i in enumerate(keep):
+                sampled.token_ids[i], sampled.logprobs[i] = kept.token_ids[j], kept.logprobs[j]
+                if j in kept.errors:
+                    sampled.errors[i] = kept.errors[j]
+        return sampled
+
+    def _sample_rows(self, logits: torch.Tensor, rows: Seq[SamplingRow], seqs: Seq[Sequence]
+                     ) -> SampledRows:
         # A seeded row's generator may have drawn before the batch raised; its retry must draw
         # the same numbers as a run without the fault.
         generator_states = [(row.generator, row.generator.get_state())
@@ -82,7 +115,7 @@ class IsolatingSampler:
                     batch_exc: Exception) -> SampledRows:
         token_ids: list[int | None] = []
         logprobs: list[TokenLogprob | None] = []
-        errors: dict[int, str] = {}
+        errors: dict[int, Failure] = {}
         failures: list[tuple[int, Exception]] = []
         for i, (row, seq) in enumerate(zip(rows, seqs)):
             try:

@@ -27,12 +27,13 @@ from llmplatform.engine.config import EngineConfig
 from llmplatform.engine.faults import FaultInjector
 from llmplatform.engine.isolation import pinned_fault
 from llmplatform.engine.model_runner import ModelRunner
-from llmplatform.engine.outputs import ModelOutput, SchedulerOutput
+from llmplatform.engine.outputs import Failure, ModelOutput, SchedulerOutput
 from llmplatform.engine.pooling import PoolingParams, PoolingState
 from llmplatform.engine.prefix_cache import PrefixCacheStats
 from llmplatform.engine.scheduler import Scheduler
 from llmplatform.engine.sequence import Sequence
 from llmplatform.errors import ContextLengthExceededError, InvalidRequestError
+from llmplatform.sampling.grammar_sandbox import GrammarSandbox
 from llmplatform.sampling.output_processor import OutputProcessor, eos_token_ids_of
 from llmplatform.sampling.outputs import FinishReason, GenerateChunk, Usage
 from llmplatform.sampling.params import SamplingParams, check_prompt_token_ids
@@ -42,6 +43,7 @@ from llmplatform.utils.logs import request_context
 if TYPE_CHECKING:
     from llmplatform.sampling.grammar import CompiledGrammar
     from llmplatform.sampling.grammar_matcher import SequenceGrammar
+    from llmplatform.sampling.grammar_sandbox import RemoteGrammar
 
 logger = logging.getLogger("llmplatform.engine")
 
@@ -70,7 +72,7 @@ class SeqState:
     # The sequence's walk through its output grammar (structured outputs), if it has one. It
     # has accepted exactly the sequence's output tokens: preemption keeps those (recompute only
     # rebuilds their KV cache), so the walk survives it unchanged.
-    grammar: SequenceGrammar | None = None
+    grammar: SequenceGrammar | RemoteGrammar | None = None
 
     def sampling_row(self, seq: Sequence) -> SamplingRow:
         grammar = self.grammar
@@ -98,8 +100,11 @@ class StepStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any | None = None,
-                 runner: ModelRunner | None = None) -> None:
-        """``runner``: an existing model runner to reuse, weights and all (see :meth:`rebuild`)."""
+                 runner: ModelRunner | None = None, grammars: GrammarSandbox | None = None
+                 ) -> None:
+        """``runner``: an existing model runner to reuse, weights and all (see :meth:`rebuild`).
+        ``grammars``: the grammar process of the constrained sequences, likewise (made on the
+        first constrained request otherwise)."""
         from transformers import AutoTokenizer, GenerationConfig
 
         self.config = config
@@ -117,6 +122,7 @@ class LLMEngine:
             runner = ModelRunner(config.model, config.cache, self.tokenizer, sched.max_model_len,
                                  sched.max_num_batched_tokens, faults, config.parallel)
         self.runner = runner
+        self.grammars = grammars
         self.faults = runner.faults  # tests only; None in production
         layout = self.runner.layout
         if layout.num_tokens < sched.max_model_len:
@@ -200,8 +206,8 @@ class LLMEngine:
                            params=params, index=index)
             # With a seed, output i draws from seed + i: reproducible, and the n outputs differ.
             seed = None if params.seed is None else params.seed + index
-            matcher = (grammar.new_matcher(stop_token_ids=stop_token_ids)
-                       if grammar is not None else None)
+            matcher = (self._grammar_sandbox(grammar).new_matcher(
+                grammar, stop_token_ids=stop_token_ids) if grammar is not None else None)
             seq.state = SeqState(
                 processor=OutputProcessor(request_id, self.tokenizer, params, prompt_token_ids,
                                           self.eos_token_ids, self.max_model_len,
@@ -213,6 +219,14 @@ class LLMEngine:
             self.faults.arm(seqs, prompt_token_ids)
         self.scheduler.add_request(seqs)
         return seqs
+
+    def _grammar_sandbox(self, grammar: CompiledGrammar) -> GrammarSandbox:
+        """Matchers live in a grammar process, so that no grammar can hold the step for more
+        than its per-token budget (sampling.grammar_sandbox)."""
+        if self.grammars is None:
+            self.grammars = GrammarSandbox(grammar.tokenizer_info_json,
+                                           token_budget_s=grammar.token_budget_s)
+        return self.grammars
 
     def abort(self, request_id: str) -> list[SequenceUpdate]:
         """Stops the request's sequences and frees their blocks now."""
@@ -235,7 +249,7 @@ class LLMEngine:
         if self.faults is not None:
             self.faults.check_rebuild()
         self.runner.reset_kv_cache()
-        return LLMEngine(self.config, self.tokenizer, runner=self.runner)
+        return LLMEngine(self.config, self.tokenizer, runner=self.runner, grammars=self.grammars)
 
     # ---- the step loop -----------------------------------------------------------------------
 
@@ -264,13 +278,14 @@ class LLMEngine:
                 for item in scheduled.scheduled
                 if item.seq.seq_id in output.errors and not item.seq.is_finished]
 
-    def _fail(self, seq: Sequence, error: str) -> SequenceUpdate:
+    def _fail(self, seq: Sequence, failure: Failure) -> SequenceUpdate:
         """Finishes ``seq`` with an error and frees its blocks. The chunk is built here, not by
         its output processor, which may be what failed."""
         self.scheduler.finish(seq)
         chunk = GenerateChunk(request_id=seq.request_id, text="", token_ids=(),
                               usage=Usage(seq.num_prompt_tokens, len(seq.output_token_ids)),
-                              finish_reason=FinishReason.ERROR, error=error)
+                              finish_reason=FinishReason.ERROR, error=failure.message,
+                              error_code=failure.error_code)
         return SequenceUpdate(seq.request_id, seq.index, chunk)
 
     def _process(self, scheduled: SchedulerOutput, output: ModelOutput) -> list[SequenceUpdate]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmplatform.engine.sequence import Sequence
+from llmplatform.errors import ErrorCode
 from llmplatform.sampling.outputs import TokenLogprob
 
 
@@ -50,6 +51,15 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class Failure:
+    """Why one sequence failed alone: the message for its client and the FastChat error code
+    (a 4xx one when the request itself is at fault, e.g. a grammar past its per-token budget)."""
+
+    message: str
+    error_code: int = ErrorCode.INTERNAL_ERROR
+
+
+@dataclass(frozen=True)
 class ModelOutput:
     """One sampled token per scheduled sequence that samples, in scheduling order, except for
     the sequences in ``errors``."""
@@ -61,7 +71,7 @@ class ModelOutput:
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     # Sequences whose own work in the runner (sampling, prompt logprobs) raised: seq id -> the
     # error for their client. They got no token; the engine fails them alone.
-    errors: dict[int, str] = field(default_factory=dict)
+    errors: dict[int, Failure] = field(default_factory=dict)
     # Pooling sequences whose prompt this step finished: seq id -> their vector ([hidden] float32
     # numpy array; engine.pooling).
     pooled: dict[int, Any] = field(default_factory=dict)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from llmplatform.engine.isolation import pinned_fault
+from llmplatform.engine.outputs import Failure
 from llmplatform.engine.pooling import PoolingMode, PoolingState
 from llmplatform.engine.sequence import Sequence
 
@@ -31,10 +32,10 @@ class PoolingSpan:
 
 
 def pool_spans(hidden: torch.Tensor, spans: list[PoolingSpan]
-               ) -> tuple[dict[int, np.ndarray], dict[int, str]]:
+               ) -> tuple[dict[int, np.ndarray], dict[int, Failure]]:
     """(seq id -> vector for each sequence whose prompt this step finished, seq id -> error)."""
     vectors: dict[int, np.ndarray] = {}
-    errors: dict[int, str] = {}
+    errors: dict[int, Failure] = {}
     for span in spans:
         try:
             vector = _pool_span(hidden, span)

@@ -28,7 +28,7 @@ from llmplatform.sampling.outputs import (  # noqa: F401  (the interface's resul
 from llmplatform.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from llmplatform.sampling.grammar import CompiledGrammar, GrammarCompiler
+    from llmplatform.sampling.grammar import CompiledGrammar, GrammarCompiler, GrammarConfig
     from llmplatform.sampling.structured_output import StructuredOutputSpec
 
 
@@ -124,6 +124,8 @@ class LLMBackend(abc.ABC):
     # template, and no tool calling.
     chat_template: str | None = None
     tool_call_parser: str | None = None
+    # Structured outputs' limits (the worker's --grammar-* flags); None: GrammarConfig's defaults.
+    grammar_config: GrammarConfig | None = None
     _grammar_compiler: GrammarCompiler | None = None
     _grammar_compiler_lock: asyncio.Lock | None = None
 
@@ -229,16 +231,19 @@ class LLMBackend(abc.ABC):
         return self._grammar_compiler
 
     def _new_grammar_compiler(self) -> GrammarCompiler:
-        from llmplatform.sampling.grammar import GrammarCompiler
+        from llmplatform.sampling.grammar import GrammarCompiler, GrammarConfig
 
         facts = self.facts
         return GrammarCompiler(self.tokenizer, facts.vocab_size,
-                               stop_token_ids=facts.eos_token_ids)
+                               stop_token_ids=facts.eos_token_ids,
+                               config=self.grammar_config or GrammarConfig())
 
-    async def compile_grammar(self, spec: StructuredOutputSpec) -> CompiledGrammar:
-        """``spec`` compiled for this model (cached; off the event loop and the step thread).
-        Raises InvalidRequestError naming the request field when it does not compile in time."""
-        return await (await self.grammar_compiler()).compile(spec)
+    async def compile_grammar(self, spec: StructuredOutputSpec, *, tenant: str | None = None
+                              ) -> CompiledGrammar:
+        """``spec`` compiled for this model (cached; in a grammar process, off the event loop and
+        the step thread). Raises InvalidRequestError naming the request field when it does not
+        compile in time, fails its probe or is too large. ``tenant``: who asks, for fairness."""
+        return await (await self.grammar_compiler()).compile(spec, tenant=tenant)
 
     # ---- tokenizer-side helpers, shared by every backend --------------------------------------
 

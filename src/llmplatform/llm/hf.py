@@ -21,6 +21,7 @@ from llmplatform.llm.base import BackendInfo, GenerateRequest, LLMBackend, LoadS
 from llmplatform.sampling.output_processor import OutputProcessor, eos_token_ids_of, token_text
 from llmplatform.sampling.outputs import FinishReason, GenerateChunk, TokenLogprob
 from llmplatform.sampling.params import SamplingParams, check_prompt_token_ids
+from llmplatform.sampling.grammar_sandbox import GrammarSandbox
 from llmplatform.sampling.sampler import Sampler, SamplingRow, advance_grammars, make_generator
 from llmplatform.utils.torch_utils import resolve_device, resolve_dtype
 
@@ -58,6 +59,7 @@ class HFTransformersLLM(LLMBackend):
                                  vocab_size=_logits_width(self.model),
                                  eos_token_ids=eos_token_ids_of(self.tokenizer, generation_config))
         self._sampler = Sampler(self.tokenizer)
+        self._grammars: GrammarSandbox | None = None
         self._executor = ThreadPoolExecutor(max_workers=max_concurrency,
                                             thread_name_prefix="hf-forward")
         self._max_concurrency = max_concurrency
@@ -107,8 +109,14 @@ class HFTransformersLLM(LLMBackend):
                       else await self.encode(request.prompt or ""))
         self.check_request(prompt_ids, params)
         stop_token_ids = tuple(self.facts.eos_token_ids) + params.stop_token_ids
-        grammar = (request.grammar.new_matcher(stop_token_ids=stop_token_ids)
-                   if request.grammar is not None else None)
+        grammar = None
+        if request.grammar is not None:
+            # In a grammar process, so that a slow grammar fails its request at the per-token
+            # budget instead of holding a thread and a core (sampling.grammar_sandbox).
+            if self._grammars is None:
+                self._grammars = GrammarSandbox(request.grammar.tokenizer_info_json,
+                                                token_budget_s=request.grammar.token_budget_s)
+            grammar = self._grammars.new_matcher(request.grammar, stop_token_ids=stop_token_ids)
         processor = OutputProcessor(request.request_id, self.tokenizer, params, prompt_ids,
                                     self.facts.eos_token_ids, self.context_length,
                                     grammar=grammar)

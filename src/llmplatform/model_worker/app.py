@@ -244,7 +244,8 @@ async def _generate_chunks(app: FastAPI, accepted: Accepted, ticket: Ticket, *,
                     observer.on_chunk(chunk)
                     out = stream.update(chunk)
                     if chunk.finish_reason is not None and chunk.error:
-                        yield error_chunk(chunk.error, ErrorCode.INTERNAL_ERROR)
+                        yield error_chunk(chunk.error,
+                                          chunk.error_code or ErrorCode.INTERNAL_ERROR)
                         return
                     if first or chunk.text or chunk.finish_reason is not None or chunk.logprobs:
                         yield out.encode()

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmplatform.llm.base import LLMBackend
+
+if TYPE_CHECKING:
+    from llmplatform.sampling.grammar import GrammarConfig
 
 logger = logging.getLogger("llmplatform.worker")
 
@@ -51,6 +54,11 @@ class BackendConfig:
     task: str = "auto"
     pooling: str = "auto"
     embed_normalize: str = "auto"
+    # Structured outputs (sampling.grammar): the per-token mask budget, the compiled-grammar
+    # cache's size, a compile's time limit.
+    grammar_token_budget_ms: float = 250.0
+    grammar_cache_memory: str = "128MiB"
+    grammar_compile_timeout: float = 10.0
 
 
 def build_llm(config: BackendConfig) -> LLMBackend:
@@ -59,10 +67,23 @@ def build_llm(config: BackendConfig) -> LLMBackend:
     from llmplatform.llm.tool_support import check_tool_flags, configure_tool_support
 
     template = check_tool_flags(config.chat_template, config.tool_call_parser)  # before loading
+    grammar_config = _grammar_config(config)  # before loading: a bad size fails at once
     llm = _load(config)
+    llm.grammar_config = grammar_config
     configure_tool_support(llm, chat_template=template, template_source=config.chat_template,
                            tool_call_parser=config.tool_call_parser)
     return llm
+
+
+def _grammar_config(config: BackendConfig) -> GrammarConfig:
+    from llmplatform.engine.config import parse_memory_size
+    from llmplatform.sampling.grammar import GrammarConfig
+
+    cache_bytes = parse_memory_size(config.grammar_cache_memory)
+    return GrammarConfig(max_cache_bytes=cache_bytes,
+                         max_grammar_bytes=min(GrammarConfig.max_grammar_bytes, cache_bytes),
+                         compile_timeout_s=config.grammar_compile_timeout,
+                         token_budget_s=config.grammar_token_budget_ms / 1000)
 
 
 def _load(config: BackendConfig) -> LLMBackend:

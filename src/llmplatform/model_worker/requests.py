@@ -129,7 +129,8 @@ async def compile_constraint(llm: LLMBackend, params: WorkerParams) -> Any:
         return None
     from llmplatform.sampling.structured_output import StructuredOutputSpec
 
-    return await llm.compile_grammar(StructuredOutputSpec.from_wire(params.structured_output))
+    return await llm.compile_grammar(StructuredOutputSpec.from_wire(params.structured_output),
+                                     tenant=params.tenant)
 
 
 @dataclass

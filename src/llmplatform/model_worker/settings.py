@@ -138,6 +138,18 @@ class WorkerServiceSettings(ServerSettings):
     embed_normalize: Normalize = option(
         "auto", "decoder embedding models: L2-normalize the vectors (yes/no). auto: as the folder's "
         "modules.json says (a Normalize module), else yes", group=_EMBED)
+    grammar_token_budget_ms: float = option(
+        250.0, "structured outputs: the longest one output token's grammar mask may take. A new "
+        "grammar slower than this on its first tokens is refused (400); a request whose mask "
+        "takes longer later is failed alone (400) and its grammar process killed, so it holds "
+        "other requests' step at most this long, once (default: %(default)s)", metavar="MS",
+        gt=0)
+    grammar_cache_memory: str = option(
+        "128MiB", "structured outputs: memory for compiled grammars kept for reuse (LRU); one "
+        "grammar may use at most min(16MiB, this) or is refused (default: %(default)s)")
+    grammar_compile_timeout: float = option(
+        10.0, "structured outputs: a grammar that takes longer to compile is refused (400) and its "
+        "compile process killed (default: %(default)s)", metavar="SECONDS", gt=0)
     enable_prefix_caching: bool = option(
         True, "reuse the KV cache of prompt prefixes seen before (default: on; "
         "--no-enable-prefix-caching turns it off)", group=_ENGINE, negatable=True)

@@ -101,6 +101,10 @@ class WorkerParams(BaseModel):
     """OpenAI function tools, for the chat template to show the model (with ``messages`` only);
     sent only to a worker that lists it. Whether a call is forced travels in
     ``structured_output``."""
+    tenant: str | None = Field(default=None, max_length=64)
+    """Who the request is for (the gateway's id of the caller's API key, never the key): a
+    worker shares what one tenant could monopolise (the grammar compile slots) fairly among
+    tenants. Informational for a stock worker."""
     stream_deltas: StrictBool = False
     """Stream delta frames: each chunk of ``/worker_generate_stream`` carries only the text and
     logprob entries that are new since the previous one (``WorkerChunk.delta`` set), so a long

@@ -4,13 +4,18 @@ Three pieces, each usable on its own:
 
 - :class:`GrammarCompiler` turns a :class:`~.structured_output.StructuredOutputSpec` into a
   :class:`CompiledGrammar` for one tokenizer. Compiling (building the per-token mask cache) takes
-  tens of milliseconds to seconds, so :meth:`~GrammarCompiler.compile` runs it on a small thread
-  pool, never on the caller's thread; the result lands in a bounded LRU (:class:`GrammarCache`)
-  keyed by (tokenizer fingerprint, compile options, spec). Concurrent requests for one key share
-  one compile. A compile that outlasts the time limit is refused with an
-  :class:`~llmplatform.errors.InvalidRequestError` (a 400), but keeps running and is cached when
-  it finishes, so a retry hits the cache; a compile nobody waits for any more is cancelled if it
-  has not started.
+  tens of milliseconds to seconds and cannot be interrupted, so each compile runs in a grammar
+  process (:mod:`.grammar_process`) driven by one of a few pool threads, never on the caller's
+  thread. A compile that outlasts the time limit is refused with an
+  :class:`~llmplatform.errors.InvalidRequestError` (a 400) and its process is killed: it stops
+  using CPU at once, and its pool slot is free for the next grammar. A new grammar is then
+  *probed* in the same process: its first masks are timed on the path that grows an ambiguous
+  grammar's parser fastest, and a grammar with a mask slower than the per-token budget, or whose
+  output no token can start, is refused (a 400) before any engine sees it. The result lands in an
+  LRU (:class:`GrammarCache`) bounded in bytes and entries, keyed by (tokenizer fingerprint,
+  compile options, spec); a grammar bigger than ``max_grammar_bytes`` is refused. Concurrent
+  requests for one key share one compile; each tenant has at most ``max_compiles_per_tenant``
+  compiles of its own in flight, so one API key cannot hold every slot.
 - :class:`SequenceGrammar` is one sequence's position in its grammar: fill its bitmask row,
   :meth:`~SequenceGrammar.accept` the sampled token, :meth:`~SequenceGrammar.rollback` or
   :meth:`~SequenceGrammar.replay` (rebuild from the accepted tokens, e.g. after the engine rebuilt
@@ -33,17 +38,22 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import hashlib
+import itertools
 import json
 import threading
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
 import torch
 import xgrammar as xgr
 
 from llmplatform.errors import InvalidRequestError
+from llmplatform.sampling.grammar_child import first_line as _first_line
+from llmplatform.sampling.grammar_process import GrammarProcess, GrammarProcessDied
 from llmplatform.sampling.grammar_matcher import (
     SequenceGrammar, allocate_bitmask, apply_bitmask, fill_bitmasks,
 )
@@ -64,14 +74,26 @@ _WHAT = {
 }
 
 
+MiB = 1024 * 1024
+
+
 @dataclass(frozen=True)
 class GrammarConfig:
     """The grammar compiler's section of the config."""
 
-    max_cached_grammars: int = 256  # compiled grammars kept (LRU); each is ~50 KB to a few MB
+    max_cached_grammars: int = 256  # compiled grammars kept (LRU), at most
+    # ... and their size in bytes (xgrammar's own count plus the serialized copy), at most.
+    max_cache_bytes: int = 128 * MiB
+    # One grammar's size, at most: a bigger one is refused (a 400). 1,000 long guided_choice
+    # strings compile to about 40 MiB; ordinary JSON schemas and tool sets to well under 2 MiB.
+    max_grammar_bytes: int = 16 * MiB
     compile_timeout_s: float = 10.0  # a request whose grammar takes longer gets a 400
-    max_concurrent_compiles: int = 2  # compile pool threads; further compiles queue
-    threads_per_compile: int = 2  # xgrammar's own parallelism inside one compile
+    max_concurrent_compiles: int = 2  # grammar processes compiling at once; further compiles queue
+    max_compiles_per_tenant: int = 1  # compiles of one tenant (API key) in flight at once
+    # The longest one output token's mask may take to compute. The probe refuses a grammar that
+    # is slower on its first tokens; the engine fails a request that is slower later on.
+    token_budget_s: float = 0.25
+    probe_tokens: int = 16  # tokens the probe walks through a new grammar
     # Longest run of whitespace a JSON output may contain between tokens; None: unbounded.
     # Small models left free tend to emit newlines forever inside an open object.
     max_whitespace_chars: int | None = 16
@@ -79,40 +101,66 @@ class GrammarConfig:
     def __post_init__(self) -> None:
         if self.max_cached_grammars < 1:
             raise ValueError("max_cached_grammars must be >= 1")
-        if not self.compile_timeout_s > 0:
-            raise ValueError("compile_timeout_s must be > 0")
-        if self.max_concurrent_compiles < 1 or self.threads_per_compile < 1:
-            raise ValueError("max_concurrent_compiles and threads_per_compile must be >= 1")
+        if self.max_cache_bytes < 1 or self.max_grammar_bytes < 1:
+            raise ValueError("max_cache_bytes and max_grammar_bytes must be >= 1")
+        if not self.compile_timeout_s > 0 or not self.token_budget_s > 0:
+            raise ValueError("compile_timeout_s and token_budget_s must be > 0")
+        if self.max_concurrent_compiles < 1 or self.max_compiles_per_tenant < 1:
+            raise ValueError("max_concurrent_compiles and max_compiles_per_tenant must be >= 1")
+        if self.probe_tokens < 1:
+            raise ValueError("probe_tokens must be >= 1")
         if self.max_whitespace_chars is not None and self.max_whitespace_chars < 1:
             raise ValueError("max_whitespace_chars must be >= 1 or None")
 
 
+_grammar_ids = itertools.count(1)
+
+
 @dataclass(frozen=True, eq=False)
 class CompiledGrammar:
-    """A spec compiled for one tokenizer; immutable and shared by every sequence using it."""
+    """A spec compiled for one tokenizer; immutable and shared by every sequence using it.
+
+    It is kept serialized: the engine's matchers live in a grammar process, which gets this
+    text; ``handle`` (an xgrammar object in this process) is built only for a caller that walks
+    the grammar here (the hf backend, offline tools)."""
 
     spec: StructuredOutputSpec
-    handle: xgr.CompiledGrammar
+    serialized: str  # xgrammar's JSON of the compiled grammar
+    memory_size_bytes: int  # xgrammar's size of the compiled grammar
     vocab_size: int  # the logits width the bitmask covers
+    tokenizer_info: Any = field(repr=False)  # xgr.TokenizerInfo, to rebuild ``handle``
+    tokenizer_info_json: str = field(repr=False)  # the same, for a grammar process
+    token_budget_s: float = GrammarConfig.token_budget_s  # the mask time it was admitted under
+    grammar_id: int = field(default_factory=lambda: next(_grammar_ids))
 
     @property
-    def memory_size_bytes(self) -> int:
-        return int(self.handle.memory_size_bytes)
+    def size_bytes(self) -> int:
+        """What keeping it costs: the compiled grammar and its serialized text."""
+        return self.memory_size_bytes + len(self.serialized)
+
+    @functools.cached_property
+    def handle(self) -> xgr.CompiledGrammar:
+        return xgr.CompiledGrammar.deserialize_json(self.serialized, self.tokenizer_info)
 
     def new_matcher(self, *, stop_token_ids: Sequence[int] | None = None) -> SequenceGrammar:
+        """A matcher in this process (see :class:`.grammar_sandbox.GrammarSandbox` for one that
+        cannot hold up its caller)."""
         return SequenceGrammar(self, stop_token_ids=stop_token_ids)
 
 
 class GrammarCache:
-    """A thread-safe LRU of compiled grammars, bounded by entry count. One cache may be shared by
-    several compilers: keys start with the tokenizer's fingerprint."""
+    """A thread-safe LRU of compiled grammars, bounded by entry count and by bytes
+    (:attr:`CompiledGrammar.size_bytes`). One cache may be shared by several compilers: keys
+    start with the tokenizer's fingerprint."""
 
-    def __init__(self, max_entries: int) -> None:
+    def __init__(self, max_entries: int, max_bytes: int | None = None) -> None:
         if max_entries < 1:
             raise ValueError("max_entries must be >= 1")
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self.hits = 0
         self.misses = 0
+        self.num_bytes = 0
         self._entries: OrderedDict[Hashable, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -128,10 +176,16 @@ class GrammarCache:
 
     def put(self, key: Hashable, grammar: CompiledGrammar) -> None:
         with self._lock:
+            if (old := self._entries.pop(key, None)) is not None:
+                self.num_bytes -= old.size_bytes
+            if self.max_bytes is not None and grammar.size_bytes > self.max_bytes:
+                return  # would evict everything and still not fit
             self._entries[key] = grammar
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+            self.num_bytes += grammar.size_bytes
+            while len(self._entries) > self.max_entries or (
+                    self.max_bytes is not None and self.num_bytes > self.max_bytes):
+                _, evicted = self._entries.popitem(last=False)
+                self.num_bytes -= evicted.size_bytes
 
     def __contains__(self, key: Hashable) -> bool:
         with self._lock:
@@ -152,7 +206,8 @@ class _Flight:
 
 class GrammarCompiler:
     """Compiles specs for one tokenizer. Construction builds xgrammar's tokenizer info (~1 s for
-    a 50k vocabulary): do it once per model, in a thread, at startup."""
+    a 50k vocabulary): do it once per model, in a thread, at startup. Grammar processes start on
+    the first compile."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, *, stop_token_ids: Sequence[int],
                  config: GrammarConfig = GrammarConfig(), cache: GrammarCache | None = None
@@ -166,31 +221,58 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
         self.tokenizer_key = tokenizer_fingerprint(tokenizer, vocab_size, self.stop_token_ids)
-        self._info = _tokenizer_info(tokenizer, vocab_size, self.stop_token_ids)
-        # Our cache replaces xgrammar's own (whose bound is in bytes and whose keys we cannot see).
-        self._xgr = xgr.GrammarCompiler(self._info, max_threads=config.threads_per_compile,
-                                        cache_enabled=False)
+        self.tokenizer_info = _tokenizer_info(tokenizer, vocab_size, self.stop_token_ids)
+        # What each grammar process is given at start (our cache replaces xgrammar's own).
+        self.tokenizer_info_json = self.tokenizer_info.serialize_json()
         self._options = ("ws", config.max_whitespace_chars)
-        self.cache = cache if cache is not None else GrammarCache(config.max_cached_grammars)
+        self.cache = cache if cache is not None else GrammarCache(config.max_cached_grammars,
+                                                                  config.max_cache_bytes)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.max_concurrent_compiles, thread_name_prefix="grammar-compile")
+        self._processes = threading.local()  # each pool thread drives a process of its own
+        self._all_processes: list[GrammarProcess] = []
         self._flights: dict[Hashable, _Flight] = {}
         # Reentrant: a future that is already done runs its done-callback (_land) at once, inside
         # _join's critical section.
         self._lock = threading.RLock()
+        self._tenants: dict[str, asyncio.Semaphore] = {}
+        self.num_killed = 0  # compiles stopped at their deadline
 
     def key(self, spec: StructuredOutputSpec) -> Hashable:
         return (self.tokenizer_key, self._options, spec)
 
-    async def compile(self, spec: StructuredOutputSpec, *, timeout_s: float | None = None
-                      ) -> CompiledGrammar:
+    async def compile(self, spec: StructuredOutputSpec, *, timeout_s: float | None = None,
+                      tenant: str | None = None) -> CompiledGrammar:
         """The compiled grammar for ``spec``, from the cache or compiled on the pool. Raises
-        InvalidRequestError (naming ``spec.param``) if it does not compile or takes longer than
-        ``timeout_s`` (default: the config's)."""
+        InvalidRequestError (naming ``spec.param``) if it does not compile, fails its probe or
+        takes longer than ``timeout_s`` (default: the config's), waiting included. ``tenant``:
+        who asks (an API key's id); a tenant's own compiles beyond ``max_compiles_per_tenant``
+        wait for its earlier ones, not for the pool."""
         key = self.key(spec)
         if (hit := self.cache.get(key)) is not None:
             return hit
         timeout_s = self.config.compile_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        if tenant is None:
+            return await self._compile_async(key, spec, timeout_s)
+        semaphore = self._tenants.setdefault(
+            tenant, asyncio.Semaphore(self.config.max_compiles_per_tenant))
+        try:
+            await asyncio.wait_for(semaphore.acquire(), timeout_s)
+        except TimeoutError:
+            raise _too_slow(spec, timeout_s) from None
+        try:
+            if (hit := self.cache.get(key)) is not None:
+                return hit
+            return await self._compile_async(key, spec, max(0.0, deadline - time.monotonic()),
+                                             reported_timeout_s=timeout_s)
+        finally:
+            semaphore.release()
+            if not semaphore.locked() and not getattr(semaphore, "_waiters", None):
+                self._tenants.pop(tenant, None)
+
+    async def _compile_async(self, key: Hashable, spec: StructuredOutputSpec, timeout_s: float,
+                             *, reported_timeout_s: float | None = None) -> CompiledGrammar:
         flight = self._join(key, spec)
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future = loop.create_future()
@@ -198,7 +280,7 @@ class GrammarCompiler:
         try:
             return await asyncio.wait_for(waiter, timeout_s)
         except TimeoutError:
-            raise _too_slow(spec, timeout_s) from None
+            raise _too_slow(spec, reported_timeout_s or timeout_s) from None
         except _CompileError as e:
             raise e.for_request(spec) from None
         finally:
@@ -234,6 +316,10 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            processes, self._all_processes = self._all_processes, []
+        for process in processes:
+            process.kill()
 
     # ------------------------------------------------------------------ compile pool
 
@@ -252,7 +338,7 @@ class GrammarCompiler:
             flight.waiters -= 1
             if flight.waiters == 0 and not flight.future.done():
                 # Nobody waits any more: drop it if it has not started (a started compile runs
-                # on and its result is cached).
+                # on, within its own deadline, and its result is cached).
                 if flight.future.cancel() and self._flights.get(key) is flight:
                     del self._flights[key]
 
@@ -262,41 +348,64 @@ class GrammarCompiler:
                 del self._flights[key]
 
     def _compile_to_cache(self, key: Hashable, spec: StructuredOutputSpec) -> CompiledGrammar:
-        grammar = CompiledGrammar(spec, self._compile_now(spec), self.vocab_size)
+        grammar = self._compile_now(spec)
+        if grammar.size_bytes > self.config.max_grammar_bytes:
+            raise _CompileError(
+                f"is too large: it compiles to {grammar.size_bytes / MiB:.1f} MiB, over the limit of "
+                f"{self.config.max_grammar_bytes / MiB:g} MiB per grammar; simplify it")
         self.cache.put(key, grammar)
         return grammar
 
-    def _compile_now(self, spec: StructuredOutputSpec) -> xgr.CompiledGrammar:
-        """The xgrammar call itself, on a pool thread. Its errors are the client's (a schema,
-        regex or grammar that does not compile); each waiter turns one into a 400 naming its own
-        request's field."""
+    def _compile_now(self, spec: StructuredOutputSpec) -> CompiledGrammar:
+        """The compile and probe, in this pool thread's grammar process, killed at the deadline.
+        Its refusals are the client's (a schema, regex or grammar that does not compile, or
+        that fails the probe); each waiter turns one into a 400 naming its own field."""
         kind = spec.kind
+        source = (choice_structural_tag(spec.choices) if kind is StructuredOutputKind.CHOICE
+                  else spec.source)
+        config = self.config
+        process = self._process()
+        process.send(("compile", kind.value, source, spec.strict, config.max_whitespace_chars,
+                      config.probe_tokens, config.token_budget_s))
         try:
-            if kind is StructuredOutputKind.JSON_SCHEMA:
-                return self._xgr.compile_json_schema(
-                    spec.source, strict_mode=spec.strict, any_whitespace=True,
-                    max_whitespace_cnt=self.config.max_whitespace_chars)
-            if kind is StructuredOutputKind.JSON_OBJECT:
-                return self._xgr.compile_json_schema(
-                    '{"type":"object"}', strict_mode=False, any_whitespace=True,
-                    max_whitespace_cnt=self.config.max_whitespace_chars)
-            if kind is StructuredOutputKind.REGEX:
-                return self._xgr.compile_regex(spec.source)
-            if kind is StructuredOutputKind.GRAMMAR:
-                return self._xgr.compile_grammar(spec.source)
-            if kind is StructuredOutputKind.CHOICE:
-                return self._xgr.compile_structural_tag(choice_structural_tag(spec.choices))
-            return self._xgr.compile_structural_tag(spec.source)
-        except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError,
-                xgr.InvalidStructuralTagError) as e:
-            raise _CompileError(f"{_WHAT[kind]} does not compile: {_first_line(e)}") from None
+            reply = process.receive(deadline=time.monotonic() + config.compile_timeout_s)
+        except GrammarProcessDied:
+            self._forget_process(process)
+            raise _CompileError("its compile crashed the grammar process") from None
+        if reply is None:  # past the deadline: stop the CPU it burns, free the slot
+            self._forget_process(process)
+            self.num_killed += 1
+            raise _CompileError(
+                f"took longer than {config.compile_timeout_s:g} s to compile; simplify it")
+        if reply[0] == "refused":
+            raise _CompileError(reply[1])
+        _, serialized, memory_size_bytes, _probe_s = reply
+        return CompiledGrammar(spec, serialized, memory_size_bytes, self.vocab_size,
+                               self.tokenizer_info, self.tokenizer_info_json,
+                               config.token_budget_s)
+
+    def _process(self) -> GrammarProcess:
+        process = getattr(self._processes, "process", None)
+        if process is None or not process.alive:
+            process = GrammarProcess(self.tokenizer_info_json, name="grammar-compile")
+            self._processes.process = process
+            with self._lock:
+                self._all_processes.append(process)
+        return process
+
+    def _forget_process(self, process: GrammarProcess) -> None:
+        process.kill()
+        self._processes.process = None
+        with self._lock:
+            if process in self._all_processes:
+                self._all_processes.remove(process)
 
 
 class _CompileError(Exception):
-    """A spec xgrammar refused, shared by every caller waiting for that compile."""
+    """A spec refused in its grammar process, shared by every caller waiting for that compile."""
 
     def for_request(self, spec: StructuredOutputSpec) -> InvalidRequestError:
-        return InvalidRequestError(f"{spec.param}: {self}", param=spec.param)
+        return InvalidRequestError(f"{spec.param}: {_WHAT[spec.kind]} {self}", param=spec.param)
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -360,12 +469,3 @@ def _too_slow(spec: StructuredOutputSpec, timeout_s: float) -> InvalidRequestErr
     return InvalidRequestError(
         f"{spec.param}: {_WHAT[spec.kind]} took longer than {timeout_s:g} s to compile; "
         "simplify it", param=spec.param)
-
-
-def _first_line(error: BaseException) -> str:
-    """xgrammar's C++ errors read ``[time] /path/file.cc:123: message``; keep the message."""
-    text = str(error).strip()
-    text = text.splitlines()[0] if text else type(error).__name__
-    if text.startswith("[") and ".cc:" in text:
-        text = text.split(".cc:", 1)[1].split(": ", 1)[-1]
-    return text

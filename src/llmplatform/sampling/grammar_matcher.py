@@ -113,9 +113,17 @@ _batch_lock = threading.Lock()
 def fill_bitmasks(rows: Sequence[tuple[int, SequenceGrammar]], bitmask: torch.Tensor
                   ) -> list[int]:
     """Fill ``bitmask[row]`` for each (row, grammar); returns the rows to mask, for
-    :func:`apply_bitmask`. Several rows are filled in parallel by xgrammar's batch matcher."""
+    :func:`apply_bitmask`. Several local rows are filled in parallel by xgrammar's batch
+    matcher; a :class:`~.grammar_sandbox.RemoteGrammar` row copies the mask its sandbox
+    computed (:func:`~.grammar_sandbox.fill_remote_grammars`, run first, fetches them all in one
+    round trip; a row it did not fetch costs a round trip of its own)."""
     global _batch_matcher
     indices = [row for row, _ in rows]
+    remote = [(row, grammar) for row, grammar in rows if not isinstance(grammar, SequenceGrammar)]
+    if remote:  # matchers in a grammar process (grammar_sandbox): one round trip for them all
+        for row, grammar in remote:
+            grammar.fill_bitmask(bitmask, row)
+        rows = [(row, grammar) for row, grammar in rows if isinstance(grammar, SequenceGrammar)]
     if len(rows) == 1:
         rows[0][1].fill_bitmask(bitmask, rows[0][0])
     elif rows:

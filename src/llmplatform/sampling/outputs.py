@@ -65,8 +65,10 @@ class GenerateChunk:
     # Only on the first chunk, and only when SamplingParams.prompt_logprobs is set; one record per
     # prompt token.
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
-    # Only on a chunk with finish_reason ERROR.
+    # Only on a chunk with finish_reason ERROR: the message, and its FastChat error code when
+    # the request itself is at fault (None: the backend's fault, an internal error).
     error: str | None = None
+    error_code: int | None = None
     # time.monotonic() at which the backend first scheduled the request (left its own waiting
     # queue), on the request's first chunk only; None when the backend does not report it.
     first_scheduled_time: float | None = None
