@@ -42,6 +42,7 @@ import functools
 import hashlib
 import itertools
 import json
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -114,6 +115,8 @@ class GrammarConfig:
 
 
 _grammar_ids = itertools.count(1)
+# A probed mask's deadline is the per-token budget plus this, for the pipe's round trip.
+_PROBE_IPC_ALLOWANCE_S = 0.02
 
 
 @dataclass(frozen=True, eq=False)
@@ -229,7 +232,10 @@ class GrammarCompiler:
                                                                   config.max_cache_bytes)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.max_concurrent_compiles, thread_name_prefix="grammar-compile")
-        self._processes = threading.local()  # each pool thread drives a process of its own
+        # Processes not compiling now; each pool thread takes one for a compile. They start in
+        # the background now (the first one boots the fork server: seconds), so that a first
+        # request's compile does not wait for that.
+        self._idle: queue.SimpleQueue[GrammarProcess] = queue.SimpleQueue()
         self._all_processes: list[GrammarProcess] = []
         self._flights: dict[Hashable, _Flight] = {}
         # Reentrant: a future that is already done runs its done-callback (_land) at once, inside
@@ -237,6 +243,8 @@ class GrammarCompiler:
         self._lock = threading.RLock()
         self._tenants: dict[str, asyncio.Semaphore] = {}
         self.num_killed = 0  # compiles stopped at their deadline
+        for _ in range(config.max_concurrent_compiles):
+            self._pool.submit(self._warm_one)
 
     def key(self, spec: StructuredOutputSpec) -> Hashable:
         return (self.tokenizer_key, self._options, spec)
@@ -364,19 +372,31 @@ class GrammarCompiler:
         source = (choice_structural_tag(spec.choices) if kind is StructuredOutputKind.CHOICE
                   else spec.source)
         config = self.config
-        process = self._process()
-        process.send(("compile", kind.value, source, spec.strict, config.max_whitespace_chars,
-                      config.probe_tokens, config.token_budget_s))
+        process = self._take_process()
+        position: int | None = None  # the mask the probe is computing
         try:
+            process.send(("compile", kind.value, source, spec.strict, config.max_whitespace_chars,
+                          config.probe_tokens, config.token_budget_s, config.max_grammar_bytes))
             reply = process.receive(deadline=time.monotonic() + config.compile_timeout_s)
+            while reply is not None and reply[0] == "probe":  # each probed mask: one budget
+                position = reply[1]
+                reply = process.receive(deadline=time.monotonic() + config.token_budget_s
+                                        + _PROBE_IPC_ALLOWANCE_S)
         except GrammarProcessDied:
             self._forget_process(process)
-            raise _CompileError("its compile crashed the grammar process") from None
-        if reply is None:  # past the deadline: stop the CPU it burns, free the slot
+            raise _CompileError("crashed its compile process") from None
+        if reply is None:  # past a deadline: stop the CPU it burns, free the slot
             self._forget_process(process)
             self.num_killed += 1
+            if position is not None:
+                raise _CompileError(
+                    f"is too slow to follow: choosing output token {position + 1} took longer "
+                    f"than the per-token budget of {config.token_budget_s * 1000:.0f} ms; "
+                    "simplify it (nested repetitions such as (.{1,50}){1,50} make every token "
+                    "slower than the last)")
             raise _CompileError(
                 f"took longer than {config.compile_timeout_s:g} s to compile; simplify it")
+        self._idle.put(process)
         if reply[0] == "refused":
             raise _CompileError(reply[1])
         _, serialized, memory_size_bytes, _probe_s = reply
@@ -384,18 +404,27 @@ class GrammarCompiler:
                                self.tokenizer_info, self.tokenizer_info_json,
                                config.token_budget_s)
 
-    def _process(self) -> GrammarProcess:
-        process = getattr(self._processes, "process", None)
-        if process is None or not process.alive:
-            process = GrammarProcess(self.tokenizer_info_json, name="grammar-compile")
-            self._processes.process = process
-            with self._lock:
-                self._all_processes.append(process)
+    def _warm_one(self) -> None:
+        self._idle.put(self._new_process())
+
+    def _new_process(self) -> GrammarProcess:
+        process = GrammarProcess(self.tokenizer_info_json, name="grammar-compile")
+        with self._lock:
+            self._all_processes.append(process)
         return process
+
+    def _take_process(self) -> GrammarProcess:
+        while True:
+            try:
+                process = self._idle.get_nowait()
+            except queue.Empty:
+                return self._new_process()
+            if process.alive:
+                return process
+            self._forget_process(process)
 
     def _forget_process(self, process: GrammarProcess) -> None:
         process.kill()
-        self._processes.process = None
         with self._lock:
             if process in self._all_processes:
                 self._all_processes.remove(process)

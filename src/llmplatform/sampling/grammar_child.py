@@ -9,8 +9,10 @@ when the call passes its deadline: the CPU it was burning is given back at once.
 The protocol is one request message, then replies on the same pipe (all plain tuples):
 
 - ``("setup", tokenizer_info_json)`` -> ``("ok",)``
-- ``("compile", kind, source, strict, max_whitespace, probe_tokens, budget_s)``
-  -> ``("compiled", grammar_json, memory_size_bytes, probe_s)`` | ``("refused", message)``
+- ``("compile", kind, source, strict, max_whitespace, probe_tokens, budget_s, max_bytes)``
+  -> ``("probe", position)`` before each mask the probe computes (the parent times each one
+  and kills the process at the budget), then ``("compiled", grammar_json, memory_size_bytes,
+  probe_s)`` | ``("refused", message)``
 - ``("fill", closes, loads, items)`` with ``closes: [mid]``, ``loads: [(gid, grammar_json)]``,
   ``items: [(mid, opening, new_token_ids)]`` where ``opening`` is ``(gid, stop_token_ids)``
   for a matcher this process has not seen (its ``new_token_ids`` are then all it accepted):
@@ -60,7 +62,7 @@ def serve(conn: Any) -> None:
             conn.send(("ok",))
         elif op == "compile":
             assert state is not None
-            conn.send(_compile(state, *message[1:]))
+            conn.send(_compile(state, conn, *message[1:]))
         elif op == "fill":
             assert state is not None
             _fill(state, conn, *message[1:])
@@ -68,8 +70,9 @@ def serve(conn: Any) -> None:
             raise AssertionError(f"unknown grammar process request {op!r}")
 
 
-def _compile(state: _State, kind: str, source: str, strict: bool, max_whitespace: int | None,
-             probe_tokens: int, budget_s: float) -> tuple:
+def _compile(state: _State, conn: Any, kind: str, source: str, strict: bool,
+             max_whitespace: int | None, probe_tokens: int, budget_s: float,
+             max_bytes: int) -> tuple:
     if state.compiler is None:
         # One thread per compile: the parent runs several processes for parallelism.
         state.compiler = xgr.GrammarCompiler(state.info, max_threads=1, cache_enabled=False)
@@ -91,16 +94,21 @@ def _compile(state: _State, kind: str, source: str, strict: bool, max_whitespace
     except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError,
             xgr.InvalidStructuralTagError) as e:
         return ("refused", f"does not compile: {first_line(e)}")
+    size = int(grammar.memory_size_bytes)
+    if size > max_bytes:  # before the probe: no time spent on a grammar that cannot be kept
+        mib = 1024 * 1024
+        return ("refused", f"is too large: it compiles to {size / mib:.1f} MiB, over the limit "
+                           f"of {max_bytes / mib:g} MiB per grammar; simplify it")
     started = time.perf_counter()
-    refusal = _probe(state, grammar, probe_tokens, budget_s)
+    refusal = _probe(state, conn, grammar, probe_tokens, budget_s)
     probe_s = time.perf_counter() - started
     if refusal is not None:
         return ("refused", refusal)
-    return ("compiled", grammar.serialize_json(), int(grammar.memory_size_bytes), probe_s)
+    return ("compiled", grammar.serialize_json(), size, probe_s)
 
 
-def _probe(state: _State, grammar: xgr.CompiledGrammar, num_tokens: int, budget_s: float
-           ) -> str | None:
+def _probe(state: _State, conn: Any, grammar: xgr.CompiledGrammar, num_tokens: int,
+           budget_s: float) -> str | None:
     """Walks up to ``num_tokens`` tokens through a new grammar, always taking the allowed token
     that consumes the most characters, and times each mask. Returns why the grammar is refused:
     no token can start its output, or one mask took longer than the per-token budget (a grammar
@@ -108,6 +116,7 @@ def _probe(state: _State, grammar: xgr.CompiledGrammar, num_tokens: int, budget_
     matcher = xgr.GrammarMatcher(grammar)
     bitmask = state.bitmask
     for position in range(num_tokens):
+        conn.send(("probe", position))
         started = time.perf_counter()
         matcher.fill_next_token_bitmask(bitmask, 0)
         elapsed = time.perf_counter() - started
