@@ -196,6 +196,8 @@ class TenantLimiter:
 
 def openai_duration(seconds: float) -> str:
     """A duration as OpenAI's `x-ratelimit-reset-*` headers write it: `20ms`, `1.5s`, `6m0s`."""
+    if seconds <= 0:
+        return "0s"
     if seconds < 1:
         return f"{math.ceil(seconds * 1000)}ms"
     minutes, rest = divmod(seconds, 60)
