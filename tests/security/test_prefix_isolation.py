@@ -124,6 +124,13 @@ def test_chat_requests_are_isolated_too(isolation: Isolation) -> None:
     assert worker_status(isolation.worker)["prefix_cache_hits"] > send_before
 
 
+def test_the_longest_client_salt_still_fits_the_workers_bound_with_the_keys(isolation: Isolation) -> None:
+    send = hits_of(isolation.worker)
+    prompt, salt = secret_prompt(), "\u00e9\u0000|" * 85 + "x"  # 256 characters, awkward ones
+    assert send(client(isolation.per_key, KEY_A), prompt, cache_salt=salt) == 0
+    assert send(client(isolation.per_key, KEY_A), prompt, cache_salt=salt) >= 3 * BLOCK_SIZE
+
+
 @pytest.mark.parametrize("bad", ["", "x" * 257, 7])
 def test_a_malformed_cache_salt_is_a_400_naming_it(isolation: Isolation, bad: object) -> None:
     with pytest.raises(openai.BadRequestError) as info:

@@ -137,9 +137,9 @@ class Tenants:
         ticket = ticket_of(request)
         if not self.settings.isolates_prefix_caches or ticket is None:
             return RequestSalt(client_salt, client_salt)
-        # json: an unambiguous pair, whatever characters the client's salt holds.
-        salted = json.dumps([ticket.tenant.salt, client_salt], separators=(",", ":"))
-        return RequestSalt(salted, client_salt)
+        # The tenant's part has a fixed shape without "|": everything after the first "|" is
+        # the client's, so no client salt can spell another tenant's (and it stays short).
+        return RequestSalt(f"{ticket.tenant.salt}|{client_salt or ''}", client_salt)
 
     def for_worker(self, salt: RequestSalt, announced: frozenset[str], model: str,
                    address: str) -> str | None:
