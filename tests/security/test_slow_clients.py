@@ -1,6 +1,7 @@
 """Slow and greedy clients against real services: a head or body sent a byte at a time, more
-connections than the cap, more streams per key than `--max-streams-per-key`, and a stream whose
-client stops reading (`llmplatform.utils.http_protocol`, `openai_api.limits`).
+connections than the cap, and a stream whose client stops reading
+(`llmplatform.utils.http_protocol`). More requests per key than its limits:
+test_tenant_limits.py.
 
 The deadlines here are small configured values (1 s), so each test is bounded; what is asserted
 is what the server did (closed, refused, aborted), never how long it took.
@@ -8,22 +9,16 @@ is what the server did (closed, refused, aborted), never how long it took.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
-from starlette.types import Receive, Scope, Send
 
 from llmplatform.utils.http_protocol import ConnectionLimits
-from llmplatform.utils.request_guard import read_body_bounded, replay
 from llmplatform.utils.server import serve_in_thread
 from tests.faults.harness import (
     controller_app,
@@ -36,8 +31,6 @@ from tests.faults.harness import (
     worker_status,
 )
 from tests.integration.cluster import paged_tiny_llm, wait_for_models
-from tests.fake_worker import MODEL as FAKE_MODEL
-from tests.fake_worker import frame, make_fake_worker, register_worker
 from tests.polling import wait_until
 from tests.processes import free_port
 from tests.security.raw_http import connect, host_of, read_response, wait_closed_by_server
@@ -87,137 +80,6 @@ def test_connections_past_the_cap_are_refused_and_service_resumes(tmp_path: Path
                 return False
 
         wait_until(served, timeout_s=30, what="the controller serving again")
-
-
-# ---- --max-streams-per-key, on a gateway in front of a worker whose streams can be held open --------
-
-HOLD = "HOLD"
-KEY_A, KEY_B = "sk-stream-a", "sk-stream-b"
-
-
-class _HeldStreams:
-    """Wraps the fake worker: a generation whose prompt says HOLD sends one chunk and then waits
-    for `release` (bounded) before finishing; every other request goes to the fake worker."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.release = threading.Event()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != "/worker_generate_stream":
-            await self.inner(scope, receive, send)
-            return
-        body = await read_body_bounded(receive, None) or b""
-        if HOLD.encode() not in body:
-            await self.inner(scope, replay(body, receive), send)
-            return
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
-        chunk = {"text": "held", "error_code": 0, "usage": usage, "finish_reason": None}
-        await send({"type": "http.response.body", "body": frame(chunk), "more_body": True})
-        await asyncio.to_thread(self.release.wait, 60)  # bounded: a failing test must not hang
-        last = frame({**chunk, "finish_reason": "stop"})
-        await send({"type": "http.response.body", "body": last})
-
-
-@dataclass
-class StreamCluster:
-    gateway: str
-    worker: _HeldStreams
-
-
-@contextlib.contextmanager
-def _stream_cluster(**gateway_settings: Any) -> Iterator[StreamCluster]:
-    with contextlib.ExitStack() as stack:
-        controller = stack.enter_context(serve_in_thread(controller_app()))
-        inner, _ = make_fake_worker([FAKE_MODEL])
-        worker = _HeldStreams(inner)
-        worker_url = stack.enter_context(serve_in_thread(worker))
-        register_worker(controller, worker_url, [FAKE_MODEL])
-        wait_for_models(controller, [FAKE_MODEL])
-        gateway = stack.enter_context(serve_in_thread(gateway_app(controller, **gateway_settings)))
-        try:
-            yield StreamCluster(gateway, worker)
-        finally:
-            worker.release.set()
-
-
-def _client(gateway: str, key: str, local_address: str | None = None) -> openai.OpenAI:
-    http = httpx.Client(transport=httpx.HTTPTransport(local_address=local_address)) if local_address else None
-    return openai.OpenAI(base_url=f"{gateway}/v1", api_key=key, max_retries=0, timeout=30, http_client=http)
-
-
-def _stream_text(client: openai.OpenAI, prompt: str = "hi") -> str:
-    stream = client.chat.completions.create(model=FAKE_MODEL, stream=True, max_tokens=8,
-                                            messages=[{"role": "user", "content": prompt}])
-    return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-
-
-@contextlib.contextmanager
-def _held_stream(client: openai.OpenAI) -> Iterator[None]:
-    """A stream that is open (its first event read) until the block ends and the worker lets
-    it finish; read to its end on the way out."""
-    stream = client.chat.completions.create(model=FAKE_MODEL, stream=True, max_tokens=8,
-                                            messages=[{"role": "user", "content": HOLD}])
-    chunks = iter(stream)
-    first = next(chunks)
-    assert first.choices[0].delta.role == "assistant" or first.choices[0].delta.content
-    yield
-    rest = list(chunks)
-    # Released, it finishes as the worker ends it: the cap never cut an admitted stream.
-    assert [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason] == ["stop"], rest
-
-
-def _refused(client: openai.OpenAI) -> openai.RateLimitError:
-    with pytest.raises(openai.RateLimitError) as info:
-        _stream_text(client)
-    return info.value
-
-
-def _can_stream(client: openai.OpenAI) -> bool:
-    try:
-        return bool(_stream_text(client))
-    except openai.RateLimitError:
-        return False
-
-
-def test_one_stream_per_key_a_second_is_429_until_the_first_ends() -> None:
-    with _stream_cluster(api_keys=(KEY_A, KEY_B), max_streams_per_key=1) as cluster:
-        a, b = _client(cluster.gateway, KEY_A), _client(cluster.gateway, KEY_B)
-        with _held_stream(a):
-            error = _refused(a)
-            assert error.status_code == 429 and error.response.headers["retry-after"] == "1"
-            envelope = error.response.json()["error"]
-            assert set(envelope) == {"message", "type", "param", "code"}
-            assert envelope["code"] == "rate_limit_exceeded" and "streams" in envelope["message"]
-            assert _stream_text(b)  # another key streams
-            answer = a.chat.completions.create(model=FAKE_MODEL, max_tokens=8,  # not a stream
-                                               messages=[{"role": "user", "content": "hi"}])
-            assert answer.choices[0].message.content
-            cluster.worker.release.set()
-        wait_until(lambda: _can_stream(a), timeout_s=30, what="key A streaming again")
-
-
-def test_without_keys_the_cap_is_per_client_address() -> None:
-    with _stream_cluster(max_streams_per_key=1) as cluster:
-        here = _client(cluster.gateway, "anything")
-        with _held_stream(here):
-            _refused(here)
-            _refused(_client(cluster.gateway, "another-token"))  # a made-up key is no way around it
-            assert _stream_text(_client(cluster.gateway, "x", local_address="127.0.0.2"))
-            cluster.worker.release.set()
-
-
-def test_the_cap_is_off_by_default() -> None:
-    from llmplatform.openai_api.__main__ import GatewayServiceSettings
-
-    assert GatewayServiceSettings.parse([]).gateway_settings.max_streams_per_key is None
-    assert GatewayServiceSettings.parse(["--max-streams-per-key", "2"]).gateway_settings.max_streams_per_key == 2
-    with _stream_cluster(api_keys=(KEY_A,)) as cluster:
-        a = _client(cluster.gateway, KEY_A)
-        with _held_stream(a), _held_stream(a):
-            assert _stream_text(a)
-            cluster.worker.release.set()
 
 
 # ---- a stream nobody reads, through the gateway to a real worker ------------------------------------

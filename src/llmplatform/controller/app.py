@@ -113,6 +113,9 @@ class _ParamsEnvelope(BaseModel):
     prompt: Any = None
     """The rendered prompt (a string from any gateway; anything else is not matched, and left
     for the worker to judge): what cache_aware matches."""
+    cache_salt: Any = None
+    """The request's prefix-cache salt (a string; anything else is the worker's to refuse):
+    cache_aware matches the prompt in the salt's own trees, as the worker caches it."""
 
 
 def normalize_worker_name(worker_name: str) -> str:
@@ -354,7 +357,9 @@ def create_app(
         raw_params = await _read_json(request)
         params = _validate(_ParamsEnvelope, raw_params)
         prompt = params.prompt if isinstance(params.prompt, str) else None
-        hint = RouteHint.of(prompt) if dispatcher.policy.cache_aware is not None else RouteHint()
+        salt = params.cache_salt if isinstance(params.cache_salt, str) else None
+        hint = (RouteHint.of(prompt, cache_salt=salt) if dispatcher.policy.cache_aware is not None
+                else RouteHint())
         decision = dispatcher.decide(params.model, hint=hint)
         picked = decision.worker if decision is not None else None
         if decision is not None:

@@ -65,18 +65,26 @@ MAX_ROUTE_CHUNKS = 512
 carries over the wire at most. Two prompts equal that far are routed as one."""
 
 
-def prefix_hashes(text: str, *, max_chunks: int = MAX_ROUTE_CHUNKS) -> tuple[int, ...]:
+def prefix_hashes(text: str, *, max_chunks: int = MAX_ROUTE_CHUNKS,
+                  cache_salt: str | None = None) -> tuple[int, ...]:
     """The chain hashes of `text`'s full `CHUNK_CHARS` chunks (a partial last chunk is not
     hashed: like a partial KV block, it is never shared). Stable across processes (BLAKE2b, not
-    `hash()`), 63-bit so every JSON peer reads them exactly."""
+    `hash()`), 63-bit so every JSON peer reads them exactly. A `cache_salt` seeds the chain, as
+    it seeds the engine's: a prompt salted differently matches nothing of it, so one tenant's
+    guess is never steered to the worker holding another's prefix."""
     hashes: list[int] = []
-    parent = b""
+    parent = b"" if cache_salt is None else _salt_root(cache_salt)
     for start in range(0, min(len(text), max_chunks * CHUNK_CHARS) - CHUNK_CHARS + 1, CHUNK_CHARS):
         digest = hashlib.blake2b(parent + text[start:start + CHUNK_CHARS].encode(),
                                  digest_size=8).digest()
         hashes.append(int.from_bytes(digest, "big") >> 1)
         parent = digest
     return tuple(hashes)
+
+
+def _salt_root(cache_salt: str) -> bytes:
+    return hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=8,
+                           person=b"llmp-cache-salt").digest()
 
 
 def session_hash(key: str) -> int:
@@ -93,8 +101,13 @@ class RouteHint:
     session: int | None = None
 
     @classmethod
-    def of(cls, text: str | None, session_key: str | None = None) -> RouteHint:
-        return cls(prefix_hashes(text) if text else (),
+    def of(cls, text: str | None, session_key: str | None = None,
+           cache_salt: str | None = None) -> RouteHint:
+        """The hint of a prompt and session; with `cache_salt`, both live in the salt's own
+        namespace (another salt's prefixes and sessions never match)."""
+        if session_key and cache_salt is not None:
+            session_key = f"{cache_salt}\0{session_key}"
+        return cls(prefix_hashes(text, cache_salt=cache_salt) if text else (),
                    session_hash(session_key) if session_key else None)
 
 

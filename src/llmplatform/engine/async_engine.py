@@ -77,8 +77,9 @@ class AsyncEngine:
         whole, within this bound; None: such a failure is final."""
         self.engine = engine
         self._streams: dict[str, _Stream] = {}
-        # (request id, prompt, sampling params and grammar | pooling params and None)
-        self._pending_adds: list[tuple[str, list[int], SamplingParams | PoolingParams, Any]] = []
+        # (request id, prompt, sampling params and grammar | pooling params and None, cache salt)
+        self._pending_adds: list[tuple[str, list[int], SamplingParams | PoolingParams, Any,
+                                       str | None]] = []
         self._pending_aborts: list[str] = []
         self._pending_calls: list[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = []
         self._wakeup = asyncio.Event()
@@ -129,18 +130,19 @@ class AsyncEngine:
     # ---- requests ----------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, grammar: Any = None
-                       ) -> AsyncIterator[SequenceUpdate]:
+                       params: SamplingParams, grammar: Any = None, *,
+                       cache_salt: str | None = None) -> AsyncIterator[SequenceUpdate]:
         """Yields the request's updates (for all n outputs) until each has finished. Closing the
         iterator early aborts the request and frees its blocks before the next step.
-        ``grammar``: the request's compiled output constraint (``LLMEngine.add_request``)."""
+        ``grammar``: the request's compiled output constraint, ``cache_salt`` its prefix-cache
+        salt (``LLMEngine.add_request``)."""
         self.check_serving()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         self.engine.validate(prompt_token_ids, params)  # raises before anything is queued
         stream = _Stream(asyncio.Queue(), params.n)
         self._streams[request_id] = stream
-        self._pending_adds.append((request_id, prompt_token_ids, params, grammar))
+        self._pending_adds.append((request_id, prompt_token_ids, params, grammar, cache_salt))
         self._wakeup.set()
         try:
             while stream.num_unfinished:
@@ -166,7 +168,7 @@ class AsyncEngine:
         self.engine.validate_pooling(prompt_token_ids)  # raises before anything is queued
         stream = _Stream(asyncio.Queue(), 1)
         self._streams[request_id] = stream
-        self._pending_adds.append((request_id, prompt_token_ids, pooling, None))
+        self._pending_adds.append((request_id, prompt_token_ids, pooling, None, None))
         self._wakeup.set()
         try:
             item = await stream.queue.get()
@@ -211,7 +213,7 @@ class AsyncEngine:
     def _apply_pending(self) -> None:
         """Applies queued adds and aborts (only ever between steps)."""
         adds, self._pending_adds = self._pending_adds, []
-        for request_id, prompt_token_ids, params, grammar in adds:
+        for request_id, prompt_token_ids, params, grammar, cache_salt in adds:
             if request_id not in self._streams:  # the client left before it was added
                 continue
             with request_context(request_id):
@@ -219,7 +221,8 @@ class AsyncEngine:
                     if isinstance(params, PoolingParams):
                         self.engine.add_pooling_request(request_id, prompt_token_ids, params)
                         continue
-                    self.engine.add_request(request_id, prompt_token_ids, params, grammar)
+                    self.engine.add_request(request_id, prompt_token_ids, params, grammar,
+                                            cache_salt=cache_salt)
                 except Exception as exc:  # validated already; anything here is a bad request too
                     self._streams[request_id].queue.put_nowait(exc)
                     continue

@@ -54,7 +54,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 
 from llmplatform.engine.prefix_cache import (BlockHash, PrefixCache, PrefixCacheStats,
-                                             hash_block_tokens)
+                                             hash_block_tokens, salt_root)
 from llmplatform.engine.sequence import Sequence
 
 
@@ -194,6 +194,7 @@ class BlockManager:
         """Make ``child`` (whose tokens are a copy of ``parent``'s) share every block of
         ``parent``, one more reference each, and its prefix-cache state."""
         assert not child.block_table, "forking into a sequence that holds blocks"
+        assert child.cache_salt == parent.cache_salt, "the hashes shared are the salt's"
         for block_id in parent.block_table:
             self._ref_counts[block_id] += 1
         child.block_table = list(parent.block_table)
@@ -323,8 +324,9 @@ class BlockManager:
         assert num_blocks * size <= seq.num_tokens
         while len(hashes) < num_blocks:
             start = len(hashes) * size
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None,
-                                            seq.token_ids_in(start, start + size)))
+            # The first block chains from the sequence's salt: other salts never match it.
+            parent = hashes[-1] if hashes else salt_root(seq.cache_salt)
+            hashes.append(hash_block_tokens(parent, seq.token_ids_in(start, start + size)))
         return hashes[:num_blocks]
 
     def _note_in_flight(self, seq: Sequence, num_full_blocks: int) -> None:

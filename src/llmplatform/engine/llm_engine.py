@@ -194,16 +194,17 @@ class LLMEngine:
         return seq
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, grammar: CompiledGrammar | None = None
-                    ) -> list[Sequence]:
+                    params: SamplingParams, grammar: CompiledGrammar | None = None,
+                    *, cache_salt: str | None = None) -> list[Sequence]:
         """``grammar``: the output constraint, compiled already (compiling is no step's work);
-        each of the ``n`` sequences walks it with a matcher of its own."""
+        each of the ``n`` sequences walks it with a matcher of its own. ``cache_salt``: only
+        sequences with the same salt share prefix-cache blocks (engine.prefix_cache)."""
         self.validate(prompt_token_ids, params)
         seqs = []
         stop_token_ids = tuple(self.eos_token_ids) + params.stop_token_ids
         for index in range(params.n):
             seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                           params=params, index=index)
+                           params=params, index=index, cache_salt=cache_salt)
             # With a seed, output i draws from seed + i: reproducible, and the n outputs differ.
             seed = None if params.seed is None else params.seed + index
             matcher = (self._grammar_sandbox(grammar).new_matcher(

@@ -12,6 +12,13 @@ token ids as little-endian int64: stable across processes and machines (unlike `
 ``bytes``), and wide enough that a collision, which would silently reuse another prefix's KV, is
 not a practical concern, so token ids are not stored for verification.
 
+A request's ``cache_salt`` (vLLM's field; the gateway sets one per API key with
+``--prefix-cache-isolation per-key``) stands in for the first block's missing parent
+(:func:`salt_root`): every hash of a salted sequence is chained from it, so sequences with
+different salts (or one salted and one not) never share a cached block, however equal their
+tokens. The shared prefix cache would otherwise be a timing oracle between tenants: a prompt
+answered faster than its length explains was cached, i.e. someone sent it before.
+
 :class:`PrefixCache` maps hashes to the pool's block ids, one block per hash, and back. It knows
 nothing of reference counts or of the free pool: the block manager decides when a block is
 registered (it became full and computed), when it is dropped (it is evicted, i.e. reallocated)
@@ -29,9 +36,17 @@ from dataclasses import dataclass
 BlockHash = bytes
 
 
+def salt_root(cache_salt: str | None) -> BlockHash | None:
+    """The parent a salted sequence's first block is hashed with (None: unsalted). Domain-
+    separated, so no salt's root equals any block's hash."""
+    if cache_salt is None:
+        return None
+    return hashlib.sha256(b"llmplatform-cache-salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+
+
 def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     """The hash of a full block of ``token_ids`` whose preceding block hashed to ``parent``
-    (``None`` for a sequence's first block)."""
+    (for a sequence's first block: ``salt_root`` of its salt, ``None`` when unsalted)."""
     digest = hashlib.sha256(parent or b"")
     digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return digest.digest()

@@ -45,6 +45,9 @@ class Sequence:
     # the prefix cache (a cache hit's blocks count as offered).
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     num_cached_blocks: int = 0
+    # The request's cache_salt: seeds block_hashes[0], so only sequences with the same salt
+    # share cached blocks (engine.prefix_cache). None: unsalted.
+    cache_salt: str | None = None
     # Set by the engine: the per-sequence random generator, output processor, etc.
     state: Any = None
     # A pooling sequence (engine.pooling): it computes its prompt for a pooled vector and never

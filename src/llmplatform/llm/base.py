@@ -43,6 +43,9 @@ class GenerateRequest:
     # The output's constraint (structured outputs, forced tool calls), compiled at admission
     # (:meth:`LLMBackend.compile_grammar`): the backend never compiles on its step path.
     grammar: CompiledGrammar | None = None
+    # Only requests with the same salt may share prefix-cache blocks (engine.prefix_cache); a
+    # backend without a prefix cache shares nothing between requests and has nothing to do.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.prompt is None and self.prompt_token_ids is None:

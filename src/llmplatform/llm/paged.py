@@ -197,7 +197,7 @@ class PagedLLM(LLMBackend):
         prompt_ids = (list(request.prompt_token_ids) if request.prompt_token_ids is not None
                       else await self.encode(request.prompt or ""))
         updates = self._async.generate(request.request_id, prompt_ids, request.params,
-                                       request.grammar)
+                                       request.grammar, cache_salt=request.cache_salt)
         try:
             async for update in updates:
                 yield update.chunk

@@ -13,6 +13,16 @@ included) by where they came from: ``table`` (the gateway's own, no controller r
 routing table made, by the controller's dispatch method it ranked with and why
 (``controller.cache_aware.Reason``: ``affinity``, ``session``, ``load_override``, ``spread``,
 ``no_match``, ``no_cache`` for cache_aware, ``load`` otherwise); the controller counts its own picks the same way.
+
+Per tenant (openai_api.tenants), labelled by ``key_id``: a configured key's id (12 hex digits
+derived from the key with scrypt, never the key; the first ``MAX_KEY_LABELS`` keys, ``other``
+beyond), or ``anonymous`` on a gateway without keys (client addresses never become labels), so
+the label set is bounded by the configuration:
+``llmplatform:gateway_key_requests_total{key_id}`` (admitted generation and embedding requests),
+``llmplatform:gateway_key_prompt_tokens_total{key_id}``,
+``llmplatform:gateway_key_completion_tokens_total{key_id}`` (what the workers reported) and
+``llmplatform:gateway_key_rejections_total{key_id,limit}`` (429s by ``concurrency``,
+``requests`` or ``tokens``).
 """
 
 from __future__ import annotations
@@ -54,6 +64,17 @@ class GatewayMetrics:
                                           "Workers the gateway's routing table picked, by "
                                           "dispatch method and reason.", ["policy", "reason"],
                                           registry=self.registry)
+        self.key_requests = Counter(PREFIX + "gateway_key_requests", "Generation and embedding "
+                                    "requests admitted, by API key id.", ["key_id"],
+                                    registry=self.registry)
+        self.key_prompt_tokens = Counter(PREFIX + "gateway_key_prompt_tokens", "Prompt tokens "
+                                         "used, by API key id.", ["key_id"], registry=self.registry)
+        self.key_completion_tokens = Counter(PREFIX + "gateway_key_completion_tokens",
+                                             "Completion tokens generated, by API key id.",
+                                             ["key_id"], registry=self.registry)
+        self.key_rejections = Counter(PREFIX + "gateway_key_rejections", "Requests refused with "
+                                      "429 by a per-key limit, by API key id and limit.",
+                                      ["key_id", "limit"], registry=self.registry)
 
 
 class GatewayMetricsMiddleware:

@@ -30,13 +30,13 @@ from llmplatform.utils.logs import REQUEST_ID
 logger = logging.getLogger("llmplatform.worker")
 
 WORKER_PARAM_EXTENSIONS = ("messages", "openai_max_tokens", "logit_bias", "structured_output",
-                           "stream_deltas")
+                           "stream_deltas", "cache_salt")
 """The params-dict additions this worker understands beyond FastChat's (``/model_details``).
 ``stream_deltas`` (delta frames, :mod:`.framing`) needs no announcing: each frame says what it
 is, so a gateway may ask any worker; it is listed for operators and tests.
 A gateway sends a field that changes what must be generated (``logit_bias``,
-``structured_output``, ``tools``) only to a worker that lists it: a stock worker would drop it
-silently. ``tools`` is listed only by a worker whose model serves tool calls."""
+``structured_output``, ``tools``), or that keeps tenants' prefix caches apart (``cache_salt``),
+only to a worker that lists it: a stock worker would drop it silently. ``tools`` is listed only by a worker whose model serves tool calls."""
 
 
 def model_details_of(llm: LLMBackend) -> dict[str, Any]:
@@ -169,5 +169,5 @@ async def accept(llm: LLMBackend, params: WorkerParams, *, running_ids: set[str]
         raise
     request = GenerateRequest(request_id=request_id, params=sampling, prompt=prompt,
                               prompt_token_ids=tuple(prompt_ids) if prompt_ids is not None else None,
-                              grammar=grammar)
+                              grammar=grammar, cache_salt=params.cache_salt)
     return Accepted(request, params, observer, checked=prompt_ids is not None)

@@ -11,13 +11,17 @@ from collections.abc import Sequence
 from functools import cached_property
 
 from llmplatform.openai_api.app import create_app
-from llmplatform.openai_api.settings import GatewaySettings, RequestLimits, RoutingMode
+from llmplatform.openai_api.settings import (DEFAULT_MAX_CONCURRENT_REQUESTS_PER_KEY, GatewaySettings,
+                                             PrefixCacheIsolation, RequestLimits, RoutingMode,
+                                             TenantLimits)
 from llmplatform.utils.logs import configure_logging, log_summary
 from llmplatform.utils.service_settings import ServerSettings
 from llmplatform.utils.settings import CommaList, OptionalText, option
 from llmplatform.utils.startup import gateway_summary, listen_url
 
 _LIMITS = "request limits (a request over one is a 400; the body cap a 413)"
+_TENANTS = ("per-key limits and isolation (per client address without --api-keys; a request "
+            "over a limit is a 429 with Retry-After and x-ratelimit-* headers)")
 
 
 class GatewayServiceSettings(ServerSettings):
@@ -58,10 +62,27 @@ class GatewayServiceSettings(ServerSettings):
     max_request_bytes: int = option(
         RequestLimits.max_request_bytes, "largest request body in bytes; larger is refused with "
         "413 unread (default: %(default)s)", group=_LIMITS)
-    max_streams_per_key: int = option(
-        0, "streamed generations one caller may have open at once; one more gets 429. The caller "
-        "is its API key; without --api-keys, its client address (behind a proxy: the proxy's, "
-        "shared by all). 0: no cap (default: %(default)s)", metavar="N", group=_LIMITS, ge=0)
+    max_concurrent_requests_per_key: int = option(
+        DEFAULT_MAX_CONCURRENT_REQUESTS_PER_KEY, "generation and embedding requests (streamed or "
+        "not) one key may have in flight at once; one more gets 429. Without --api-keys the key "
+        "is the client address (behind a proxy: the proxy's, shared by all). 0: no limit "
+        "(default: %(default)s)", metavar="N", group=_TENANTS, ge=0)
+    max_streams_per_key: int | None = option(
+        None, "the old name of --max-concurrent-requests-per-key, which now counts every request "
+        "(not only streams); when given, it sets that limit", metavar="N", group=_TENANTS, ge=0)
+    max_requests_per_minute_per_key: int = option(
+        0, "requests one key may send per minute (a bucket refilled over the minute); 0: no "
+        "limit (default: %(default)s)", metavar="N", group=_TENANTS, ge=0)
+    max_tokens_per_minute_per_key: int = option(
+        0, "prompt plus completion tokens one key may use per minute (a request is admitted while "
+        "its key's bucket holds tokens and charged its usage when it ends); 0: no limit "
+        "(default: %(default)s)", metavar="N", group=_TENANTS, ge=0)
+    prefix_cache_isolation: PrefixCacheIsolation = option(
+        PrefixCacheIsolation.AUTO, "whose cached prompt prefixes a request may reuse on a worker: "
+        "'per-key' salts every request with its key's id (another key's prefix is never a cache "
+        "hit, nor a routing hint); 'shared' lets every request reuse any prefix (only a client's "
+        "own cache_salt separates); 'auto' is per-key with --api-keys and shared without "
+        "(default: %(default)s)", group=_TENANTS)
     worker_timeout: float = option(
         GatewaySettings.worker_timeout,
         "Seconds a worker may stay silent before the request fails with 504.")
@@ -90,9 +111,15 @@ class GatewayServiceSettings(ServerSettings):
     @cached_property
     def gateway_settings(self) -> GatewaySettings:
         """The app's section of these settings (checked when the settings are made)."""
+        concurrent = (self.max_streams_per_key if self.max_streams_per_key is not None
+                      else self.max_concurrent_requests_per_key)
+        tenant_limits = TenantLimits(
+            max_concurrent_requests=concurrent or None,
+            max_requests_per_minute=self.max_requests_per_minute_per_key or None,
+            max_tokens_per_minute=self.max_tokens_per_minute_per_key or None)
         return self.section(GatewaySettings, limits=self.section(RequestLimits),
                             allowed_hosts=self.allowed_host_names(),  # a name, another meaning
-                            max_streams_per_key=self.max_streams_per_key or None)
+                            tenant_limits=tenant_limits)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -25,7 +25,8 @@ from llmplatform.openai_api.auth import ApiKeyMiddleware
 from llmplatform.openai_api.errors import error_payload, install_exception_handlers
 from llmplatform.openai_api.limits import RequestBodyMiddleware
 from llmplatform.controller.dispatch import RandomSource
-from llmplatform.openai_api.router import GENERATION_ROUTES, build_router
+from llmplatform.openai_api.router import build_router
+from llmplatform.openai_api.tenants import TenantMiddleware, Tenants
 from llmplatform.openai_api.worker_routing import RoutingTable, TableRefresher, max_table_age
 from llmplatform.openai_api.settings import GatewaySettings, RoutingMode
 from llmplatform.openai_api.worker_client import WorkerClient
@@ -83,12 +84,14 @@ def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | N
     app.state.settings = settings
     app.state.created = int(time.time())
     install_exception_handlers(app)
+    app.state.metrics = GatewayMetrics()
+    app.state.tenants = Tenants(settings, app.state.metrics)
     # Added innermost first: CORS (preflights answered before any key check), then the API key
-    # check, then the body guard, so an unauthenticated body is never read (nor a stream counted
-    # against a key that is not one).
-    app.add_middleware(RequestBodyMiddleware, max_bytes=settings.limits.max_request_bytes,
-                       max_streams_per_key=settings.max_streams_per_key, stream_paths=GENERATION_ROUTES,
-                       keyed=bool(settings.api_keys))
+    # check, then the per-key limits, then the body guard, so an unauthenticated body is never
+    # read (nor a request counted against a key that is not one), nor the body of a request a
+    # limit refuses.
+    app.add_middleware(RequestBodyMiddleware, max_bytes=settings.limits.max_request_bytes)
+    app.add_middleware(TenantMiddleware, tenants=app.state.tenants)
     if settings.api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=settings.api_keys + settings.admin_api_keys)
     if settings.allowed_origins:
@@ -107,7 +110,6 @@ def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | N
             max_body_bytes=None, render=lambda exc: json.dumps(error_payload(exc)).encode()))
     # Outermost: every answer (a refusal by the middlewares above included) is counted, and
     # carries its request id in the header and in every log line about it.
-    app.state.metrics = GatewayMetrics()
     app.add_middleware(GatewayMetricsMiddleware, metrics=app.state.metrics)
     app.add_middleware(RequestIdMiddleware, generate=True)
     add_metrics_route(app, app.state.metrics.registry)

@@ -18,7 +18,7 @@ from llmplatform.openai_api.deltas import (
 )
 from llmplatform.openai_api.constraints import WorkerConstraint, request_constraints
 from llmplatform.openai_api.errors import parse_request
-from llmplatform.openai_api.generation import answer, route_request, worker_client
+from llmplatform.openai_api.generation import answer, route_request, tenants, worker_client
 from llmplatform.openai_api.worker_routing import chat_routing_text
 from llmplatform.openai_api.sse import sse_event
 from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_choices
@@ -59,11 +59,13 @@ async def create_chat_completion(request: Request) -> Response:
     check_limits(body, request.app.state.settings.limits)
     client = worker_client(request)
     trace_id = worker_request_id_prefix(request)
+    salt = tenants(request).cache_salt(request, body.cache_salt)
 
     async def start_on(address: str) -> tuple[_Prepared, ChoiceStreams]:
         await check_generates(client, address, body.model)
         details = await client.model_details(address, body.model)
         check_worker_extensions(body, details.extensions)
+        cache_salt = tenants(request).for_worker(salt, details.extensions, body.model, address)
         constraint = constraints.for_worker(body.model, details.extensions, details.tool_call_parser)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         prepared = await client.prepare_chat(address, body.model, messages, requested=requested)
@@ -72,7 +74,7 @@ async def create_chat_completion(request: Request) -> Response:
             params_dict(
                 worker_params(
                     body, prepared, max_new_tokens=max_new_tokens, request_id=f"{trace_id}-{i}", choice_index=i,
-                    constraint=constraint,
+                    constraint=constraint, cache_salt=cache_salt,
                 )
             )
             for i in range(body.n or 1)
@@ -82,7 +84,7 @@ async def create_chat_completion(request: Request) -> Response:
 
     response_id = new_id("chatcmpl")
     # body.tools is the client's JSON as sent (checked later, in start_on): routing only hashes it.
-    route = route_request(request, chat_routing_text(messages, body.tools), body.user)
+    route = route_request(request, chat_routing_text(messages, body.tools), body.user, salt.value)
     return await answer(request, body.model, start_on,
                         lambda prepared: _ChatStream(body, response_id, prepared=prepared),
                         stream=bool(body.stream), route=route)
@@ -142,8 +144,11 @@ class _ChatStream:
             created=self.created,
             model=self.body.model,
             choices=choices,
-            usage=sum_usage(final_chunks, [self.prompt_tokens], len(final_chunks)),
+            usage=self.usage(final_chunks),
         )
+
+    def usage(self, last_chunks: list[WorkerChunk | None]) -> Usage:
+        return sum_usage(last_chunks, [self.prompt_tokens], len(last_chunks))
 
     def _event(self, choice: ChatCompletionStreamChoice | None, usage: Usage | None = None) -> bytes:
         chunk = ChatCompletionChunk(
@@ -190,7 +195,7 @@ class _ChatStream:
                     ChatCompletionStreamChoice(index=index, delta=ChatDelta(), finish_reason=reason)
                 )
         if self.include_usage:
-            yield self._event(None, usage=sum_usage(final_chunks, [self.prompt_tokens], n))
+            yield self._event(None, usage=self.usage(final_chunks))
 
     def _parsed_events(self, index: int, parser: ToolParser, text: str, logprobs: Any,
                        final: bool) -> list[bytes]:

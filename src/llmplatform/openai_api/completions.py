@@ -18,7 +18,7 @@ from llmplatform.openai_api.deltas import (
 )
 from llmplatform.openai_api.constraints import request_constraints
 from llmplatform.openai_api.errors import parse_request
-from llmplatform.openai_api.generation import answer, route_request, worker_client
+from llmplatform.openai_api.generation import answer, route_request, tenants, worker_client
 from llmplatform.openai_api.sse import sse_event
 from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_choices
 from llmplatform.openai_api.translate import (
@@ -53,11 +53,13 @@ async def create_completion(request: Request) -> Response:
     client = worker_client(request)
     trace_id = worker_request_id_prefix(request)
     n = body.n or 1
+    salt = tenants(request).cache_salt(request, body.cache_salt)
 
     async def start_on(address: str) -> tuple[list[PreparedPrompt], ChoiceStreams]:
         await check_generates(client, address, body.model)
         announced = (await client.model_details(address, body.model)).extensions
         check_worker_extensions(body, announced)
+        cache_salt = tenants(request).for_worker(salt, announced, body.model, address)
         constraint = constraints.for_worker(body.model, announced, None)
 
         def prepare(prompt: str) -> Awaitable[PreparedPrompt]:
@@ -74,14 +76,14 @@ async def create_completion(request: Request) -> Response:
                 # Choices are numbered prompt by prompt, as OpenAI does: index = p * n + i.
                 choice_params = worker_params(
                     body, prompt, max_new_tokens=max_new_tokens, request_id=f"{trace_id}-{p * n + i}", choice_index=i,
-                    constraint=constraint,
+                    constraint=constraint, cache_salt=cache_salt,
                 )
                 params.append(params_dict(choice_params))
         streams = await start_choices(client, address, params, prompt_param="prompt", early=bool(body.stream))
         return list(prepared), streams
 
     response_id = new_id("cmpl")
-    route = route_request(request, prompts[0], body.user)  # a batch is routed by its first prompt
+    route = route_request(request, prompts[0], body.user, salt.value)  # a batch: by its first prompt
     return await answer(request, body.model, start_on,
                         lambda prepared: _CompletionStream(body, response_id, n=n, prepared=prepared),
                         stream=bool(body.stream), route=route)
@@ -120,8 +122,11 @@ class _CompletionStream:
             created=self.created,
             model=self.body.model,
             choices=choices,
-            usage=sum_usage(final_chunks, self.prompt_tokens, self.n),
+            usage=self.usage(final_chunks),
         )
+
+    def usage(self, last_chunks: list[WorkerChunk | None]) -> Usage:
+        return sum_usage(last_chunks, self.prompt_tokens, self.n)
 
     def _event(self, choices: list[CompletionChoice], usage: Usage | None = None) -> bytes:
         chunk = CompletionChunk(
@@ -152,4 +157,4 @@ class _CompletionStream:
                     ]
                 )
         if self.include_usage:
-            yield self._event([], usage=sum_usage(final_chunks, self.prompt_tokens, self.n))
+            yield self._event([], usage=self.usage(final_chunks))

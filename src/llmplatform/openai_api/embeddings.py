@@ -30,6 +30,7 @@ from llmplatform.errors import InvalidRequestError
 from llmplatform.metrics.gateway import note_model
 from llmplatform.openai_api.errors import UpstreamError, error_from_http, parse_request
 from llmplatform.openai_api.failover import with_failover
+from llmplatform.openai_api.tenants import ticket_of
 from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.protocol.openai import EmbeddingRequest
 from llmplatform.protocol.worker import MAX_EMBEDDING_INPUTS
@@ -85,6 +86,9 @@ async def create_embeddings(request: Request) -> Response:
         return await _stock_worker(client, address, body, inputs)
 
     vectors, num_tokens = await with_failover(client, body.model, attempt, address=address)
+    ticket = ticket_of(request)
+    if ticket is not None:  # the tenant's tokens per minute and counters
+        ticket.charge(num_tokens, 0)
     data = [{"object": "embedding", "index": index,
              "embedding": _encoded(vector, body.encoding_format)}
             for index, vector in enumerate(vectors)]

@@ -25,8 +25,10 @@ from llmplatform.metrics.gateway import note_model
 from llmplatform.openai_api.errors import error_payload
 from llmplatform.openai_api.sse import DONE, EventStreamResponse, sse_event
 from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, until_disconnected
+from llmplatform.openai_api.tenants import Tenants, Ticket, ticket_of
 from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.openai_api.worker_routing import RouteRequest, session_key
+from llmplatform.protocol.openai import Usage
 from llmplatform.protocol.worker import WorkerChunk
 
 logger = logging.getLogger("llmplatform.openai_api")
@@ -51,15 +53,25 @@ class Reply(Protocol[P_contra]):
         """The answer's SSE events as the chunks arrive; failures propagate (see `_event_stream`)."""
         ...
 
+    def usage(self, last_chunks: list[WorkerChunk | None]) -> Usage:
+        """The tokens used, from each choice's latest chunk (None: it sent none)."""
+        ...
+
 
 def worker_client(request: Request) -> WorkerClient:
     return request.app.state.worker_client
 
 
-def route_request(request: Request, routing_text: str, user: str | None) -> RouteRequest:
-    """What a generation request offers routing: its prompt's routing text, its session key."""
+def tenants(request: Request) -> Tenants:
+    return request.app.state.tenants
+
+
+def route_request(request: Request, routing_text: str, user: str | None,
+                  cache_salt: str | None = None) -> RouteRequest:
+    """What a generation request offers routing: its prompt's routing text, its session key and
+    the cache salt it is sent with (routing matches it among the salt's own prefixes)."""
     header = request.app.state.settings.session_header
-    return RouteRequest(routing_text, session_key(request.headers, header, user))
+    return RouteRequest(routing_text, session_key(request.headers, header, user), cache_salt)
 
 
 async def answer(request: Request, model: str, start_on: StartOn[P],
@@ -74,17 +86,28 @@ async def answer(request: Request, model: str, start_on: StartOn[P],
     streams = RequestStreams(client, model, start_on)
     await streams.start(address)
     replying = reply(lambda: streams.prepared)
+    ticket = ticket_of(request)
     if stream:
-        return EventStreamResponse(_event_stream(replying, streams), on_close=streams.aclose,
+        return EventStreamResponse(_event_stream(replying, streams, ticket), on_close=streams.aclose,
                                    headers_first=streams.accepted_early)
     try:
         final_chunks = await until_disconnected(request, streams.final_chunks())
     finally:
         await streams.aclose()
+        _charge(ticket, replying, streams)
     return JSONResponse(replying.response(final_chunks).model_dump())
 
 
-async def _event_stream(reply: Reply[P], streams: RequestStreams[P]) -> AsyncIterator[bytes]:
+def _charge(ticket: Ticket | None, reply: Reply[P], streams: RequestStreams[P]) -> None:
+    """Report the tokens used to the tenant's limits and counters (whatever ended the answer:
+    what the workers computed before a disconnect was used too)."""
+    if ticket is not None:
+        usage = reply.usage(streams.last_chunks)
+        ticket.charge(usage.prompt_tokens, usage.completion_tokens)
+
+
+async def _event_stream(reply: Reply[P], streams: RequestStreams[P],
+                        ticket: Ticket | None = None) -> AsyncIterator[bytes]:
     """`reply`'s events, then ``[DONE]``. The status line has gone out with the first event, so
     a failure after it is reported in-band, as an error event in OpenAI's envelope."""
     try:
@@ -98,4 +121,5 @@ async def _event_stream(reply: Reply[P], streams: RequestStreams[P]) -> AsyncIte
         yield sse_event(error_payload(LLMPlatformError("The server had an error while streaming.")))
     finally:
         streams.cancel()
+        _charge(ticket, reply, streams)
     yield DONE

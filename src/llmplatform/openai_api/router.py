@@ -57,7 +57,7 @@ async def health(request: Request) -> JSONResponse:
 
 
 GENERATION_ROUTES = {"/v1/chat/completions": create_chat_completion, "/v1/completions": create_completion}
-"""The POST routes that may stream (the body guard counts their streams per key)."""
+"""The POST routes that generate (and may stream)."""
 
 
 def build_router() -> APIRouter:

@@ -45,6 +45,53 @@ class RequestLimits:
             )
 
 
+DEFAULT_MAX_CONCURRENT_REQUESTS_PER_KEY = 64
+"""One key's requests in flight at most: a default worker's whole batch (``max_num_seqs``), so
+one key alone can still fill a worker, but not hold every slot of a cluster (or of the gateway)."""
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """What one key (or, on a gateway without keys, one client address) may take; a request
+    past a limit is a 429 with ``Retry-After`` and OpenAI's ``x-ratelimit-*`` headers
+    (openai_api.tenants). None: no such limit."""
+
+    max_concurrent_requests: int | None = DEFAULT_MAX_CONCURRENT_REQUESTS_PER_KEY
+    """Generation and embedding requests in flight at once, streamed or not."""
+    max_requests_per_minute: int | None = None
+    """Requests per minute: a bucket of this many, refilled continuously over a minute."""
+    max_tokens_per_minute: int | None = None
+    """Prompt plus completion tokens per minute: a request is admitted while the key's bucket
+    holds tokens, and charged its usage when it ends (so one large request can leave the
+    bucket below zero; the key then waits until it refills)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_concurrent_requests", "max_requests_per_minute", "max_tokens_per_minute"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+
+    @property
+    def any(self) -> bool:
+        return any(v is not None for v in (self.max_concurrent_requests,
+                                           self.max_requests_per_minute, self.max_tokens_per_minute))
+
+
+class PrefixCacheIsolation(str, enum.Enum):
+    """Whose cached prompt prefixes a request may reuse on a worker (openai_api.tenants)."""
+
+    AUTO = "auto"
+    """per-key when API keys are configured (tenants exist), shared otherwise; a worker that does
+    not announce ``cache_salt`` (a stock FastChat worker) is then served unsalted, with a
+    warning, rather than refused."""
+    SHARED = "shared"
+    """Every request may reuse any cached prefix (only a client's own ``cache_salt`` separates)."""
+    PER_KEY = "per-key"
+    """The gateway salts every request with its key's id (combined with the client's
+    ``cache_salt``): one key's cached prefixes are never a hit for another. A worker that does not
+    announce ``cache_salt`` is refused the request (400 naming it)."""
+
+
 class RoutingMode(str, enum.Enum):
     """Where the gateway learns which worker serves a request."""
 
@@ -104,9 +151,9 @@ class GatewaySettings:
     """Ask workers for delta stream frames (`stream_deltas`: each chunk only the new text and
     logprobs; a stock worker ignores it and sends cumulative ones). Off: FastChat's cumulative
     frames from every worker, whose cost per token grows with the stream (for comparison)."""
-    max_streams_per_key: int | None = None
-    """Streamed generations one caller may have open at once (429 beyond); the caller is its API
-    key, or its address on a gateway without keys (see `limits`). None: no cap."""
+    tenant_limits: TenantLimits = TenantLimits()
+    """Per-key limits (per client address on a gateway without keys)."""
+    prefix_cache_isolation: PrefixCacheIsolation = PrefixCacheIsolation.AUTO
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "routing", RoutingMode(self.routing))
@@ -132,11 +179,16 @@ class GatewaySettings:
             raise ValueError(f"max_worker_attempts must be an integer >= 1, got {self.max_worker_attempts!r}")
         if self.allowed_hosts is not None:
             object.__setattr__(self, "allowed_hosts", frozenset(self.allowed_hosts))
-        streams = self.max_streams_per_key
-        if streams is not None and (isinstance(streams, bool) or not isinstance(streams, int) or streams < 1):
-            raise ValueError(f"max_streams_per_key must be an integer >= 1 or None, got {streams!r}")
+        object.__setattr__(self, "prefix_cache_isolation", PrefixCacheIsolation(self.prefix_cache_isolation))
         for name in ("worker_timeout", "controller_timeout", "connect_timeout", "abort_timeout",
                      "worker_refresh_interval"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value}")
+
+    @property
+    def isolates_prefix_caches(self) -> bool:
+        """Whether the gateway salts requests by key (`prefix_cache_isolation`, auto resolved)."""
+        if self.prefix_cache_isolation is PrefixCacheIsolation.AUTO:
+            return bool(self.api_keys)
+        return self.prefix_cache_isolation is PrefixCacheIsolation.PER_KEY

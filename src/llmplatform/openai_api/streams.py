@@ -244,10 +244,17 @@ class RequestStreams(Generic[P]):
         self._yielded = False
         self.prepared: P
         self._streams: ChoiceStreams
+        self._last: list[WorkerChunk | None] = []
 
     async def start(self, address: str) -> None:
         self.prepared, self._streams = await with_failover(self._client, self._model, self._start_on,
                                                            address=address)
+        self._last = [None] * self._streams.num_choices
+
+    @property
+    def last_chunks(self) -> list[WorkerChunk | None]:
+        """Each choice's latest chunk so far (None: none yet): their usage is what was used."""
+        return list(self._last)
 
     @property
     def num_choices(self) -> int:
@@ -263,6 +270,7 @@ class RequestStreams(Generic[P]):
             try:
                 async for item in streams.events():
                     self._yielded = True
+                    self._last[item[0]] = item[1]
                     yield item
                 return
             except LLMPlatformError as exc:
@@ -276,6 +284,7 @@ class RequestStreams(Generic[P]):
                 await streams.aclose()
                 self.prepared, self._streams = await with_failover(
                     self._client, self._model, self._start_on, tried=self._tried, last=exc)
+                self._last = [None] * self._streams.num_choices
 
     async def final_chunks(self) -> list[WorkerChunk]:
         """Run every stream to its end; each choice's whole result as one cumulative chunk."""

@@ -287,6 +287,7 @@ def worker_params(
     request_id: str,
     choice_index: int,
     constraint: WorkerConstraint | None = None,
+    cache_salt: str | None = None,
 ) -> WorkerParams:
     """The worker params of one choice of a chat or a text completion request."""
     top_k = request.top_k if request.top_k not in (None, 0) else -1
@@ -315,6 +316,7 @@ def worker_params(
         request_id=request_id,
         structured_output=constraint.structured_output if constraint is not None else None,
         tools=constraint.tools if constraint is not None else None,
+        cache_salt=cache_salt,
         **_returned_extras(request),
     )
 

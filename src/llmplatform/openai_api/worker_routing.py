@@ -334,15 +334,17 @@ def completion_routing_text(prompt: str | Sequence[int]) -> str:
 
 @dataclass(frozen=True)
 class RouteRequest:
-    """What a request offers routing: its routing text and session key. The hint (hashing the
-    text) is computed only when a policy asks for it."""
+    """What a request offers routing: its routing text, session key and the cache salt it is
+    sent with (its prefix trees and sessions are the salt's own, as its KV blocks are). The
+    hint (hashing the text) is computed only when a policy asks for it."""
 
     text: str
     session_key: str | None = None
+    cache_salt: str | None = None
 
     @functools.cached_property
     def hint(self) -> RouteHint:
-        return RouteHint.of(self.text, self.session_key)
+        return RouteHint.of(self.text, self.session_key, self.cache_salt)
 
 
 def session_key(headers: Mapping[str, str], header_name: str | None, user: str | None) -> str | None:

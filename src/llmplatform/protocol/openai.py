@@ -97,6 +97,10 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = Field(default=None, ge=0)
+    cache_salt: str | None = Field(
+        default=None, min_length=1, max_length=256, description="vLLM's field: only requests with "
+        "the same salt share cached prompt prefixes on a worker (the gateway may add its key's "
+        "id, --prefix-cache-isolation); refused for a worker that cannot honour it.")
     # vLLM's token lists, parsed only to be refused (translate.check_unsupported): dropping them
     # silently would generate tokens the client banned or did not allow.
     allowed_token_ids: Any = None

@@ -27,6 +27,10 @@ gateway's own ids (a client's ``X-Request-Id`` of up to 128 characters, an infix
 index) stay well under it."""
 _REQUEST_ID = re.compile(rf"[A-Za-z0-9._:\-]{{1,{MAX_REQUEST_ID_LENGTH}}}")
 
+MAX_CACHE_SALT_LENGTH = 512
+"""Longest ``cache_salt`` a worker takes (characters). The gateway's own (its key id and the
+client's salt of up to 256 characters) stays under it."""
+
 ACCEPTED_HEADER = "x-llmplatform-accepted"
 """Our addition, on a ``/worker_generate_stream`` answer: the worker checked the whole request
 (model, prompt, context room, sampling) before answering, so the stream's first chunk is output,
@@ -105,6 +109,11 @@ class WorkerParams(BaseModel):
     """Who the request is for (the gateway's id of the caller's API key, never the key): a
     worker shares what one tenant could monopolise (the grammar compile slots) fairly among
     tenants. Informational for a stock worker."""
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_LENGTH)
+    """vLLM's field: only requests with the same salt share prefix-cache blocks (the salt seeds
+    the first block's hash, engine.prefix_cache), so one tenant's cached prefix is never a hit,
+    and a timing oracle, for another. Sent only to a worker that lists it: a stock worker would
+    drop it and share its cache anyway."""
     stream_deltas: StrictBool = False
     """Stream delta frames: each chunk of ``/worker_generate_stream`` carries only the text and
     logprob entries that are new since the previous one (``WorkerChunk.delta`` set), so a long
