@@ -45,6 +45,7 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 """Passed on to every service as its --shutdown-timeout (in-flight requests' grace period)."""
 API_KEYS_ENV = "LLMPLATFORM_API_KEYS"
 WEBUI_KEY_ENV = "LLMPLATFORM_API_KEY"
+ADMIN_KEYS_ENV = "LLMPLATFORM_ADMIN_API_KEYS"
 
 
 class ServeSettings(LoggingSettings):
@@ -283,7 +284,19 @@ def services_for(spec: ClusterSpec) -> list[ServiceSpec]:
     if webui is not None and key is not None and WEBUI_KEY_ENV not in webui.env \
             and not os.environ.get(WEBUI_KEY_ENV, "").strip():
         webui.env[WEBUI_KEY_ENV] = key  # the web UI's --api-key: one of the gateway's keys
+    if webui is not None:
+        _share_admin_keys(api, webui)
     return services
+
+
+def _share_admin_keys(api: ServiceSpec, webui: ServiceSpec) -> None:
+    """The web UI's Cluster tab opens with the keys the gateway's /v1/admin takes: its admin keys,
+    else its API keys. A key set in serve's environment reaches both services already."""
+    if ADMIN_KEYS_ENV in webui.env or os.environ.get(ADMIN_KEYS_ENV, "").strip():
+        return
+    keys = api.env.get(ADMIN_KEYS_ENV) or api.env.get(API_KEYS_ENV)
+    if keys and keys.strip():
+        webui.env[ADMIN_KEYS_ENV] = keys
 
 
 def _gateway_key(api: ServiceSpec) -> str | None:

@@ -1,7 +1,13 @@
 """The Cluster tab: a read-only view of the workers the controller knows.
 
-Reads `GET /list_workers` (ours). A stock FastChat controller has no such route; then the view
+Reads `GET /list_workers` (ours): the live workers, and those `llmplatform serve` left down
+after a crash loop, with the reason and when it retries them. A stock FastChat controller has no such route; then the view
 falls back to `POST /list_models` and shows the models without per-worker facts.
+
+The table names every worker's address and load, which is the gateway's business: with admin
+keys configured (`WebUISettings.admin_keys`, the gateway's `--admin-api-keys`, else its
+`--api-keys`), `snapshot` serves it only to a caller presenting one of them, the rule of the
+gateway's /v1/admin routes. Without any key configured the tab is open, as /v1/admin is then.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from llmplatform.protocol.controller import (
     ListWorkersResponse,
     WorkerDescription,
 )
-from llmplatform.utils.cluster_secret import secret_headers
+from llmplatform.utils.cluster_secret import digest, secret_headers, secret_matches
 from llmplatform.webui.settings import WebUISettings
 
 logger = logging.getLogger("llmplatform.webui")
@@ -25,6 +31,9 @@ COLUMNS = [
     "worker", "models", "backend", "queue length", "running", "waiting", "KV-cache usage",
     "prefix-cache hits", "last heartbeat",
 ]
+
+
+NEEDS_KEY = "Enter the admin key to see the cluster."
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,7 @@ class ClusterView:
 
     def __init__(self, settings: WebUISettings) -> None:
         self.controller_address = settings.controller_address
+        self._admin_digests = tuple(digest(key) for key in settings.admin_keys)
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.controller_timeout),
             headers=secret_headers(settings.cluster_secret),
@@ -76,7 +86,24 @@ class ClusterView:
     async def close(self) -> None:
         await self._client.aclose()
 
-    async def snapshot(self) -> ClusterSnapshot:
+    @property
+    def needs_key(self) -> bool:
+        return bool(self._admin_digests)
+
+    def admits(self, presented_key: str | None) -> bool:
+        """Whether `presented_key` opens the view: one of the admin keys (compared in constant
+        time with each of them), or anything when none is configured."""
+        if not self._admin_digests:
+            return True
+        key = (presented_key or "").strip() or None
+        matched = False
+        for expected in self._admin_digests:
+            matched |= secret_matches(key, expected)
+        return matched
+
+    async def snapshot(self, presented_key: str | None = None) -> ClusterSnapshot:
+        if not self.admits(presented_key):
+            return ClusterSnapshot([], NEEDS_KEY)
         if self.controller_address is None:
             return ClusterSnapshot([], "No controller address configured (`--controller-address`).")
         base = self.controller_address
