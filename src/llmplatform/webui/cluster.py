@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import httpx
 
 from llmplatform.protocol.controller import (
+    DownWorker,
     ListModelsResponse,
     ListWorkersResponse,
     WorkerDescription,
@@ -29,7 +30,7 @@ logger = logging.getLogger("llmplatform.webui")
 
 COLUMNS = [
     "worker", "models", "backend", "queue length", "running", "waiting", "KV-cache usage",
-    "prefix-cache hits", "last heartbeat",
+    "prefix-cache hits", "last heartbeat", "state",
 ]
 
 
@@ -69,7 +70,17 @@ def worker_row(worker: WorkerDescription) -> list[str]:
         usage,
         prefix_cache_hits(worker),
         f"{worker.last_heartbeat_age_s:.1f} s ago",
+        "up",
     ]
+
+
+def down_row(worker: DownWorker) -> list[str]:
+    """A worker its supervisor left down after a crash loop: why, and when it is retried."""
+    retry = ("retrying now" if worker.retry_in_s == 0 else "no retry planned"
+             if worker.retry_in_s is None else f"retry in {worker.retry_in_s:.0f} s")
+    name = f"{worker.worker_name} ({worker.service})" if worker.service else worker.worker_name
+    return ([name, ", ".join(worker.model_names) or "-"] + ["-"] * (len(COLUMNS) - 3)
+            + [f"DOWN for {worker.down_for_s:.0f} s: {worker.reason}; {retry}"])
 
 
 class ClusterView:
@@ -112,16 +123,20 @@ class ClusterView:
             if response.status_code in (404, 405):  # a stock FastChat controller
                 return await self._models_only()
             response.raise_for_status()
-            workers = ListWorkersResponse.model_validate(response.json()).workers
+            listing = ListWorkersResponse.model_validate(response.json())
         except (httpx.HTTPError, ValueError) as exc:
             logger.warning("cluster view: %s: %s", type(exc).__name__, exc)
             return ClusterSnapshot([], f"Cannot read the controller at {base}: {_reason(exc)}")
+        workers, down = listing.workers, listing.down_workers
         models = sorted({name for w in workers for name in w.model_names})
         summary = (
             f"**{len(workers)}** live worker(s) at controller {base}; "
             f"models: {', '.join(models) if models else 'none'}."
         )
-        return ClusterSnapshot([worker_row(w) for w in workers], summary)
+        if down:
+            summary += f" **{len(down)}** left down after crash loops (see the table)."
+        return ClusterSnapshot([worker_row(w) for w in workers] + [down_row(w) for w in down],
+                               summary)
 
     async def _models_only(self) -> ClusterSnapshot:
         base = self.controller_address
