@@ -43,6 +43,8 @@ logger = logging.getLogger("llmplatform.serve")
 STOP_MARGIN_S = 5.0
 """Beyond a service's shutdown timeout: time for its lifespan shutdown before it is killed."""
 POLL_INTERVAL_S = 0.2
+RESTART_WINDOW_S = RestartPolicy.window_s
+"""The window restarts are counted in (the Ray deployment's too)."""
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
