@@ -395,3 +395,41 @@ def test_shortest_queue_spreads_a_burst_over_http(start_controller: StartControl
         controller.register(worker, ["m"])
     picks = [controller.address("m") for _ in range(6)]
     assert sorted(picks) == sorted(workers * 3)
+
+
+# ---- workers a supervisor left down --------------------------------------------------------------
+
+
+def test_a_worker_reported_down_is_not_routed_to_and_listed_until_back(
+        controller: Controller, stubs: StubWorkers) -> None:
+    worker = stubs.url("down-1", ["crashy"])
+    assert controller.register(worker, ["crashy"]).status_code == 200
+    assert controller.address("crashy") == worker
+    report = {"worker_name": worker + "/", "service": "worker 3", "down": True,
+              "reason": "exited unexpectedly (exit code 1) 6 times within 60 s", "retry_in_s": 60}
+    assert controller.post("/report_worker_state", report).json() == {"changed": True}
+    assert controller.address("crashy") == ""  # dropped at once, not after heartbeat expiry
+    listing = controller.client.get(controller.url + "/list_workers").json()
+    assert listing["workers"] == []
+    [down] = listing["down_workers"]
+    assert down["worker_name"] == worker and down["service"] == "worker 3"
+    assert down["model_names"] == ["crashy"] and down["reason"] == report["reason"]
+    assert 0 <= down["retry_in_s"] <= 60
+    # Registered again (the retry), it leaves the list; a report "back" finds nothing left.
+    assert controller.register(worker, ["crashy"]).status_code == 200
+    assert controller.client.get(controller.url + "/list_workers").json()["down_workers"] == []
+    back = dict(report, down=False, reason=None, retry_in_s=None)
+    assert controller.post("/report_worker_state", back).json() == {"changed": False}
+
+
+@pytest.mark.parametrize("body", [
+    {"worker_name": "http://w:1"},                                    # no "down"
+    {"worker_name": "", "down": True},                                # empty name
+    {"worker_name": "http://w:1", "down": True, "reason": "x" * 501},  # over the cap
+    {"worker_name": "http://w:1", "down": True, "retry_in_s": -1},
+    [1, 2],
+])
+def test_a_malformed_state_report_is_a_400(shared_controller: Controller, body: Any) -> None:
+    response = shared_controller.post("/report_worker_state", body)
+    assert response.status_code == 400, response.text
+    assert "WorkerStateReport" in response.json()["error"]

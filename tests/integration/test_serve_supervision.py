@@ -1,6 +1,7 @@
-"""`llmplatform serve` supervises its services: one killed is restarted and traffic resumes; one
-that keeps dying stops everything with a message that names it; Ctrl-C during a restart's backoff
-still stops everything. Real processes, SIGKILL, the official openai client."""
+"""`llmplatform serve` supervises its services: one killed is restarted and traffic resumes; the
+only worker in a crash loop is left down, and with no worker left nothing can serve, so serve
+stops everything with messages that name it; Ctrl-C during a restart's backoff still stops
+everything. (One crash-looping worker of two: tests/faults/test_crash_loop.py.) Real processes, SIGKILL, the official openai client."""
 
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def test_killed_services_are_restarted_and_traffic_resumes(tiny_model_dir) -> No
             stop_and_check_no_orphans(proc)
 
 
-def test_a_service_that_keeps_dying_stops_everything(tiny_model_dir, tmp_path) -> None:
+def test_the_only_worker_in_a_crash_loop_stops_everything(tiny_model_dir, tmp_path) -> None:
     log_dir = tmp_path / "logs"
     proc, lines, _ = serve_one_worker(tiny_model_dir, "--max-restarts-per-minute", "1",
                                       "--log-dir", str(log_dir))
@@ -118,9 +119,12 @@ def test_a_service_that_keeps_dying_stops_everything(tiny_model_dir, tmp_path) -
             proc.wait(timeout=30)
     output = "\n".join(lines)
     assert code != 0, output
+    down = next(line for line in lines if "left down" in line)
+    assert f"error: worker 0 (pid {second}) exited unexpectedly (killed by SIGKILL)" in down
+    assert "restarts allowed: 1, --max-restarts-per-minute" in down
+    assert f"its log is {log_dir / 'worker-0.log'}" in down
     message = next(line for line in lines if "stopping everything" in line)
-    assert f"error: worker 0 (pid {second}) exited unexpectedly (killed by SIGKILL)" in message
-    assert "at most 1, --max-restarts-per-minute" in message
-    assert f"its log is {log_dir / 'worker-0.log'}" in message
+    assert "every worker is left down, nothing can serve" in message
+    assert lines.index(message) > lines.index(down)
     assert "registered" in (log_dir / "worker-0.log").read_text()  # the worker's own lines
     assert not any("ready again" in line for line in lines[lines.index(message):])

@@ -28,7 +28,8 @@ def gateway():
 def test_which_flags_are_secret() -> None:
     assert secret_settings(gateway()) == {"api_keys", "admin_api_keys", "cluster_secret"}
     models = launcher.service_settings_models()
-    assert secret_settings(models["llmplatform.webui"]) == {"api_key", "cluster_secret"}
+    assert secret_settings(models["llmplatform.webui"]) == {"api_key", "admin_api_keys",
+                                                            "cluster_secret"}
     assert secret_settings(models["llmplatform.controller"]) == {"cluster_secret"}
     assert secret_settings(models["llmplatform.model_worker"]) == {"cluster_secret"}
     assert secret_settings(launcher.ServeSettings) == {"api_keys", "cluster_secret"}
@@ -70,7 +71,9 @@ def test_no_secret_from_any_source_reaches_a_command_line(tmp_path: Path) -> Non
     assert services["api"].env == {"LLMPLATFORM_API_KEYS": "file-key",
                                    "LLMPLATFORM_ADMIN_API_KEYS": "file-admin",
                                    "LLMPLATFORM_CLUSTER_SECRET": "file-secret"}
+    # The Cluster tab opens with the gateway's admin keys.
     assert services["webui"].env == {"LLMPLATFORM_API_KEY": "ui-key",
+                                     "LLMPLATFORM_ADMIN_API_KEYS": "file-admin",
                                      "LLMPLATFORM_CLUSTER_SECRET": "file-secret"}
     assert services["worker 0"].env == {"LLMPLATFORM_CLUSTER_SECRET": "file-secret"}
     # A --worker string's own secret is the user's choice for that worker, but not on argv.
@@ -81,6 +84,14 @@ def test_the_web_ui_gets_a_gateway_key_in_its_environment() -> None:
     spec = launcher.cluster_spec(launcher.ServeSettings.parse(["--api-keys", "k1,k2"]))
     webui = next(s for s in launcher.services_for(spec) if s.name == "webui")
     assert webui.env["LLMPLATFORM_API_KEY"] == "k1" and "k1" not in " ".join(webui.argv)
+    # Without admin keys every API key is one, at the gateway's /v1/admin and the Cluster tab.
+    assert webui.env["LLMPLATFORM_ADMIN_API_KEYS"] == "k1,k2"
+
+
+def test_without_gateway_keys_the_web_ui_gets_no_admin_key() -> None:
+    spec = launcher.cluster_spec(launcher.ServeSettings.parse([]))
+    webui = next(s for s in launcher.services_for(spec) if s.name == "webui")
+    assert "LLMPLATFORM_ADMIN_API_KEYS" not in webui.env
 
 
 def test_a_service_tables_own_cluster_secret_is_refused(tmp_path: Path) -> None:

@@ -27,7 +27,8 @@ def test_list_workers_shows_each_live_workers_facts():
         assert httpx.get(f"{url}/list_workers", timeout=5).json() == {
             "workers": [], "dispatch_method": "cache_aware", "cache_aware": {
                 "balance_threshold": 2, "cold_balance_threshold": 8, "heat_half_life": 4.0,
-                "entry_ttl_s": 600.0, "max_chunks_per_worker": 32768, "max_sessions": 65536}}
+                "entry_ttl_s": 600.0, "max_chunks_per_worker": 32768, "max_sessions": 65536},
+            "down_workers": []}
         ours = {"model_names": ["a", "b"], "speed": 2, "queue_length": 3, "num_running": 2,
                 "num_waiting": 1, "kv_cache_usage": 0.25, "backend": "paged",
                 "max_num_running": 8, "tasks": ["generate"]}

@@ -36,6 +36,7 @@ from llmplatform.controller.admission import (
 from llmplatform.controller.confirmation import Claim, Confirmations
 from llmplatform.controller.cache_aware import RouteHint
 from llmplatform.controller.dispatch import Dispatcher, RandomSource
+from llmplatform.controller.down_workers import DownWorkers, add_down_worker_route
 from llmplatform.controller.config import ControllerConfig
 from llmplatform.controller.registry import WorkerInfo, WorkerRegistry
 from llmplatform.controller.workers import (
@@ -156,6 +157,7 @@ def create_app(
                             cache_aware=config.cache_aware, clock=clock)
     metrics = ControllerMetrics(registry)
     confirmations = Confirmations(registry, config, metrics)
+    down_workers = DownWorkers(clock)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -186,6 +188,7 @@ def create_app(
     app.state.dispatcher = dispatcher
     app.state.metrics = metrics
     app.state.confirmations = confirmations
+    app.state.down_workers = down_workers
     add_metrics_route(app, metrics.registry)
 
     app.add_middleware(RequestGuard, config=config.guard)  # Host, Origin, JSON only, body cap
@@ -270,6 +273,8 @@ def create_app(
         logger.info("worker %s deregistered%s", name, "" if removed else " (was not registered)")
         return DeregisterWorkerResponse(removed=removed)
 
+    add_down_worker_route(app, registry, down_workers, _parse_body, normalize_worker_name)
+
     @app.post("/refresh_all_workers")
     async def refresh_all_workers(request: Request) -> RefreshAllWorkersResponse:
         client = client_of(request)
@@ -317,7 +322,10 @@ def create_app(
             heat_half_life=options.heat_half_life, entry_ttl_s=options.entry_ttl_s,
             max_chunks_per_worker=options.max_chunks_per_worker, max_sessions=options.max_sessions,
         ) if dispatcher.policy.cache_aware is not None else None
-        return ListWorkersResponse(dispatch_method=dispatcher.method.value, cache_aware=cache_aware, workers=[
+        live = registry.live_workers()
+        down = down_workers.listed({w.worker_name for w in live})
+        return ListWorkersResponse(dispatch_method=dispatcher.method.value, cache_aware=cache_aware,
+                                   down_workers=down, workers=[
             WorkerDescription(
                 worker_name=w.worker_name, model_names=list(w.model_names), backend=w.backend,
                 tasks=list(w.tasks) if w.tasks is not None else None,
@@ -328,7 +336,7 @@ def create_app(
                 prefix_cache_queries=w.prefix_cache_queries, prefix_cache_hits=w.prefix_cache_hits,
                 cache_epoch=w.cache_epoch,
             )
-            for w in registry.live_workers()
+            for w in live
         ])
 
     @app.post("/get_worker_address")

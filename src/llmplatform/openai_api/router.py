@@ -48,12 +48,26 @@ async def retrieve_model(model: str, request: Request) -> JSONResponse:
 
 
 async def health(request: Request) -> JSONResponse:
-    """200 while the controller answers; 503 otherwise."""
+    """200 while the controller answers ("degraded" while a supervisor keeps a worker down after
+    a crash loop: what still serves is served); 503 otherwise. A down worker shows by its
+    supervisor's name, models, reason and retry time: not its address (this route is public)."""
+    client = _client(request)
     try:
-        models = await _client(request).list_models()
+        listing = await client.list_workers()
+        if listing is None:  # a stock FastChat controller: no worker list, no down list
+            return JSONResponse({"status": "ok", "models": len(await client.list_models())})
     except LLMPlatformError as exc:
         return JSONResponse({"status": "unavailable", "detail": exc.message}, status_code=503)
-    return JSONResponse({"status": "ok", "models": len(models)})
+    models = {name for worker in listing.workers for name in worker.model_names}
+    body: dict[str, object] = {"status": "degraded" if listing.down_workers else "ok",
+                               "models": len(models)}
+    if listing.down_workers:
+        body["down_workers"] = [
+            {"service": w.service, "models": w.model_names, "reason": w.reason,
+             "down_for_s": round(w.down_for_s, 1),
+             "retry_in_s": None if w.retry_in_s is None else round(w.retry_in_s, 1)}
+            for w in listing.down_workers]
+    return JSONResponse(body)
 
 
 GENERATION_ROUTES = {"/v1/chat/completions": create_chat_completion, "/v1/completions": create_completion}

@@ -177,8 +177,39 @@ class CacheAwareOptions(_Message):
     max_sessions: int = Field(ge=1)
 
 
+MAX_REASON_CHARS = 500
+"""A down worker's reason is one line for a table, whoever sent it."""
+
+
+class WorkerStateReport(_Message):
+    """`POST /report_worker_state` (ours): the supervisor (`llmplatform serve`) left a worker down
+    after a crash loop, or a retry of it is healthy again."""
+
+    worker_name: str = Field(min_length=1, max_length=2048,
+                             description="The address the worker registers with.")
+    service: str | None = Field(default=None, max_length=100,
+                                description="The supervisor's name for it, e.g. 'worker 1'.")
+    down: bool
+    reason: str | None = Field(default=None, max_length=MAX_REASON_CHARS)
+    retry_in_s: float | None = Field(default=None, ge=0.0,
+                                     description="Seconds until the supervisor retries it.")
+
+
+class DownWorker(_Message):
+    """A worker the supervisor left down: not routed to, retried later."""
+
+    worker_name: str
+    service: str | None = None
+    model_names: list[str] = Field(default_factory=list,
+                                   description="What it served when last registered (may be empty).")
+    reason: str
+    down_for_s: float = Field(ge=0.0)
+    retry_in_s: float | None = Field(default=None, ge=0.0,
+                                     description="Seconds until its next retry; 0 while one runs.")
+
+
 class ListWorkersResponse(_Message):
-    """Response of `GET /list_workers`: live workers sorted by name."""
+    """Response of `GET /list_workers`: live workers sorted by name, and those left down."""
 
     workers: list[WorkerDescription]
     # The controller's `--dispatch-method` (a `DispatchMethod` value); None from an older
@@ -186,6 +217,8 @@ class ListWorkersResponse(_Message):
     dispatch_method: str | None = None
     # Set when dispatch_method is cache_aware.
     cache_aware: CacheAwareOptions | None = None
+    # Workers a supervisor reported down after a crash loop (empty from an older controller).
+    down_workers: list[DownWorker] = Field(default_factory=list)
 
 
 class ErrorResponse(_Message):

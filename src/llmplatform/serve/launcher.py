@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmplatform.serve.down_report import DownReporter
 from llmplatform.serve.secret_flags import move_secrets_to_env, redacted
 from llmplatform.serve.supervisor import RestartPolicy, ServiceSpec, Supervisor, run_until_stopped
 from llmplatform.utils.cluster_secret import SECRET_ENV
@@ -45,6 +46,7 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 """Passed on to every service as its --shutdown-timeout (in-flight requests' grace period)."""
 API_KEYS_ENV = "LLMPLATFORM_API_KEYS"
 WEBUI_KEY_ENV = "LLMPLATFORM_API_KEY"
+ADMIN_KEYS_ENV = "LLMPLATFORM_ADMIN_API_KEYS"
 
 
 class ServeSettings(LoggingSettings):
@@ -81,10 +83,27 @@ class ServeSettings(LoggingSettings):
         "stays closed; give one to add workers started elsewhere or to call the controller "
         "yourself)", secret=True)
     max_restarts_per_minute: int = option(
-        5, "a service that exits while serve runs is restarted after a backoff (1 s, doubling up "
-        "to 30 s); one that exits more than N times within a minute stops everything, and serve "
-        "exits non-zero. 0: stop everything at the first exit (default: %(default)s)",
-        metavar="N", ge=0)
+        5, "a service that exits while serve runs is restarted after a backoff (--restart-backoff); "
+        "one that exits more than N times within a minute is in a crash loop: a worker (or the web "
+        "UI) is then left down, its reason shown in the controller's /list_workers, the gateway's "
+        "/health and the Cluster tab, and retried later (--down-retry), while the rest keeps "
+        "serving; the controller or the gateway, without which nothing serves, stops everything, "
+        "as does every worker left down at once (serve then exits non-zero). 0: the first exit is "
+        "a crash loop (default: %(default)s)", metavar="N", ge=0, group="restarts")
+    restart_backoff: float = option(
+        RestartPolicy.initial_backoff_s, "seconds before a service's first restart within a "
+        "minute; doubles with each next one (default: %(default)s)", metavar="SECONDS", gt=0,
+        group="restarts")
+    max_restart_backoff: float = option(
+        RestartPolicy.max_backoff_s, "the restart delay's cap (default: %(default)s)",
+        metavar="SECONDS", gt=0, group="restarts")
+    down_retry: float = option(
+        RestartPolicy.down_retry_s, "seconds before a service left down is retried; a retry that "
+        "exits again within a minute is left down again, its next retry twice as late "
+        "(default: %(default)s)", metavar="SECONDS", gt=0, group="restarts")
+    max_down_retry: float = option(
+        RestartPolicy.max_down_retry_s, "the retry delay's cap (default: %(default)s)",
+        metavar="SECONDS", gt=0, group="restarts")
     log_dir: Path | None = option(None, "write each service's output to LOG_DIR/<service>.log "
                                   "(appended across restarts) instead of serve's own stderr")
     shutdown_timeout: float = option(
@@ -246,10 +265,13 @@ def _command_lines(spec: ClusterSpec) -> list[ServiceSpec]:
         url = f"http://{reach}:{port}"
         if "--worker-address" not in worker_args:
             extra += ["--worker-address", url]
+            address = url
+        else:
+            address = worker_args[worker_args.index("--worker-address") + 1]
         services.append(ServiceSpec(
             f"worker {i}", py + ["llmplatform.model_worker", "--host", host,
                                  "--controller-address", controller_url] + grace + extra + worker_args,
-            f"{url}/health", url))
+            f"{url}/health", url, worker_address=address, degradable=True))
     api_url = f"http://{reach}:{spec.api_port}"
     services.append(ServiceSpec("api", py + ["llmplatform.openai_api", "--host", host,
                                              "--port", str(spec.api_port), "--controller-address",
@@ -261,7 +283,7 @@ def _command_lines(spec: ClusterSpec) -> list[ServiceSpec]:
         services.append(ServiceSpec("webui", py + [
             "llmplatform.webui", "--host", host, "--port", str(spec.webui_port),
             "--api-base", f"{api_url}/v1", "--controller-address", controller_url,
-        ] + spec.log_args + spec.webui_args, f"{webui_url}/health", webui_url))
+        ] + spec.log_args + spec.webui_args, f"{webui_url}/health", webui_url, degradable=True))
     return services
 
 
@@ -283,7 +305,19 @@ def services_for(spec: ClusterSpec) -> list[ServiceSpec]:
     if webui is not None and key is not None and WEBUI_KEY_ENV not in webui.env \
             and not os.environ.get(WEBUI_KEY_ENV, "").strip():
         webui.env[WEBUI_KEY_ENV] = key  # the web UI's --api-key: one of the gateway's keys
+    if webui is not None:
+        _share_admin_keys(api, webui)
     return services
+
+
+def _share_admin_keys(api: ServiceSpec, webui: ServiceSpec) -> None:
+    """The web UI's Cluster tab opens with the keys the gateway's /v1/admin takes: its admin keys,
+    else its API keys. A key set in serve's environment reaches both services already."""
+    if ADMIN_KEYS_ENV in webui.env or os.environ.get(ADMIN_KEYS_ENV, "").strip():
+        return
+    keys = api.env.get(ADMIN_KEYS_ENV) or api.env.get(API_KEYS_ENV)
+    if keys and keys.strip():
+        webui.env[ADMIN_KEYS_ENV] = keys
 
 
 def _gateway_key(api: ServiceSpec) -> str | None:
@@ -329,8 +363,13 @@ def main(argv: list[str] | None = None) -> None:
 
         raise SystemExit(run_on_ray(settings.ray, services, settings,
                                     ["--worker-address" in w for w in spec.workers]))
+    controller = next(s for s in services if s.name == "controller")
     supervisor = Supervisor(
         services, startup_timeout=settings.startup_timeout, shutdown_timeout=spec.shutdown_timeout,
-        policy=RestartPolicy(max_restarts_per_minute=settings.max_restarts_per_minute),
-        log_dir=settings.log_dir)
+        policy=RestartPolicy(max_restarts_per_minute=settings.max_restarts_per_minute,
+                             initial_backoff_s=settings.restart_backoff,
+                             max_backoff_s=settings.max_restart_backoff,
+                             down_retry_s=settings.down_retry,
+                             max_down_retry_s=settings.max_down_retry),
+        log_dir=settings.log_dir, on_state=DownReporter(controller.url, spec.cluster_secret))
     raise SystemExit(run_until_stopped(supervisor, lambda: print_addresses(services)))

@@ -5,12 +5,15 @@ exits or never answers stops the whole start (a service that cannot start at all
 missing model, is not helped by restarting it).
 
 Run: a service that exits afterwards, whatever its status, exited unexpectedly (serve alone stops
-services) and is started again after a backoff that doubles with each restart of that service
-within the last minute (1 s, 2 s, 4 s ... up to ``RestartPolicy.max_backoff_s``). More than
-``max_restarts_per_minute`` exits of one service within a minute means restarting does not help:
-serve says which service, how it exited and where its log is, and stops everything. Nothing else
-needs telling: a restarted worker registers with the controller by itself, and workers register
-again with a restarted controller when its heartbeat answer says it does not know them.
+services); `restarts.RestartHistory` decides what follows: a restart after a backoff; for a
+worker (or the web UI) in a crash loop, being *left down* with its reason, retried later with a
+growing delay, while the rest keeps serving; for the controller or the gateway in a crash loop,
+stopping everything. Everything also stops when every worker is left down at once: nothing can
+serve then. A worker left down is reported to the controller (`on_down`), which lists it with
+its reason (`/list_workers`, and through it the gateway's `/health` and the web UI's Cluster
+tab), and again when a retry is healthy (`on_up`). Nothing else needs telling: a restarted
+worker registers with the controller by itself, and workers register again with a restarted
+controller when its heartbeat answer says it does not know them.
 
 Stop: every service gets SIGTERM at once and its shutdown timeout to drain; whatever still runs
 after that (plus a margin) is killed. Children also get SIGTERM if serve itself is killed (Linux
@@ -19,7 +22,6 @@ parent-death signal), so no orphan keeps a port or a model in memory.
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import re
@@ -34,12 +36,15 @@ from typing import IO, Callable, Protocol
 
 import httpx
 
+from llmplatform.serve.restarts import ExitDecision, RestartHistory, RestartPolicy, Verdict
+
 logger = logging.getLogger("llmplatform.serve")
 
 STOP_MARGIN_S = 5.0
 """Beyond a service's shutdown timeout: time for its lifespan shutdown before it is killed."""
 POLL_INTERVAL_S = 0.2
-RESTART_WINDOW_S = 60.0
+RESTART_WINDOW_S = RestartPolicy.window_s
+"""The window restarts are counted in (the Ray deployment's too)."""
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
@@ -53,18 +58,16 @@ class ServiceSpec:
     """Variables set for this service on top of serve's own environment (its secrets)."""
     shown_argv: list[str] | None = None
     """What serve prints of the command line (secrets redacted); argv when None."""
+    worker_address: str | None = None
+    """A model worker's: the address it registers with the controller as (None: not a worker)."""
+    degradable: bool = False
+    """In a crash loop it is left down and retried later (workers, the web UI); otherwise serve
+    stops everything (the controller and the gateway: nothing serves without them)."""
 
 
-@dataclass(frozen=True)
-class RestartPolicy:
-    max_restarts_per_minute: int = 5
-    """Restarts of one service within RESTART_WINDOW_S; one more exit stops everything. 0: none."""
-    initial_backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
-
-    def backoff_s(self, restart_number: int) -> float:
-        """Delay before the ``restart_number``-th restart (1-based) within the window."""
-        return min(self.max_backoff_s, self.initial_backoff_s * 2 ** (restart_number - 1))
+StateHook = Callable[[ServiceSpec, str | None, float | None], None]
+"""Told when a service is left down (its spec, the reason, seconds until its retry) and when it
+is healthy again (reason and delay None)."""
 
 
 def exit_description(code: int) -> str:
@@ -91,20 +94,23 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 class _Service:
     """One service's process and restart history."""
 
-    def __init__(self, spec: ServiceSpec) -> None:
+    def __init__(self, spec: ServiceSpec, policy: RestartPolicy) -> None:
         self.spec = spec
         self.proc: subprocess.Popen | None = None
-        self.restart_times: collections.deque[float] = collections.deque()
+        self.history = RestartHistory(policy, degradable=spec.degradable)
         self.restart_at: float | None = None
         self.awaiting_health = False
+        self.down_reason: str | None = None
+        """Set while it is left down (a retry included, until it answers /health again)."""
 
 
 class Supervisor:
     def __init__(self, services: list[ServiceSpec], *, startup_timeout: float,
                  shutdown_timeout: float, policy: RestartPolicy = RestartPolicy(),
                  log_dir: Path | None = None, say: Callable[[str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.services = [_Service(spec) for spec in services]
+                 clock: Callable[[], float] = time.monotonic,
+                 on_state: StateHook | None = None) -> None:
+        self.services = [_Service(spec, policy) for spec in services]
         self.startup_timeout = startup_timeout
         self.shutdown_timeout = shutdown_timeout
         self.policy = policy
@@ -112,6 +118,7 @@ class Supervisor:
         self._say = say or (lambda line: print(f"llmplatform serve: {line}", file=sys.stderr,
                                                 flush=True))
         self._clock = clock
+        self._on_state = on_state or (lambda spec, reason, retry_in_s: None)
         self._logs: list[IO[bytes]] = []
 
     # ---- start ----------------------------------------------------------------------------------
@@ -153,6 +160,7 @@ class Supervisor:
                 preexec_fn=_die_with_parent if os.name == "posix" else None)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        service.history.started(self._clock())
 
     def _healthy(self, spec: ServiceSpec, timeout_s: float) -> bool:
         try:
@@ -177,8 +185,8 @@ class Supervisor:
     # ---- run ------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Supervise until a service exits more often than the policy allows; returns serve's
-        exit status (never 0: returning at all means the cluster failed)."""
+        """Supervise until nothing can serve any more (see the module doc); returns serve's exit
+        status (never 0: returning at all means the deployment failed)."""
         while True:
             for service in self.services:
                 code = self._check(service)
@@ -191,30 +199,47 @@ class Supervisor:
         if service.proc is not None and service.proc.poll() is not None:
             code, pid = service.proc.returncode, service.proc.pid
             service.proc, service.awaiting_health = None, False
-            while service.restart_times and now - service.restart_times[0] >= RESTART_WINDOW_S:
-                service.restart_times.popleft()
-            allowed = self.policy.max_restarts_per_minute
-            if len(service.restart_times) >= allowed:
-                self._say(
-                    f"error: {spec.name} (pid {pid}) exited unexpectedly ({exit_description(code)}) "
-                    f"after {len(service.restart_times)} restart(s) within the last "
-                    f"{RESTART_WINDOW_S:.0f} s (at most {allowed}, --max-restarts-per-minute); "
-                    f"stopping everything; {self.log_location(spec)}")
-                return code if 0 < code < 256 else 1
-            attempt = len(service.restart_times) + 1
-            delay = self.policy.backoff_s(attempt)
-            service.restart_times.append(now)
-            service.restart_at = now + delay
-            self._say(f"{spec.name} (pid {pid}) exited unexpectedly ({exit_description(code)}); "
-                      f"restarting it in {delay:g} s (restart {attempt} of at most {allowed} "
-                      f"within {RESTART_WINDOW_S:.0f} s; {self.log_location(spec)})")
-        elif service.proc is None and service.restart_at is not None and now >= service.restart_at:
+            decision = service.history.exited(now, exit_description(code))
+            return self._act(service, pid, code, decision, now)
+        if service.proc is None and service.restart_at is not None and now >= service.restart_at:
             service.restart_at = None
-            self._spawn(service, f"restarting {spec.name} (restart {len(service.restart_times)})")
+            if service.down_reason is not None:
+                what = f"retrying {spec.name} (left down: {service.down_reason})"
+            else:
+                what = f"restarting {spec.name} (restart {service.history.restarts_in_window})"
+            self._spawn(service, what)
             service.awaiting_health = True
         elif service.awaiting_health and self._healthy(spec, 1.0):
             service.awaiting_health = False
             self._say(f"{spec.name} ready again at {spec.url}")
+            if service.down_reason is not None:
+                service.down_reason = None
+                self._on_state(spec, None, None)
+        return None
+
+    def _act(self, service: _Service, pid: int, code: int, decision: ExitDecision,
+             now: float) -> int | None:
+        spec, allowed = service.spec, self.policy.max_restarts_per_minute
+        if decision.verdict is Verdict.FATAL:
+            self._say(f"error: {spec.name} (pid {pid}) {decision.reason}; nothing serves without "
+                      f"it: stopping everything; {self.log_location(spec)}")
+            return code if 0 < code < 256 else 1
+        service.restart_at = now + decision.delay_s
+        if decision.verdict is Verdict.RESTART:
+            self._say(f"{spec.name} (pid {pid}) {decision.reason}; restarting it in "
+                      f"{decision.delay_s:g} s (restart {decision.number} of at most {allowed} "
+                      f"within {self.policy.window_s:g} s; {self.log_location(spec)})")
+            return None
+        service.down_reason = decision.reason
+        self._say(f"error: {spec.name} (pid {pid}) {decision.reason}: left down, retrying it in "
+                  f"{decision.delay_s:g} s (time {decision.number} in a row); "
+                  f"{self.log_location(spec)}")
+        self._on_state(spec, decision.reason, decision.delay_s)
+        workers = [s for s in self.services if s.spec.worker_address is not None]
+        if workers and all(s.down_reason is not None for s in workers):
+            self._say("error: every worker is left down, nothing can serve: stopping everything")
+            return code if 0 < code < 256 else 1
+        self._say(f"the rest keeps serving without {spec.name}")
         return None
 
     # ---- stop -----------------------------------------------------------------------------------

@@ -175,10 +175,7 @@ class RequestGuard:
 
     def _check_caller(self, scope: Scope, headers: Headers) -> None:
         host = headers.get("host")
-        allowed = self.config.allowed_hosts
-        if allowed is not None and host is not None and _host_name(host) not in allowed:
-            _log_refusal(scope, f"Host {host[:80]!r}")
-            raise HostNotAllowedError(f"This service does not answer to the host {host[:80]!r}.")
+        check_host(scope, host, self.config.allowed_hosts)
         origin = headers.get("origin")
         if self.config.same_origin_only and origin is not None and not _same_origin(origin, host):
             _log_refusal(scope, f"Origin {origin[:80]!r}")
@@ -200,6 +197,14 @@ class RequestGuard:
             if length > cap:
                 raise PayloadTooLargeError.over(cap)
         return content_type
+
+
+def check_host(scope: Scope, host: str | None, allowed: frozenset[str] | None) -> None:
+    """Raises :class:`HostNotAllowedError` (and logs it) when ``host`` (a ``Host`` header, None
+    when absent) names a host outside ``allowed`` (None: any). Shared with the web UI's guard."""
+    if allowed is not None and host is not None and _host_name(host) not in allowed:
+        _log_refusal(scope, f"Host {host[:80]!r}")
+        raise HostNotAllowedError(f"This service does not answer to the host {host[:80]!r}.")
 
 
 def is_json_media_type(content_type: str) -> bool:

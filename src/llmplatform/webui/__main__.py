@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 
+from llmplatform.utils.request_guard import allowed_hosts_for
 from llmplatform.utils.service_settings import LoggingSettings
-from llmplatform.utils.settings import OptionalText, option
+from llmplatform.utils.settings import CommaList, OptionalText, option
 from llmplatform.webui.settings import DEFAULT_PORT, WebUISettings
 
 SHUTDOWN_GRACE_S = 3.0
@@ -38,6 +39,15 @@ class WebUIServiceSettings(LoggingSettings):
     host: str = option("127.0.0.1", "bind address; anything but loopback exposes the UI, and "
                        "through it the gateway, to the network (default: %(default)s)")
     port: int = option(DEFAULT_PORT, "(default: %(default)s)")
+    allowed_hosts: CommaList = option(
+        (), "comma-separated host names the UI may be called by (the Host header; any port). "
+        "Bound to loopback, 127.0.0.1, localhost and [::1] are always allowed and any other name "
+        "is refused with 400 (DNS rebinding); bound elsewhere, no check unless names are given "
+        "here. '*' turns the check off", metavar="NAMES")
+    admin_api_keys: CommaList = option(
+        (), "comma-separated keys that open the Cluster tab (worker addresses and load); the "
+        "gateway's --admin-api-keys, else its --api-keys (`serve` passes them on). Without any, "
+        "the tab is open (default: $LLMPLATFORM_ADMIN_API_KEYS)", secret=True)
     log_dir: Path = option(WebUISettings.log_dir, "arena votes are appended to "
                            "LOG_DIR/votes.jsonl (default: %(default)s)")
     max_tokens: int = option(WebUISettings.default_max_tokens, "starting value of the "
@@ -58,6 +68,8 @@ class WebUIServiceSettings(LoggingSettings):
         return self.section(
             WebUISettings,
             controller_address=None if controller.strip().lower() == "none" else controller,
+            allowed_hosts=allowed_hosts_for(self.host, self.allowed_hosts),
+            admin_keys=self.admin_api_keys,
             default_max_tokens=self.max_tokens,
             max_tokens_limit=max(WebUISettings.max_tokens_limit, self.max_tokens),
             cluster_refresh_s=self.cluster_refresh)

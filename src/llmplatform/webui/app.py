@@ -8,9 +8,11 @@ from disk except Gradio's own assets (no upload component, uploads refused, no `
 and the votes log is explicitly blocked.
 
 Model text reaches the page only through `components.SafeChatbot` and `SafeMarkdown`, which make
-it inert on the server (`safe_markdown`); every response also carries headers that keep the
-browser from fetching anything for it (`SECURITY_HEADERS`: images, media and frames from the
-page's own origin only, no DNS prefetching of links, no Referer). A handler's exception shows as
+it inert on the server (`safe_markdown`). Every request passes `guard.PageGuard` first: the Host
+check (DNS rebinding), and headers that keep the page from being framed, from running a script
+it did not ship, and from fetching anything for what it shows (images, media and frames from the
+page's own origin only, no DNS prefetching of links, no Referer). The Cluster tab shows nothing
+without the admin key when one is configured (`cluster.ClusterView`), whoever calls its event. A handler's exception shows as
 Gradio's bare "Error", never its text (`show_error=False`): the log has the details.
 
 The page is wiring only: the handlers live in `chat`, `arena` and `cluster`, free of Gradio.
@@ -29,50 +31,17 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr  # noqa: E402
 import pandas as pd  # noqa: E402  (a Gradio dependency; Dataframe values)
 from fastapi import FastAPI  # noqa: E402
-from starlette.types import ASGIApp, Message, Receive, Scope, Send  # noqa: E402
 
 from llmplatform.webui.arena import VOTES, ArenaHandlers, ArenaSession, VoteLog  # noqa: E402
 from llmplatform.webui.chat import TOOL_CHOICES, ChatHandlers  # noqa: E402
 from llmplatform.webui.cluster import COLUMNS, ClusterView  # noqa: E402
 from llmplatform.webui.components import safe_chatbot, safe_markdown  # noqa: E402
 from llmplatform.webui.gateway import GatewayClient  # noqa: E402
+from llmplatform.webui.guard import PageGuard  # noqa: E402
 from llmplatform.webui.messages import drop_last_answer  # noqa: E402
 from llmplatform.webui.settings import WebUISettings  # noqa: E402
 
 TITLE = "llmplatform"
-
-SECURITY_HEADERS: tuple[tuple[bytes, bytes], ...] = (
-    # Whatever a page shows, the browser loads images, media, frames and plugins only from the
-    # UI itself (and inline data), so a way through the server's sanitising still fetches nothing.
-    (b"content-security-policy",
-     b"img-src 'self' data: blob:; media-src 'self' data: blob:; frame-src 'self'; "
-     b"object-src 'none'; base-uri 'self'; form-action 'self'"),
-    (b"x-dns-prefetch-control", b"off"),    # links in answers are not looked up before a click
-    (b"referrer-policy", b"no-referrer"),   # nor does a click tell the target where it came from
-    (b"x-content-type-options", b"nosniff"),
-)
-
-
-class SecurityHeadersMiddleware:
-    """Adds `SECURITY_HEADERS` to every HTTP response (pure ASGI: streams stay streams)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                names = {name.lower() for name, _ in message.get("headers", [])}
-                extra = [(n, v) for n, v in SECURITY_HEADERS if n not in names]
-                message = {**message, "headers": [*message.get("headers", []), *extra]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_headers)
-
 
 class Handlers:
     """Everything the page calls, built from the settings (tests build their own)."""
@@ -192,6 +161,10 @@ def build_blocks(handlers: Handlers) -> gr.Blocks:
 
         # ---- Cluster ----------------------------------------------------------------------------
         with gr.Tab("Cluster", id="cluster", elem_id="tab-cluster") as cluster_tab:
+            # Shown only when admin keys are configured; its value goes with every refresh, and
+            # the handler checks it (the event is callable over Gradio's API without the page).
+            cluster_key = gr.Textbox(label="Admin key", type="password", lines=1,
+                                     visible=cluster.needs_key, elem_id="cluster-admin-key")
             cluster_summary = safe_markdown(elem_id="cluster-summary")
             cluster_table = gr.Dataframe(value=pd.DataFrame([], columns=COLUMNS),
                                          interactive=False, wrap=True, elem_id="cluster-table")
@@ -285,17 +258,18 @@ def build_blocks(handlers: Handlers) -> gr.Blocks:
                          [vote_status, arena_session] + votes_out)
 
         # ---- Events: cluster --------------------------------------------------------------------
-        async def update_cluster() -> tuple[str, pd.DataFrame]:
-            snapshot = await cluster.snapshot()
+        async def update_cluster(admin_key: str | None) -> tuple[str, pd.DataFrame]:
+            snapshot = await cluster.snapshot(admin_key)
             return snapshot.summary, pd.DataFrame(snapshot.rows, columns=COLUMNS)
 
-        cluster_io = dict(fn=update_cluster, inputs=None, outputs=[cluster_summary, cluster_table],
+        cluster_io = dict(fn=update_cluster, inputs=[cluster_key], outputs=[cluster_summary, cluster_table],
                           show_progress="hidden")
         cluster_tab.select(lambda: gr.Timer(active=True), None, cluster_timer, queue=False).then(
             **cluster_io)
         for other_tab in (chat_tab, arena_tab):
             other_tab.select(lambda: gr.Timer(active=False), None, cluster_timer, queue=False)
         cluster_refresh.click(**cluster_io)
+        cluster_key.submit(**cluster_io)
         cluster_timer.tick(**cluster_io)
     return demo
 
@@ -314,7 +288,6 @@ def create_app(settings: WebUISettings, handlers: Handlers | None = None) -> Fas
             await handlers.close()
 
     app = FastAPI(title="llmplatform web UI", lifespan=lifespan)
-    app.add_middleware(SecurityHeadersMiddleware)
     app.state.settings = settings
     app.state.handlers = handlers
     app.state.blocks = blocks
@@ -323,7 +296,7 @@ def create_app(settings: WebUISettings, handlers: Handlers | None = None) -> Fas
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    return gr.mount_gradio_app(
+    app = gr.mount_gradio_app(
         app, blocks, path="",
         footer_links=[],            # no links to the API page or gradio.app
         allowed_paths=[],           # serve no file from disk beyond Gradio's own assets
@@ -335,3 +308,6 @@ def create_app(settings: WebUISettings, handlers: Handlers | None = None) -> Fas
         pwa=False,
         enable_monitoring=False,
     )
+    # Outermost, after Gradio's own: every route it mounted (its API, streams, assets) is behind it.
+    app.add_middleware(PageGuard, allowed_hosts=settings.allowed_hosts)
+    return app

@@ -1,7 +1,13 @@
 """The Cluster tab: a read-only view of the workers the controller knows.
 
-Reads `GET /list_workers` (ours). A stock FastChat controller has no such route; then the view
+Reads `GET /list_workers` (ours): the live workers, and those `llmplatform serve` left down
+after a crash loop, with the reason and when it retries them. A stock FastChat controller has no such route; then the view
 falls back to `POST /list_models` and shows the models without per-worker facts.
+
+The table names every worker's address and load, which is the gateway's business: with admin
+keys configured (`WebUISettings.admin_keys`, the gateway's `--admin-api-keys`, else its
+`--api-keys`), `snapshot` serves it only to a caller presenting one of them, the rule of the
+gateway's /v1/admin routes. Without any key configured the tab is open, as /v1/admin is then.
 """
 
 from __future__ import annotations
@@ -12,19 +18,23 @@ from dataclasses import dataclass
 import httpx
 
 from llmplatform.protocol.controller import (
+    DownWorker,
     ListModelsResponse,
     ListWorkersResponse,
     WorkerDescription,
 )
-from llmplatform.utils.cluster_secret import secret_headers
+from llmplatform.utils.cluster_secret import digest, secret_headers, secret_matches
 from llmplatform.webui.settings import WebUISettings
 
 logger = logging.getLogger("llmplatform.webui")
 
 COLUMNS = [
     "worker", "models", "backend", "queue length", "running", "waiting", "KV-cache usage",
-    "prefix-cache hits", "last heartbeat",
+    "prefix-cache hits", "last heartbeat", "state",
 ]
+
+
+NEEDS_KEY = "Enter the admin key to see the cluster."
 
 
 @dataclass(frozen=True)
@@ -60,7 +70,17 @@ def worker_row(worker: WorkerDescription) -> list[str]:
         usage,
         prefix_cache_hits(worker),
         f"{worker.last_heartbeat_age_s:.1f} s ago",
+        "up",
     ]
+
+
+def down_row(worker: DownWorker) -> list[str]:
+    """A worker its supervisor left down after a crash loop: why, and when it is retried."""
+    retry = ("retrying now" if worker.retry_in_s == 0 else "no retry planned"
+             if worker.retry_in_s is None else f"retry in {worker.retry_in_s:.0f} s")
+    name = f"{worker.worker_name} ({worker.service})" if worker.service else worker.worker_name
+    return ([name, ", ".join(worker.model_names) or "-"] + ["-"] * (len(COLUMNS) - 3)
+            + [f"DOWN for {worker.down_for_s:.0f} s: {worker.reason}; {retry}"])
 
 
 class ClusterView:
@@ -68,6 +88,7 @@ class ClusterView:
 
     def __init__(self, settings: WebUISettings) -> None:
         self.controller_address = settings.controller_address
+        self._admin_digests = tuple(digest(key) for key in settings.admin_keys)
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.controller_timeout),
             headers=secret_headers(settings.cluster_secret),
@@ -76,7 +97,24 @@ class ClusterView:
     async def close(self) -> None:
         await self._client.aclose()
 
-    async def snapshot(self) -> ClusterSnapshot:
+    @property
+    def needs_key(self) -> bool:
+        return bool(self._admin_digests)
+
+    def admits(self, presented_key: str | None) -> bool:
+        """Whether `presented_key` opens the view: one of the admin keys (compared in constant
+        time with each of them), or anything when none is configured."""
+        if not self._admin_digests:
+            return True
+        key = (presented_key or "").strip() or None
+        matched = False
+        for expected in self._admin_digests:
+            matched |= secret_matches(key, expected)
+        return matched
+
+    async def snapshot(self, presented_key: str | None = None) -> ClusterSnapshot:
+        if not self.admits(presented_key):
+            return ClusterSnapshot([], NEEDS_KEY)
         if self.controller_address is None:
             return ClusterSnapshot([], "No controller address configured (`--controller-address`).")
         base = self.controller_address
@@ -85,16 +123,20 @@ class ClusterView:
             if response.status_code in (404, 405):  # a stock FastChat controller
                 return await self._models_only()
             response.raise_for_status()
-            workers = ListWorkersResponse.model_validate(response.json()).workers
+            listing = ListWorkersResponse.model_validate(response.json())
         except (httpx.HTTPError, ValueError) as exc:
             logger.warning("cluster view: %s: %s", type(exc).__name__, exc)
             return ClusterSnapshot([], f"Cannot read the controller at {base}: {_reason(exc)}")
+        workers, down = listing.workers, listing.down_workers
         models = sorted({name for w in workers for name in w.model_names})
         summary = (
             f"**{len(workers)}** live worker(s) at controller {base}; "
             f"models: {', '.join(models) if models else 'none'}."
         )
-        return ClusterSnapshot([worker_row(w) for w in workers], summary)
+        if down:
+            summary += f" **{len(down)}** left down after crash loops (see the table)."
+        return ClusterSnapshot([worker_row(w) for w in workers] + [down_row(w) for w in down],
+                               summary)
 
     async def _models_only(self) -> ClusterSnapshot:
         base = self.controller_address

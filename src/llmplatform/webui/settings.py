@@ -27,6 +27,12 @@ class WebUISettings:
     """Where the Cluster tab reads the worker list from; None hides the cluster view's data."""
     cluster_secret: str | None = None
     """The cluster's shared secret, sent to the controller when the cluster has one."""
+    admin_keys: tuple[str, ...] = ()
+    """Keys that open the Cluster tab (the gateway's admin keys); empty: the tab is open."""
+    allowed_hosts: frozenset[str] | None = None
+    """Host names a request may use in its `Host` header (lower case, IPv6 in brackets); None:
+    any. `__main__` sets it from the bind address and `--allowed-hosts`
+    (`utils.request_guard.allowed_hosts_for`); an app built without being told stays unchecked."""
     log_dir: Path = Path("logs")
     """Arena votes are appended to `<log_dir>/votes.jsonl` (created at the first vote)."""
     request_timeout: float = 600.0
@@ -56,6 +62,10 @@ class WebUISettings:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (pass None for no key)")
         object.__setattr__(self, "log_dir", Path(self.log_dir))
+        object.__setattr__(self, "admin_keys", tuple(self.admin_keys))
+        if any(not key or key != key.strip() for key in self.admin_keys):
+            raise ValueError("admin_keys must not contain empty keys or keys with surrounding "
+                             "whitespace")
         for name in ("request_timeout", "controller_timeout", "cluster_refresh_s"):
             value = getattr(self, name)
             if not value > 0:
