@@ -75,6 +75,7 @@ async def create_chat_completion(request: Request) -> Response:
                 worker_params(
                     body, prepared, max_new_tokens=max_new_tokens, request_id=f"{trace_id}-{i}", choice_index=i,
                     constraint=constraint, cache_salt=cache_salt,
+                    tenant=tenants(request).worker_tenant(request),
                 )
             )
             for i in range(body.n or 1)

@@ -77,6 +77,7 @@ async def create_completion(request: Request) -> Response:
                 choice_params = worker_params(
                     body, prompt, max_new_tokens=max_new_tokens, request_id=f"{trace_id}-{p * n + i}", choice_index=i,
                     constraint=constraint, cache_salt=cache_salt,
+                    tenant=tenants(request).worker_tenant(request),
                 )
                 params.append(params_dict(choice_params))
         streams = await start_choices(client, address, params, prompt_param="prompt", early=bool(body.stream))

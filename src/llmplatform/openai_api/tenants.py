@@ -141,6 +141,14 @@ class Tenants:
         # the client's, so no client salt can spell another tenant's (and it stays short).
         return RequestSalt(f"{ticket.tenant.salt}|{client_salt or ''}", client_salt)
 
+    @staticmethod
+    def worker_tenant(request: Request) -> str | None:
+        """Who the request is for, as a worker is told (params ``tenant``): the tenant's salt
+        part (a key id, or a digest of the client address), so that a worker can share what one
+        tenant could monopolise (its grammar compile slots) fairly. None off the limited paths."""
+        ticket = ticket_of(request)
+        return ticket.tenant.salt if ticket is not None else None
+
     def for_worker(self, salt: RequestSalt, announced: frozenset[str], model: str,
                    address: str) -> str | None:
         """The salt to send the worker at `address`, which announced `announced`.

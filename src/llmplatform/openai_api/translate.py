@@ -288,6 +288,7 @@ def worker_params(
     choice_index: int,
     constraint: WorkerConstraint | None = None,
     cache_salt: str | None = None,
+    tenant: str | None = None,
 ) -> WorkerParams:
     """The worker params of one choice of a chat or a text completion request."""
     top_k = request.top_k if request.top_k not in (None, 0) else -1
@@ -317,6 +318,7 @@ def worker_params(
         structured_output=constraint.structured_output if constraint is not None else None,
         tools=constraint.tools if constraint is not None else None,
         cache_salt=cache_salt,
+        tenant=tenant,
         **_returned_extras(request),
     )
 
