@@ -56,3 +56,33 @@ def test_without_ray_the_message_names_the_extra(monkeypatch):
     with pytest.raises(SystemExit, match=r"llmplatform\[ray\]") as exc:
         run_on_ray("local", [], None, [])
     assert str(exc.value) == MISSING_RAY
+
+
+def test_a_token_file_others_can_read_is_tightened(tmp_path, monkeypatch):
+    from llmplatform.serve.ray_local import tighten_token_file
+
+    token = tmp_path / "auth_token"
+    token.write_text("t" * 64)
+    token.chmod(0o644)  # what Ray leaves under a 022 umask
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    tighten_token_file()
+    assert token.stat().st_mode & 0o777 == 0o600
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "absent"))
+    tighten_token_file()  # nothing to do, no error
+
+
+def test_a_local_rays_folders_are_tightened_and_removed(monkeypatch):
+    from llmplatform.serve.ray_local import LocalRay
+
+    local = LocalRay("127.0.0.1")
+    try:
+        assert local.directory.stat().st_mode & 0o777 == 0o700
+        session = local.directory / "ray" / "session_x" / "logs"
+        session.mkdir(parents=True)
+        for folder in (session, session.parent, session.parent.parent):
+            folder.chmod(0o777)  # what Ray's try_make_directory_shared does
+        local.tighten()
+        assert {oct(p.stat().st_mode & 0o777) for p in local.directory.rglob("*")} == {"0o700"}
+    finally:
+        local.close()
+    assert not local.directory.exists()

@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmplatform.metrics.common import PREFIX, REQUEST_BUCKETS, new_registry
+from llmplatform.utils.http_protocol import BODY_TIMED_OUT
 
 logger = logging.getLogger("llmplatform.openai_api.access")
 
@@ -100,6 +101,8 @@ class GatewayMetricsMiddleware:
         try:
             await self.app(scope, receive, send_and_watch)
         finally:
+            if scope.get("state", {}).get(BODY_TIMED_OUT):
+                status = 408  # answered by the server's protocol, not the app (http_protocol)
             self._record(scope, status, time.monotonic() - started)
 
     def _record(self, scope: Scope, status: int, duration: float) -> None:

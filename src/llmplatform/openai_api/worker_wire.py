@@ -34,17 +34,58 @@ class WorkerUnavailableError(NoWorkerError):
     the connection before answering, dead engine, shutting down): another worker may (503)."""
 
 
-class NulFrameDecoder:
-    """Splits a byte stream into NUL-terminated frames, whatever the read boundaries."""
+MAX_WORKER_FRAME_BYTES = 16 * 2**20
+"""The largest stream frame the gateway takes from a worker (16 MiB). A delta frame (what our
+workers send: a few tokens with their logprobs) is well under a kilobyte; a cumulative frame (a
+stock FastChat worker, or ``--no-worker-stream-deltas``) carries the whole answer so far, which
+with 20 logprobs per token reaches this size only past ~25,000 tokens. A worker that sends more
+without a NUL fails that request (502), and the gateway never holds more than this (plus one
+read) for one stream."""
 
-    def __init__(self) -> None:
+
+class FrameTooLargeError(UpstreamError):
+    """A worker's stream frame passed :data:`MAX_WORKER_FRAME_BYTES` (HTTP 502)."""
+
+
+class NulFrameDecoder:
+    """Splits a byte stream into NUL-terminated frames, whatever the read boundaries.
+
+    Each byte is searched for a NUL once: ``_buffer`` holds the unfinished frame, whose bytes
+    are known to hold no NUL, so a read is scanned from where the previous one ended. A frame is
+    copied once, when it is complete; the consumed prefix is dropped with ``del`` (CPython's
+    bytearray moves its start instead of copying the rest). So a frame trickled in byte by byte
+    costs linear time, not the quadratic copy-and-split of the whole buffer per read."""
+
+    def __init__(self, max_frame_bytes: int = MAX_WORKER_FRAME_BYTES) -> None:
         self._buffer = bytearray()
+        self._max_frame_bytes = max_frame_bytes
 
     def feed(self, data: bytes) -> list[bytes]:
-        self._buffer += data
-        *frames, rest = bytes(self._buffer).split(NUL)
-        self._buffer = bytearray(rest)
-        return [frame for frame in frames if frame.strip()]
+        buffer = self._buffer
+        scan = len(buffer)  # what is already buffered holds no NUL
+        buffer += data
+        frames: list[bytes] = []
+        start = 0
+        end = buffer.find(NUL, scan)
+        if end >= 0:
+            with memoryview(buffer) as view:  # released before the buffer is resized
+                while end >= 0:
+                    self._check(end - start)
+                    frame = view[start:end].tobytes()
+                    if frame.strip():
+                        frames.append(frame)
+                    start = end + 1
+                    end = buffer.find(NUL, start)
+            del buffer[:start]
+        self._check(len(buffer))
+        return frames
+
+    def _check(self, size: int) -> None:
+        if size > self._max_frame_bytes:
+            self._buffer = bytearray()  # the stream is abandoned: drop what it sent at once
+            raise FrameTooLargeError(
+                f"The worker sent a stream frame larger than {self._max_frame_bytes} bytes "
+                "(the gateway's limit for one frame); the request is abandoned.")
 
     def flush(self) -> bytes | None:
         """An unterminated last frame, if the stream ended with one."""

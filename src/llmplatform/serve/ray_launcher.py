@@ -19,14 +19,16 @@ one actor's resources always come from one node, which packs the ranks there and
 GPUs visible to the worker (a placement group of one bundle per rank would hand the worker's
 process one bundle's GPU only).
 
-Ray itself: bare ``--ray`` starts a local Ray instance for this run (bounded object store, no
-dashboard) and shuts it down at exit; ``--ray auto`` or ``--ray HOST:PORT`` joins a running
+Ray itself: bare ``--ray`` starts a local Ray instance for this run (``ray_local``: its files in a
+0700 folder of ours, its own 0600 token, its ports on loopback with a loopback ``--host``, bounded
+object store, no dashboard) and shuts it down at exit; ``--ray auto`` or ``--ray HOST:PORT`` joins a running
 cluster (``ray start --head``) and leaves it running. Ctrl-C stops every service (each with its
 shutdown timeout), kills every actor and disconnects.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import shlex
@@ -43,20 +45,17 @@ from typing import Any
 
 import httpx
 
+from llmplatform.serve.ray_local import LOOPBACK_HOSTS, WILDCARD_HOSTS, LocalRay, tighten_token_file
 from llmplatform.serve.supervisor import RESTART_WINDOW_S, STOP_MARGIN_S, ServiceSpec, run_until_stopped
 
 logger = logging.getLogger("llmplatform.serve")
 
 LOCAL = "local"
 """What bare ``--ray`` means: start a Ray instance on this machine for this run only."""
-LOCAL_OBJECT_STORE_BYTES = 128 * 2**20
-"""The services pass nothing through Ray's object store: the minimum-sized one is plenty."""
 MISSING_RAY = ("error: `serve --ray` needs Ray, an optional extra: "
                "pip install 'llmplatform[ray]'")
 POLL_INTERVAL_S = 1.0
 FORWARDED_ENV_PREFIX = "LLMPLATFORM_"
-WILDCARD_HOSTS = ("0.0.0.0", "::")
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:
@@ -329,16 +328,21 @@ class RayDeployment:
 def run_on_ray(address: str, services: list[ServiceSpec], settings: Any,
                user_worker_addresses: list[bool]) -> int:
     """serve's main under --ray: connect (or start Ray), deploy, print, run, tear down."""
-    try:
-        import ray
-    except ImportError:
-        raise SystemExit(MISSING_RAY) from None
-    if address == LOCAL:
+    # Not imported yet: Ray reads some of what LocalRay sets in the environment at import.
+    if importlib.util.find_spec("ray") is None:
+        raise SystemExit(MISSING_RAY)
+    local = LocalRay(settings.host) if address == LOCAL else None
+    if local is not None:
         num_workers = sum(s.name.startswith("worker") for s in services)
-        ray.init(address="local", include_dashboard=False,
-                 num_cpus=max(os.cpu_count() or 1, num_workers),
-                 object_store_memory=LOCAL_OBJECT_STORE_BYTES)
-    else:
+        try:
+            local.start(num_cpus=max(os.cpu_count() or 1, num_workers))
+        except BaseException:
+            local.close()
+            raise
+    import ray
+
+    if local is None:
+        tighten_token_file()
         try:
             ray.init(address=address)
         except (ConnectionError, RuntimeError) as exc:
@@ -357,8 +361,14 @@ def run_on_ray(address: str, services: list[ServiceSpec], settings: Any,
 
     from llmplatform.serve.launcher import print_addresses
 
+    def started() -> None:
+        if local is not None:
+            local.tighten()  # the folders Ray made for the actors' workers
+        print_addresses(services, "Ray actors; Ctrl-C stops everything")
+
     try:
-        return run_until_stopped(
-            deployment, lambda: print_addresses(services, "Ray actors; Ctrl-C stops everything"))
+        return run_until_stopped(deployment, started)
     finally:
         ray.shutdown()  # stops the local instance we started; only disconnects otherwise
+        if local is not None:
+            local.close()

@@ -16,7 +16,10 @@ bounds of one :class:`ConnectionLimits`:
 - **Slow heads and bodies** (slowloris): a request's head must be complete within
   ``head_timeout_s`` of the connection opening (or, on a kept-alive connection, of the request's
   first byte), and its body within ``body_timeout_s`` of the head. Past either, the connection is
-  closed; a route still waiting for the body sees the client's disconnect. uvicorn has neither
+  closed; a route still waiting for the body sees the client's disconnect. A body that times
+  out is answered 408 first (when nothing was answered yet), and its request's scope is marked
+  (``BODY_TIMED_OUT`` in ``scope["state"]``) so that the access log and the metrics, which would
+  otherwise see an app that returned without answering (a 500), count it as the 408 it is. uvicorn has neither
   deadline: its keep-alive timer only runs between requests, so a client sending a header byte
   a second holds a connection (and a file descriptor) for ever. A deadline that passes while
   the server itself has paused reading (a pipelined request queued behind a slow answer, a body
@@ -51,6 +54,13 @@ DEFAULT_HEAD_TIMEOUT_S = 30.0
 DEFAULT_BODY_TIMEOUT_S = 60.0
 DEFAULT_WRITE_STALL_TIMEOUT_S = 30.0
 _REFUSAL_LOG_INTERVAL_S = 10.0
+BODY_TIMED_OUT = "llmplatform_body_timed_out"
+"""Key set (True) in a request's ``scope["state"]`` when its body did not arrive in time."""
+_BODY_TIMEOUT_BODY = (b'{"error": {"message": "The request body did not arrive in time.", '
+                      b'"type": "invalid_request_error", "param": null, "code": "request_timeout"}}')
+_BODY_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                 b"connection: close\r\ncontent-length: " + str(len(_BODY_TIMEOUT_BODY)).encode()
+                 + b"\r\n\r\n" + _BODY_TIMEOUT_BODY)
 _OVER_CAPACITY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
                   b"retry-after: 1\r\nconnection: close\r\ncontent-length: 46\r\n\r\n"
                   b"Service Unavailable: too many open connections")
@@ -204,8 +214,17 @@ class GuardedHttpToolsProtocol(CoalescingHttpToolsProtocol):
             return None
         if self.flow.read_paused:  # the server is not reading: not the client's delay
             return self._arm(timeout_s, again)
-        logger.warning("closing the connection from %s: the request's %s did not arrive within %g s",
-                       _peer(self.client), part, timeout_s)
+        answered = ""
+        if part == "body" and self.cycle is not None and not self.cycle.response_started:
+            # The app is still waiting for the body: it will see a disconnect and answer
+            # nothing, so the answer is ours. Once the transport closes, uvicorn drops the app's
+            # sends (the cycle is disconnected before the app runs again).
+            self.scope.setdefault("state", {})[BODY_TIMED_OUT] = True  # type: ignore[typeddict-item]
+            self.cycle.response_started = True
+            self.transport.write(_BODY_TIMEOUT)
+            answered = " (408)"
+        logger.warning("closing the connection from %s: the request's %s did not arrive within %g s%s",
+                       _peer(self.client), part, timeout_s, answered)
         self.transport.close()
         return None
 

@@ -1,9 +1,18 @@
 """The process group of a tensor-parallel engine: NCCL on CUDA, gloo on CPU.
 
-The group is a process group object of its own (``ProcessGroupGloo``/``ProcessGroupNCCL`` over a
-``TCPStore`` on loopback), not torch.distributed's global default group: an engine that starts
-its ranks again after a failure, or a second engine in the same process (tests), gets a fresh
-group without tearing down global state. Every collective waits at most the group's timeout
+The group is a process group object of its own (``ProcessGroupGloo``/``ProcessGroupNCCL``), not
+torch.distributed's global default group: an engine that starts its ranks again after a failure,
+or a second engine in the same process (tests), gets a fresh group without tearing down global
+state.
+
+Nothing here listens beyond loopback (every rank runs on this host):
+- the rendezvous is a ``FileStore`` in a fresh ``0700`` directory (``Rendezvous``), not a
+  ``TCPStore``: torch's TCP store server binds every interface whatever host it is given, and
+  answers anyone who connects, unauthenticated. Only this user can open the file;
+- gloo's device is created for 127.0.0.1, not for the address the host name resolves to (a LAN
+  address on most hosts), so its pairs listen and connect on loopback;
+- NCCL's bootstrap sockets use the ``lo`` interface unless ``NCCL_SOCKET_IFNAME`` says
+  otherwise (its data moves over NVLink/PCIe/shared memory between local GPUs, not sockets). Every collective waits at most the group's timeout
 (``ParallelConfig.rank_timeout_s``), so a rank that hangs fails the step instead of stalling it.
 
 Gloo lacks a bf16 (and in some versions fp16) sum in some torch builds: ``GroupCollectives``
@@ -14,6 +23,9 @@ dtype in float32 (converted there and back; logged).
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 from datetime import timedelta
 
 import torch
@@ -21,7 +33,7 @@ import torch.distributed as dist
 
 logger = logging.getLogger("llmplatform.engine")
 
-STORE_HOST = "127.0.0.1"  # all ranks run on one host
+LOOPBACK = "127.0.0.1"  # all ranks run on one host
 _PROBED_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -29,15 +41,24 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def master_store(world_size: int, timeout_s: float) -> dist.TCPStore:
-    """Rank 0's rendezvous store on a free loopback port (``store.port``)."""
-    return dist.TCPStore(STORE_HOST, 0, world_size, is_master=True,
-                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+class Rendezvous:
+    """Where one start of the ranks meets: a file store in a directory only this user can open
+    (``mkdtemp`` creates it ``0700``, under a fresh random name). Rank 0 owns the directory and
+    removes it on ``close``; the other ranks get ``path`` through their spawn arguments (a pipe)."""
+
+    def __init__(self) -> None:
+        self.directory = tempfile.mkdtemp(prefix="llmplatform-tp-")
+        self.path = os.path.join(self.directory, "store")
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def client_store(port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
-    return dist.TCPStore(STORE_HOST, port, world_size, is_master=False,
-                         timeout=timedelta(seconds=timeout_s))
+def open_store(path: str, world_size: int, timeout_s: float) -> dist.FileStore:
+    """The rendezvous store at ``path`` (every rank opens the same file)."""
+    store = dist.FileStore(path, world_size)
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
 
 
 def new_process_group(store: dist.Store, rank: int, size: int, device: torch.device,
@@ -47,10 +68,16 @@ def new_process_group(store: dist.Store, rank: int, size: int, device: torch.dev
     prefixed = dist.PrefixStore(f"tp{generation}", store)
     timeout = timedelta(seconds=timeout_s)
     if backend_for(device) == "nccl":
+        # NCCL reads this once, at its first communicator; an operator's own choice stands.
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, size, options)
-    return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+    gloo = dist.ProcessGroupGloo._Options()
+    gloo._timeout = timeout
+    # Without a device, gloo binds the address the host name resolves to (often the LAN's).
+    gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+    return dist.ProcessGroupGloo(prefixed, rank, size, gloo)
 
 
 class GroupCollectives:

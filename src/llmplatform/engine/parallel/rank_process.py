@@ -36,7 +36,7 @@ class RankSpec:
     rank: int
     size: int
     generation: int  # which start of the ranks (a restart's ranks use fresh store keys)
-    store_port: int
+    store_path: str  # the rendezvous file (``group.Rendezvous``), in a 0700 directory
     model: ModelConfig
     max_model_len: int
     block_size: int
@@ -79,8 +79,8 @@ class _Shard:
         import torch
 
         from llmplatform.engine.model_setup import prepare_model
-        from llmplatform.engine.parallel.group import (GroupCollectives, client_store,
-                                                       new_process_group)
+        from llmplatform.engine.parallel.group import (GroupCollectives, new_process_group,
+                                                       open_store)
         from llmplatform.models.parallel import ShardGroup
         from llmplatform.utils.torch_utils import resolve_device, resolve_dtype
 
@@ -94,7 +94,7 @@ class _Shard:
             torch.cuda.set_device(device)
         self.device = device
         dtype = resolve_dtype(spec.model.dtype, device)
-        store = client_store(spec.store_port, spec.size, spec.start_timeout_s)
+        store = open_store(spec.store_path, spec.size, spec.start_timeout_s)
         conn.send(("joining", os.getpid()))
         group = new_process_group(store, spec.rank, spec.size, device, spec.rank_timeout_s,
                                   spec.generation)

@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from llmplatform.engine.config import ModelConfig, ParallelConfig
 from llmplatform.engine.parallel import rank_process
-from llmplatform.engine.parallel.group import GroupCollectives, master_store, new_process_group
+from llmplatform.engine.parallel.group import (GroupCollectives, Rendezvous, new_process_group,
+                                               open_store)
 from llmplatform.engine.parallel.messages import RankMessage, Stop
 from llmplatform.models.parallel import ShardGroup
 
@@ -70,7 +71,8 @@ class TensorParallelRanks:
         self._generation = 0
         self._procs: list[Any] = []  # rank r at index r - 1
         self._conns: list[Connection] = []
-        self._store: dist.TCPStore | None = None
+        self._rendezvous: Rendezvous | None = None
+        self._store: dist.Store | None = None
         self._failure: str | None = None
         self._closing = False
         self.widened: tuple[torch.dtype, ...] = ()
@@ -85,7 +87,8 @@ class TensorParallelRanks:
         self._failure = None
         self._closing = False
         config = self.config
-        self._store = master_store(self.size, config.rank_start_timeout_s)
+        self._rendezvous = Rendezvous()
+        self._store = open_store(self._rendezvous.path, self.size, config.rank_start_timeout_s)
         context = torch.multiprocessing.get_context("spawn")
         # The ranks share the host's cores: each takes its share (rank 0 keeps its own setting).
         threads = max(1, (os.cpu_count() or 1) // self.size) if self._device.type == "cpu" else 0
@@ -94,7 +97,7 @@ class TensorParallelRanks:
                 ours, theirs = context.Pipe(duplex=True)
                 spec = rank_process.RankSpec(
                     rank=rank, size=self.size, generation=self._generation,
-                    store_port=self._store.port, model=self._model,
+                    store_path=self._rendezvous.path, model=self._model,
                     max_model_len=self._max_model_len, block_size=self._block_size,
                     rank_timeout_s=config.rank_timeout_s,
                     start_timeout_s=config.rank_start_timeout_s, num_threads=threads,
@@ -152,6 +155,9 @@ class TensorParallelRanks:
         for conn in self._conns:
             conn.close()
         self._store = None
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
 
     @property
     def pids(self) -> list[int]:
