@@ -39,13 +39,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import hashlib
 import itertools
 import json
 import queue
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
@@ -53,11 +51,12 @@ import torch
 import xgrammar as xgr
 
 from llmplatform.errors import InvalidRequestError
-from llmplatform.sampling.grammar_child import first_line as _first_line
+from llmplatform.sampling.grammar_cache import GrammarCache
 from llmplatform.sampling.grammar_process import GrammarProcess, GrammarProcessDied
 from llmplatform.sampling.grammar_matcher import (
     SequenceGrammar, allocate_bitmask, apply_bitmask, fill_bitmasks,
 )
+from llmplatform.sampling.grammar_vocab import tokenizer_fingerprint, tokenizer_info
 from llmplatform.sampling.structured_output import StructuredOutputKind, StructuredOutputSpec
 
 __all__ = [
@@ -151,54 +150,6 @@ class CompiledGrammar:
         return SequenceGrammar(self, stop_token_ids=stop_token_ids)
 
 
-class GrammarCache:
-    """A thread-safe LRU of compiled grammars, bounded by entry count and by bytes
-    (:attr:`CompiledGrammar.size_bytes`). One cache may be shared by several compilers: keys
-    start with the tokenizer's fingerprint."""
-
-    def __init__(self, max_entries: int, max_bytes: int | None = None) -> None:
-        if max_entries < 1:
-            raise ValueError("max_entries must be >= 1")
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self.hits = 0
-        self.misses = 0
-        self.num_bytes = 0
-        self._entries: OrderedDict[Hashable, CompiledGrammar] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: Hashable) -> CompiledGrammar | None:
-        with self._lock:
-            grammar = self._entries.get(key)
-            if grammar is None:
-                self.misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return grammar
-
-    def put(self, key: Hashable, grammar: CompiledGrammar) -> None:
-        with self._lock:
-            if (old := self._entries.pop(key, None)) is not None:
-                self.num_bytes -= old.size_bytes
-            if self.max_bytes is not None and grammar.size_bytes > self.max_bytes:
-                return  # would evict everything and still not fit
-            self._entries[key] = grammar
-            self.num_bytes += grammar.size_bytes
-            while len(self._entries) > self.max_entries or (
-                    self.max_bytes is not None and self.num_bytes > self.max_bytes):
-                _, evicted = self._entries.popitem(last=False)
-                self.num_bytes -= evicted.size_bytes
-
-    def __contains__(self, key: Hashable) -> bool:
-        with self._lock:
-            return key in self._entries
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
-
-
 @dataclass
 class _Flight:
     """One compile in progress and how many callers still wait for it."""
@@ -224,7 +175,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
         self.tokenizer_key = tokenizer_fingerprint(tokenizer, vocab_size, self.stop_token_ids)
-        self.tokenizer_info = _tokenizer_info(tokenizer, vocab_size, self.stop_token_ids)
+        self.tokenizer_info = tokenizer_info(tokenizer, vocab_size, self.stop_token_ids)
         # What each grammar process is given at start (our cache replaces xgrammar's own).
         self.tokenizer_info_json = self.tokenizer_info.serialize_json()
         self._options = ("ws", config.max_whitespace_chars)
@@ -359,8 +310,8 @@ class GrammarCompiler:
         grammar = self._compile_now(spec)
         if grammar.size_bytes > self.config.max_grammar_bytes:
             raise _CompileError(
-                f"is too large: it compiles to {grammar.size_bytes / MiB:.1f} MiB, over the limit of "
-                f"{self.config.max_grammar_bytes / MiB:g} MiB per grammar; simplify it")
+                f"is too large: it compiles to {grammar.size_bytes / MiB:.1f} MiB, over the "
+                f"limit of {self.config.max_grammar_bytes / MiB:g} MiB per grammar; simplify it")
         self.cache.put(key, grammar)
         return grammar
 
@@ -443,36 +394,6 @@ def choice_structural_tag(choices: Sequence[str]) -> str:
     """Exactly one of ``choices``, as literal text (no escaping to get wrong)."""
     return json.dumps({"type": "structural_tag", "format": {
         "type": "or", "elements": [{"type": "const_string", "value": c} for c in choices]}})
-
-
-def _tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]
-                    ) -> xgr.TokenizerInfo:
-    """xgrammar's view of the vocabulary, with the tokenizer's special tokens (chat markers such
-    as ``<|im_start|>``, ``<file_sep>``) made unusable inside constrained output. xgrammar only
-    treats tokens that decode to nothing as special; SmolLM2's decode to their markup, which a
-    JSON string would otherwise accept. Stop tokens stay allowed where the output may end."""
-    detected = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=list(stop_token_ids))
-    special_ids = set(getattr(tokenizer, "all_special_ids", ()))
-    special_ids |= {i for i, added in getattr(tokenizer, "added_tokens_decoder", {}).items()
-                    if getattr(added, "special", False)}
-    if not special_ids:
-        return detected
-    encoded_vocab = [""] * vocab_size
-    for token, token_id in tokenizer.get_vocab().items():
-        if token_id < vocab_size and token_id not in special_ids:
-            encoded_vocab[token_id] = token
-    return xgr.TokenizerInfo.from_vocab_and_metadata(encoded_vocab, detected.dump_metadata())
-
-
-def tokenizer_fingerprint(tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> str:
-    """Identifies what a compiled grammar depends on: the vocabulary (ids and token strings), the
-    logits width and the stop tokens. Two tokenizer objects loaded from one model agree."""
-    digest = hashlib.sha256()
-    digest.update(f"{type(tokenizer).__name__}|{vocab_size}|{list(stop_token_ids)}|".encode())
-    for token, token_id in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]):
-        digest.update(f"{token_id}\x00{token}\x01".encode("utf-8", "surrogatepass"))
-    return digest.hexdigest()[:32]
 
 
 def _resolve_threadsafe(loop: asyncio.AbstractEventLoop, waiter: asyncio.Future,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import time
-from multiprocessing.connection import Connection
 from typing import Any
 
 from llmplatform.sampling import grammar_child
