@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
+
+from llmplatform.utils.worker_addresses import parse_networks
 
 # What the worker itself accepts at most (llmplatform.sampling.params): a cap above it would only
 # move the refusal from the gateway to the worker.
@@ -107,6 +110,12 @@ class GatewaySettings:
     max_streams_per_key: int | None = None
     """Streamed generations one caller may have open at once (429 beyond); the caller is its API
     key, or its address on a gateway without keys (see `limits`). None: no cap."""
+    allowed_worker_networks: tuple[Any, ...] = ()
+    """Networks a worker's address must lie in when the gateway dials it (CIDR strings or
+    networks; empty: any address but the ones nothing legitimate serves a worker at). A worker
+    name is resolved and checked at every new connection, and the address checked is the one
+    dialled (`utils.worker_addresses`): the controller checked it at registration, but a name's
+    answers can change since."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "routing", RoutingMode(self.routing))
@@ -132,6 +141,8 @@ class GatewaySettings:
             raise ValueError(f"max_worker_attempts must be an integer >= 1, got {self.max_worker_attempts!r}")
         if self.allowed_hosts is not None:
             object.__setattr__(self, "allowed_hosts", frozenset(self.allowed_hosts))
+        object.__setattr__(self, "allowed_worker_networks",
+                           parse_networks(str(n) for n in self.allowed_worker_networks))
         streams = self.max_streams_per_key
         if streams is not None and (isinstance(streams, bool) or not isinstance(streams, int) or streams < 1):
             raise ValueError(f"max_streams_per_key must be an integer >= 1 or None, got {streams!r}")
