@@ -21,6 +21,8 @@ import pytest
 from llmplatform.controller import ControllerConfig
 from llmplatform.controller import create_app as create_controller_app
 from llmplatform.utils.server import serve_in_thread
+from tests.polling import wait_until
+from tests.processes import free_port
 from tests.security.helpers import ConnectionCounter, RecordingTransport
 from tests.stub_workers import StubWorkers, stub_workers
 
@@ -173,7 +175,8 @@ def test_addresses_inside_the_allow_list_are_accepted(start_controller: Any) -> 
     for name in ("http://10.9.8.7:21002", "http://worker.internal:21002"):
         response = controller.register(name)
         assert response.status_code == 200 and response.json()["pending"] is True, response.text
-    assert controller.resolver.asked == ["worker.internal"]
+    # Resolved at registration, and again at each dial (checked again each time).
+    assert set(controller.resolver.asked) == {"worker.internal"}
     assert controller.models() == []
     with ConnectionCounter() as listener:  # and a loopback worker, which is dialled at once
         controller.register(listener.url, status=None)
@@ -186,9 +189,33 @@ def test_without_an_allow_list_names_are_resolved_and_every_address_checked(cont
     assert response.status_code == 400 and "169.254.169.254" in response.json()["error"]
     response = controller.register("http://nowhere.internal:8000", status=None)
     assert response.status_code == 403 and "does not resolve" in response.json()["error"]
-    assert controller.resolver.asked == ["worker.internal", "metadata.internal", "nowhere.internal"]
-    # Only the accepted one is dialled (again and again while it is pending).
-    assert {r.url.host for r in controller.transport.requests} == {"worker.internal"}
+    asked = controller.resolver.asked
+    assert asked[0] == "worker.internal"
+    assert [name for name in asked if name != "worker.internal"] == ["metadata.internal", "nowhere.internal"]
+    # Only the accepted one is dialled (again and again while it is pending), at the address
+    # its name resolved to and was checked, under its own Host.
+    assert {r.url.host for r in controller.transport.requests} == {"10.1.2.3"}
+    assert {r.headers["host"] for r in controller.transport.requests} == {"worker.internal:21002"}
+    assert controller.models() == []
+
+
+def test_a_name_that_rebinds_after_registration_is_never_dialled_at_its_new_address(
+        controller: Controller, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DNS rebinding: accepted while it resolves to loopback, the name then answers with the
+    metadata address. Every later dial (the pending registration's polls) resolves again, is
+    refused before connecting, and nothing reaches 169.254.169.254."""
+    monkeypatch.setitem(FAKE_DNS, "rebind.internal", ["127.0.0.1"])
+    port = free_port()  # nothing listens: the registration stays pending, polled with backoff
+    assert controller.register(f"http://rebind.internal:{port}").json()["pending"] is True
+    wait_until(lambda: len(controller.transport.requests) >= 1, timeout_s=10,
+               what="the first poll, at 127.0.0.1")
+    monkeypatch.setitem(FAKE_DNS, "rebind.internal", ["169.254.169.254"])
+    asked, dialled = len(controller.resolver.asked), len(controller.transport.requests)
+    wait_until(lambda: len(controller.resolver.asked) >= asked + 2, timeout_s=20,
+               what="two more dials of the rebound name")
+    assert len(controller.transport.requests) == dialled  # refused before any connection
+    assert {r.url.host for r in controller.transport.requests} == {"127.0.0.1"}
+    assert {r.headers["host"] for r in controller.transport.requests} == {f"rebind.internal:{port}"}
     assert controller.models() == []
 
 

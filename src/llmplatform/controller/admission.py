@@ -30,9 +30,10 @@ dial anything) and a way to capture prompts (announce a model name, receive its 
   workers live;
 - with `--allowed-worker-networks`, every one of those addresses inside one of the networks.
 
-(The HTTP client resolves a name again when it connects, so a name is trusted not to change
-its answers between the check and the dial; where that is not acceptable, announce IP literals
-or set `--allowed-worker-networks`, which then bounds any answer.)
+A name is resolved again whenever a worker is dialled, by the controller and by the gateway; each
+of those dials checks the addresses it got by the same rules and connects to the one it checked
+(`utils.worker_addresses.CheckedDialTransport`), so a name whose answers change after its
+registration still reaches only addresses a worker may live at.
 
 Everything here runs before the controller makes any outbound call for the registration.
 """
@@ -40,19 +41,22 @@ Everything here runs before the controller makes any outbound call for the regis
 from __future__ import annotations
 
 import asyncio
-import ipaddress
-import socket
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from urllib.parse import SplitResult, urlsplit
 
 from llmplatform.controller.registry import WorkerInfo
-
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-Resolver = Callable[[str], Awaitable[list[str]]]
-"""host name -> the IP addresses it resolves to (as strings)."""
-
-_BROADCAST = ipaddress.IPv4Address("255.255.255.255")
+from llmplatform.utils.worker_addresses import (  # noqa: F401 (re-exported: the rules live there)
+    METADATA_ADDRESSES,
+    IPAddress,
+    IPNetwork,
+    Resolver,
+    forbidden_reason,
+    legacy_ipv4,
+    literal_address,
+    parse_networks,
+    reached_addresses,
+    resolve_host,
+)
 
 
 class RegistrationRefused(Exception):
@@ -61,29 +65,6 @@ class RegistrationRefused(Exception):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
-
-
-def parse_networks(values: Iterable[str]) -> tuple[IPNetwork, ...]:
-    """CIDR strings (`10.0.0.0/8`, `127.0.0.1`, `fd00::/8`) as networks; ValueError if malformed."""
-    networks = []
-    for value in values:
-        value = value.strip()
-        if not value:
-            continue
-        try:
-            networks.append(ipaddress.ip_network(value, strict=False))
-        except ValueError as exc:
-            raise ValueError(f"invalid network {value!r} in allowed_worker_networks: {exc}") from None
-    return tuple(networks)
-
-
-async def resolve_host(host: str, timeout: float = 5.0) -> list[str]:
-    """The addresses `host` resolves to, through the event loop's resolver (no blocking)."""
-    loop = asyncio.get_running_loop()
-    infos = await asyncio.wait_for(
-        loop.getaddrinfo(host, None, type=socket.SOCK_STREAM), timeout=timeout
-    )
-    return sorted({str(info[4][0]) for info in infos})
 
 
 def split_worker_url(worker_name: str) -> SplitResult:
@@ -109,101 +90,6 @@ def split_worker_url(worker_name: str) -> SplitResult:
     if any(ch.isspace() or ord(ch) < 0x20 for ch in worker_name):
         raise RegistrationRefused(f"worker_name {worker_name!r} contains whitespace or control characters")
     return parts
-
-
-_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
-_OCT_DIGITS = frozenset("01234567")
-_DEC_DIGITS = frozenset("0123456789")
-
-
-def legacy_ipv4(host: str) -> ipaddress.IPv4Address | None:
-    """The IPv4 address `inet_aton` (and so `getaddrinfo`) reads in `host`, or None.
-
-    One to four dot-separated parts, each decimal, octal (leading `0`) or hex (`0x`); every part
-    but the last is one byte, the last fills the bytes left (`10.1` is 10.0.0.1, `169.254.43518`
-    is 169.254.169.254). Anything else (a trailing dot included) is a name, left to resolution.
-    """
-    parts = host.split(".")
-    if not host or len(parts) > 4:
-        return None
-    values = []
-    for part in parts:
-        if part[:2] in ("0x", "0X"):
-            digits, base, allowed = part[2:], 16, _HEX_DIGITS
-        elif len(part) > 1 and part[0] == "0":
-            digits, base, allowed = part[1:], 8, _OCT_DIGITS
-        else:
-            digits, base, allowed = part, 10, _DEC_DIGITS
-        if not part or not set(digits) <= allowed:  # int() alone would take "+1", "1_0", " 1"
-            return None
-        values.append(int(digits, base) if digits else 0)
-    *head, last = values
-    if any(v > 0xFF for v in head) or last >= 1 << (8 * (4 - len(head))):
-        return None
-    number = 0
-    for value in head:
-        number = number << 8 | value
-    return ipaddress.IPv4Address(number << (8 * (4 - len(head))) | last)
-
-
-def literal_address(host: str) -> IPAddress | None:
-    """`host` (a URL's host, brackets and zone id allowed) as the address it spells; None for
-    a name that has to be resolved."""
-    bare = host.strip("[]").split("%", 1)[0]
-    try:
-        return ipaddress.ip_address(bare)
-    except ValueError:
-        return legacy_ipv4(bare)
-
-
-_NAT64_WELL_KNOWN = ipaddress.IPv6Network("64:ff9b::/96")
-_IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
-
-
-def reached_addresses(ip: IPAddress) -> list[IPAddress]:
-    """Every address a connection to `ip` may end up at: `ip` itself, or, for an IPv4-mapped
-    address, only the IPv4 address it is; plus the IPv4 address other IPv6 forms carry."""
-    if isinstance(ip, ipaddress.IPv4Address):
-        return [ip]
-    if ip.ipv4_mapped is not None:
-        return [ip.ipv4_mapped]
-    embedded: list[IPAddress] = [ip]
-    low32 = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-    if ip in _NAT64_WELL_KNOWN or (ip in _IPV4_COMPATIBLE and int(ip) > 1):  # not :: nor ::1
-        embedded.append(low32)
-    if ip.sixtofour is not None:
-        embedded.append(ip.sixtofour)
-    if ip.teredo is not None:
-        embedded.extend(ip.teredo)
-    return embedded
-
-
-METADATA_ADDRESSES: dict[IPAddress, str] = {
-    ipaddress.ip_address("fd00:ec2::254"): "AWS's instance metadata service (IPv6)",
-    ipaddress.ip_address("fd20:ce::254"): "GCP's metadata server (IPv6)",
-    ipaddress.ip_address("100.100.100.200"): "Alibaba Cloud's instance metadata service",
-    ipaddress.ip_address("192.0.0.192"): "Oracle Cloud Classic's metadata service",
-    ipaddress.ip_address("168.63.129.16"): "Azure's WireServer (platform agent endpoint)",
-}
-"""Cloud metadata endpoints outside the link-local ranges (those are refused as a whole)."""
-
-_THIS_NETWORK = ipaddress.IPv4Network("0.0.0.0/8")
-
-
-def _forbidden_reason(ip: IPAddress) -> str | None:
-    if ip.is_unspecified:
-        return "the bind-all address, which nobody can connect to"
-    if ip in METADATA_ADDRESSES:
-        return f"a cloud metadata endpoint ({METADATA_ADDRESSES[ip]})"
-    if isinstance(ip, ipaddress.IPv4Address) and ip in _THIS_NETWORK:
-        return "an address in 0.0.0.0/8 ('this network'), which nobody serves at"
-    if ip.is_multicast:
-        return "a multicast address"
-    if ip.is_link_local:
-        return "a link-local address (where cloud metadata services live)"
-    if ip == _BROADCAST:
-        return "the broadcast address"
-    return None
 
 
 async def worker_addresses(host: str, resolve: Resolver, timeout: float) -> list[IPAddress]:
@@ -242,7 +128,7 @@ async def check_worker_address(
     parts = split_worker_url(worker_name)
     host = parts.hostname or ""
     for ip in await worker_addresses(host, resolve, resolve_timeout):
-        reason = _forbidden_reason(ip)
+        reason = forbidden_reason(ip)
         if reason is not None:
             raise RegistrationRefused(
                 f"worker_name {worker_name!r} reaches {ip}, {reason}; announce an address the "

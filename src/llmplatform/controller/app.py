@@ -52,6 +52,7 @@ from llmplatform.metrics.controller import ControllerMetrics
 from llmplatform.utils.request_id import RequestIdMiddleware
 from llmplatform.utils.cluster_secret import ClusterSecretMiddleware, secret_headers
 from llmplatform.utils.request_guard import RequestGuard
+from llmplatform.utils.worker_addresses import CheckedDialTransport
 from llmplatform.protocol.controller import (
     CacheAwareOptions,
     DeregisterWorkerRequest,
@@ -162,8 +163,13 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         timeout = httpx.Timeout(config.status_timeout, connect=config.connect_timeout)
+        # Every call of this client goes to a worker: a name is resolved, checked like its
+        # registration and dialled at the address checked (utils.worker_addresses).
+        dial = CheckedDialTransport(transport or httpx.AsyncHTTPTransport(),
+                                    allowed_networks=config.allowed_worker_networks,
+                                    resolve=resolve, timeout=config.status_timeout)
         async with httpx.AsyncClient(
-            timeout=timeout, transport=transport, headers=secret_headers(config.cluster_secret)
+            timeout=timeout, transport=dial, headers=secret_headers(config.cluster_secret)
         ) as client:
             app.state.http_client = client
             sweeper = asyncio.create_task(

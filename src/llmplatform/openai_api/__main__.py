@@ -103,6 +103,11 @@ class GatewayServiceSettings(ServerSettings):
         "text and logprobs in each chunk; stock FastChat workers ignore it and send cumulative "
         "ones, which are read as before); --no-worker-stream-deltas asks none, for comparison "
         "(default: on)", negatable=True)
+    allowed_worker_networks: CommaList = option(
+        (), "comma-separated networks (e.g. 10.0.0.0/8,127.0.0.1/32) a worker's address must "
+        "lie in when the gateway dials it; a worker's name is resolved and checked at every "
+        "new connection (default: any address except bind-all, multicast, link-local, "
+        "broadcast and cloud metadata endpoints)", metavar="CIDRS")
     session_header: OptionalText = option(
         None, "a request header (e.g. X-Session-Id) whose value keeps a conversation on one worker "
         "when the controller dispatches cache_aware; without it, or when a request lacks it, "

@@ -32,6 +32,7 @@ from llmplatform.openai_api.settings import GatewaySettings, RoutingMode
 from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.utils.cluster_secret import secret_headers
 from llmplatform.utils.request_guard import RequestGuard, RequestGuardConfig
+from llmplatform.utils.worker_addresses import CheckedDialTransport
 from llmplatform.utils.request_id import RequestIdMiddleware, tag_outgoing_request
 
 logger = logging.getLogger("llmplatform.openai_api")
@@ -56,8 +57,13 @@ def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | N
         headers = secret_headers(settings.cluster_secret)
         # ...and the id of the request it serves (X-Request-Id), for the workers' logs.
         hooks = {"request": [tag_outgoing_request]}
+        # Calls to workers (model details, aborts) dial the address checked (worker_addresses).
+        dial = CheckedDialTransport(httpx.AsyncHTTPTransport(limits=limits),
+                                    allowed_networks=settings.allowed_worker_networks,
+                                    timeout=settings.connect_timeout,
+                                    exempt_hosts=[httpx.URL(settings.controller_address).host])
         async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers,
-                                     event_hooks=hooks) as http:
+                                     event_hooks=hooks, transport=dial) as http:
             table = (RoutingTable(max_age=max_table_age(settings.worker_refresh_interval), rng=rng)
                      if settings.routing is RoutingMode.LOCAL else None)
             decisions = app.state.metrics.routing_decisions

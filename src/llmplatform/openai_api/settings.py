@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
+
+from llmplatform.utils.worker_addresses import parse_networks
 
 # What the worker itself accepts at most (llmplatform.sampling.params): a cap above it would only
 # move the refusal from the gateway to the worker.
@@ -154,6 +157,12 @@ class GatewaySettings:
     tenant_limits: TenantLimits = TenantLimits()
     """Per-key limits (per client address on a gateway without keys)."""
     prefix_cache_isolation: PrefixCacheIsolation = PrefixCacheIsolation.AUTO
+    allowed_worker_networks: tuple[Any, ...] = ()
+    """Networks a worker's address must lie in when the gateway dials it (CIDR strings or
+    networks; empty: any address but the ones nothing legitimate serves a worker at). A worker
+    name is resolved and checked at every new connection, and the address checked is the one
+    dialled (`utils.worker_addresses`): the controller checked it at registration, but a name's
+    answers can change since."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "routing", RoutingMode(self.routing))
@@ -180,6 +189,8 @@ class GatewaySettings:
         if self.allowed_hosts is not None:
             object.__setattr__(self, "allowed_hosts", frozenset(self.allowed_hosts))
         object.__setattr__(self, "prefix_cache_isolation", PrefixCacheIsolation(self.prefix_cache_isolation))
+        object.__setattr__(self, "allowed_worker_networks",
+                           parse_networks(str(n) for n in self.allowed_worker_networks))
         for name in ("worker_timeout", "controller_timeout", "connect_timeout", "abort_timeout",
                      "worker_refresh_interval"):
             value = getattr(self, name)

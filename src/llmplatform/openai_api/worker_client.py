@@ -387,7 +387,8 @@ class WorkerClient:
             self._streams = WorkerStreamClient(
                 headers=secret_headers(self._settings.cluster_secret),
                 connect_timeout=self._settings.connect_timeout,
-                read_timeout=self._settings.worker_timeout, max_connections=MAX_WORKER_CONNECTIONS)
+                read_timeout=self._settings.worker_timeout, max_connections=MAX_WORKER_CONNECTIONS,
+                allowed_networks=self._settings.allowed_worker_networks)
         return self._streams
 
     async def aclose(self) -> None:

@@ -47,6 +47,8 @@ import httptools
 from llmplatform.errors import WorkerTimeoutError
 from llmplatform.openai_api.worker_wire import WorkerUnavailableError, worker_http_error
 from llmplatform.utils.request_id import REQUEST_ID, REQUEST_ID_HEADER
+from llmplatform.utils.worker_addresses import (DialRefused, IPNetwork, Resolver, addresses_to_dial,
+                                               resolve_host)
 
 IDLE_TIMEOUT_S = 4.0
 """How long an idle pooled connection is kept (below uvicorn's 5 s keep-alive)."""
@@ -251,13 +253,16 @@ class WorkerStreamClient:
     loop; ``aclose`` it at shutdown)."""
 
     def __init__(self, *, headers: Mapping[str, str], connect_timeout: float, read_timeout: float,
-                 max_connections: int) -> None:
+                 max_connections: int, allowed_networks: tuple[IPNetwork, ...] = (),
+                 resolve: Resolver | None = None) -> None:
         for name, value in headers.items():
             if any(c in f"{name}{value}" for c in "\r\n\0"):
                 raise ValueError(f"header {name!r} has a line break or NUL in it")
         self._extra_headers = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
+        self._allowed_networks = allowed_networks
+        self._resolve = resolve or (lambda host: resolve_host(host, connect_timeout))
         self._slots = asyncio.Semaphore(max_connections)
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._targets: dict[str, _Target] = {}
@@ -313,8 +318,15 @@ class WorkerStreamClient:
             context = self._ssl
         try:
             async with asyncio.timeout(self._connect_timeout):
+                # A name is resolved here, once, and checked; the address checked is the one
+                # dialled (the Host header and TLS's server name stay the name's).
+                addresses = await addresses_to_dial(target.host, self._resolve,
+                                                    self._allowed_networks, self._connect_timeout)
                 _, connection = await loop.create_connection(
-                    lambda: _Connection(loop), target.host, target.port, ssl=context)
+                    lambda: _Connection(loop), addresses[0], target.port, ssl=context,
+                    server_hostname=target.host if context is not None else None)
+        except DialRefused as exc:
+            raise WorkerUnavailableError(f"The worker at {url} was not dialled: {exc}.") from None
         except TimeoutError:
             raise WorkerUnavailableError(f"The worker at {url} did not accept a connection in time.") from None
         except OSError as exc:

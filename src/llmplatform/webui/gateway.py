@@ -139,7 +139,7 @@ class GatewayClient:
             base_url=settings.api_base,
             # The client insists on a key; a gateway without keys ignores whatever is sent.
             api_key=settings.api_key or "none",
-            timeout=httpx.Timeout(settings.request_timeout, connect=CONNECT_TIMEOUT_S),
+            timeout=openai.Timeout(settings.request_timeout, connect=CONNECT_TIMEOUT_S),
             # A retry would hide a refusal behind a delay and could start a second generation.
             max_retries=0,
         )
