@@ -59,7 +59,12 @@ def controller_app(*, heartbeat_expiration: float = 10.0, rng: Any = None) -> An
 
 
 def gateway_app(controller_url: str, *, rng: Any = None, **settings: Any) -> Any:
-    """A gateway; `rng` draws its routing table's random picks (see FirstCandidate)."""
+    """A gateway; `rng` draws its routing table's random picks (see FirstCandidate). The load
+    tests send 100 requests at once from one address: past the per-key default (64), so the
+    tenant limit is off unless a test sets it."""
+    from llmplatform.openai_api.settings import TenantLimits
+
+    settings.setdefault("tenant_limits", TenantLimits(max_concurrent_requests=None))
     return create_gateway_app(GatewaySettings(controller_address=controller_url, **settings), rng=rng)
 
 
