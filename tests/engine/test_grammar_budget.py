@@ -77,7 +77,7 @@ def test_a_request_past_its_per_token_budget_fails_alone(tiny_model_dir, tokeniz
     attacker = finished["attacker"]
     assert attacker.finish_reason is FinishReason.ERROR
     assert attacker.error_code == InvalidRequestError.error_code  # a 400, not a 500
-    assert "per-token budget" in attacker.error
+    assert attacker.error.startswith("guided_regex: ") and "per-token budget" in attacker.error
     assert engine.grammars.num_budget_failures == 1
     # The others went on: all their tokens, the constrained one still following its grammar.
     assert finished["plain"].finish_reason is FinishReason.LENGTH and len(outputs["plain"]) == 12

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import itertools
 import json
@@ -45,7 +46,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Any, AsyncIterator, Hashable, Sequence
 
 import torch
 import xgrammar as xgr
@@ -151,6 +152,14 @@ class CompiledGrammar:
 
 
 @dataclass
+class _TenantSlot:
+    """A tenant's compile slots, and how many callers hold or await one."""
+
+    semaphore: asyncio.Semaphore
+    users: int = 0
+
+
+@dataclass
 class _Flight:
     """One compile in progress and how many callers still wait for it."""
 
@@ -192,7 +201,8 @@ class GrammarCompiler:
         # Reentrant: a future that is already done runs its done-callback (_land) at once, inside
         # _join's critical section.
         self._lock = threading.RLock()
-        self._tenants: dict[str, asyncio.Semaphore] = {}
+        self._tenants: dict[str, _TenantSlot] = {}
+        self._closed = False
         self.num_killed = 0  # compiles stopped at their deadline
         for _ in range(config.max_concurrent_compiles):
             self._pool.submit(self._warm_one)
@@ -212,34 +222,45 @@ class GrammarCompiler:
             return hit
         timeout_s = self.config.compile_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        if tenant is None:
-            return await self._compile_async(key, spec, timeout_s)
-        semaphore = self._tenants.setdefault(
-            tenant, asyncio.Semaphore(self.config.max_compiles_per_tenant))
         try:
-            await asyncio.wait_for(semaphore.acquire(), timeout_s)
+            async with self._tenant_slot(tenant, timeout_s):
+                if (hit := self.cache.get(key)) is not None:
+                    return hit
+                return await self._compile_async(key, spec, deadline)
         except TimeoutError:
             raise _too_slow(spec, timeout_s) from None
-        try:
-            if (hit := self.cache.get(key)) is not None:
-                return hit
-            return await self._compile_async(key, spec, max(0.0, deadline - time.monotonic()),
-                                             reported_timeout_s=timeout_s)
-        finally:
-            semaphore.release()
-            if not semaphore.locked() and not getattr(semaphore, "_waiters", None):
-                self._tenants.pop(tenant, None)
 
-    async def _compile_async(self, key: Hashable, spec: StructuredOutputSpec, timeout_s: float,
-                             *, reported_timeout_s: float | None = None) -> CompiledGrammar:
+    @contextlib.asynccontextmanager
+    async def _tenant_slot(self, tenant: str | None, timeout_s: float) -> AsyncIterator[None]:
+        """One of ``tenant``'s compile slots (None: no tenant, no wait). A tenant's entry lives
+        while someone holds or awaits one of its slots."""
+        if tenant is None:
+            yield
+            return
+        slot = self._tenants.get(tenant)
+        if slot is None:
+            slot = self._tenants[tenant] = _TenantSlot(
+                asyncio.Semaphore(self.config.max_compiles_per_tenant))
+        slot.users += 1
+        try:
+            await asyncio.wait_for(slot.semaphore.acquire(), timeout_s)
+            try:
+                yield
+            finally:
+                slot.semaphore.release()
+        finally:
+            slot.users -= 1
+            if slot.users == 0:
+                del self._tenants[tenant]
+
+    async def _compile_async(self, key: Hashable, spec: StructuredOutputSpec, deadline: float
+                             ) -> CompiledGrammar:
         flight = self._join(key, spec)
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future = loop.create_future()
         flight.future.add_done_callback(lambda f: _resolve_threadsafe(loop, waiter, f))
         try:
-            return await asyncio.wait_for(waiter, timeout_s)
-        except TimeoutError:
-            raise _too_slow(spec, reported_timeout_s or timeout_s) from None
+            return await asyncio.wait_for(waiter, max(0.0, deadline - time.monotonic()))
         except _CompileError as e:
             raise e.for_request(spec) from None
         finally:
@@ -276,6 +297,7 @@ class GrammarCompiler:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
+            self._closed = True
             processes, self._all_processes = self._all_processes, []
         for process in processes:
             process.kill()
@@ -361,8 +383,11 @@ class GrammarCompiler:
     def _new_process(self) -> GrammarProcess:
         process = GrammarProcess(self.tokenizer_info_json, name="grammar-compile")
         with self._lock:
-            self._all_processes.append(process)
-        return process
+            if not self._closed:
+                self._all_processes.append(process)
+                return process
+        process.kill()  # closed while it started
+        raise GrammarProcessDied("the grammar compiler is closed")
 
     def _take_process(self) -> GrammarProcess:
         while True:

@@ -43,7 +43,7 @@ class _State:
         # Characters each token stands for: the probe walks the longest allowed tokens, the
         # path on which an ambiguous grammar's parser states grow fastest.
         self.token_chars = np.array([len(t) for t in self.info.decoded_vocab], dtype=np.int64)
-        self.stop_ids = set(int(t) for t in self.info.stop_token_ids)
+        self.stop_ids = np.array(sorted(int(t) for t in self.info.stop_token_ids), dtype=np.int64)
 
 
 def serve(conn: Any) -> None:
@@ -126,8 +126,7 @@ def _probe(state: _State, conn: Any, grammar: xgr.CompiledGrammar, num_tokens: i
                     f"{budget_s * 1000:.0f} ms; simplify it (nested repetitions such as "
                     "(.{1,50}){1,50} make every token slower than the last)")
         allowed = _allowed_ids(bitmask[0], state.vocab_size)
-        choices = np.array([t for t in allowed.tolist() if t not in state.stop_ids],
-                           dtype=np.int64)
+        choices = allowed[~np.isin(allowed, state.stop_ids)]
         if position == 0 and not len(allowed):
             return "cannot be satisfied: no token may start the output"
         if not len(choices):

@@ -9,7 +9,7 @@ only those rows (:func:`apply_bitmask`), and each sampled token advances its seq
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 import xgrammar as xgr
@@ -50,7 +50,7 @@ class SequenceGrammar:
         :func:`allocate_bitmask`). After termination only the stop tokens are allowed, so a
         sequence that is (wrongly) scheduled again ends at once instead of failing the batch."""
         if self._matcher.is_terminated():
-            _allow_only(bitmask, row, self._matcher.stop_token_ids)
+            allow_only(bitmask, row, self._matcher.stop_token_ids)
         else:
             self._matcher.fill_next_token_bitmask(bitmask, row)
 
@@ -157,7 +157,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, row_indices: Sequ
                                     indices=list(row_indices))
 
 
-def _allow_only(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
+def allow_only(bitmask: torch.Tensor, row: int, token_ids: Iterable[int]) -> None:
+    """Set ``bitmask[row]`` to allow exactly ``token_ids``."""
     bitmask[row].zero_()
     for token_id in token_ids:
         word, bit = divmod(int(token_id), 32)

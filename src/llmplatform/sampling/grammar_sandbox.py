@@ -26,10 +26,10 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Sequence
 
-import numpy as np
 import torch
 
 from llmplatform.errors import InvalidRequestError
+from llmplatform.sampling.grammar_matcher import allow_only
 from llmplatform.sampling.grammar_process import GrammarProcess, GrammarProcessDied
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class RemoteGrammar:
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         if self._terminated:
-            _allow_only(bitmask, row, self._stop_token_ids)
+            allow_only(bitmask, row, self._stop_token_ids)
             return
         failures = self._sandbox.fill([self])
         if failures:
@@ -112,12 +112,6 @@ class RemoteGrammar:
     def is_terminated(self) -> bool:
         return self._terminated
 
-    def rollback(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= len(self._accepted):
-            raise ValueError(f"cannot roll back {num_tokens} of {len(self._accepted)} tokens")
-        if num_tokens:
-            self.replay(self._accepted[:-num_tokens])
-
     def replay(self, token_ids: Sequence[int]) -> None:
         """Rebuild from ``token_ids``; the process checks them on the next fill (a token the
         grammar does not allow then fails the request)."""
@@ -125,11 +119,6 @@ class RemoteGrammar:
         self._terminated = bool(self._accepted) and self._accepted[-1] in self._stop_token_ids
         self.generation = None  # reopened, with every token, by the next fill
         self.mask = None
-
-    def fork(self) -> RemoteGrammar:
-        twin = RemoteGrammar(self._sandbox, self.compiled, self._override_stops)
-        twin.replay(self._accepted)
-        return twin
 
 
 class GrammarSandbox:
@@ -206,12 +195,13 @@ class GrammarSandbox:
             except GrammarProcessDied:
                 reply = None
             if reply is None:
-                self._fail(grammar, failures, self._too_slow())
+                self._fail(grammar, failures, self._too_slow(grammar))
                 self._restart()
                 return pending[index + 1:]
             if reply[0] == "row_error":
-                self._fail(grammar, failures, GrammarBudgetError(
-                    f"structured output: {reply[2]}", param="response_format"))
+                param = grammar.compiled.spec.param
+                self._fail(grammar, failures, GrammarBudgetError(f"{param}: {reply[2]}",
+                                                                 param=param))
             else:
                 grammar.mask = torch.frombuffer(bytearray(reply[2]), dtype=torch.int32)
                 grammar.generation = self._generation
@@ -221,12 +211,13 @@ class GrammarSandbox:
             self._restart()
         return []
 
-    def _too_slow(self) -> GrammarBudgetError:
+    def _too_slow(self, grammar: RemoteGrammar) -> GrammarBudgetError:
         self.num_budget_failures += 1
+        param = grammar.compiled.spec.param
         return GrammarBudgetError(
-            f"structured output: choosing the next token took longer than the per-token budget "
-            f"of {self.token_budget_s * 1000:.0f} ms (the grammar gets slower as the output "
-            "grows); simplify it", param="response_format")
+            f"{param}: choosing the next token took longer than the per-token budget of "
+            f"{self.token_budget_s * 1000:.0f} ms (the grammar gets slower as the output "
+            "grows); simplify it", param=param)
 
     @staticmethod
     def _fail(grammar: RemoteGrammar, failures: dict, error: GrammarBudgetError) -> None:
@@ -265,14 +256,6 @@ class _ProcessSlot:
 def _allows(mask: torch.Tensor, token_id: int) -> bool:
     word, bit = divmod(token_id, 32)
     return word < mask.shape[0] and bool((int(mask[word]) >> bit) & 1)
-
-
-def _allow_only(bitmask: torch.Tensor, row: int, token_ids: frozenset[int]) -> None:
-    words = np.zeros(bitmask.shape[1], dtype=np.uint32)
-    for token_id in token_ids:
-        word, bit = divmod(token_id, 32)
-        words[word] |= np.uint32(1 << bit)
-    bitmask[row].copy_(torch.from_numpy(words.view(np.int32)))
 
 
 def fill_remote_grammars(grammars: Sequence[object]) -> dict[RemoteGrammar, GrammarBudgetError]:
