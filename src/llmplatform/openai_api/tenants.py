@@ -38,7 +38,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmplatform.errors import EngineOverloadedError, InvalidRequestError
 from llmplatform.metrics.gateway import GatewayMetrics
-from llmplatform.openai_api.errors import error_payload
+from llmplatform.openai_api.auth import key_digest, presented_key
+from llmplatform.openai_api.errors import AuthenticationError, error_payload
 from llmplatform.openai_api.rate_limits import Decision, TenantLimiter, ratelimit_headers
 from llmplatform.openai_api.settings import GatewaySettings, PrefixCacheIsolation
 from llmplatform.utils.request_guard import send_refusal
@@ -60,10 +61,6 @@ def key_id(key: str) -> str:
     """A key's public id: 12 hex digits of scrypt (N=2^14, r=8: ~50 ms and 16 MiB per guess)."""
     return hashlib.scrypt(key.encode("utf-8", "surrogateescape"), salt=_KEY_ID_SALT,
                           n=2**14, r=8, p=1, dklen=6).hex()
-
-
-def _sha256(text: str) -> bytes:
-    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).digest()
 
 
 @dataclass(frozen=True)
@@ -102,15 +99,17 @@ class Tenants:
         self.limiter = limiter or TenantLimiter(settings.tenant_limits)
         ids: dict[bytes, str] = {}
         for key in dict.fromkeys(settings.api_keys + settings.admin_api_keys):
-            ids[_sha256(key)] = key_id(key)
+            ids[key_digest(key)] = key_id(key)
         self._ids = ids
         self._labelled = frozenset(list(dict.fromkeys(ids.values()))[:MAX_KEY_LABELS])
         self._warned_workers: set[str] = set()
 
     def identify(self, scope: Scope) -> Tenant:
         if self._ids:
-            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            found = self._ids.get(_sha256(token.strip())) if scheme.lower() == "bearer" else None
+            try:
+                found = self._ids.get(key_digest(presented_key(Headers(scope=scope))))
+            except AuthenticationError:  # no key: only admin keys are configured (no key check)
+                found = None
             if found is not None:
                 return Tenant(f"key:{found}", found if found in self._labelled else OTHER_KEYS,
                               f"key:{found}")
