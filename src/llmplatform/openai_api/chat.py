@@ -85,7 +85,7 @@ async def create_chat_completion(request: Request) -> Response:
 
     response_id = new_id("chatcmpl")
     # body.tools is the client's JSON as sent (checked later, in start_on): routing only hashes it.
-    route = route_request(request, chat_routing_text(messages, body.tools), body.user, salt.value)
+    route = route_request(request, chat_routing_text(messages, body.tools), body.user, salt)
     return await answer(request, body.model, start_on,
                         lambda prepared: _ChatStream(body, response_id, prepared=prepared),
                         stream=bool(body.stream), route=route)

@@ -84,7 +84,7 @@ async def create_completion(request: Request) -> Response:
         return list(prepared), streams
 
     response_id = new_id("cmpl")
-    route = route_request(request, prompts[0], body.user, salt.value)  # a batch: by its first prompt
+    route = route_request(request, prompts[0], body.user, salt)  # a batch: by its first prompt
     return await answer(request, body.model, start_on,
                         lambda prepared: _CompletionStream(body, response_id, n=n, prepared=prepared),
                         stream=bool(body.stream), route=route)

@@ -130,15 +130,15 @@ class Tenants:
 
     # ---- cache salts ----------------------------------------------------------------------------
 
-    def cache_salt(self, request: Request, client_salt: str | None) -> RequestSalt:
+    def cache_salt(self, request: Request, client_salt: str | None) -> str | None:
         """The salt a request is sent with: the client's `cache_salt` and, when prefix caches are
         isolated, its tenant's id before it (so no client can name another tenant's salt)."""
         ticket = ticket_of(request)
         if not self.settings.isolates_prefix_caches or ticket is None:
-            return RequestSalt(client_salt, client_salt)
+            return client_salt
         # The tenant's part has a fixed shape without "|": everything after the first "|" is
         # the client's, so no client salt can spell another tenant's (and it stays short).
-        return RequestSalt(f"{ticket.tenant.salt}|{client_salt or ''}", client_salt)
+        return f"{ticket.tenant.salt}|{client_salt or ''}"
 
     @staticmethod
     def worker_tenant(request: Request) -> str | None:
@@ -148,38 +148,29 @@ class Tenants:
         ticket = ticket_of(request)
         return ticket.tenant.salt if ticket is not None else None
 
-    def for_worker(self, salt: RequestSalt, announced: frozenset[str], model: str,
+    def for_worker(self, salt: str | None, announced: frozenset[str], model: str,
                    address: str) -> str | None:
-        """The salt to send the worker at `address`, which announced `announced`.
+        """The salt (`cache_salt`'s answer) to send the worker at `address`, which announced
+        `announced`.
 
         A worker that did not announce `cache_salt` (a stock FastChat worker) would drop it and
-        share its cache anyway: a client's own salt, or the gateway's under an explicit
-        `per-key`, is then refused (400 naming `cache_salt`); the default `auto` serves it
-        unsalted and says so in the log, once per worker."""
-        if salt.value is None or CACHE_SALT_EXTENSION in announced:
-            return salt.value
-        explicit = self.settings.prefix_cache_isolation is PrefixCacheIsolation.PER_KEY
-        if salt.client is not None or explicit:
-            reason = ("" if salt.client is not None else
-                      ", which this gateway sets to keep each API key's prefix cache apart "
-                      "(--prefix-cache-isolation per-key)")
+        share its cache anyway. A client's own salt was refused there already, like any field
+        such a worker cannot honour (translate.check_worker_extensions); what is left is the
+        gateway's: refused under an explicit `per-key` (400 naming `cache_salt`), served
+        unsalted under the default `auto`, which the log says once per worker."""
+        if salt is None or CACHE_SALT_EXTENSION in announced:
+            return salt
+        if self.settings.prefix_cache_isolation is PrefixCacheIsolation.PER_KEY:
             raise InvalidRequestError(
                 f"Invalid value for 'cache_salt': the worker serving model {model!r} does not "
-                f"support cache_salt{reason}.", param="cache_salt")
+                "support cache_salt, which this gateway sets to keep each API key's prefix cache "
+                "apart (--prefix-cache-isolation per-key).", param="cache_salt")
         if address not in self._warned_workers and len(self._warned_workers) < _MAX_WARNED_WORKERS:
             self._warned_workers.add(address)
             logger.warning("the worker at %s (model %s) does not announce cache_salt: its prefix "
                            "cache is shared between API keys; use llmplatform workers, or set "
                            "--prefix-cache-isolation per-key to refuse such workers", address, model)
         return None
-
-
-@dataclass(frozen=True)
-class RequestSalt:
-    value: str | None
-    """What the worker gets (None: no salt)."""
-    client: str | None
-    """The client's own `cache_salt`, if it sent one."""
 
 
 class Ticket:
