@@ -54,6 +54,7 @@ async def create_completion(request: Request) -> Response:
     trace_id = worker_request_id_prefix(request)
     n = body.n or 1
     salt = tenants(request).cache_salt(request, body.cache_salt)
+    tenant = tenants(request).worker_tenant(request)
 
     async def start_on(address: str) -> tuple[list[PreparedPrompt], ChoiceStreams]:
         await check_generates(client, address, body.model)
@@ -77,7 +78,7 @@ async def create_completion(request: Request) -> Response:
                 choice_params = worker_params(
                     body, prompt, max_new_tokens=max_new_tokens, request_id=f"{trace_id}-{p * n + i}", choice_index=i,
                     constraint=constraint, cache_salt=cache_salt,
-                    tenant=tenants(request).worker_tenant(request),
+                    tenant=tenant,
                 )
                 params.append(params_dict(choice_params))
         streams = await start_choices(client, address, params, prompt_param="prompt", early=bool(body.stream))
