@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 from dataclasses import dataclass
 
 from starlette.datastructures import Headers
@@ -218,7 +219,7 @@ class TenantMiddleware:
         if decision.refused is not None:
             tenants.metrics.key_rejections.labels(tenant.label, decision.refused).inc()
             exc = tenants.refusal(tenant, decision)
-            retry_after = max(1, -int(-decision.retry_after_s // 1))  # whole seconds, rounded up
+            retry_after = max(1, math.ceil(decision.retry_after_s))  # whole seconds
             await send_refusal(send, exc.http_status, json.dumps(error_payload(exc)).encode(),
                                [(b"retry-after", str(retry_after).encode()), *headers])
             return
