@@ -283,6 +283,14 @@ def test_logit_bias_needs_a_worker_that_announced_it() -> None:
     assert info.value.param == "logit_bias" and info.value.http_status == 400
 
 
+def test_a_clients_cache_salt_needs_a_worker_that_announced_it() -> None:
+    check_worker_extensions(completion(cache_salt="team-1"), frozenset({"cache_salt"}))
+    for request in (chat(cache_salt="team-1"), completion(cache_salt="team-1")):
+        with pytest.raises(InvalidRequestError) as info:
+            check_worker_extensions(request, frozenset({"messages", "logit_bias"}))
+        assert info.value.param == "cache_salt" and "does not support cache_salt" in info.value.message
+
+
 def test_seeds_stay_in_the_workers_range_for_every_choice() -> None:
     top = 2**64 - 1
     seeds = [params_dict(worker_params(chat(seed=top), PREPARED, max_new_tokens=5, request_id="r",

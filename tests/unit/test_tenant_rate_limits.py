@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmplatform.openai_api.rate_limits import TenantLimiter, openai_duration, ratelimit_headers
+from llmplatform.openai_api.rate_limits import TenantLimiter, TokenBucket, openai_duration, ratelimit_headers
 from llmplatform.openai_api.settings import TenantLimits
 
 
@@ -80,6 +80,29 @@ def test_the_table_of_buckets_is_bounded() -> None:
     clock.now += 60  # every bucket full again: all can go
     limiter.admit("addr:new")
     assert limiter.num_tenants_tracked == 1
+
+
+def test_a_full_table_is_not_scanned_for_every_new_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """New tenants (addresses) arriving at a full table cost a few bucket refills each, not a
+    scan of the table each: the scan runs on the event loop."""
+    limiter = TenantLimiter(TenantLimits(max_concurrent_requests=None, max_requests_per_minute=1),
+                            clock=Clock(), max_tenants=64)
+    for n in range(64):
+        limiter.admit(f"addr:{n}")
+    refills = 0
+    refill = TokenBucket.refill
+
+    def counting(bucket: TokenBucket, now: float) -> None:
+        nonlocal refills
+        refills += 1
+        refill(bucket, now)
+
+    monkeypatch.setattr(TokenBucket, "refill", counting)
+    for n in range(64, 128):
+        assert limiter.admit(f"addr:{n}").refused is None
+    assert limiter.num_tenants_tracked == 64
+    # Each new tenant's own refill, and 4 scans of 64 (once per 16 added), not 64 scans.
+    assert refills == 64 + 4 * 64
 
 
 def test_headers_are_openais() -> None:

@@ -4,29 +4,12 @@ A paged worker keeps the KV blocks of prompts it served (engine/prefix_cache.py)
 for any later prompt that starts the same way. Routing by load alone scatters a long system
 prompt, or a conversation's turns, over every worker, and each one prefills it again.
 
-**What is matched: an approximate prefix tree per worker, built from this router's own picks.**
-The request's routing text (the gateway's rendering of the prompt: the completion prompt, or the
-chat messages serialized in order, see ``openai_api/worker_routing.py``) is cut into
-``CHUNK_CHARS``-character chunks, and each full chunk is named by a hash chained from the previous
-one (:func:`prefix_hashes`), exactly as the engine names KV blocks: equal hashes mean equal
-prefixes. Each worker's tree is the set of chain hashes of the prompts routed to it; a request's
-match on a worker is how many of its leading hashes that set holds. Why this and not the
-alternative, block-hash sets that workers report in their heartbeats:
-
-- the engine's block hashes are over token ids; matching them needs the model's tokenizer at the
-  controller (which holds no model) and a reported set per heartbeat (thousands of hashes per
-  worker every few seconds);
-- a heartbeat is seconds old exactly when it matters: a burst of requests with a new system
-  prompt all arrive before any worker has reported it, and would all be spread by load. A tree
-  updated at the pick knows where the prefix went from the first request on;
-- it works for any worker (hf, stock FastChat), and the controller and a gateway routing
-  locally can run the same code over the same hint.
-
-What it gives up is exactness: the tree does not see a worker evict blocks. Entries therefore
-age out (``entry_ttl_s`` since last routed), each tree is bounded (``max_chunks_per_worker``,
-least recently routed chunks dropped first, leaves before their roots), and a worker whose
-cache is known to be gone is forgotten: a new process at its address, or a prefix-cache reset it
-reported (both change its ``cache_epoch``).
+**What is matched** (``controller.prefix_tree``): an approximate prefix tree per worker, built
+from this router's own picks. A request's routing text is cut into chunks named by chained
+hashes, as the engine names KV blocks; a worker's tree holds the chains routed to it, and a
+request's match on a worker is how many of its leading hashes that tree holds. Entries age out,
+trees are bounded, and a worker whose cache is known gone is forgotten (see that module for why
+this and not block hashes reported by workers).
 
 **The decision.** The worker with the longest match wins (ties: least_load among them). A
 session key (``RouteHint.session``) is stickier still: while the session's last worker is a
@@ -50,7 +33,6 @@ makes cache_aware a safe default for any cluster.
 from __future__ import annotations
 
 import enum
-import hashlib
 import math
 import time
 from collections import OrderedDict
@@ -58,60 +40,21 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-CHUNK_CHARS = 64
-"""Characters per hashed chunk of routing text (~16 tokens: the engine's default block)."""
-MAX_ROUTE_CHUNKS = 512
-"""The most chunks of a prompt matched and recorded (32k characters, ~8k tokens): what a hint
-carries over the wire at most. Two prompts equal that far are routed as one."""
+from llmplatform.controller.prefix_tree import (  # re-exported: routing imports them from here
+    CHUNK_CHARS,
+    MAX_ROUTE_CHUNKS,
+    NO_HINT,
+    PrefixTree,
+    RouteHint,
+    prefix_hashes,
+    session_hash,
+)
 
-
-def prefix_hashes(text: str, *, max_chunks: int = MAX_ROUTE_CHUNKS,
-                  cache_salt: str | None = None) -> tuple[int, ...]:
-    """The chain hashes of `text`'s full `CHUNK_CHARS` chunks (a partial last chunk is not
-    hashed: like a partial KV block, it is never shared). Stable across processes (BLAKE2b, not
-    `hash()`), 63-bit so every JSON peer reads them exactly. A `cache_salt` seeds the chain, as
-    it seeds the engine's: a prompt salted differently matches nothing of it, so one tenant's
-    guess is never steered to the worker holding another's prefix."""
-    hashes: list[int] = []
-    parent = b"" if cache_salt is None else _salt_root(cache_salt)
-    for start in range(0, min(len(text), max_chunks * CHUNK_CHARS) - CHUNK_CHARS + 1, CHUNK_CHARS):
-        digest = hashlib.blake2b(parent + text[start:start + CHUNK_CHARS].encode(),
-                                 digest_size=8).digest()
-        hashes.append(int.from_bytes(digest, "big") >> 1)
-        parent = digest
-    return tuple(hashes)
-
-
-def _salt_root(cache_salt: str) -> bytes:
-    return hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=8,
-                           person=b"llmp-cache-salt").digest()
-
-
-def session_hash(key: str) -> int:
-    """What a session key travels as (the controller never needs the user's id itself)."""
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8,
-                                          person=b"llmp-session").digest(), "big") >> 1
-
-
-@dataclass(frozen=True)
-class RouteHint:
-    """What cache_aware needs to know of one request (other policies ignore it)."""
-
-    prefix_hashes: tuple[int, ...] = ()
-    session: int | None = None
-
-    @classmethod
-    def of(cls, text: str | None, session_key: str | None = None,
-           cache_salt: str | None = None) -> RouteHint:
-        """The hint of a prompt and session; with `cache_salt`, both live in the salt's own
-        namespace (another salt's prefixes and sessions never match)."""
-        if session_key and cache_salt is not None:
-            session_key = f"{cache_salt}\0{session_key}"
-        return cls(prefix_hashes(text, cache_salt=cache_salt) if text else (),
-                   session_hash(session_key) if session_key else None)
-
-
-NO_HINT = RouteHint()
+__all__ = [
+    "CHUNK_CHARS", "MAX_HEAT_ENTRIES", "MAX_ROUTE_CHUNKS", "NO_HINT", "CacheAwareCandidate",
+    "CacheAwareConfig", "CacheAwarePolicy", "Decision", "Reason", "RouteHint", "has_prefix_cache",
+    "prefix_hashes", "session_hash",
+]
 
 
 @dataclass(frozen=True)
@@ -211,39 +154,6 @@ class Decision(Generic[W]):
     """How much of the prompt the chosen worker is believed to hold."""
 
 
-class _PrefixTree:
-    """One worker's chain hashes, least recently routed first."""
-
-    def __init__(self, epoch: str | None) -> None:
-        self.epoch = epoch
-        self.routed_at: OrderedDict[int, float] = OrderedDict()
-
-    def match(self, hashes: Sequence[int]) -> int:
-        """How many leading `hashes` are held (call `expire` first)."""
-        count = 0
-        for chunk_hash in hashes:
-            if chunk_hash not in self.routed_at:
-                break
-            count += 1
-        return count
-
-    def insert(self, hashes: Sequence[int], now: float, max_chunks: int) -> None:
-        # Leaves first, root last: the root ends most recent, so eviction (oldest first) takes
-        # a chain's tail before its head, and what is left is still a prefix that matches.
-        for chunk_hash in reversed(hashes):
-            self.routed_at[chunk_hash] = now
-            self.routed_at.move_to_end(chunk_hash)
-        while len(self.routed_at) > max_chunks:
-            self.routed_at.popitem(last=False)
-
-    def expire(self, oldest: float) -> None:
-        while self.routed_at:
-            chunk_hash, routed_at = next(iter(self.routed_at.items()))
-            if routed_at >= oldest:
-                return
-            del self.routed_at[chunk_hash]
-
-
 C = TypeVar("C")
 
 
@@ -266,7 +176,7 @@ class CacheAwarePolicy:
         self._least_load = least_load
         self._load_of = load_of
         self._clock = clock
-        self._trees: dict[str, _PrefixTree] = {}
+        self._trees: dict[str, PrefixTree] = {}
         self._sessions: OrderedDict[int, tuple[str, float]] = OrderedDict()
         self._heat = _Heat(config.heat_half_life)
 
@@ -365,13 +275,13 @@ class CacheAwarePolicy:
             while len(self._sessions) > self.config.max_sessions:
                 self._sessions.popitem(last=False)
 
-    def _tree_of(self, candidate: C, oldest: float) -> _PrefixTree:
+    def _tree_of(self, candidate: C, oldest: float) -> PrefixTree:
         """The candidate's tree, new if its cache epoch changed (its old cache is gone)."""
         name, epoch = _name(candidate), getattr(candidate, "cache_epoch")
         tree = self._trees.get(name)
         if tree is None or tree.epoch != epoch:
             self.forget(name)
-            tree = self._trees[name] = _PrefixTree(epoch)
+            tree = self._trees[name] = PrefixTree(epoch)
         tree.expire(oldest)
         return tree
 

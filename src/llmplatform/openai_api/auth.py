@@ -33,7 +33,8 @@ _MISSING_KEY = (
 )
 
 
-def _digest(value: str) -> bytes:
+def key_digest(value: str) -> bytes:
+    """A key as it is compared and looked up: its SHA-256 digest."""
     return hashlib.sha256(value.encode("utf-8", "surrogateescape")).digest()
 
 
@@ -41,13 +42,13 @@ class KeySet:
     """Digests of the configured keys; `matches` compares a presented key with all of them."""
 
     def __init__(self, keys: tuple[str, ...]) -> None:
-        self._digests = tuple(_digest(key) for key in keys)
+        self._digests = tuple(key_digest(key) for key in keys)
 
     def __bool__(self) -> bool:
         return bool(self._digests)
 
     def matches(self, token: str) -> bool:
-        presented = _digest(token)
+        presented = key_digest(token)
         matched = False
         for key in self._digests:
             matched |= hmac.compare_digest(presented, key)

@@ -60,6 +60,7 @@ async def create_chat_completion(request: Request) -> Response:
     client = worker_client(request)
     trace_id = worker_request_id_prefix(request)
     salt = tenants(request).cache_salt(request, body.cache_salt)
+    tenant = tenants(request).worker_tenant(request)
 
     async def start_on(address: str) -> tuple[_Prepared, ChoiceStreams]:
         await check_generates(client, address, body.model)
@@ -75,7 +76,7 @@ async def create_chat_completion(request: Request) -> Response:
                 worker_params(
                     body, prepared, max_new_tokens=max_new_tokens, request_id=f"{trace_id}-{i}", choice_index=i,
                     constraint=constraint, cache_salt=cache_salt,
-                    tenant=tenants(request).worker_tenant(request),
+                    tenant=tenant,
                 )
             )
             for i in range(body.n or 1)
@@ -85,7 +86,7 @@ async def create_chat_completion(request: Request) -> Response:
 
     response_id = new_id("chatcmpl")
     # body.tools is the client's JSON as sent (checked later, in start_on): routing only hashes it.
-    route = route_request(request, chat_routing_text(messages, body.tools), body.user, salt.value)
+    route = route_request(request, chat_routing_text(messages, body.tools), body.user, salt)
     return await answer(request, body.model, start_on,
                         lambda prepared: _ChatStream(body, response_id, prepared=prepared),
                         stream=bool(body.stream), route=route)

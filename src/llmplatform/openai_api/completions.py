@@ -54,6 +54,7 @@ async def create_completion(request: Request) -> Response:
     trace_id = worker_request_id_prefix(request)
     n = body.n or 1
     salt = tenants(request).cache_salt(request, body.cache_salt)
+    tenant = tenants(request).worker_tenant(request)
 
     async def start_on(address: str) -> tuple[list[PreparedPrompt], ChoiceStreams]:
         await check_generates(client, address, body.model)
@@ -77,14 +78,14 @@ async def create_completion(request: Request) -> Response:
                 choice_params = worker_params(
                     body, prompt, max_new_tokens=max_new_tokens, request_id=f"{trace_id}-{p * n + i}", choice_index=i,
                     constraint=constraint, cache_salt=cache_salt,
-                    tenant=tenants(request).worker_tenant(request),
+                    tenant=tenant,
                 )
                 params.append(params_dict(choice_params))
         streams = await start_choices(client, address, params, prompt_param="prompt", early=bool(body.stream))
         return list(prepared), streams
 
     response_id = new_id("cmpl")
-    route = route_request(request, prompts[0], body.user, salt.value)  # a batch: by its first prompt
+    route = route_request(request, prompts[0], body.user, salt)  # a batch: by its first prompt
     return await answer(request, body.model, start_on,
                         lambda prepared: _CompletionStream(body, response_id, n=n, prepared=prepared),
                         stream=bool(body.stream), route=route)

@@ -16,7 +16,10 @@ zero, and a large one may leave it below zero, which the tenant then waits out.
 Memory. Keys are configured, so their buckets are bounded by the configuration; client
 addresses (a gateway without keys) are not: a full bucket is the same as none and is dropped
 when the table passes `MAX_TENANTS`, and beyond that the least recently seen go first (a
-forgotten bucket starts full, which only errs toward admitting).
+forgotten bucket starts full, which only errs toward admitting). Finding the full buckets is a
+scan of the table, on the event loop, so a full table is scanned at most once per quarter of it
+added since the last scan (a stream of new addresses costs a few bucket refills each, not a scan
+each); in between, only the least recently seen go.
 """
 
 from __future__ import annotations
@@ -102,6 +105,8 @@ class TenantLimiter:
         self._max_tenants = max_tenants
         self._in_flight: dict[str, int] = {}
         self._minutes: OrderedDict[str, _Minute] = OrderedDict()
+        self._sweep_every = max(1, max_tenants // 4)
+        self._added_since_sweep = 0
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -165,6 +170,7 @@ class TenantLimiter:
                 return minute  # nothing per minute to remember
             self._make_room()
             self._minutes[tenant] = minute
+            self._added_since_sweep += 1
         else:
             self._minutes.move_to_end(tenant)
         for bucket in (minute.requests, minute.tokens):
@@ -175,14 +181,16 @@ class TenantLimiter:
     def _make_room(self) -> None:
         if len(self._minutes) < self._max_tenants:
             return
-        now = self._clock()
-        for name in list(self._minutes):  # full buckets are the same as none
-            minute = self._minutes[name]
-            for bucket in (minute.requests, minute.tokens):
-                if bucket is not None:
-                    bucket.refill(now)
-            if all(b is None or b.full for b in (minute.requests, minute.tokens)):
-                del self._minutes[name]
+        if self._added_since_sweep >= self._sweep_every:
+            self._added_since_sweep = 0
+            now = self._clock()
+            for name in list(self._minutes):  # full buckets are the same as none
+                minute = self._minutes[name]
+                for bucket in (minute.requests, minute.tokens):
+                    if bucket is not None:
+                        bucket.refill(now)
+                if all(b is None or b.full for b in (minute.requests, minute.tokens)):
+                    del self._minutes[name]
         while len(self._minutes) >= self._max_tenants:
             self._minutes.popitem(last=False)  # least recently seen
 

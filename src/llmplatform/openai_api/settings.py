@@ -74,11 +74,6 @@ class TenantLimits:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
 
-    @property
-    def any(self) -> bool:
-        return any(v is not None for v in (self.max_concurrent_requests,
-                                           self.max_requests_per_minute, self.max_tokens_per_minute))
-
 
 class PrefixCacheIsolation(str, enum.Enum):
     """Whose cached prompt prefixes a request may reuse on a worker (openai_api.tenants)."""

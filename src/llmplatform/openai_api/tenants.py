@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 from dataclasses import dataclass
 
 from starlette.datastructures import Headers
@@ -38,7 +39,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmplatform.errors import EngineOverloadedError, InvalidRequestError
 from llmplatform.metrics.gateway import GatewayMetrics
-from llmplatform.openai_api.errors import error_payload
+from llmplatform.openai_api.auth import key_digest, presented_key
+from llmplatform.openai_api.errors import AuthenticationError, error_payload
 from llmplatform.openai_api.rate_limits import Decision, TenantLimiter, ratelimit_headers
 from llmplatform.openai_api.settings import GatewaySettings, PrefixCacheIsolation
 from llmplatform.utils.request_guard import send_refusal
@@ -60,10 +62,6 @@ def key_id(key: str) -> str:
     """A key's public id: 12 hex digits of scrypt (N=2^14, r=8: ~50 ms and 16 MiB per guess)."""
     return hashlib.scrypt(key.encode("utf-8", "surrogateescape"), salt=_KEY_ID_SALT,
                           n=2**14, r=8, p=1, dklen=6).hex()
-
-
-def _sha256(text: str) -> bytes:
-    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).digest()
 
 
 @dataclass(frozen=True)
@@ -102,15 +100,17 @@ class Tenants:
         self.limiter = limiter or TenantLimiter(settings.tenant_limits)
         ids: dict[bytes, str] = {}
         for key in dict.fromkeys(settings.api_keys + settings.admin_api_keys):
-            ids[_sha256(key)] = key_id(key)
+            ids[key_digest(key)] = key_id(key)
         self._ids = ids
         self._labelled = frozenset(list(dict.fromkeys(ids.values()))[:MAX_KEY_LABELS])
         self._warned_workers: set[str] = set()
 
     def identify(self, scope: Scope) -> Tenant:
         if self._ids:
-            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            found = self._ids.get(_sha256(token.strip())) if scheme.lower() == "bearer" else None
+            try:
+                found = self._ids.get(key_digest(presented_key(Headers(scope=scope))))
+            except AuthenticationError:  # no key: only admin keys are configured (no key check)
+                found = None
             if found is not None:
                 return Tenant(f"key:{found}", found if found in self._labelled else OTHER_KEYS,
                               f"key:{found}")
@@ -131,15 +131,15 @@ class Tenants:
 
     # ---- cache salts ----------------------------------------------------------------------------
 
-    def cache_salt(self, request: Request, client_salt: str | None) -> RequestSalt:
+    def cache_salt(self, request: Request, client_salt: str | None) -> str | None:
         """The salt a request is sent with: the client's `cache_salt` and, when prefix caches are
         isolated, its tenant's id before it (so no client can name another tenant's salt)."""
         ticket = ticket_of(request)
         if not self.settings.isolates_prefix_caches or ticket is None:
-            return RequestSalt(client_salt, client_salt)
+            return client_salt
         # The tenant's part has a fixed shape without "|": everything after the first "|" is
         # the client's, so no client salt can spell another tenant's (and it stays short).
-        return RequestSalt(f"{ticket.tenant.salt}|{client_salt or ''}", client_salt)
+        return f"{ticket.tenant.salt}|{client_salt or ''}"
 
     @staticmethod
     def worker_tenant(request: Request) -> str | None:
@@ -149,38 +149,29 @@ class Tenants:
         ticket = ticket_of(request)
         return ticket.tenant.salt if ticket is not None else None
 
-    def for_worker(self, salt: RequestSalt, announced: frozenset[str], model: str,
+    def for_worker(self, salt: str | None, announced: frozenset[str], model: str,
                    address: str) -> str | None:
-        """The salt to send the worker at `address`, which announced `announced`.
+        """The salt (`cache_salt`'s answer) to send the worker at `address`, which announced
+        `announced`.
 
         A worker that did not announce `cache_salt` (a stock FastChat worker) would drop it and
-        share its cache anyway: a client's own salt, or the gateway's under an explicit
-        `per-key`, is then refused (400 naming `cache_salt`); the default `auto` serves it
-        unsalted and says so in the log, once per worker."""
-        if salt.value is None or CACHE_SALT_EXTENSION in announced:
-            return salt.value
-        explicit = self.settings.prefix_cache_isolation is PrefixCacheIsolation.PER_KEY
-        if salt.client is not None or explicit:
-            reason = ("" if salt.client is not None else
-                      ", which this gateway sets to keep each API key's prefix cache apart "
-                      "(--prefix-cache-isolation per-key)")
+        share its cache anyway. A client's own salt was refused there already, like any field
+        such a worker cannot honour (translate.check_worker_extensions); what is left is the
+        gateway's: refused under an explicit `per-key` (400 naming `cache_salt`), served
+        unsalted under the default `auto`, which the log says once per worker."""
+        if salt is None or CACHE_SALT_EXTENSION in announced:
+            return salt
+        if self.settings.prefix_cache_isolation is PrefixCacheIsolation.PER_KEY:
             raise InvalidRequestError(
                 f"Invalid value for 'cache_salt': the worker serving model {model!r} does not "
-                f"support cache_salt{reason}.", param="cache_salt")
+                "support cache_salt, which this gateway sets to keep each API key's prefix cache "
+                "apart (--prefix-cache-isolation per-key).", param="cache_salt")
         if address not in self._warned_workers and len(self._warned_workers) < _MAX_WARNED_WORKERS:
             self._warned_workers.add(address)
             logger.warning("the worker at %s (model %s) does not announce cache_salt: its prefix "
                            "cache is shared between API keys; use llmplatform workers, or set "
                            "--prefix-cache-isolation per-key to refuse such workers", address, model)
         return None
-
-
-@dataclass(frozen=True)
-class RequestSalt:
-    value: str | None
-    """What the worker gets (None: no salt)."""
-    client: str | None
-    """The client's own `cache_salt`, if it sent one."""
 
 
 class Ticket:
@@ -228,7 +219,7 @@ class TenantMiddleware:
         if decision.refused is not None:
             tenants.metrics.key_rejections.labels(tenant.label, decision.refused).inc()
             exc = tenants.refusal(tenant, decision)
-            retry_after = max(1, -int(-decision.retry_after_s // 1))  # whole seconds, rounded up
+            retry_after = max(1, math.ceil(decision.retry_after_s))  # whole seconds
             await send_refusal(send, exc.http_status, json.dumps(error_payload(exc)).encode(),
                                [(b"retry-after", str(retry_after).encode()), *headers])
             return

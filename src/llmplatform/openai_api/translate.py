@@ -153,8 +153,14 @@ def check_unsupported(request: ChatCompletionRequest | CompletionRequest) -> Non
 
 
 def required_extensions(request: ChatCompletionRequest | CompletionRequest) -> frozenset[str]:
-    """The params-dict additions a worker must understand to serve this request as asked."""
-    return frozenset({"logit_bias"}) if request.logit_bias else frozenset()
+    """The params-dict additions a worker must understand to serve this request as asked (a
+    client's ``cache_salt``: a worker that drops it shares its prefix cache anyway)."""
+    names = set()
+    if request.logit_bias:
+        names.add("logit_bias")
+    if request.cache_salt is not None:
+        names.add("cache_salt")
+    return frozenset(names)
 
 
 def check_worker_extensions(request: ChatCompletionRequest | CompletionRequest,
