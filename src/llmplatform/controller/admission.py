@@ -45,18 +45,8 @@ from collections.abc import Iterable
 from urllib.parse import SplitResult, urlsplit
 
 from llmplatform.controller.registry import WorkerInfo
-from llmplatform.utils.worker_addresses import (  # noqa: F401 (re-exported: the rules live there)
-    METADATA_ADDRESSES,
-    IPAddress,
-    IPNetwork,
-    Resolver,
-    forbidden_reason,
-    legacy_ipv4,
-    literal_address,
-    parse_networks,
-    reached_addresses,
-    resolve_host,
-)
+from llmplatform.utils.worker_addresses import (IPAddress, IPNetwork, Resolver, forbidden_reason,
+                                               literal_address, reached_addresses)
 
 
 class RegistrationRefused(Exception):
