@@ -138,12 +138,18 @@ def forbidden_reason(ip: IPAddress) -> str | None:
     return None
 
 
+def outside_networks(ip: IPAddress, allowed_networks: tuple[IPNetwork, ...]) -> bool:
+    """Whether an allow-list is set and `ip` lies in none of its networks."""
+    return bool(allowed_networks) and not any(ip.version == net.version and ip in net
+                                              for net in allowed_networks)
+
+
 def refusal(ip: IPAddress, allowed_networks: tuple[IPNetwork, ...]) -> str | None:
     """Why a worker may not be reached at `ip` (None: it may)."""
     reason = forbidden_reason(ip)
     if reason is not None:
         return reason
-    if allowed_networks and not any(ip.version == net.version and ip in net for net in allowed_networks):
+    if outside_networks(ip, allowed_networks):
         return "outside --allowed-worker-networks"
     return None
 
