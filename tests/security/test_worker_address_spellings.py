@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 from llmplatform.controller import ControllerConfig
 from llmplatform.controller import create_app as create_controller_app
-from llmplatform.controller.admission import legacy_ipv4
 from llmplatform.utils.server import serve_in_thread
+from llmplatform.utils.worker_addresses import legacy_ipv4
 from tests.security.helpers import ConnectionCounter, RecordingTransport
 from tests.stub_workers import stub_workers
 

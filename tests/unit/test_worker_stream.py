@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from llmplatform.errors import EngineOverloadedError, WorkerTimeoutError
-from llmplatform.openai_api import worker_stream
+from llmplatform.openai_api import worker_connection
 from llmplatform.openai_api.worker_stream import WorkerStreamClient
 from llmplatform.openai_api.worker_wire import WorkerUnavailableError
 from llmplatform.utils.request_id import REQUEST_ID
@@ -220,7 +220,7 @@ async def test_a_body_ended_by_closing_the_connection() -> None:
 
 
 async def test_a_large_body_arrives_whole_through_backpressure(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(worker_stream, "HIGH_WATER_BYTES", 4096)
+    monkeypatch.setattr(worker_connection, "HIGH_WATER_BYTES", 4096)
     pieces = [bytes([65 + i % 26]) * 1000 for i in range(300)]
 
     async def big(request: dict[str, Any], writer: asyncio.StreamWriter) -> bool:

@@ -45,18 +45,9 @@ from collections.abc import Iterable
 from urllib.parse import SplitResult, urlsplit
 
 from llmplatform.controller.registry import WorkerInfo
-from llmplatform.utils.worker_addresses import (  # noqa: F401 (re-exported: the rules live there)
-    METADATA_ADDRESSES,
-    IPAddress,
-    IPNetwork,
-    Resolver,
-    forbidden_reason,
-    legacy_ipv4,
-    literal_address,
-    parse_networks,
-    reached_addresses,
-    resolve_host,
-)
+from llmplatform.utils.worker_addresses import (IPAddress, IPNetwork, Resolver, forbidden_reason,
+                                               literal_address, outside_networks,
+                                               reached_addresses)
 
 
 class RegistrationRefused(Exception):
@@ -134,7 +125,7 @@ async def check_worker_address(
                 f"worker_name {worker_name!r} reaches {ip}, {reason}; announce an address the "
                 "controller and gateway can reach (e.g. --worker-address http://<host IP>:<port>)"
             )
-        if allowed_networks and not any(ip.version == net.version and ip in net for net in allowed_networks):
+        if outside_networks(ip, allowed_networks):
             raise RegistrationRefused(
                 f"worker_name {worker_name!r} reaches {ip}, outside --allowed-worker-networks",
                 status=403,

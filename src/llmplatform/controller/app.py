@@ -26,13 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from llmplatform.controller.admission import (
-    RegistrationRefused,
-    Resolver,
-    check_worker_address,
-    resolve_host,
-    split_worker_url,
-)
+from llmplatform.controller.admission import RegistrationRefused, check_worker_address, split_worker_url
 from llmplatform.controller.confirmation import Claim, Confirmations
 from llmplatform.controller.cache_aware import RouteHint
 from llmplatform.controller.dispatch import Dispatcher, RandomSource
@@ -52,7 +46,7 @@ from llmplatform.metrics.controller import ControllerMetrics
 from llmplatform.utils.request_id import RequestIdMiddleware
 from llmplatform.utils.cluster_secret import ClusterSecretMiddleware, secret_headers
 from llmplatform.utils.request_guard import RequestGuard
-from llmplatform.utils.worker_addresses import CheckedDialTransport
+from llmplatform.utils.worker_addresses import CheckedDialTransport, Resolver, resolve_host
 from llmplatform.protocol.controller import (
     CacheAwareOptions,
     DeregisterWorkerRequest,

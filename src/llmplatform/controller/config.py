@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llmplatform.controller.admission import parse_networks
 from llmplatform.controller.cache_aware import CacheAwareConfig
 from llmplatform.controller.dispatch import DEFAULT_DISPATCH_METHOD, DispatchMethod
 from llmplatform.controller.registry import DEFAULT_HEARTBEAT_EXPIRATION_S
 from llmplatform.utils.request_guard import RequestGuardConfig
+from llmplatform.utils.worker_addresses import parse_networks
 
 
 @dataclass(frozen=True)

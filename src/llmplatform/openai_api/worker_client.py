@@ -1,6 +1,7 @@
 """The gateway's side of the worker protocol: the controller and the workers, over HTTP.
 
-One :class:`WorkerClient` per app, around the app's one `httpx.AsyncClient`; the generation
+One :class:`WorkerClient` per app, around the app's one `httpx.AsyncClient` (the controller's
+calls are controller_client.py's, which this client routes through); the generation
 streams and embeddings calls, every request's hot path, go through a lean HTTP/1.1 pool of their
 own (worker_stream.py).
 Every failure comes out typed (``worker_wire.py``: the frames and the errors): an unreachable
@@ -35,7 +36,7 @@ import httpx
 from pydantic import ValidationError
 
 from llmplatform.conversation import render_chat_prompt
-from llmplatform.errors import ModelNotFoundError, NoWorkerError
+from llmplatform.openai_api.controller_client import ControllerClient
 from llmplatform.openai_api.errors import UpstreamError, error_from_http
 from llmplatform.openai_api.worker_routing import RouteRequest, RouteSource, RoutingTable
 from llmplatform.openai_api.settings import GatewaySettings
@@ -52,11 +53,7 @@ from llmplatform.openai_api.worker_wire import (
     transport_errors,
     worker_http_error,
 )
-from llmplatform.protocol.controller import (
-    GetWorkerAddressResponse,
-    ListModelsResponse,
-    ListWorkersResponse,
-)
+from llmplatform.protocol.controller import ListWorkersResponse
 from llmplatform.protocol.worker import ACCEPTED_HEADER, ApplyChatTemplateResponse, OpenAIMaxTokens, WorkerChunk
 from llmplatform.utils.cluster_secret import secret_headers
 
@@ -85,62 +82,36 @@ class WorkerClient:
         self._routes = routes
         self._on_route = on_route
         self._on_decision = on_decision  # (policy, reason) of each pick the table made
-        self._controller_timeout = httpx.Timeout(settings.controller_timeout, connect=settings.connect_timeout)
         self._worker_timeout = httpx.Timeout(settings.worker_timeout, connect=settings.connect_timeout)
-        # Every model name the controller has listed: an empty address for one of these means
-        # "no live worker now" (503), for any other name "no such model" (404).
-        self._known_models: set[str] = set()
-        self._details = WorkerDetails(
-            lambda url, payload: self._post_json("worker", url, payload, self._worker_timeout))
+        self._controller = ControllerClient(http, settings)
+        self._details = WorkerDetails(self._post_json)
         self._background: set[asyncio.Task[None]] = set()
         self._streams: WorkerStreamClient | None = None  # generation streams and embeddings calls
 
     # ---- plumbing ----------------------------------------------------------------------------
 
-    async def _post(self, peer: str, url: str, payload: Any, timeout: httpx.Timeout) -> httpx.Response:
-        with transport_errors(peer, url, timeout.read or 0.0):
+    async def _post(self, url: str, payload: Any) -> httpx.Response:
+        timeout = self._worker_timeout
+        with transport_errors("worker", url, timeout.read or 0.0):
             return await self._http.post(url, json=payload, timeout=timeout)
 
-    async def _post_json(self, peer: str, url: str, payload: Any, timeout: httpx.Timeout) -> Any:
-        response = await self._post(peer, url, payload, timeout)
+    async def _post_json(self, url: str, payload: Any) -> Any:
+        response = await self._post(url, payload)
         if response.status_code != 200:
-            if peer == "controller":
-                raise UpstreamError(f"The controller answered HTTP {response.status_code} to {url}.")
             raise worker_http_error(response.status_code, response.headers, response.content,
                                     f"The worker at {url}")
         try:
             return response.json()
         except ValueError:
-            raise UpstreamError(f"The {peer} at {url} answered with malformed JSON.") from None
+            raise UpstreamError(f"The worker at {url} answered with malformed JSON.") from None
 
-    # ---- controller --------------------------------------------------------------------------
+    # ---- controller (controller_client.py) and routing ------------------------------------------
 
     async def list_models(self) -> list[str]:
-        url = f"{self._settings.controller_address}/list_models"
-        data = await self._post_json("controller", url, None, self._controller_timeout)
-        try:
-            models = ListModelsResponse.model_validate(data).models
-        except ValidationError:
-            raise UpstreamError("The controller's /list_models answer is malformed.") from None
-        self._known_models.update(models)
-        return models
+        return await self._controller.list_models()
 
     async def list_workers(self) -> ListWorkersResponse | None:
-        """The controller's live workers (`GET /list_workers`, ours); None when the controller
-        has no such route (a stock FastChat controller answers 404 or 405)."""
-        url = f"{self._settings.controller_address}/list_workers"
-        with transport_errors("controller", url, self._settings.controller_timeout):
-            response = await self._http.get(url, timeout=self._controller_timeout)
-        if response.status_code in (404, 405):
-            return None
-        if response.status_code != 200:
-            raise UpstreamError(f"The controller answered HTTP {response.status_code} to {url}.")
-        try:
-            listing = ListWorkersResponse.model_validate_json(response.content)
-        except ValidationError:
-            raise UpstreamError("The controller's /list_workers answer is malformed.") from None
-        self._known_models.update(name for worker in listing.workers for name in worker.model_names)
-        return listing
+        return await self._controller.list_workers()
 
     async def worker_address(self, model: str, exclude: Sequence[str] = (),
                              route: RouteRequest | None = None) -> str:
@@ -176,34 +147,7 @@ class WorkerClient:
 
     async def controller_worker_address(self, model: str, exclude: Sequence[str] = (),
                                         route: RouteRequest | None = None) -> str:
-        """The controller's pick (`POST /get_worker_address`): a worker other than those in
-        `exclude`, matched by `route`'s hint under cache_aware (a stock controller ignores
-        both); ModelNotFoundError or NoWorkerError."""
-        url = f"{self._settings.controller_address}/get_worker_address"
-        payload: dict[str, Any] = {"model": model}
-        if exclude:
-            payload["exclude"] = list(exclude)
-        if route is not None:  # the controller's method is not known here: always offered
-            hint = route.hint
-            if hint.prefix_hashes:
-                payload["prefix_hashes"] = list(hint.prefix_hashes)
-            if hint.session is not None:
-                payload["session"] = hint.session
-        data = await self._post_json("controller", url, payload, self._controller_timeout)
-        try:
-            answer = GetWorkerAddressResponse.model_validate(data)
-        except ValidationError:
-            raise UpstreamError("The controller's /get_worker_address answer is malformed.") from None
-        address = answer.address
-        if address:
-            self._known_models.add(model)
-            logger.debug("routed %s to %s by the controller (%s)", model, address,
-                         answer.reason or "no reason given")
-            return address.rstrip("/")
-        live = await self.list_models()
-        if model in live or model in self._known_models:
-            raise NoWorkerError(f"No worker is serving the model '{model}' right now; try again later.")
-        raise ModelNotFoundError(f"The model '{model}' does not exist.", param="model")
+        return await self._controller.worker_address(model, exclude, route)
 
     async def worker_addresses(self, model: str) -> list[str]:
         """Every live worker serving `model`, for an admin action that must reach them all.
@@ -226,7 +170,7 @@ class WorkerClient:
         """`POST /reset_prefix_cache` on one worker: True once its prefix cache is empty, False
         when it has none (an `hf` backend, or a stock FastChat worker without the route)."""
         url = f"{address}/reset_prefix_cache"
-        response = await self._post("worker", url, None, self._worker_timeout)
+        response = await self._post(url, None)
         if response.status_code == 404 and not has_error_code(response.content):
             return False
         if response.status_code != 200:
@@ -251,7 +195,7 @@ class WorkerClient:
             return PreparedPrompt(None, 0, None, messages=[dict(m) for m in messages], budget=budget)
         url = f"{address}/worker_apply_chat_template"
         payload = {"model": model, "messages": list(messages), "add_generation_prompt": True}
-        response = await self._post("worker", url, payload, self._worker_timeout)
+        response = await self._post(url, payload)
         if response.status_code == 200:
             try:
                 rendered = ApplyChatTemplateResponse.model_validate_json(response.content)
@@ -288,7 +232,7 @@ class WorkerClient:
 
     async def count_tokens(self, address: str, model: str, prompt: str) -> int:
         url = f"{address}/count_token"
-        data = await self._post_json("worker", url, {"model": model, "prompt": prompt}, self._worker_timeout)
+        data = await self._post_json(url, {"model": model, "prompt": prompt})
         if isinstance(data, dict) and data.get("error_code"):  # only a known code's text is shown
             raise error_from_http(200, json.dumps(data).encode(), f"The worker at {url}")
         if not isinstance(data, dict) or not isinstance(data.get("count"), int):

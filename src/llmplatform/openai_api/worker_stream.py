@@ -4,7 +4,8 @@
 Every request the gateway serves is one of these calls, so their cost is the gateway's added
 latency. This is a small HTTP/1.1 client made for exactly this exchange: one pooled keep-alive
 connection per stream, the request written in one call (head and JSON body), the answer parsed
-by httptools (the C parser uvicorn already uses) as it arrives, chunked bodies decoded there.
+by httptools (the C parser uvicorn already uses) as it arrives, chunked bodies decoded there
+(one connection's exchange: ``worker_connection``; this module is the pool and the dial).
 It replaced an aiohttp session (whose general client builds every request through URL, cookie,
 header and tracing machinery; aiohttp itself had replaced httpx's pure-Python HTTP/1.1, 1.8 ms
 per request less). With the same change's smaller cuts (the streamed answer's headers go out with
@@ -33,7 +34,6 @@ connection in time, or refused/reset/closed before an answer, is :class:`WorkerU
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import ssl
@@ -42,9 +42,8 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-import httptools
-
 from llmplatform.errors import WorkerTimeoutError
+from llmplatform.openai_api.worker_connection import ConnectionGone, WorkerConnection
 from llmplatform.openai_api.worker_wire import WorkerUnavailableError, worker_http_error
 from llmplatform.utils.request_id import REQUEST_ID, REQUEST_ID_HEADER
 from llmplatform.utils.worker_addresses import (DialRefused, IPNetwork, Resolver, addresses_to_dial,
@@ -54,17 +53,6 @@ IDLE_TIMEOUT_S = 4.0
 """How long an idle pooled connection is kept (below uvicorn's 5 s keep-alive)."""
 MAX_IDLE_PER_HOST = 64
 """Idle connections kept per worker; more are closed when they come back."""
-HIGH_WATER_BYTES = 1 << 20
-"""Body bytes received but not yet read past which the socket stops being read (backpressure)."""
-
-
-class _Gone(Exception):
-    """The connection ended before the answer did (``before_answer``: not one byte of it)."""
-
-    def __init__(self, reason: str, *, before_answer: bool) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.before_answer = before_answer
 
 
 class _Target:
@@ -86,154 +74,6 @@ class _Target:
         self.key = (parts.scheme, self.host, self.port)
         self.path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         self.host_header = parts.netloc.rsplit("@", 1)[-1]
-
-
-class _Connection(asyncio.Protocol):
-    """One HTTP/1.1 connection, one exchange at a time: httptools callbacks fill the answer."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self.transport: asyncio.Transport | None = None
-        self._parser = httptools.HttpResponseParser(self)
-        self.closed = False
-        self.idle_since = 0.0
-        self._reset_exchange()
-
-    def _reset_exchange(self) -> None:
-        self.status = 0
-        self.headers: dict[str, str] = {}
-        self.headers_done = False
-        self.complete = False
-        self.got_bytes = False
-        self.keep_alive = False
-        self._body: collections.deque[bytes] = collections.deque()
-        self._buffered = 0
-        self._paused = False
-        self._error: _Gone | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._timed_out = False
-
-    # ---- asyncio.Protocol ---------------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
-
-    def data_received(self, data: bytes) -> None:
-        self.got_bytes = True
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(f"a malformed HTTP answer ({exc})")
-            self.close()
-
-    def eof_received(self) -> bool | None:
-        return None  # close the transport; connection_lost follows
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self.headers_done and not self.complete and "content-length" not in self.headers \
-                and "chunked" not in self.headers.get("transfer-encoding", "").lower():
-            self.complete = True  # a body delimited by the end of the connection
-        if not self.complete:
-            reason = type(exc).__name__ if exc is not None else "closed by the worker"
-            self._fail(reason)
-        self._wake()
-
-    # ---- httptools callbacks -------------------------------------------------------------------
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
-
-    def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
-        self.keep_alive = self._parser.should_keep_alive()
-        self.headers_done = True
-        self._wake()
-
-    def on_body(self, body: bytes) -> None:
-        self._body.append(body)
-        self._buffered += len(body)
-        if self._buffered > HIGH_WATER_BYTES and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        self.complete = True
-        self._wake()
-
-    # ---- the exchange --------------------------------------------------------------------------
-
-    def _fail(self, reason: str) -> None:
-        if self._error is None and not self.complete:
-            self._error = _Gone(reason, before_answer=not self.got_bytes)
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def _wait(self, timeout: float) -> None:
-        """Until the next callback; asyncio.TimeoutError after `timeout` seconds without one."""
-        waiter = self._waiter = self._loop.create_future()
-        self._timed_out = False
-        timer = self._loop.call_later(timeout, self._expire)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            self._waiter = None
-        if self._timed_out:
-            raise asyncio.TimeoutError
-
-    def _expire(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            self._timed_out = True
-            waiter.set_result(None)
-
-    def send(self, data: bytes) -> None:
-        assert self.transport is not None
-        if self._paused:  # not after an answer read to its end, but a reused connection must read
-            self.transport.resume_reading()
-        self._reset_exchange()
-        self.transport.write(data)
-
-    async def wait_headers(self, timeout: float) -> None:
-        while not self.headers_done:
-            if self._error is not None:
-                raise self._error
-            await self._wait(timeout)
-
-    async def read_some(self, timeout: float) -> bytes | None:
-        """The next piece of the body; None at its end."""
-        while not self._body:
-            if self.complete:
-                return None
-            if self._error is not None:
-                raise self._error
-            await self._wait(timeout)
-        data = self._body.popleft()
-        self._buffered -= len(data)
-        if self._paused and self._buffered <= HIGH_WATER_BYTES // 4 and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
-        return data
-
-    async def read_all(self, timeout: float) -> bytes:
-        pieces = []
-        while (data := await self.read_some(timeout)) is not None:
-            pieces.append(data)
-        return b"".join(pieces)
-
-    def reusable(self) -> bool:
-        return self.complete and self.keep_alive and not self.closed
-
-    def close(self) -> None:
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
 
 
 class WorkerBody:
@@ -264,7 +104,7 @@ class WorkerStreamClient:
         self._allowed_networks = allowed_networks
         self._resolve = resolve or (lambda host: resolve_host(host, connect_timeout))
         self._slots = asyncio.Semaphore(max_connections)
-        self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self._idle: dict[tuple[str, str, int], list[WorkerConnection]] = {}
         self._targets: dict[str, _Target] = {}
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
@@ -285,7 +125,7 @@ class WorkerStreamClient:
             self._targets[url] = target
         return target
 
-    def _pooled(self, target: _Target) -> _Connection | None:
+    def _pooled(self, target: _Target) -> WorkerConnection | None:
         connections = self._idle.get(target.key)
         now = time.monotonic()
         while connections:
@@ -295,7 +135,7 @@ class WorkerStreamClient:
             connection.close()
         return None
 
-    def _release(self, target: _Target, connection: _Connection) -> None:
+    def _release(self, target: _Target, connection: WorkerConnection) -> None:
         if self._closed or not connection.reusable():
             connection.close()
             return
@@ -309,7 +149,7 @@ class WorkerStreamClient:
         connection.idle_since = now
         connections.append(connection)
 
-    async def _connect(self, target: _Target, url: str) -> _Connection:
+    async def _connect(self, target: _Target, url: str) -> WorkerConnection:
         loop = asyncio.get_running_loop()
         context = None
         if target.ssl:
@@ -323,7 +163,7 @@ class WorkerStreamClient:
                 addresses = await addresses_to_dial(target.host, self._resolve,
                                                     self._allowed_networks, self._connect_timeout)
                 _, connection = await loop.create_connection(
-                    lambda: _Connection(loop), addresses[0], target.port, ssl=context,
+                    lambda: WorkerConnection(loop), addresses[0], target.port, ssl=context,
                     server_hostname=target.host if context is not None else None)
         except DialRefused as exc:
             raise WorkerUnavailableError(f"The worker at {url} was not dialled: {exc}.") from None
@@ -342,7 +182,7 @@ class WorkerStreamClient:
                 f"{self._extra_headers}{trace}\r\n")
         return head.encode("latin-1") + body
 
-    async def _open(self, target: _Target, url: str, request: bytes) -> _Connection:
+    async def _open(self, target: _Target, url: str, request: bytes) -> WorkerConnection:
         """A connection whose answer's status and headers have arrived."""
         connection = self._pooled(target)
         reused = connection is not None
@@ -352,7 +192,7 @@ class WorkerStreamClient:
             connection.send(request)
             await connection.wait_headers(self._read_timeout)
             return connection
-        except _Gone as exc:
+        except ConnectionGone as exc:
             connection.close()
             if reused and exc.before_answer:  # the worker closed an idle connection: it never saw this
                 return await self._open(target, url, request)
@@ -384,19 +224,19 @@ class WorkerStreamClient:
             finally:
                 self._release(target, connection)
 
-    async def _read_all(self, connection: _Connection, url: str) -> bytes:
+    async def _read_all(self, connection: WorkerConnection, url: str) -> bytes:
         try:
             return await connection.read_all(self._read_timeout)
-        except _Gone as exc:
+        except ConnectionGone as exc:
             raise WorkerUnavailableError(f"The worker at {url} is unreachable ({exc.reason}).") from None
         except asyncio.TimeoutError:
             raise WorkerTimeoutError(f"The worker at {url} did not answer within {self._read_timeout:g} s.") from None
 
-    async def _body(self, connection: _Connection, url: str) -> AsyncIterator[bytes]:
+    async def _body(self, connection: WorkerConnection, url: str) -> AsyncIterator[bytes]:
         while True:
             try:
                 data = await connection.read_some(self._read_timeout)
-            except _Gone as exc:
+            except ConnectionGone as exc:
                 raise WorkerUnavailableError(f"The worker at {url} is unreachable ({exc.reason}).") from None
             except asyncio.TimeoutError:
                 raise WorkerTimeoutError(

@@ -59,11 +59,11 @@ class LocalRay:
         self.token_path: Path | None = None
 
     def start(self, num_cpus: int) -> None:
-        if "ray" in sys.modules and self.host in LOOPBACK_HOSTS:
-            # Ray reads the cluster switch at import; serve imports it only after this.
-            logger.warning("Ray was imported before serve configured it: its ports may bind "
-                           "every interface")
         if self.host in LOOPBACK_HOSTS:
+            if "ray" in sys.modules:
+                # Ray reads the cluster switch at import; serve imports it only after this.
+                logger.warning("Ray was imported before serve configured it: its ports may bind "
+                               "every interface")
             os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         if _token_mode_wanted() and not (os.environ.get("RAY_AUTH_TOKEN")
                                          or os.environ.get("RAY_AUTH_TOKEN_PATH")):

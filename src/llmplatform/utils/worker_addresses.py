@@ -2,7 +2,7 @@
 (`controller.admission`) and that every dial of a worker applies again (`CheckedDialTransport`
 for httpx, `addresses_to_dial` for the gateway's own stream client).
 
-A registration's name is checked once, but resolved again at every new connection: a name whose
+A registration's name is checked once, but resolved again at every dial: a name whose
 answers change afterwards (DNS rebinding, a short TTL) would otherwise lead the controller's
 status polls and the gateway's prompts to any address, the cloud metadata service included. So a
 dial resolves the name once, checks every address it got with the registration's rules
@@ -138,12 +138,18 @@ def forbidden_reason(ip: IPAddress) -> str | None:
     return None
 
 
+def outside_networks(ip: IPAddress, allowed_networks: tuple[IPNetwork, ...]) -> bool:
+    """Whether an allow-list is set and `ip` lies in none of its networks."""
+    return bool(allowed_networks) and not any(ip.version == net.version and ip in net
+                                              for net in allowed_networks)
+
+
 def refusal(ip: IPAddress, allowed_networks: tuple[IPNetwork, ...]) -> str | None:
     """Why a worker may not be reached at `ip` (None: it may)."""
     reason = forbidden_reason(ip)
     if reason is not None:
         return reason
-    if allowed_networks and not any(ip.version == net.version and ip in net for net in allowed_networks):
+    if outside_networks(ip, allowed_networks):
         return "outside --allowed-worker-networks"
     return None
 
@@ -190,7 +196,12 @@ class CheckedDialTransport(httpx.AsyncBaseTransport):
     """An httpx transport for calls to workers: a request to a name goes to an address that
     name resolved to and that passed the checks, with its Host header (set from the name when
     the request was built) and TLS server name unchanged. ``exempt_hosts`` are not workers (the
-    gateway's controller, an operator's choice) and are dialled as they are."""
+    gateway's controller, an operator's choice) and are dialled as they are.
+
+    The name is resolved at every request, not only when the pool opens a connection (the pool
+    sits below, keyed by the address): a resolver call (a thread, off the loop) per request. These
+    are the rare calls (the controller's polls, the gateway's model details and aborts; a stock
+    FastChat worker's prompt count); the gateway's streams resolve per new connection."""
 
     def __init__(self, inner: httpx.AsyncBaseTransport, *, allowed_networks: tuple[IPNetwork, ...] = (),
                  resolve: Resolver | None = None, timeout: float = 5.0,

@@ -3,7 +3,8 @@
 The group is a process group object of its own (``ProcessGroupGloo``/``ProcessGroupNCCL``), not
 torch.distributed's global default group: an engine that starts its ranks again after a failure,
 or a second engine in the same process (tests), gets a fresh group without tearing down global
-state.
+state. Every collective waits at most the group's timeout (``ParallelConfig.rank_timeout_s``),
+so a rank that hangs fails the step instead of stalling it.
 
 Nothing here listens beyond loopback (every rank runs on this host):
 - the rendezvous is a ``FileStore`` in a fresh ``0700`` directory (``Rendezvous``), not a
@@ -12,8 +13,7 @@ Nothing here listens beyond loopback (every rank runs on this host):
 - gloo's device is created for 127.0.0.1, not for the address the host name resolves to (a LAN
   address on most hosts), so its pairs listen and connect on loopback;
 - NCCL's bootstrap sockets use the ``lo`` interface unless ``NCCL_SOCKET_IFNAME`` says
-  otherwise (its data moves over NVLink/PCIe/shared memory between local GPUs, not sockets). Every collective waits at most the group's timeout
-(``ParallelConfig.rank_timeout_s``), so a rank that hangs fails the step instead of stalling it.
+  otherwise (its data moves over NVLink/PCIe/shared memory between local GPUs, not sockets).
 
 Gloo lacks a bf16 (and in some versions fp16) sum in some torch builds: ``GroupCollectives``
 probes each low-precision dtype once, on every rank together, and when the probe fails sums that
