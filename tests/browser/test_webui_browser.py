@@ -1,8 +1,7 @@
 """The web UI in a real headless Chromium, against a real stack (tiny model, two backends).
 
-Chromium is Debian's `chromium` package at /usr/bin/chromium (`scripts/setup.sh --test` installs
-it when it can); Playwright drives it through `executable_path`, so no browser is downloaded.
-Nothing is installed at run time: without /usr/bin/chromium the test is skipped and says why.
+Chromium as every browser test gets it (tests/browser/chromium.py): without /usr/bin/chromium
+the test is skipped and says why.
 
 Screenshots go to $LLMPLATFORM_TEST_ARTIFACTS (default tests/browser/artifacts/, git-ignored).
 """
@@ -11,25 +10,21 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
 
 from llmplatform.utils.server import serve_in_thread
 from llmplatform.webui.app import create_app
+from tests.browser.chromium import launched_chromium, new_page, requires_chromium
 from tests.polling import wait_until
 from tests.webui.stack import HF_MODEL, PAGED_MODEL, running_stack
 
-CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(os.environ.get("LLMPLATFORM_TEST_ARTIFACTS",
                                 Path(__file__).parent / "artifacts"))
 UI_TIMEOUT_MS = 20_000
 
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(),
-    reason=f"no Chromium at {CHROMIUM}: install Debian's `chromium` package "
-           "(scripts/setup.sh --test does it when run as root with apt)")
+pytestmark = requires_chromium
 
 
 @pytest.fixture(scope="module")
@@ -43,19 +38,9 @@ def ui(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture
 def page():
-    from playwright.sync_api import expect, sync_playwright
-
-    expect.set_options(timeout=UI_TIMEOUT_MS)
-
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 1000})
-            page.set_default_timeout(UI_TIMEOUT_MS)
-            yield page
-        finally:
-            browser.close()
+    with launched_chromium(UI_TIMEOUT_MS) as browser:
+        yield new_page(browser, UI_TIMEOUT_MS)
 
 
 def bot_texts(page, chatbot_id: str) -> list[str]:

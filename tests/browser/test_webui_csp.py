@@ -10,8 +10,6 @@ The UI runs for real against a scripted gateway (tests/webui/fake_gateway.py). S
 from __future__ import annotations
 
 import http.server
-import threading
-from pathlib import Path
 
 import pytest
 
@@ -20,17 +18,15 @@ from llmplatform.utils.server import serve_in_thread
 from llmplatform.webui.app import create_app
 from llmplatform.webui.cluster import NEEDS_KEY
 from llmplatform.webui.settings import WebUISettings
+from tests.browser.chromium import http_server, launched_chromium, requires_chromium
+from tests.browser.chromium import new_page as new_plain_page
 from tests.webui.fake_gateway import FakeGateway, Reply
 
-CHROMIUM = Path("/usr/bin/chromium")
 UI_TIMEOUT_MS = 60_000
 ANSWER = "The sea is wide and CSP-OK."
 ADMIN_KEY = "csp-test-admin-key"
 
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(),
-    reason=f"no Chromium at {CHROMIUM}: install Debian's `chromium` package "
-           "(scripts/setup.sh --test does it when run as root with apt)")
+pytestmark = requires_chromium
 
 
 @pytest.fixture(scope="module")
@@ -60,32 +56,18 @@ def framing_page(ui):
         def log_message(self, *args) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_server(Handler) as url:
+        yield f"{url}/"
 
 
 @pytest.fixture
 def browser():
-    from playwright.sync_api import expect, sync_playwright
-
-    expect.set_options(timeout=UI_TIMEOUT_MS)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True)
-        try:
-            yield browser
-        finally:
-            browser.close()
+    with launched_chromium(UI_TIMEOUT_MS) as browser:
+        yield browser
 
 
 def new_page(browser):
-    page = browser.new_page(viewport={"width": 1280, "height": 1000})
-    page.set_default_timeout(UI_TIMEOUT_MS)
+    page = new_plain_page(browser, UI_TIMEOUT_MS)
     page.add_init_script(
         "window.__violations = [];"
         "document.addEventListener('securitypolicyviolation',"

@@ -15,26 +15,21 @@ Also: an internal error's text never reaches the page. Skipped without /usr/bin/
 from __future__ import annotations
 
 import http.server
-import threading
-from pathlib import Path
 
 import pytest
 
 from llmplatform.utils.server import serve_in_thread
 from llmplatform.webui.app import create_app
 from llmplatform.webui.settings import WebUISettings
+from tests.browser.chromium import http_server, launched_chromium, new_page, requires_chromium
 from tests.webui.fake_gateway import FakeGateway, Reply
 from tests.webui.test_safe_markdown import VECTORS
 
-CHROMIUM = Path("/usr/bin/chromium")
 UI_TIMEOUT_MS = 60_000
 END = "END-OF-ANSWER"
 MARKER = "INTERNAL-9c1e http://10.1.2.3:21002 Traceback"
 
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(),
-    reason=f"no Chromium at {CHROMIUM}: install Debian's `chromium` package "
-           "(scripts/setup.sh --test does it when run as root with apt)")
+pytestmark = requires_chromium
 
 PIXEL = (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01\x00\x00\x00\x01\x08\x06\x00\x00"
          b"\x00\x1f\x15\xc4\x89\x00\x00\x00\rIDATx\x9cc\xf8\x0f\x00\x00\x01\x01\x00\x05\x18\xd8N"
@@ -62,15 +57,8 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
 def target():
     """(base URL, paths requested so far) of a server that answers anything with a pixel."""
     seen: list[str] = []
-    handler = type("Recorder", (_Recorder,), {"seen": seen})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", seen
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_server(type("Recorder", (_Recorder,), {"seen": seen})) as url:
+        yield url, seen
 
 
 @pytest.fixture(scope="module")
@@ -91,21 +79,13 @@ def ui(target, tmp_path_factory):
 
 @pytest.fixture
 def page():
-    from playwright.sync_api import expect, sync_playwright
-
-    expect.set_options(timeout=UI_TIMEOUT_MS)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 1000})
-            page.set_default_timeout(UI_TIMEOUT_MS)
-            page.add_init_script(
-                "window.__violations = [];"
-                "document.addEventListener('securitypolicyviolation',"
-                " e => window.__violations.push(e.blockedURI));")
-            yield page
-        finally:
-            browser.close()
+    with launched_chromium(UI_TIMEOUT_MS) as browser:
+        page = new_page(browser, UI_TIMEOUT_MS)
+        page.add_init_script(
+            "window.__violations = [];"
+            "document.addEventListener('securitypolicyviolation',"
+            " e => window.__violations.push(e.blockedURI));")
+        yield page
 
 
 def pick(page, dropdown_id: str, value: str) -> None:

@@ -10,26 +10,22 @@ arguments as text; the JSON mode switch and the tools box reach the request. Ski
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from llmplatform.utils.server import serve_in_thread
 from llmplatform.webui.app import create_app
 from llmplatform.webui.settings import WebUISettings
+from tests.browser.chromium import launched_chromium, new_page, requires_chromium
 from tests.webui.fake_gateway import FakeGateway, Reply
 
-CHROMIUM = Path("/usr/bin/chromium")
 UI_TIMEOUT_MS = 60_000
 IMAGE_URL = "http://127.0.0.1:1/p.png"
 ARGUMENTS = json.dumps({"city": "Zürich", "note": f"![x]({IMAGE_URL})"}, ensure_ascii=False)
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(),
-    reason=f"no Chromium at {CHROMIUM}: install Debian's `chromium` package "
-           "(scripts/setup.sh --test does it when run as root with apt)")
+pytestmark = requires_chromium
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +43,8 @@ def ui(tmp_path_factory):
 
 @pytest.fixture
 def page():
-    from playwright.sync_api import expect, sync_playwright
-
-    expect.set_options(timeout=UI_TIMEOUT_MS)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 1200})
-            page.set_default_timeout(UI_TIMEOUT_MS)
-            yield page
-        finally:
-            browser.close()
+    with launched_chromium(UI_TIMEOUT_MS) as browser:
+        yield new_page(browser, UI_TIMEOUT_MS, height=1200)
 
 
 def send(page, text: str) -> None:

@@ -190,7 +190,7 @@ def test_keys_are_compared_as_digests_in_constant_time(monkeypatch: pytest.Monke
     no key in the clear."""
     import hmac
 
-    from llmplatform.openai_api import auth
+    from llmplatform.utils import api_keys
 
     calls: list[tuple[bytes, bytes]] = []
     real = hmac.compare_digest
@@ -199,8 +199,8 @@ def test_keys_are_compared_as_digests_in_constant_time(monkeypatch: pytest.Monke
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(auth.hmac, "compare_digest", recording)
-    keys = auth.KeySet(("sk-first", "sk-second-much-longer-key", "sk-third"))
+    monkeypatch.setattr(api_keys.hmac, "compare_digest", recording)
+    keys = api_keys.KeySet(("sk-first", "sk-second-much-longer-key", "sk-third"))
     assert all(k not in repr(vars(keys)) for k in ("sk-first", "sk-third"))
     for presented, expected in [("sk-first", True), ("x", False), ("sk-second-much-longer-key", True), ("", False)]:
         calls.clear()

@@ -78,6 +78,26 @@ def test_flags_default_to_loopback_and_parse_into_settings(tmp_path, monkeypatch
     assert settings.api_key == "from-env" and settings.cluster_secret == "s3cret"
 
 
+
+def test_the_host_check_and_the_admin_keys_come_from_the_flags(monkeypatch):
+    """Bound to loopback, the loopback names (plus --allowed-hosts); bound elsewhere, only
+    --allowed-hosts (none: no check); '*' turns it off. The admin keys come from
+    $LLMPLATFORM_ADMIN_API_KEYS, which `serve` sets from the gateway's keys."""
+    monkeypatch.delenv("LLMPLATFORM_ADMIN_API_KEYS", raising=False)
+    loopback = {"127.0.0.1", "localhost", "[::1]"}
+
+    def parsed(*flags: str) -> WebUISettings:
+        return WebUIServiceSettings.parse(list(flags)).webui_settings
+
+    assert parsed().allowed_hosts == loopback and parsed().admin_keys == ()
+    assert parsed("--allowed-hosts", "UI.example").allowed_hosts == loopback | {"ui.example"}
+    assert parsed("--host", "0.0.0.0").allowed_hosts is None
+    assert parsed("--host", "0.0.0.0", "--allowed-hosts", "ui.example").allowed_hosts == {"ui.example"}
+    assert parsed("--allowed-hosts", "*").allowed_hosts is None
+    monkeypatch.setenv("LLMPLATFORM_ADMIN_API_KEYS", "adm1,adm2")
+    assert parsed().admin_keys == ("adm1", "adm2")
+
+
 @pytest.mark.parametrize("bad", [
     dict(api_base="ftp://x"), dict(api_base="not a url"), dict(controller_address="127.0.0.1"),
     dict(api_key=" "), dict(request_timeout=0), dict(cluster_refresh_s=-1),

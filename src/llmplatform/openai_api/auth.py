@@ -6,15 +6,11 @@ the public ones (`/health`, `/metrics`) needs a key, including paths no route se
 `//v1/models`, `/V1/models` or `/v1/%2e%2e/v1/models` cannot reach a route without a key, and an
 unknown path without a key is a 401, not a 404 that confirms what exists.
 
-Keys are compared as SHA-256 digests with `hmac.compare_digest`, against every configured key
-without stopping at a match: the time taken says nothing about which key matched or how much of
-one (vLLM's timing-leak advisory).
+Keys are compared in constant time, against every configured key (`utils.api_keys.KeySet`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 
 from fastapi import Request
@@ -23,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmplatform.openai_api.errors import AuthenticationError, PermissionDeniedError, error_payload
 from llmplatform.openai_api.settings import GatewaySettings
+from llmplatform.utils.api_keys import KeySet
 
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 """Paths answered without a key: liveness for load balancers and scrapes for monitoring."""
@@ -31,28 +28,6 @@ _MISSING_KEY = (
     "You didn't provide an API key. You need to provide your API key in an Authorization "
     "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
 )
-
-
-def key_digest(value: str) -> bytes:
-    """A key as it is compared and looked up: its SHA-256 digest."""
-    return hashlib.sha256(value.encode("utf-8", "surrogateescape")).digest()
-
-
-class KeySet:
-    """Digests of the configured keys; `matches` compares a presented key with all of them."""
-
-    def __init__(self, keys: tuple[str, ...]) -> None:
-        self._digests = tuple(key_digest(key) for key in keys)
-
-    def __bool__(self) -> bool:
-        return bool(self._digests)
-
-    def matches(self, token: str) -> bool:
-        presented = key_digest(token)
-        matched = False
-        for key in self._digests:
-            matched |= hmac.compare_digest(presented, key)
-        return matched
 
 
 def presented_key(headers: Headers) -> str:

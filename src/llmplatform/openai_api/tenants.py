@@ -39,10 +39,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmplatform.errors import EngineOverloadedError, InvalidRequestError
 from llmplatform.metrics.gateway import GatewayMetrics
-from llmplatform.openai_api.auth import key_digest, presented_key
+from llmplatform.openai_api.auth import presented_key
 from llmplatform.openai_api.errors import AuthenticationError, error_payload
 from llmplatform.openai_api.rate_limits import Decision, TenantLimiter, ratelimit_headers
 from llmplatform.openai_api.settings import GatewaySettings, PrefixCacheIsolation
+from llmplatform.utils.api_keys import key_digest
 from llmplatform.utils.request_guard import send_refusal
 
 logger = logging.getLogger("llmplatform.openai_api.tenants")

@@ -31,6 +31,12 @@ LogLevel = Literal[LOG_LEVELS]  # type: ignore[valid-type]
 LogFormat = Literal[LOG_FORMATS]  # type: ignore[valid-type]
 
 _CONNECTIONS = "connections (slow and greedy clients; 0 turns one off)"
+ALLOWED_HOSTS_HELP = (
+    "comma-separated host names the service may be called by (the Host header; any port). Bound "
+    "to loopback, 127.0.0.1, localhost and [::1] are always allowed and any other name is refused "
+    "with 400 (DNS rebinding); bound elsewhere, no check unless names are given here. '*' turns "
+    "the check off")
+"""`--allowed-hosts` of every HTTP service (`request_guard.allowed_hosts_for`), the web UI's too."""
 
 
 class LoggingSettings(ServiceSettings):
@@ -50,11 +56,7 @@ class ServerSettings(LoggingSettings):
     cluster_secret: OptionalText = option(
         None, "the cluster's shared secret (prefer $LLMPLATFORM_CLUSTER_SECRET: flags show in ps)",
         secret=True)
-    allowed_hosts: CommaList = option(
-        (), "comma-separated host names the service may be called by (the Host header; any port). "
-        "Bound to loopback, 127.0.0.1, localhost and [::1] are always allowed and any other name "
-        "is refused (DNS rebinding); bound elsewhere, no check unless names are given here. '*' "
-        "turns the check off", metavar="NAMES")
+    allowed_hosts: CommaList = option((), ALLOWED_HOSTS_HELP, metavar="NAMES")
     max_request_bytes: int = option(
         DEFAULT_MAX_BODY_BYTES, "largest request body in bytes; larger is refused with 413 before "
         "it is read whole (default: %(default)s)", ge=1)

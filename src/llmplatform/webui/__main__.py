@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import Path
 
 from llmplatform.utils.request_guard import allowed_hosts_for
-from llmplatform.utils.service_settings import LoggingSettings
+from llmplatform.utils.service_settings import ALLOWED_HOSTS_HELP, LoggingSettings
 from llmplatform.utils.settings import CommaList, OptionalText, option
 from llmplatform.webui.settings import DEFAULT_PORT, WebUISettings
 
@@ -39,11 +39,7 @@ class WebUIServiceSettings(LoggingSettings):
     host: str = option("127.0.0.1", "bind address; anything but loopback exposes the UI, and "
                        "through it the gateway, to the network (default: %(default)s)")
     port: int = option(DEFAULT_PORT, "(default: %(default)s)")
-    allowed_hosts: CommaList = option(
-        (), "comma-separated host names the UI may be called by (the Host header; any port). "
-        "Bound to loopback, 127.0.0.1, localhost and [::1] are always allowed and any other name "
-        "is refused with 400 (DNS rebinding); bound elsewhere, no check unless names are given "
-        "here. '*' turns the check off", metavar="NAMES")
+    allowed_hosts: CommaList = option((), ALLOWED_HOSTS_HELP, metavar="NAMES")
     admin_api_keys: CommaList = option(
         (), "comma-separated keys that open the Cluster tab (worker addresses and load); the "
         "gateway's --admin-api-keys, else its --api-keys (`serve` passes them on). Without any, "

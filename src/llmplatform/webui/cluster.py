@@ -23,7 +23,8 @@ from llmplatform.protocol.controller import (
     ListWorkersResponse,
     WorkerDescription,
 )
-from llmplatform.utils.cluster_secret import digest, secret_headers, secret_matches
+from llmplatform.utils.api_keys import KeySet
+from llmplatform.utils.cluster_secret import secret_headers
 from llmplatform.webui.settings import WebUISettings
 
 logger = logging.getLogger("llmplatform.webui")
@@ -88,7 +89,7 @@ class ClusterView:
 
     def __init__(self, settings: WebUISettings) -> None:
         self.controller_address = settings.controller_address
-        self._admin_digests = tuple(digest(key) for key in settings.admin_keys)
+        self._admin_keys = KeySet(settings.admin_keys)
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.controller_timeout),
             headers=secret_headers(settings.cluster_secret),
@@ -99,18 +100,15 @@ class ClusterView:
 
     @property
     def needs_key(self) -> bool:
-        return bool(self._admin_digests)
+        return bool(self._admin_keys)
 
     def admits(self, presented_key: str | None) -> bool:
         """Whether `presented_key` opens the view: one of the admin keys (compared in constant
-        time with each of them), or anything when none is configured."""
-        if not self._admin_digests:
+        time with each of them, as the gateway compares them), or anything when none is
+        configured. No key is the empty one, which no configured key is."""
+        if not self._admin_keys:
             return True
-        key = (presented_key or "").strip() or None
-        matched = False
-        for expected in self._admin_digests:
-            matched |= secret_matches(key, expected)
-        return matched
+        return self._admin_keys.matches((presented_key or "").strip())
 
     async def snapshot(self, presented_key: str | None = None) -> ClusterSnapshot:
         if not self.admits(presented_key):

@@ -49,8 +49,9 @@ FIXED_HEADERS: tuple[tuple[bytes, bytes], ...] = (
 )
 
 MAX_HTML_BYTES = 8 * 1024 * 1024
-"""Largest HTML answer the nonce is written into (Gradio's page is tens of KB); a bigger one is
-passed on unchanged, its inline scripts then blocked: a broken page rather than an open one."""
+"""Largest HTML answer the nonce is written into (Gradio's page, its config inline, is about
+400 KB); a bigger one is passed on unchanged, its inline scripts then blocked: a broken page
+rather than an open one."""
 
 _SCRIPT_TAG = re.compile(rb"<script(?=[\s>])", re.IGNORECASE)
 
