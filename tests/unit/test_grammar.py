@@ -234,6 +234,7 @@ def gated(tiny_model_dir, tokenizer):
     compiler = GatedCompiler(tokenizer, len(tokenizer), stop_token_ids=[eos],
                              config=GrammarConfig(max_cached_grammars=2,
                                                   max_concurrent_compiles=1))
+    assert compiler.wait_warm(120)  # the tests count compile starts and waiters
     yield compiler
     compiler.gate.set()
     compiler.close()

@@ -37,6 +37,7 @@ def compiler(tiny_model_dir):
                         stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")],
                         config=GrammarConfig(max_concurrent_compiles=2,
                                              max_compiles_per_tenant=1))
+    assert compiler.wait_warm(120)  # the tests count compile starts and waiters
     yield compiler
     compiler.gate.set()
     compiler.close()

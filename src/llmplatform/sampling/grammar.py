@@ -115,6 +115,9 @@ class GrammarConfig:
 
 
 _grammar_ids = itertools.count(1)
+# The longest a compile waits for the compile processes' first start (the fork server imports
+# torch and xgrammar: seconds) before its own time limit starts.
+_WARM_UP_LIMIT_S = 120.0
 # A probed mask's deadline is the per-token budget plus this, for the pipe's round trip.
 _PROBE_IPC_ALLOWANCE_S = 0.02
 
@@ -204,6 +207,10 @@ class GrammarCompiler:
         self._tenants: dict[str, _TenantSlot] = {}
         self._closed = False
         self.num_killed = 0  # compiles stopped at their deadline
+        # Set once every warm-up has ended: a compile's time limit starts after that, so that a
+        # cold worker's first grammar is not refused for the fork server's boot.
+        self._warm: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._num_warming = config.max_concurrent_compiles
         for _ in range(config.max_concurrent_compiles):
             self._pool.submit(self._warm_one)
 
@@ -221,6 +228,8 @@ class GrammarCompiler:
         if (hit := self.cache.get(key)) is not None:
             return hit
         timeout_s = self.config.compile_timeout_s if timeout_s is None else timeout_s
+        if not self._warm.done():  # waiters resume in arrival order
+            await asyncio.wait([asyncio.wrap_future(self._warm)], timeout=_WARM_UP_LIMIT_S)
         deadline = time.monotonic() + timeout_s
         try:
             async with self._tenant_slot(tenant, timeout_s):
@@ -274,6 +283,7 @@ class GrammarCompiler:
         if (hit := self.cache.get(key)) is not None:
             return hit
         timeout_s = self.config.compile_timeout_s if timeout_s is None else timeout_s
+        self.wait_warm(_WARM_UP_LIMIT_S)
         flight = self._join(key, spec)
         try:
             return flight.future.result(timeout_s)
@@ -283,6 +293,10 @@ class GrammarCompiler:
             raise e.for_request(spec) from None
         finally:
             self._leave(key, flight)
+
+    def wait_warm(self, timeout_s: float) -> bool:
+        """Block until the compile processes have started (or failed to); False on timeout."""
+        return not concurrent.futures.wait([self._warm], timeout_s).not_done
 
     def num_waiting(self, spec: StructuredOutputSpec) -> int:
         """Callers waiting for ``spec``'s compile now (0 when none is in progress)."""
@@ -378,7 +392,13 @@ class GrammarCompiler:
                                config.token_budget_s)
 
     def _warm_one(self) -> None:
-        self._idle.put(self._new_process())
+        try:
+            self._idle.put(self._new_process())
+        finally:
+            with self._lock:
+                self._num_warming -= 1
+                if self._num_warming == 0:
+                    self._warm.set_result(None)
 
     def _new_process(self) -> GrammarProcess:
         process = GrammarProcess(self.tokenizer_info_json, name="grammar-compile")
