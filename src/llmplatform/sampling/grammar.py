@@ -118,8 +118,8 @@ _grammar_ids = itertools.count(1)
 # The longest a compile waits for the compile processes' first start (the fork server imports
 # torch and xgrammar: seconds) before its own time limit starts.
 _WARM_UP_LIMIT_S = 120.0
-# A probed mask's deadline is the per-token budget plus this, for the pipe's round trip.
-_PROBE_IPC_ALLOWANCE_S = 0.02
+# A mask's budget is CPU time; on a busy machine its wall time may reach this many budgets.
+_STARVED_LIMIT = 20
 
 
 @dataclass(frozen=True, eq=False)
@@ -367,8 +367,8 @@ class GrammarCompiler:
             reply = process.receive(deadline=time.monotonic() + config.compile_timeout_s)
             while reply is not None and reply[0] == "probe":  # each probed mask: one budget
                 position = reply[1]
-                reply = process.receive(deadline=time.monotonic() + config.token_budget_s
-                                        + _PROBE_IPC_ALLOWANCE_S)
+                reply = process.receive_within_cpu(
+                    config.token_budget_s, wall_limit_s=_STARVED_LIMIT * config.token_budget_s)
         except GrammarProcessDied:
             self._forget_process(process)
             raise _CompileError("crashed its compile process") from None

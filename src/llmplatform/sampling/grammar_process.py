@@ -9,12 +9,14 @@ parent's threads. A process is given the tokenizer's xgrammar description once, 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 import time
 from typing import Any
 
 from llmplatform.sampling import grammar_child
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _context_lock = threading.Lock()
 _context: Any = None
 
@@ -67,6 +69,36 @@ class GrammarProcess:
             return self._conn.recv()
         except (EOFError, OSError, ValueError):
             raise GrammarProcessDied("the grammar process ended before it answered") from None
+
+    def receive_within_cpu(self, cpu_budget_s: float, *, wall_limit_s: float) -> tuple | None:
+        """The next reply, or None once the process has spent ``cpu_budget_s`` of CPU time
+        waiting for it, or ``wall_limit_s`` have passed. A budget in CPU time, not wall time:
+        on a busy machine a process that was not scheduled is not what is slow, and is given
+        the time it did not get (up to the wall limit); one that computes is cut off on time.
+        Without /proc, the budget is wall time."""
+        started = time.monotonic()
+        wall_deadline = started + wall_limit_s
+        cpu_at_start = self.cpu_seconds()
+        deadline = started + cpu_budget_s
+        while True:
+            reply = self.receive(deadline=min(deadline, wall_deadline))
+            now = time.monotonic()
+            if reply is not None or now >= wall_deadline or cpu_at_start is None:
+                return reply
+            cpu_now = self.cpu_seconds()
+            if cpu_now is None or cpu_now - cpu_at_start >= cpu_budget_s:
+                return None
+            # Starved, not slow: wait for the CPU time it has left (at least one clock tick).
+            deadline = now + max(cpu_budget_s - (cpu_now - cpu_at_start), 0.01)
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time the process has used (Linux /proc; None elsewhere)."""
+        try:
+            with open(f"/proc/{self._process.pid}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError, TypeError):
+            return None
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
     def kill(self) -> None:
         """Stop it now, whatever it is doing (SIGKILL: xgrammar ignores nothing else sooner)."""

@@ -7,7 +7,7 @@ grammar's: an ambiguous one gets slower with every token (``(.{1,20}){1,20}x``: 
 (:mod:`.grammar`) refuses grammars that are slow on their first tokens; this is the guard for
 the rest. A :class:`GrammarSandbox` keeps every constrained sequence's matcher in one grammar
 process (:mod:`.grammar_process`) and asks it for a batch's masks row by row, each row with its
-own deadline, the *per-token budget*. A row past its deadline is the request's fault: the
+own deadline, the *per-token budget* (CPU time). A row past its deadline is the request's fault: the
 process is killed (its CPU given back at once), that request is failed with a 400-class error,
 and a fresh process takes over the others, each matcher rebuilt from the tokens its sequence
 accepted (microseconds per token). So one request can hold a step for at most one budget, once.
@@ -39,6 +39,8 @@ _matcher_ids = itertools.count(1)
 # Loading grammars into a new process is bounded by their size (max_grammar_bytes); this is far
 # beyond what that takes, and only a broken process misses it.
 _LOAD_ALLOWANCE_S = 10.0
+# A mask's budget is CPU time; on a busy machine its wall time may reach this many budgets.
+_STARVED_LIMIT = 20
 
 
 class GrammarBudgetError(InvalidRequestError):
@@ -188,10 +190,14 @@ class GrammarSandbox:
         except GrammarProcessDied:
             self._restart()
             return pending
-        deadline = time.monotonic() + self.token_budget_s + (_LOAD_ALLOWANCE_S if loads else 0)
+        # Each row's budget is CPU time (a starved process is given the time it did not get, up
+        # to _STARVED_LIMIT budgets); the first row's also covers loading the grammars.
+        allowance = _LOAD_ALLOWANCE_S if loads else 0.0
         for index, grammar in enumerate(pending):
             try:
-                reply = process.receive(deadline=deadline)
+                reply = process.receive_within_cpu(
+                    self.token_budget_s + allowance,
+                    wall_limit_s=_STARVED_LIMIT * self.token_budget_s + allowance)
             except GrammarProcessDied:
                 reply = None
             if reply is None:
@@ -206,7 +212,7 @@ class GrammarSandbox:
                 grammar.mask = torch.frombuffer(bytearray(reply[2]), dtype=torch.int32)
                 grammar.generation = self._generation
                 grammar.num_synced = grammar.num_accepted
-            deadline = time.monotonic() + self.token_budget_s
+            allowance = 0.0
         if process.receive(deadline=time.monotonic() + _LOAD_ALLOWANCE_S) != ("done",):
             self._restart()
         return []
