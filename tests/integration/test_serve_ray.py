@@ -1,12 +1,16 @@
 """`llmplatform serve --ray`: the same services as serve, as Ray actors on a local Ray instance.
 Requests through the gateway succeed on both workers; a worker whose actor process is killed is
-restarted by Ray, registers again and serves again; Ctrl-C leaves no Ray or service process."""
+restarted by Ray, registers again and serves again; killed once more within the minute (past
+--max-restarts-per-minute 1) it is left down while the other worker serves, the gateway's /health
+says degraded, and it is retried as a new actor and serves again; Ctrl-C leaves no Ray or
+service process."""
 
 from __future__ import annotations
 
 import os
 import signal
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -43,6 +47,7 @@ def test_serve_on_ray_restarts_a_killed_worker_and_tears_down(tiny_model_dir):
     worker = f"--model-path {tiny_model_dir} --dtype float32 --kv-cache-memory 64MiB"
     proc = start_serve(["--ray", "--controller-port", str(controller_port),
                         "--api-port", str(api_port), "--shutdown-timeout", "5",
+                        "--max-restarts-per-minute", "1", "--down-retry", "3",
                         "--worker", f"{worker} --model-names tiny-a --port {w0}",
                         "--worker", f"{worker} --model-names tiny-b --port {w1}"])
     lines: list[str] = []
@@ -65,6 +70,25 @@ def test_serve_on_ray_restarts_a_killed_worker_and_tears_down(tiny_model_dir):
         # tiny-a is served by worker 0 only: it answers again once the new one has registered.
         wait_until(lambda: chat(client, "tiny-a"), timeout_s=60, what="tiny-a served again")
         assert chat(client, "tiny-b")
+
+        # A second death within the minute is a crash loop: worker 0 is left down, not the
+        # deployment.
+        old = worker_pid(w0)
+        assert old is not None
+        os.kill(psutil.Process(old).ppid(), signal.SIGKILL)
+        wait_until(lambda: any("worker 0" in line and "left down" in line for line in lines)
+                   or proc.poll() is not None, timeout_s=120, what="worker 0 left down",
+                   context=lambda: "\n".join(lines[-40:]))
+        assert proc.poll() is None, "\n".join(lines[-40:])
+        assert chat(client, "tiny-b")
+        health = httpx.get(f"http://127.0.0.1:{api_port}/health", timeout=10).json()
+        assert health["status"] == "degraded", health
+        # Retried after --down-retry as a new actor: it serves again.
+        wait_until(lambda: any("worker 0 ready again" in line for line in lines)
+                   or proc.poll() is not None, timeout_s=120, what="worker 0 retried",
+                   context=lambda: "\n".join(lines[-40:]))
+        assert proc.poll() is None, "\n".join(lines[-40:])
+        wait_until(lambda: chat(client, "tiny-a"), timeout_s=60, what="tiny-a served again")
         ray_processes = [p for p in psutil.Process(proc.pid).children(recursive=True)]
     finally:
         if proc.poll() is None:

@@ -366,10 +366,14 @@ def main(argv: list[str] | None = None) -> None:
     controller = next(s for s in services if s.name == "controller")
     supervisor = Supervisor(
         services, startup_timeout=settings.startup_timeout, shutdown_timeout=spec.shutdown_timeout,
-        policy=RestartPolicy(max_restarts_per_minute=settings.max_restarts_per_minute,
-                             initial_backoff_s=settings.restart_backoff,
-                             max_backoff_s=settings.max_restart_backoff,
-                             down_retry_s=settings.down_retry,
-                             max_down_retry_s=settings.max_down_retry),
+        policy=restart_policy(settings),
         log_dir=settings.log_dir, on_state=DownReporter(controller.url, spec.cluster_secret))
     raise SystemExit(run_until_stopped(supervisor, lambda: print_addresses(services)))
+
+
+def restart_policy(settings: Any) -> RestartPolicy:
+    """What serve does when a service exits (its --*restart* and --*down-retry flags)."""
+    return RestartPolicy(max_restarts_per_minute=settings.max_restarts_per_minute,
+                         initial_backoff_s=settings.restart_backoff,
+                         max_backoff_s=settings.max_restart_backoff,
+                         down_retry_s=settings.down_retry, max_down_retry_s=settings.max_down_retry)

@@ -31,14 +31,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import shlex
 import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +44,7 @@ from typing import Any
 import httpx
 
 from llmplatform.serve.ray_local import LOOPBACK_HOSTS, WILDCARD_HOSTS, LocalRay, tighten_token_file
-from llmplatform.serve.supervisor import RESTART_WINDOW_S, STOP_MARGIN_S, ServiceSpec, run_until_stopped
+from llmplatform.serve.supervisor import STOP_MARGIN_S, ServiceSpec, run_until_stopped
 
 logger = logging.getLogger("llmplatform.serve")
 
@@ -221,110 +219,6 @@ def _wait_port_free(health_url: str, timeout_s: float) -> None:
                 time.sleep(0.3)
 
 
-class RayDeployment:
-    """The driver: starts the actors in serve's order, watches restarts, tears it all down."""
-
-    def __init__(self, services: list[ServiceSpec], placements_: list[Placement], *,
-                 startup_timeout_s: float, shutdown_timeout_s: float,
-                 max_restarts_per_minute: int, log_dir: Path | None) -> None:
-        self.services = services
-        self.placements = placements_
-        self.startup_timeout_s = startup_timeout_s
-        self.shutdown_timeout_s = shutdown_timeout_s
-        self.max_restarts_per_minute = max_restarts_per_minute
-        self.log_dir = log_dir
-        self.actors: list[Any] = []
-
-    def start(self) -> None:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        remote = ray.remote(ServiceActor)
-        here = ray.get_runtime_context().get_node_id()
-        forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIX)}
-        # Workers start together (each loads its model); the rest in serve's order.
-        groups: list[list[int]] = []
-        for i, service in enumerate(self.services):
-            if service.name.startswith("worker") and groups and \
-                    self.services[groups[-1][0]].name.startswith("worker"):
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-        for group in groups:
-            started = []
-            for i in group:
-                service, placement = self.services[i], self.placements[i]
-                logger.info("starting %s as a Ray actor: %s", service.name,
-                            shlex.join(service.shown_argv or service.argv))
-                strategy = (NodeAffinitySchedulingStrategy(here, soft=False)
-                            if placement.pin_to_driver_node else "DEFAULT")
-                actor = remote.options(
-                    num_cpus=placement.num_cpus, num_gpus=placement.num_gpus,
-                    max_restarts=-1, max_task_retries=-1, scheduling_strategy=strategy,
-                ).remote(service, placement, {**forwarded, **service.env}, self.startup_timeout_s,
-                         self.shutdown_timeout_s, str(self.log_dir) if self.log_dir else None)
-                self.actors.append(actor)
-                started.append((service, actor.get_incarnation.remote()))
-            for service, ready in started:
-                try:
-                    ray.get(ready, timeout=self.startup_timeout_s + 60)
-                except ray.exceptions.RayActorError as exc:
-                    raise RuntimeError(f"{service.name} could not start: {exc}") from None
-                except ray.exceptions.GetTimeoutError:
-                    raise RuntimeError(f"{service.name} was not placed and started within "
-                                       f"{self.startup_timeout_s:.0f} s (enough CPUs/GPUs in the "
-                                       "Ray cluster? `ray status`)") from None
-                print(f"llmplatform serve: {service.name} ready at {service.url} (Ray actor)",
-                      flush=True)
-
-    def run(self) -> int:
-        """Watch for restarts (Ray does them) until one service restarts more often than
-        --max-restarts-per-minute allows or cannot be restarted; returns serve's exit status."""
-        import ray
-
-        incarnations = [ray.get(a.get_incarnation.remote()) for a in self.actors]
-        restarts: list[deque[float]] = [deque() for _ in self.actors]
-        while True:
-            time.sleep(POLL_INTERVAL_S)
-            refs = [a.get_incarnation.remote() for a in self.actors]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=POLL_INTERVAL_S)
-            for i, ref in enumerate(refs):
-                if ref not in ready:
-                    continue  # restarting: its new incarnation answers later
-                name = self.services[i].name
-                try:
-                    now_incarnation = ray.get(ref)
-                except ray.exceptions.RayActorError as exc:
-                    print(f"llmplatform serve: error: {name} died and could not be restarted: "
-                          f"{exc}; stopping everything", file=sys.stderr, flush=True)
-                    return 1
-                if now_incarnation == incarnations[i]:
-                    continue
-                incarnations[i] = now_incarnation
-                now = time.monotonic()
-                restarts[i].append(now)
-                while now - restarts[i][0] >= RESTART_WINDOW_S:
-                    restarts[i].popleft()
-                if len(restarts[i]) > self.max_restarts_per_minute:
-                    print(f"llmplatform serve: error: {name} restarted {len(restarts[i])} times "
-                          f"within {RESTART_WINDOW_S:.0f} s (at most "
-                          f"{self.max_restarts_per_minute}, --max-restarts-per-minute); stopping "
-                          "everything", file=sys.stderr, flush=True)
-                    return 1
-                print(f"llmplatform serve: {name} was restarted by Ray and is ready again at "
-                      f"{self.services[i].url}", file=sys.stderr, flush=True)
-
-    def stop(self) -> None:
-        import ray
-
-        # All at once, as the local supervisor does: each drains its own in-flight requests.
-        pending = [a.stop.remote() for a in reversed(self.actors)]
-        ray.wait(pending, num_returns=len(pending),
-                 timeout=self.shutdown_timeout_s + 2 * STOP_MARGIN_S)
-        for actor in self.actors:
-            ray.kill(actor, no_restart=True)
-
-
 def run_on_ray(address: str, services: list[ServiceSpec], settings: Any,
                user_worker_addresses: list[bool]) -> int:
     """serve's main under --ray: connect (or start Ray), deploy, print, run, tear down."""
@@ -350,6 +244,12 @@ def run_on_ray(address: str, services: list[ServiceSpec], settings: Any,
                              "started, `ray start --head`? with token authentication, the "
                              "driver needs RAY_AUTH_MODE=token and the cluster's token; see "
                              "docs/multihost.md)") from None
+    from llmplatform.serve.down_report import DownReporter
+    from llmplatform.serve.launcher import print_addresses, restart_policy
+    from llmplatform.serve.ray_deployment import RayDeployment
+    from llmplatform.utils.cluster_secret import SECRET_ENV
+
+    controller = next(s for s in services if s.name == "controller")
     workers_reach_controller(services, host=settings.host,
                              driver_ip=ray.util.get_node_ip_address())
     deployment = RayDeployment(
@@ -357,9 +257,8 @@ def run_on_ray(address: str, services: list[ServiceSpec], settings: Any,
                              user_worker_addresses=user_worker_addresses,
                              cluster_has_gpus=ray.cluster_resources().get("GPU", 0) > 0),
         startup_timeout_s=settings.startup_timeout, shutdown_timeout_s=settings.shutdown_timeout,
-        max_restarts_per_minute=settings.max_restarts_per_minute, log_dir=settings.log_dir)
-
-    from llmplatform.serve.launcher import print_addresses
+        policy=restart_policy(settings), log_dir=settings.log_dir,
+        on_state=DownReporter(controller.url, controller.env.get(SECRET_ENV)))
 
     def started() -> None:
         if local is not None:
