@@ -42,7 +42,6 @@ import contextlib
 import functools
 import itertools
 import json
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,7 +52,7 @@ import xgrammar as xgr
 
 from llmplatform.errors import InvalidRequestError
 from llmplatform.sampling.grammar_cache import GrammarCache
-from llmplatform.sampling.grammar_process import GrammarProcess, GrammarProcessDied
+from llmplatform.sampling.grammar_compile import CompileProcesses, CompileRefused
 from llmplatform.sampling.grammar_matcher import (
     SequenceGrammar, allocate_bitmask, apply_bitmask, fill_bitmasks,
 )
@@ -118,8 +117,6 @@ _grammar_ids = itertools.count(1)
 # The longest a compile waits for the compile processes' first start (the fork server imports
 # torch and xgrammar: seconds) before its own time limit starts.
 _WARM_UP_LIMIT_S = 120.0
-# A mask's budget is CPU time; on a busy machine its wall time may reach this many budgets.
-_STARVED_LIMIT = 20
 
 
 @dataclass(frozen=True, eq=False)
@@ -195,24 +192,14 @@ class GrammarCompiler:
                                                                   config.max_cache_bytes)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.max_concurrent_compiles, thread_name_prefix="grammar-compile")
-        # Processes not compiling now; each pool thread takes one for a compile. They start in
-        # the background now (the first one boots the fork server: seconds), so that a first
-        # request's compile does not wait for that.
-        self._idle: queue.SimpleQueue[GrammarProcess] = queue.SimpleQueue()
-        self._all_processes: list[GrammarProcess] = []
+        self._processes = CompileProcesses(self.tokenizer_info_json,
+                                           num_processes=config.max_concurrent_compiles,
+                                           pool=self._pool)
         self._flights: dict[Hashable, _Flight] = {}
         # Reentrant: a future that is already done runs its done-callback (_land) at once, inside
         # _join's critical section.
         self._lock = threading.RLock()
         self._tenants: dict[str, _TenantSlot] = {}
-        self._closed = False
-        self.num_killed = 0  # compiles stopped at their deadline
-        # Set once every warm-up has ended: a compile's time limit starts after that, so that a
-        # cold worker's first grammar is not refused for the fork server's boot.
-        self._warm: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._num_warming = config.max_concurrent_compiles
-        for _ in range(config.max_concurrent_compiles):
-            self._pool.submit(self._warm_one)
 
     def key(self, spec: StructuredOutputSpec) -> Hashable:
         return (self.tokenizer_key, self._options, spec)
@@ -228,8 +215,9 @@ class GrammarCompiler:
         if (hit := self.cache.get(key)) is not None:
             return hit
         timeout_s = self.config.compile_timeout_s if timeout_s is None else timeout_s
-        if not self._warm.done():  # waiters resume in arrival order
-            await asyncio.wait([asyncio.wrap_future(self._warm)], timeout=_WARM_UP_LIMIT_S)
+        warm = self._processes.warm
+        if not warm.done():  # waiters resume in arrival order
+            await asyncio.wait([asyncio.wrap_future(warm)], timeout=_WARM_UP_LIMIT_S)
         deadline = time.monotonic() + timeout_s
         try:
             async with self._tenant_slot(tenant, timeout_s):
@@ -270,8 +258,8 @@ class GrammarCompiler:
         flight.future.add_done_callback(lambda f: _resolve_threadsafe(loop, waiter, f))
         try:
             return await asyncio.wait_for(waiter, max(0.0, deadline - time.monotonic()))
-        except _CompileError as e:
-            raise e.for_request(spec) from None
+        except CompileRefused as e:
+            raise _refused(spec, e) from None
         finally:
             self._leave(key, flight)
 
@@ -289,14 +277,14 @@ class GrammarCompiler:
             return flight.future.result(timeout_s)
         except concurrent.futures.TimeoutError:
             raise _too_slow(spec, timeout_s) from None
-        except _CompileError as e:
-            raise e.for_request(spec) from None
+        except CompileRefused as e:
+            raise _refused(spec, e) from None
         finally:
             self._leave(key, flight)
 
     def wait_warm(self, timeout_s: float) -> bool:
         """Block until the compile processes have started (or failed to); False on timeout."""
-        return not concurrent.futures.wait([self._warm], timeout_s).not_done
+        return not concurrent.futures.wait([self._processes.warm], timeout_s).not_done
 
     def num_waiting(self, spec: StructuredOutputSpec) -> int:
         """Callers waiting for ``spec``'s compile now (0 when none is in progress)."""
@@ -310,11 +298,7 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            self._closed = True
-            processes, self._all_processes = self._all_processes, []
-        for process in processes:
-            process.kill()
+        self._processes.close()
 
     # ------------------------------------------------------------------ compile pool
 
@@ -345,92 +329,31 @@ class GrammarCompiler:
     def _compile_to_cache(self, key: Hashable, spec: StructuredOutputSpec) -> CompiledGrammar:
         grammar = self._compile_now(spec)
         if grammar.size_bytes > self.config.max_grammar_bytes:
-            raise _CompileError(
+            raise CompileRefused(
                 f"is too large: it compiles to {grammar.size_bytes / MiB:.1f} MiB, over the "
                 f"limit of {self.config.max_grammar_bytes / MiB:g} MiB per grammar; simplify it")
         self.cache.put(key, grammar)
         return grammar
 
     def _compile_now(self, spec: StructuredOutputSpec) -> CompiledGrammar:
-        """The compile and probe, in this pool thread's grammar process, killed at the deadline.
-        Its refusals are the client's (a schema, regex or grammar that does not compile, or
-        that fails the probe); each waiter turns one into a 400 naming its own field."""
-        kind = spec.kind
+        """The compile and probe, in a compile process killed at its deadlines. Its refusals
+        are the client's (a schema, regex or grammar that does not compile, or that fails the
+        probe); each waiter turns one into a 400 naming its own field."""
+        kind, config = spec.kind, self.config
         source = (choice_structural_tag(spec.choices) if kind is StructuredOutputKind.CHOICE
                   else spec.source)
-        config = self.config
-        process = self._take_process()
-        position: int | None = None  # the mask the probe is computing
-        try:
-            process.send(("compile", kind.value, source, spec.strict, config.max_whitespace_chars,
-                          config.probe_tokens, config.token_budget_s, config.max_grammar_bytes))
-            reply = process.receive(deadline=time.monotonic() + config.compile_timeout_s)
-            while reply is not None and reply[0] == "probe":  # each probed mask: one budget
-                position = reply[1]
-                reply = process.receive_within_cpu(
-                    config.token_budget_s, wall_limit_s=_STARVED_LIMIT * config.token_budget_s)
-        except GrammarProcessDied:
-            self._forget_process(process)
-            raise _CompileError("crashed its compile process") from None
-        if reply is None:  # past a deadline: stop the CPU it burns, free the slot
-            self._forget_process(process)
-            self.num_killed += 1
-            if position is not None:
-                raise _CompileError(
-                    f"is too slow to follow: choosing output token {position + 1} took longer "
-                    f"than the per-token budget of {config.token_budget_s * 1000:.0f} ms; "
-                    "simplify it (nested repetitions such as (.{1,50}){1,50} make every token "
-                    "slower than the last)")
-            raise _CompileError(
-                f"took longer than {config.compile_timeout_s:g} s to compile; simplify it")
-        self._idle.put(process)
-        if reply[0] == "refused":
-            raise _CompileError(reply[1])
-        _, serialized, memory_size_bytes, _probe_s = reply
+        _, serialized, memory_size_bytes, _probe_s = self._processes.compile(
+            ("compile", kind.value, source, spec.strict, config.max_whitespace_chars,
+             config.probe_tokens, config.token_budget_s, config.max_grammar_bytes),
+            compile_timeout_s=config.compile_timeout_s, token_budget_s=config.token_budget_s)
         return CompiledGrammar(spec, serialized, memory_size_bytes, self.vocab_size,
                                self.tokenizer_info, self.tokenizer_info_json,
                                config.token_budget_s)
 
-    def _warm_one(self) -> None:
-        try:
-            self._idle.put(self._new_process())
-        finally:
-            with self._lock:
-                self._num_warming -= 1
-                if self._num_warming == 0:
-                    self._warm.set_result(None)
 
-    def _new_process(self) -> GrammarProcess:
-        process = GrammarProcess(self.tokenizer_info_json, name="grammar-compile")
-        with self._lock:
-            if not self._closed:
-                self._all_processes.append(process)
-                return process
-        process.kill()  # closed while it started
-        raise GrammarProcessDied("the grammar compiler is closed")
-
-    def _take_process(self) -> GrammarProcess:
-        while True:
-            try:
-                process = self._idle.get_nowait()
-            except queue.Empty:
-                return self._new_process()
-            if process.alive:
-                return process
-            self._forget_process(process)
-
-    def _forget_process(self, process: GrammarProcess) -> None:
-        process.kill()
-        with self._lock:
-            if process in self._all_processes:
-                self._all_processes.remove(process)
-
-
-class _CompileError(Exception):
-    """A spec refused in its grammar process, shared by every caller waiting for that compile."""
-
-    def for_request(self, spec: StructuredOutputSpec) -> InvalidRequestError:
-        return InvalidRequestError(f"{spec.param}: {_WHAT[spec.kind]} {self}", param=spec.param)
+def _refused(spec: StructuredOutputSpec, refusal: CompileRefused) -> InvalidRequestError:
+    """A compile's refusal as this request's 400, naming its own field."""
+    return InvalidRequestError(f"{spec.param}: {_WHAT[spec.kind]} {refusal}", param=spec.param)
 
 
 # ---------------------------------------------------------------------------- helpers
