@@ -42,12 +42,12 @@ from llmplatform.controller.workers import (
 from llmplatform.errors import ErrorCode
 from llmplatform.metrics.common import add_metrics_route
 from llmplatform.metrics.controller import ControllerMetrics
+from llmplatform.routing.cache_aware import RouteHint
+from llmplatform.routing.policies import RandomSource
 from llmplatform.utils.request_id import RequestIdMiddleware
 from llmplatform.utils.cluster_secret import ClusterSecretMiddleware, secret_headers
 from llmplatform.utils.request_guard import RequestGuard
 from llmplatform.utils.worker_addresses import CheckedDialTransport, Resolver, resolve_host
-from llmplatform.routing.cache_aware import RouteHint
-from llmplatform.routing.policies import RandomSource
 from llmplatform.protocol.controller import (
     CacheAwareOptions,
     DeregisterWorkerRequest,
@@ -358,7 +358,8 @@ def create_app(
 
     @app.post("/worker_get_status")
     async def worker_get_status() -> JSONResponse:
-        return JSONResponse(registry.aggregate_status(dispatcher.dispatched()).model_dump(exclude_none=True))
+        status = registry.aggregate_status(dispatcher.dispatched())
+        return JSONResponse(status.model_dump(exclude_none=True))
 
     @app.post("/worker_generate_stream")
     async def worker_generate_stream(request: Request) -> StreamingResponse:
