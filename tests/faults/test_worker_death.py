@@ -27,7 +27,7 @@ import pytest
 
 from llmplatform.controller import ControllerConfig
 from llmplatform.controller import create_app as create_controller_app
-from llmplatform.controller.dispatch import DispatchMethod
+from llmplatform.routing.policies import DispatchMethod
 from llmplatform.utils.server import serve_in_thread
 from tests.faults.harness import MODEL, FirstCandidate, gateway_app, services, start_worker, worker_status
 from tests.integration.cluster import wait_for_models

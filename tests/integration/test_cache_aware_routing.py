@@ -25,8 +25,8 @@ import pytest
 
 from llmplatform.controller import ControllerConfig
 from llmplatform.controller import create_app as create_controller_app
-from llmplatform.controller.cache_aware import CacheAwareConfig
-from llmplatform.controller.dispatch import DispatchMethod
+from llmplatform.routing.cache_aware import CacheAwareConfig
+from llmplatform.routing.policies import DispatchMethod
 from llmplatform.model_worker.app import WorkerSettings
 from llmplatform.model_worker.app import create_app as create_worker_app
 from llmplatform.openai_api.app import create_app as create_gateway_app

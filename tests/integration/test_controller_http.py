@@ -15,7 +15,7 @@ import pytest
 from fastapi import FastAPI
 
 from llmplatform.controller import ControllerConfig, create_app
-from llmplatform.controller.dispatch import DispatchMethod
+from llmplatform.routing.policies import DispatchMethod
 from llmplatform.utils.server import serve_in_thread
 from tests.fake_worker import FULL_REPLY, FakeWorkerState, make_fake_worker
 from tests.polling import wait_until

@@ -22,7 +22,7 @@ import pytest
 
 from llmplatform.controller import ControllerConfig
 from llmplatform.controller import create_app as create_controller_app
-from llmplatform.controller.dispatch import DispatchMethod
+from llmplatform.routing.policies import DispatchMethod
 from llmplatform.controller.registry import WorkerInfo, WorkerRegistry
 from llmplatform.model_worker.app import WorkerSettings
 from llmplatform.model_worker.app import create_app as create_worker_app

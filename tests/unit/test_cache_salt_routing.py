@@ -4,8 +4,9 @@ guess is never steered to the worker holding someone else's prefix."""
 
 from __future__ import annotations
 
-from llmplatform.controller.cache_aware import Reason, RouteHint, prefix_hashes
-from llmplatform.openai_api.worker_routing import RouteRequest, RoutingTable, completion_routing_text
+from llmplatform.routing.cache_aware import Reason, RouteHint, prefix_hashes
+from llmplatform.openai_api.worker_routing import RouteRequest, completion_routing_text, update_from_listing
+from llmplatform.routing.router import Router
 from tests.unit.controller_fakes import A, B, FakeClock, FixedRandom
 from tests.unit.test_gateway_cache_aware_routing import described, listing
 
@@ -24,16 +25,16 @@ def test_salted_chains_share_no_hash_with_other_salts_or_none() -> None:
 
 
 def test_another_tenants_guess_is_routed_by_load_not_to_the_victims_worker() -> None:
-    table = RoutingTable(max_age=10.0, clock=FakeClock(), rng=FixedRandom(*[0.0] * 20))
-    table.update(listing(described(A), described(B)), requested_at=0.0)
-    victim = table.decide("m", route=RouteRequest(SECRET, None, "key:victim"))
+    table = Router(max_age=10.0, clock=FakeClock(), rng=FixedRandom(*[0.0] * 20))
+    update_from_listing(table, listing(described(A), described(B)), requested_at=0.0)
+    victim = table.decide("m", hint=RouteRequest(SECRET, None, "key:victim").hint)
     holder = victim.worker.worker_name
     other = B if holder == A else A
     # The holder is now one request busier: only a match would send the next request there.
-    again = table.decide("m", route=RouteRequest(SECRET, None, "key:victim"))
+    again = table.decide("m", hint=RouteRequest(SECRET, None, "key:victim").hint)
     assert (again.worker.worker_name, again.reason) == (holder, Reason.AFFINITY)
-    guess = table.decide("m", route=RouteRequest(SECRET, None, "key:attacker"))
+    guess = table.decide("m", hint=RouteRequest(SECRET, None, "key:attacker").hint)
     assert guess.reason is Reason.NO_MATCH and guess.matched_chars == 0
     assert guess.worker.worker_name == other  # least load: the holder has two in flight
-    unsalted = table.decide("m", route=RouteRequest(SECRET))
+    unsalted = table.decide("m", hint=RouteRequest(SECRET).hint)
     assert unsalted.reason is Reason.NO_MATCH  # nor does the same text unsalted

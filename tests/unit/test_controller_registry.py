@@ -6,13 +6,16 @@ import random
 
 import pytest
 
-from llmplatform.controller.dispatch import DispatchMethod, Dispatcher, pick_worker
+from llmplatform.controller.dispatch import Dispatcher
 from llmplatform.controller.registry import WorkerInfo, WorkerRegistry
 from llmplatform.protocol.controller import (
     HeartbeatRequest,
     RegisterWorkerRequest,
     WorkerStatus,
 )
+
+from llmplatform.routing.load import RoutedWorker
+from llmplatform.routing.policies import DispatchMethod, pick_worker
 
 from tests.unit.controller_fakes import A, B, C, FakeClock, FixedRandom
 
@@ -21,19 +24,14 @@ def status(*models: str, speed: int = 1, queue_length: int = 0, **load: float) -
     return WorkerStatus(model_names=list(models), speed=speed, queue_length=queue_length, **load)
 
 
-def info(name: str, *, speed: int = 1, queue_length: int = 0) -> WorkerInfo:
-    return WorkerInfo(
-        worker_name=name,
-        model_names=("m",),
-        speed=speed,
-        queue_length=queue_length,
-        check_heart_beat=True,
-        multimodal=False,
-        last_heartbeat=0.0,
-    )
+def info(name: str, *, speed: int = 1, queue_length: int = 0) -> RoutedWorker:
+    """A stock FastChat worker as routing sees it: only queue_length and speed."""
+    return RoutedWorker(worker_name=name, model_names=frozenset({"m"}), speed=speed,
+                        queue_length=queue_length, num_running=None, num_waiting=None,
+                        kv_cache_usage=None, max_num_running=None, reported_at=0.0)
 
 
-def pick_name(candidates: list[WorkerInfo], method: DispatchMethod, rng: object) -> str:
+def pick_name(candidates: list[RoutedWorker], method: DispatchMethod, rng: object) -> str:
     picked = pick_worker(candidates, method, rng)  # type: ignore[arg-type]
     assert picked is not None
     return picked.worker_name
@@ -43,8 +41,9 @@ def queues(registry: WorkerRegistry, *names: str) -> tuple[int, ...]:
     return tuple(registry.get(name).queue_length for name in names)  # type: ignore[union-attr]
 
 
-def dispatched(registry: WorkerRegistry, *names: str) -> tuple[int, ...]:
-    return tuple(registry.get(name).num_dispatched for name in names)  # type: ignore[union-attr]
+def dispatched(dispatcher: Dispatcher, *names: str) -> tuple[int, ...]:
+    counts = dispatcher.dispatched()
+    return tuple(counts[name] for name in names)
 
 
 @pytest.fixture
@@ -302,7 +301,8 @@ def test_shortest_queue_speed_zero_is_last_resort() -> None:
     assert pick_name(candidates, DispatchMethod.SHORTEST_QUEUE, FixedRandom()) == B
 
 
-def test_dispatcher_shortest_queue_increments_and_spreads_a_burst(registry: WorkerRegistry) -> None:
+def test_dispatcher_shortest_queue_increments_and_spreads_a_burst(registry: WorkerRegistry,
+                                                                  clock: FakeClock) -> None:
     registry.register(A, status("m", queue_length=0))
     registry.register(B, status("m", queue_length=0))
     registry.register(C, status("other"))
@@ -310,11 +310,12 @@ def test_dispatcher_shortest_queue_increments_and_spreads_a_burst(registry: Work
     dispatcher = Dispatcher(registry, DispatchMethod.SHORTEST_QUEUE, FixedRandom(0.9, 0.0))
     picks = [dispatcher.choose("m").worker_name for _ in range(3)]  # type: ignore[union-attr]
     assert picks == [B, A, A]
-    assert dispatched(registry, A, B) == (2, 1)
+    assert dispatched(dispatcher, A, B) == (2, 1)
     assert queues(registry, A, B) == (0, 0)  # the workers' own reports are left alone
     # The next heartbeat replaces the estimate with the worker's own count.
+    clock.now += 1.0
     registry.heartbeat(A, 0)
-    assert dispatched(registry, A) == (0,)
+    assert dispatched(dispatcher, A, B) == (0, 1)
     assert dispatcher.choose("missing") is None
 
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from llmplatform.controller.cache_aware import (
+from llmplatform.routing.cache_aware import (
     CHUNK_CHARS,
     CacheAwareConfig,
     Reason,
@@ -14,9 +14,11 @@ from llmplatform.controller.cache_aware import (
     prefix_hashes,
     session_hash,
 )
-from llmplatform.controller.dispatch import Dispatcher, DispatchMethod, DispatchPolicy, pick_worker
-from llmplatform.controller.registry import WorkerInfo, WorkerRegistry
+from llmplatform.controller.dispatch import Dispatcher
+from llmplatform.controller.registry import WorkerRegistry
 from llmplatform.protocol.controller import WorkerStatus
+from llmplatform.routing.load import RoutedWorker
+from llmplatform.routing.policies import DispatchMethod, DispatchPolicy, pick_worker
 from tests.unit.controller_fakes import A, B, C, FakeClock, FixedRandom
 
 SYSTEM_1 = "You are a pirate. " * 40  # 720 characters: 11 full chunks
@@ -24,23 +26,11 @@ SYSTEM_2 = "You answer in French only. " * 30
 
 
 def worker(name: str, *, outstanding: int = 0, kv: float = 0.1, epoch: str | None = "e0",
-           capacity: int = 8, caching: bool = True) -> WorkerInfo:
-    info = WorkerInfo(worker_name=name, model_names=("m",), speed=1, queue_length=outstanding,
-                      check_heart_beat=True, multimodal=False, last_heartbeat=0.0,
-                      num_running=outstanding, num_waiting=0, kv_cache_usage=kv,
-                      max_num_running=capacity, instance_id="i", prefix_cache_resets=0,
-                      prefix_cache_queries=0 if caching else None)
-    return _Epoched(info, epoch)
-
-
-class _Epoched:
-    """A WorkerInfo whose cache epoch the test sets directly."""
-
-    def __init__(self, info: WorkerInfo, epoch: str | None) -> None:
-        self._info, self.cache_epoch = info, epoch
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._info, name)
+           capacity: int = 8, caching: bool = True) -> RoutedWorker:
+    return RoutedWorker(worker_name=name, model_names=frozenset({"m"}), speed=1,
+                        queue_length=outstanding, num_running=outstanding, num_waiting=0,
+                        kv_cache_usage=kv, max_num_running=capacity, reported_at=0.0,
+                        cache_epoch=epoch, prefix_cache_queries=0 if caching else None)
 
 
 def policy(clock: FakeClock, **config: object) -> DispatchPolicy:
@@ -166,7 +156,7 @@ def test_a_hot_prefix_spreads_to_as_many_workers_as_its_share_fills() -> None:
 def test_heat_is_recent_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """A prefix that was hot cools down as other traffic takes over (its count halves every
     heat_half_life x N requests, whatever the clock says), and the counts kept are bounded."""
-    import llmplatform.controller.cache_aware as cache_aware
+    import llmplatform.routing.cache_aware as cache_aware
 
     clock = FakeClock()
     systems = _systems(4)
@@ -295,7 +285,7 @@ def test_dispatcher_routes_by_prefix_and_counts_dispatches() -> None:
                                              num_waiting=0, prefix_cache_queries=0,
                                              prefix_cache_resets=0), instance_id=name)
     dispatcher = Dispatcher(registry, DispatchMethod.CACHE_AWARE, FixedRandom(0.0, 0.0),
-                            cache_aware=CacheAwareConfig(balance_threshold=4), clock=clock)
+                            cache_aware=CacheAwareConfig(balance_threshold=4))
     owners = {}
     for system in (SYSTEM_1, SYSTEM_2):
         owners[system] = dispatcher.decide("m", hint=hint(system + "first")).worker.worker_name
@@ -303,7 +293,7 @@ def test_dispatcher_routes_by_prefix_and_counts_dispatches() -> None:
     for system, owner in owners.items():
         decision = dispatcher.decide("m", hint=hint(system + "again"))
         assert (decision.worker.worker_name, decision.reason) == (owner, Reason.AFFINITY)
-    assert registry.get(A).num_dispatched == registry.get(B).num_dispatched == 2
+    assert dispatcher.dispatched() == {A: 2, B: 2}
     assert dispatcher.decide("other-model", hint=hint(SYSTEM_1)) is None
 
 

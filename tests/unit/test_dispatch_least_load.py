@@ -1,4 +1,4 @@
-"""least_load dispatch and the registry bookkeeping it reads, with exact expectations.
+"""least_load dispatch and the controller's dispatcher over its registry, with exact expectations.
 
 Time and randomness are injected: `FakeClock` pins heartbeat times, `FixedRandom` returns given
 draws in order and raises if asked for one more (so a test fails if a pick that should be
@@ -7,21 +7,18 @@ decided by load is decided by chance).
 
 from __future__ import annotations
 
+import dataclasses
 from fractions import Fraction
 
 import pytest
 
 from llmplatform.controller.__main__ import ControllerServiceSettings
 from llmplatform.controller.config import ControllerConfig
-from llmplatform.controller.dispatch import (
-    KV_CACHE_PRESSURE,
-    DispatchMethod,
-    Dispatcher,
-    least_load_key,
-    pick_worker,
-)
-from llmplatform.controller.registry import WorkerInfo, WorkerRegistry
+from llmplatform.controller.dispatch import Dispatcher, routed
+from llmplatform.controller.registry import WorkerRegistry
 from llmplatform.protocol.controller import HeartbeatRequest, WorkerStatus
+from llmplatform.routing.load import KV_CACHE_PRESSURE, RoutedWorker
+from llmplatform.routing.policies import DispatchMethod, least_load_key, pick_worker
 
 from tests.unit.controller_fakes import A, B, C, FakeClock, FixedRandom
 
@@ -35,39 +32,31 @@ def ours(
     kv: float | None = 0.0,
     dispatched: int = 0,
     speed: int = 1,
-) -> WorkerInfo:
+) -> RoutedWorker:
     """One of our workers: reports running/waiting, KV usage and its batch capacity."""
-    return WorkerInfo(
+    return RoutedWorker(
         worker_name=name,
-        model_names=("m",),
+        model_names=frozenset({"m"}),
         speed=speed,
         queue_length=running + waiting,
-        check_heart_beat=True,
-        multimodal=False,
-        last_heartbeat=0.0,
         num_running=running,
         num_waiting=waiting,
         kv_cache_usage=kv,
         max_num_running=capacity,
+        reported_at=0.0,
         num_dispatched=dispatched,
     )
 
 
-def stock(name: str, *, queue_length: int = 0, speed: int = 1, dispatched: int = 0) -> WorkerInfo:
+def stock(name: str, *, queue_length: int = 0, speed: int = 1, dispatched: int = 0) -> RoutedWorker:
     """A stock FastChat worker: only queue_length and speed."""
-    return WorkerInfo(
-        worker_name=name,
-        model_names=("m",),
-        speed=speed,
-        queue_length=queue_length,
-        check_heart_beat=True,
-        multimodal=False,
-        last_heartbeat=0.0,
-        num_dispatched=dispatched,
-    )
+    return RoutedWorker(worker_name=name, model_names=frozenset({"m"}), speed=speed,
+                        queue_length=queue_length, num_running=None, num_waiting=None,
+                        kv_cache_usage=None, max_num_running=None, reported_at=0.0,
+                        num_dispatched=dispatched)
 
 
-def pick(*candidates: WorkerInfo, draws: tuple[float, ...] = ()) -> str:
+def pick(*candidates: RoutedWorker, draws: tuple[float, ...] = ()) -> str:
     picked = pick_worker(list(candidates), DispatchMethod.LEAST_LOAD, FixedRandom(*draws))
     assert picked is not None
     return picked.worker_name
@@ -142,7 +131,7 @@ def test_mixed_cluster_with_a_stock_worker() -> None:
     assert pick(stock(A, queue_length=1), ours(B, running=63, capacity=64)) == B
     # A worker that reports running but not waiting falls back to its queue_length.
     partial = ours(A, running=0, capacity=4)
-    partial = WorkerInfo(**{**partial.__dict__, "num_waiting": None, "queue_length": 3})
+    partial = dataclasses.replace(partial, num_waiting=None, queue_length=3)
     assert least_load_key(partial) == (False, Fraction(3, 4), 0.0)
 
 
@@ -155,15 +144,21 @@ def test_zero_capacity_is_the_last_resort() -> None:
 
 
 @pytest.fixture
-def registry() -> WorkerRegistry:
-    return WorkerRegistry(heartbeat_expiration=10.0, clock=FakeClock())
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def registry(clock: FakeClock) -> WorkerRegistry:
+    return WorkerRegistry(heartbeat_expiration=10.0, clock=clock)
 
 
 def status(capacity: int | None, **load: float) -> WorkerStatus:
     return WorkerStatus(model_names=["m"], max_num_running=capacity, **load)  # type: ignore[arg-type]
 
 
-def test_dispatcher_default_over_workers_without_a_prefix_cache_is_least_load(registry: WorkerRegistry) -> None:
+def test_dispatcher_default_over_workers_without_a_prefix_cache_is_least_load(
+        registry: WorkerRegistry, clock: FakeClock) -> None:
     """The default, cache_aware, ranks workers that report no prefix cache by least_load alone;
     and a burst spreads out."""
     registry.register(A, status(4, num_running=0, num_waiting=0))
@@ -174,32 +169,38 @@ def test_dispatcher_default_over_workers_without_a_prefix_cache_is_least_load(re
     assert dispatcher.method is DispatchMethod.CACHE_AWARE
     picks = [dispatcher.choose("m").worker_name for _ in range(7)]  # type: ignore[union-attr]
     assert picks == [A, B, A, B, A, A, A]
-    assert (registry.get(A).num_dispatched, registry.get(B).num_dispatched) == (5, 2)  # type: ignore[union-attr]
+    assert dispatcher.dispatched() == {A: 5, B: 2}
     # The workers' own numbers are untouched: only the dispatch counter moved.
     assert registry.get(A).queue_length == 0  # type: ignore[union-attr]
     # A heartbeat replaces the estimate with the worker's report.
+    clock.now += 1.0
     assert registry.heartbeat(A, 1, num_running=1, num_waiting=0, kv_cache_usage=0.1)
     info = registry.get(A)
-    assert info is not None
-    assert (info.num_dispatched, info.max_num_running) == (0, 4)  # capacity survives heartbeats
-    assert least_load_key(info) == (False, Fraction(1, 4), 0.1)
+    assert info is not None and info.max_num_running == 4  # capacity survives heartbeats
+    assert dispatcher.dispatched() == {A: 0, B: 2}
+    assert least_load_key(routed(info)) == (False, Fraction(1, 4), 0.1)
     assert dispatcher.choose("missing") is None
 
 
 def test_every_method_records_dispatches(registry: WorkerRegistry) -> None:
     registry.register(A, status(None, num_running=0, num_waiting=0))
     for method in DispatchMethod:
-        Dispatcher(registry, method, FixedRandom(0.5)).choose("m")
-    assert registry.get(A).num_dispatched == len(DispatchMethod)  # type: ignore[union-attr]
-    assert registry.record_dispatch(B) is False
+        dispatcher = Dispatcher(registry, method, FixedRandom(0.5))
+        assert dispatcher.choose("m").worker_name == A  # type: ignore[union-attr]
+        assert dispatcher.dispatched() == {A: 1}
 
 
-def test_registration_resets_dispatches_and_records_capacity(registry: WorkerRegistry) -> None:
+def test_registration_resets_dispatches_and_records_capacity(registry: WorkerRegistry,
+                                                             clock: FakeClock) -> None:
     registry.register(A, status(8))
-    registry.record_dispatch(A)
+    dispatcher = Dispatcher(registry, DispatchMethod.LEAST_LOAD, FixedRandom())
+    dispatcher.choose("m")
+    assert dispatcher.dispatched() == {A: 1}
+    clock.now += 1.0
     registry.register(A, status(16))
     info = registry.get(A)
-    assert info is not None and (info.num_dispatched, info.max_num_running) == (0, 16)
+    assert info is not None and info.max_num_running == 16
+    assert dispatcher.dispatched() == {A: 0}
 
 
 def test_aggregate_status_sums_capacity(registry: WorkerRegistry) -> None:
@@ -226,14 +227,17 @@ def test_controller_defaults_to_cache_aware() -> None:
         assert ControllerServiceSettings.parse(["--dispatch-method", method]).dispatch_method == method
 
 
-def test_aggregate_queue_counts_dispatches_since_heartbeat(registry: WorkerRegistry) -> None:
+def test_aggregate_queue_counts_dispatches_since_heartbeat(registry: WorkerRegistry,
+                                                           clock: FakeClock) -> None:
     # A parent controller sees this controller's picks before its workers report them.
     registry.register(A, status(4, num_running=1, num_waiting=0, queue_length=1))
-    registry.record_dispatch(A)
-    registry.record_dispatch(A)
-    assert registry.aggregate_status().queue_length == 3
+    dispatcher = Dispatcher(registry, DispatchMethod.LEAST_LOAD, FixedRandom())
+    dispatcher.choose("m")
+    dispatcher.choose("m")
+    assert registry.aggregate_status(dispatcher.dispatched()).queue_length == 3
+    clock.now += 1.0
     registry.heartbeat(A, 3, num_running=3, num_waiting=0)
-    assert registry.aggregate_status().queue_length == 3
+    assert registry.aggregate_status(dispatcher.dispatched()).queue_length == 3
 
 
 def test_shortest_queue_counts_dispatches_since_heartbeat() -> None:

@@ -1,4 +1,5 @@
-"""The gateway's routing table (openai_api/worker_routing.py), with exact expectations.
+"""The gateway's routing table (routing.Router, read by openai_api/worker_routing.py), with exact
+expectations.
 
 Time and randomness are injected as in the controller's tests (`FakeClock`, `FixedRandom`, which
 fails a test that draws where none was scripted). The controller side is the real controller app
@@ -19,21 +20,22 @@ import pytest
 
 from llmplatform.controller import ControllerConfig
 from llmplatform.controller import create_app as create_controller_app
-from llmplatform.controller.dispatch import DispatchMethod
+from llmplatform.routing.policies import DispatchMethod
 from llmplatform.errors import ModelNotFoundError
 from llmplatform.openai_api.worker_routing import (
     MIN_STALE_AFTER_S,
     RECHECK_UNSUPPORTED_S,
     RouteSource,
-    RoutingTable,
     TableRefresher,
     max_table_age,
+    update_from_listing,
 )
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.openai_api.failover import with_failover
 from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.openai_api.worker_wire import WorkerUnavailableError
 from llmplatform.protocol.controller import ListWorkersResponse, WorkerDescription, WorkerStatus
+from llmplatform.routing.router import Router
 
 from tests.unit.controller_fakes import A, B, C, FakeClock, FixedRandom
 
@@ -56,9 +58,9 @@ def listing(*workers: WorkerDescription, method: str | None = "least_load") -> L
 
 
 def table_with(*workers: WorkerDescription, method: str = "least_load", rng: Any = None,
-               clock: FakeClock | None = None) -> RoutingTable:
-    table = RoutingTable(max_age=MAX_AGE_S, clock=clock or FakeClock(), rng=rng or FixedRandom())
-    table.update(listing(*workers, method=method), requested_at=0.0)
+               clock: FakeClock | None = None) -> Router:
+    table = Router(max_age=MAX_AGE_S, clock=clock or FakeClock(), rng=rng or FixedRandom())
+    update_from_listing(table, listing(*workers, method=method), requested_at=0.0)
     return table
 
 
@@ -120,10 +122,10 @@ async def test_a_burst_is_spread_exactly_as_the_controller_spreads_it(method: Di
                 picks[side] = [answer.json()["address"] for answer in answers]
             else:
                 client = WorkerClient(http, GatewaySettings(controller_address=CONTROLLER))
-                table = RoutingTable(max_age=MAX_AGE_S, clock=FakeClock(), rng=random.Random(7))
+                table = Router(max_age=MAX_AGE_S, clock=FakeClock(), rng=random.Random(7))
                 fetched = await client.list_workers()
                 assert fetched is not None and fetched.dispatch_method == method.value
-                table.update(fetched, requested_at=0.0)
+                update_from_listing(table, fetched, requested_at=0.0)
                 picks[side] = [table.pick("m") or "" for _ in range(12)]
     assert picks["table"] == picks["controller"]
     assert len(set(picks["table"])) > 1, "a burst is spread, not piled onto one worker"
@@ -140,14 +142,15 @@ def test_own_picks_count_as_load_until_a_newer_heartbeat_reports_them() -> None:
     assert [table.pick("m") for _ in range(4)] == [A, B, A, B]
     # A read without a newer heartbeat (ages grew with the clock) keeps the picks counted ...
     clock.now += 1.0
-    table.update(listing(described(A, age=2.0), described(B, age=2.0)), requested_at=clock.now)
-    table.update(listing(described(A, age=2.0, running=1), described(B, age=2.0)),
-                 requested_at=clock.now)
+    update_from_listing(table, listing(described(A, age=2.0), described(B, age=2.0)),
+                        requested_at=clock.now)
+    update_from_listing(table, listing(described(A, age=2.0, running=1), described(B, age=2.0)),
+                        requested_at=clock.now)
     assert table.pick("m") == B  # A: 1 reported + 2 own = 3/4 > B: 2/4
     # ... a read with a heartbeat taken after them drops them: the report includes them.
     clock.now += 1.0
-    table.update(listing(described(A, age=0.5, running=2), described(B, age=0.5, running=3)),
-                 requested_at=clock.now)
+    update_from_listing(table, listing(described(A, age=0.5, running=2),
+                                       described(B, age=0.5, running=3)), requested_at=clock.now)
     assert table.pick("m") == A  # 2/4 < 3/4, the own picks are gone
 
 
@@ -169,8 +172,8 @@ def test_requests_that_ended_since_the_heartbeat_come_off_the_load() -> None:
     assert [table.pick("m") for _ in range(4)] == [A, A, A, B]  # 3 picks: A 3 = B 3, a tie
     # A read with a heartbeat after the ends drops them: the report no longer counts them.
     clock.now += 0.5
-    table.update(listing(described(A, age=0.1, running=3), described(B, age=0.1, running=2)),
-                 requested_at=clock.now)
+    update_from_listing(table, listing(described(A, age=0.1, running=3),
+                                       described(B, age=0.1, running=2)), requested_at=clock.now)
     assert table.pick("m") == B  # 2/4 < 3/4: A's ends before the heartbeat are not taken off again
     table.request_ended("http://unknown:1")  # not listed: ignored
 
@@ -198,10 +201,12 @@ def test_a_worker_marked_down_is_skipped_until_a_read_that_started_after_the_fai
     table.mark_down(A)
     assert table.pick("m") == B
     # A read asked for before the failure knows nothing of it: A stays down.
-    table.update(listing(described(A), described(B, running=3)), requested_at=read_started)
+    update_from_listing(table, listing(described(A), described(B, running=3)),
+                        requested_at=read_started)
     assert table.pick("m") == B
     # The next read lists A again: usable again.
-    table.update(listing(described(A), described(B, running=3)), requested_at=clock.now + 0.1)
+    update_from_listing(table, listing(described(A), described(B, running=3)),
+                        requested_at=clock.now + 0.1)
     assert table.pick("m") == A
     table.mark_down(A)
     table.mark_down(B)
@@ -215,7 +220,7 @@ def test_a_stale_table_is_dropped_after_its_bound() -> None:
     assert table.pick("m") == A  # exactly the bound: still used
     clock.now += 0.01
     assert table.pick("m") is None and not table.usable and table.models() == set()
-    table.update(listing(described(A)), requested_at=clock.now)
+    update_from_listing(table, listing(described(A)), requested_at=clock.now)
     assert table.pick("m") == A
 
 
@@ -227,7 +232,7 @@ def test_the_age_bound_follows_the_refresh_interval() -> None:
 @pytest.mark.parametrize("method", [None, "round_robin"])
 def test_a_listing_without_a_known_dispatch_method_cannot_drive_routing(method: str | None) -> None:
     table = table_with(described(A))
-    table.update(listing(described(A), method=method), requested_at=0.0)
+    update_from_listing(table, listing(described(A), method=method), requested_at=0.0)
     assert not table.usable and table.pick("m") is None
 
 
@@ -282,7 +287,7 @@ async def make_gateway() -> AsyncIterator[Callable[..., Gateway]]:
                                  headers={"X-LLMPlatform-Secret": "s"})
         clients.append(http)
         clock = clock or FakeClock()
-        table = RoutingTable(max_age=MAX_AGE_S, clock=clock, rng=rng or FixedRandom())
+        table = Router(max_age=MAX_AGE_S, clock=clock, rng=rng or FixedRandom())
         sources: list[RouteSource] = []
         client = WorkerClient(http, GatewaySettings(controller_address=CONTROLLER), routes=table,
                               on_route=sources.append)

@@ -24,6 +24,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "kernels": SERVING + ("engine", "models"),
     "sampling": SERVING + ("engine", "models", "kernels"),
     "protocol": SERVING + ("engine", "models", "kernels", "sampling"),
+    "routing": SERVING + ("engine", "models", "kernels"),
 }
 
 

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from functools import cached_property
 
 from llmplatform.controller.app import create_app
-from llmplatform.controller.cache_aware import CacheAwareConfig
 from llmplatform.controller.config import ControllerConfig
-from llmplatform.controller.dispatch import DEFAULT_DISPATCH_METHOD, DispatchMethod
 from llmplatform.controller.registry import DEFAULT_HEARTBEAT_EXPIRATION_S
+from llmplatform.routing.cache_aware import CacheAwareConfig
+from llmplatform.routing.policies import DEFAULT_DISPATCH_METHOD, DispatchMethod
 from llmplatform.utils.cluster_secret import SECRET_HEADER
 from llmplatform.utils.logs import configure_logging, log_summary
 from llmplatform.utils.server import DEFAULT_SHUTDOWN_TIMEOUT_S

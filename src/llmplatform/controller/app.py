@@ -28,8 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 from llmplatform.controller.admission import RegistrationRefused, check_worker_address, split_worker_url
 from llmplatform.controller.confirmation import Claim, Confirmations
-from llmplatform.controller.cache_aware import RouteHint
-from llmplatform.controller.dispatch import Dispatcher, RandomSource
+from llmplatform.controller.dispatch import Dispatcher
 from llmplatform.controller.down_workers import DownWorkers, add_down_worker_route
 from llmplatform.controller.config import ControllerConfig
 from llmplatform.controller.registry import WorkerInfo, WorkerRegistry
@@ -43,6 +42,8 @@ from llmplatform.controller.workers import (
 from llmplatform.errors import ErrorCode
 from llmplatform.metrics.common import add_metrics_route
 from llmplatform.metrics.controller import ControllerMetrics
+from llmplatform.routing.cache_aware import RouteHint
+from llmplatform.routing.policies import RandomSource
 from llmplatform.utils.request_id import RequestIdMiddleware
 from llmplatform.utils.cluster_secret import ClusterSecretMiddleware, secret_headers
 from llmplatform.utils.request_guard import RequestGuard
@@ -149,7 +150,7 @@ def create_app(
     resolve = resolve or (lambda host: resolve_host(host, config.status_timeout))
     registry = WorkerRegistry(heartbeat_expiration=config.heartbeat_expiration, clock=clock)
     dispatcher = Dispatcher(registry, config.dispatch_method, rng or random.Random(),
-                            cache_aware=config.cache_aware, clock=clock)
+                            cache_aware=config.cache_aware)
     metrics = ControllerMetrics(registry)
     confirmations = Confirmations(registry, config, metrics)
     down_workers = DownWorkers(clock)
@@ -323,6 +324,7 @@ def create_app(
             max_chunks_per_worker=options.max_chunks_per_worker, max_sessions=options.max_sessions,
         ) if dispatcher.policy.cache_aware is not None else None
         live = registry.live_workers()
+        dispatched = dispatcher.dispatched()
         down = down_workers.listed({w.worker_name for w in live})
         return ListWorkersResponse(dispatch_method=dispatcher.method.value, cache_aware=cache_aware,
                                    down_workers=down, workers=[
@@ -332,7 +334,7 @@ def create_app(
                 speed=w.speed, queue_length=w.queue_length, num_running=w.num_running,
                 num_waiting=w.num_waiting, kv_cache_usage=w.kv_cache_usage,
                 last_heartbeat_age_s=max(0.0, now - w.last_heartbeat),
-                max_num_running=w.max_num_running, num_dispatched=w.num_dispatched,
+                max_num_running=w.max_num_running, num_dispatched=dispatched.get(w.worker_name, 0),
                 prefix_cache_queries=w.prefix_cache_queries, prefix_cache_hits=w.prefix_cache_hits,
                 cache_epoch=w.cache_epoch,
             )
@@ -356,7 +358,8 @@ def create_app(
 
     @app.post("/worker_get_status")
     async def worker_get_status() -> JSONResponse:
-        return JSONResponse(registry.aggregate_status().model_dump(exclude_none=True))
+        status = registry.aggregate_status(dispatcher.dispatched())
+        return JSONResponse(status.model_dump(exclude_none=True))
 
     @app.post("/worker_generate_stream")
     async def worker_generate_stream(request: Request) -> StreamingResponse:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llmplatform.controller.cache_aware import CacheAwareConfig
-from llmplatform.controller.dispatch import DEFAULT_DISPATCH_METHOD, DispatchMethod
 from llmplatform.controller.registry import DEFAULT_HEARTBEAT_EXPIRATION_S
+from llmplatform.routing.cache_aware import CacheAwareConfig
+from llmplatform.routing.policies import DEFAULT_DISPATCH_METHOD, DispatchMethod
 from llmplatform.utils.request_guard import RequestGuardConfig
 from llmplatform.utils.worker_addresses import parse_networks
 

@@ -16,7 +16,7 @@ import dataclasses
 import hashlib
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from llmplatform.protocol.controller import WorkerStatus
@@ -45,9 +45,6 @@ class WorkerInfo:
     """The worker's inference backend, reported at registration (ours only)."""
     tasks: tuple[str, ...] | None = None
     """What its model serves ("generate", "embed"), reported at registration (ours only)."""
-    num_dispatched: int = 0
-    """Requests the controller sent this worker since its last heartbeat or registration: the
-    load the worker's last report cannot show yet (least_load adds it)."""
     instance_id: str | None = None
     """The worker process's random id (ours only; None for stock FastChat workers): tells a
     worker re-registering apart from a second worker announcing the same URL."""
@@ -85,7 +82,8 @@ class WorkerRegistry:
         if heartbeat_expiration <= 0:
             raise ValueError(f"heartbeat_expiration must be > 0 s, got {heartbeat_expiration}")
         self.heartbeat_expiration = heartbeat_expiration
-        self._clock = clock
+        self.clock = clock
+        """The registry's clock: heartbeats are stamped with it (routing compares picks to them)."""
         self._workers: dict[str, WorkerInfo] = {}
         self._generations = itertools.count(1)
 
@@ -113,7 +111,7 @@ class WorkerRegistry:
             queue_length=status.queue_length,
             check_heart_beat=check_heart_beat,
             multimodal=multimodal,
-            last_heartbeat=self._clock(),
+            last_heartbeat=self.clock(),
             num_running=status.num_running,
             num_waiting=status.num_waiting,
             kv_cache_usage=status.kv_cache_usage,
@@ -141,7 +139,7 @@ class WorkerRegistry:
             model_names=tuple(status.model_names),
             speed=status.speed,
             queue_length=status.queue_length,
-            last_heartbeat=self._clock(),
+            last_heartbeat=self.clock(),
             num_running=status.num_running,
             num_waiting=status.num_waiting,
             kv_cache_usage=status.kv_cache_usage,
@@ -151,7 +149,6 @@ class WorkerRegistry:
             prefix_cache_queries=status.prefix_cache_queries,
             prefix_cache_hits=status.prefix_cache_hits,
             prefix_cache_resets=status.prefix_cache_resets,
-            num_dispatched=0,
         )
         return True
 
@@ -176,7 +173,7 @@ class WorkerRegistry:
         info = self._workers.get(worker_name)
         if info is None:
             return False
-        now = self._clock()
+        now = self.clock()
         if not self._is_live(info, now):
             del self._workers[worker_name]
             return False
@@ -190,22 +187,6 @@ class WorkerRegistry:
             prefix_cache_queries=prefix_cache_queries,
             prefix_cache_hits=prefix_cache_hits,
             prefix_cache_resets=prefix_cache_resets,
-            num_dispatched=0,  # the fresh report already counts them (or they finished)
-        )
-        return True
-
-    def record_dispatch(self, worker_name: str) -> bool:
-        """Count one request sent to a worker since its last report (False if unknown).
-
-        Without this a burst of requests between two heartbeats all see the same reported
-        load and pile onto one worker. The worker's own numbers stay untouched (the estimate
-        is report + dispatches since); the next heartbeat or registration resets the count.
-        """
-        info = self._workers.get(worker_name)
-        if info is None:
-            return False
-        self._workers[worker_name] = dataclasses.replace(
-            info, num_dispatched=info.num_dispatched + 1
         )
         return True
 
@@ -224,7 +205,7 @@ class WorkerRegistry:
         Exactly `heartbeat_expiration` seconds old is still live. Returns the removed names,
         sorted, so the caller can log them.
         """
-        now = self._clock() if now is None else now
+        now = self.clock() if now is None else now
         stale = sorted(name for name, info in self._workers.items() if not self._is_live(info, now))
         for name in stale:
             del self._workers[name]
@@ -238,18 +219,18 @@ class WorkerRegistry:
 
     def is_live(self, worker_name: str) -> bool:
         info = self._workers.get(worker_name)
-        return info is not None and self._is_live(info, self._clock())
+        return info is not None and self._is_live(info, self.clock())
 
     def live_workers(self) -> list[WorkerInfo]:
         """Live workers sorted by name, so dispatch sees candidates in a stable order."""
-        now = self._clock()
+        now = self.clock()
         return [
             info for name, info in sorted(self._workers.items()) if self._is_live(info, now)
         ]
 
     def quiet_workers(self, min_silence: float) -> list[WorkerInfo]:
         """Live heartbeat-checked workers not heard from for more than `min_silence` seconds."""
-        now = self._clock()
+        now = self.clock()
         return [
             info
             for info in self.live_workers()
@@ -271,10 +252,10 @@ class WorkerRegistry:
         """Live workers serving `model`, sorted by name."""
         return [info for info in self.live_workers() if model in info.model_names]
 
-    def aggregate_status(self) -> WorkerStatus:
+    def aggregate_status(self, dispatched: Mapping[str, int] | None = None) -> WorkerStatus:
         """This controller seen as one big worker, so it can register with a parent controller.
 
-        Counts are summed (a queue counts the requests dispatched to it since its heartbeat);
+        Counts are summed (a queue counts the requests `dispatched` to it since its heartbeat);
         a load fact is summed over the workers that report it and stays None when none does
         (stock FastChat workers).
         """
@@ -288,7 +269,7 @@ class WorkerRegistry:
         return WorkerStatus(
             model_names=sorted(names),
             speed=sum(w.speed for w in workers),
-            queue_length=sum(w.queue_length + w.num_dispatched for w in workers),
+            queue_length=sum(w.queue_length + (dispatched or {}).get(w.worker_name, 0) for w in workers),
             num_running=sum(running) if running else None,
             num_waiting=sum(waiting) if waiting else None,
             max_num_running=sum(capacity) if capacity else None,

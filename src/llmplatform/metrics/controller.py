@@ -3,7 +3,7 @@ an expired worker disappears from the gauge the moment it stops counting as live
 of registrations, of workers dropped for silence and of `/get_worker_address` calls.
 
 ``llmplatform:controller_dispatch_decisions_total{policy,reason}`` counts the workers
-`/get_worker_address` picked, by dispatch method and why (`controller.cache_aware.Reason`:
+`/get_worker_address` picked, by dispatch method and why (`routing.cache_aware.Reason`:
 ``affinity`` and ``session`` are cache_aware's cache hits by intent, ``load_override`` the times
 balance won over them, ``spread`` a hot prefix sent to one more worker, ``no_match`` the requests
 no worker was believed to hold, ``no_cache`` those with no prefix-caching worker to choose;

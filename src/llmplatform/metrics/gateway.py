@@ -11,7 +11,7 @@ included) by where they came from: ``table`` (the gateway's own, no controller r
 ``controller`` (``/get_worker_address``).
 ``llmplatform:gateway_dispatch_decisions_total{policy,reason}`` counts the picks the gateway's
 routing table made, by the controller's dispatch method it ranked with and why
-(``controller.cache_aware.Reason``: ``affinity``, ``session``, ``load_override``, ``spread``,
+(``routing.cache_aware.Reason``: ``affinity``, ``session``, ``load_override``, ``spread``,
 ``no_match``, ``no_cache`` for cache_aware, ``load`` otherwise); the controller counts its own picks the same way.
 
 Per tenant (openai_api.tenants), labelled by ``key_id``: a configured key's id (12 hex digits

@@ -3,7 +3,7 @@
 `create_app(settings)` builds everything; nothing runs at import time. State on `app.state`:
 `settings`, `created` (the model cards' timestamp) and, while the lifespan runs,
 `worker_client` (around the app's one `httpx.AsyncClient`) and, with `--routing local`,
-`routing_table`, kept fresh by a background task the lifespan starts and cancels.
+`routing_table` (the gateway's router), kept fresh by a background task the lifespan starts and cancels.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from llmplatform.metrics.gateway import GatewayMetrics, GatewayMetricsMiddleware
 from llmplatform.openai_api.auth import ApiKeyMiddleware
 from llmplatform.openai_api.errors import error_payload, install_exception_handlers
 from llmplatform.openai_api.limits import RequestBodyMiddleware
-from llmplatform.controller.dispatch import RandomSource
 from llmplatform.openai_api.router import build_router
 from llmplatform.openai_api.tenants import TenantMiddleware, Tenants
-from llmplatform.openai_api.worker_routing import RoutingTable, TableRefresher, max_table_age
+from llmplatform.openai_api.worker_routing import TableRefresher, max_table_age
 from llmplatform.openai_api.settings import GatewaySettings, RoutingMode
 from llmplatform.openai_api.worker_client import WorkerClient
+from llmplatform.routing.policies import RandomSource
+from llmplatform.routing.router import Router
 from llmplatform.utils.cluster_secret import secret_headers
 from llmplatform.utils.request_guard import RequestGuard, RequestGuardConfig
 from llmplatform.utils.worker_addresses import CheckedDialTransport
@@ -64,7 +65,7 @@ def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | N
                                     exempt_hosts=[httpx.URL(settings.controller_address).host])
         async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers,
                                      event_hooks=hooks, transport=dial) as http:
-            table = (RoutingTable(max_age=max_table_age(settings.worker_refresh_interval), rng=rng)
+            table = (Router(max_age=max_table_age(settings.worker_refresh_interval), rng=rng)
                      if settings.routing is RoutingMode.LOCAL else None)
             decisions = app.state.metrics.routing_decisions
             dispatch = app.state.metrics.dispatch_decisions
@@ -124,7 +125,7 @@ def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | N
 
 
 @contextlib.asynccontextmanager
-async def _refreshing(table: RoutingTable | None, client: WorkerClient, interval: float
+async def _refreshing(table: Router | None, client: WorkerClient, interval: float
                       ) -> AsyncIterator[None]:
     """Keeps `table` filled from the controller while the block runs (nothing without a table);
     the task is cancelled and awaited on the way out, before the HTTP client closes."""

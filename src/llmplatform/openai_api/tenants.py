@@ -21,7 +21,7 @@ carries the `x-ratelimit-*` headers too. The route reports the tokens it used
 faster: shared between tenants, that is a timing oracle on each other's prompts. Isolated, the
 gateway salts each request with its tenant's id (and the client's own `cache_salt`, if any),
 the worker seeds the prompt's first KV block's hash with the salt (engine.prefix_cache), and
-cache_aware routing matches it in the salt's own prefix trees (controller.cache_aware), so
+cache_aware routing matches it in the salt's own prefix trees (routing.cache_aware), so
 another tenant's guess is neither a cache hit nor steered to the worker holding the prefix.
 """
 

@@ -12,9 +12,9 @@ answers 404 there, and then the gateway renders FastChat's conversation template
 FastChat's own gateway does (`/worker_get_conv_template`, `/count_token`, `/model_details`; what
 is learnt once per worker is kept in worker_details.py).
 
-Which worker: with `--routing local` the gateway's routing table answers (worker_routing.py) and the
-controller is asked only for what the table cannot answer; with `--routing controller`, for every
-request (`/get_worker_address`, FastChat's way).
+Which worker: with `--routing local` the gateway's router answers (llmplatform.routing, kept
+read by worker_routing.py) and the controller is asked only for what it cannot answer; with
+`--routing controller`, for every request (`/get_worker_address`, FastChat's way).
 
 Failures are typed by what they allow (failover.py's :func:`with_failover` builds on it): a worker that could
 not take the request before generating anything (unreachable, closed the connection before
@@ -38,7 +38,7 @@ from pydantic import ValidationError
 from llmplatform.conversation import render_chat_prompt
 from llmplatform.openai_api.controller_client import ControllerClient
 from llmplatform.openai_api.errors import UpstreamError, error_from_http
-from llmplatform.openai_api.worker_routing import RouteRequest, RouteSource, RoutingTable
+from llmplatform.openai_api.worker_routing import RouteRequest, RouteSource
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.openai_api.translate import PreparedPrompt
 from llmplatform.openai_api.worker_details import ModelDetails, WorkerDetails
@@ -55,6 +55,9 @@ from llmplatform.openai_api.worker_wire import (
 )
 from llmplatform.protocol.controller import ListWorkersResponse
 from llmplatform.protocol.worker import ACCEPTED_HEADER, ApplyChatTemplateResponse, OpenAIMaxTokens, WorkerChunk
+from llmplatform.routing.cache_aware import NO_HINT
+from llmplatform.routing.policies import DispatchMethod
+from llmplatform.routing.router import Router
 from llmplatform.utils.cluster_secret import secret_headers
 
 logger = logging.getLogger("llmplatform.openai_api")
@@ -72,7 +75,7 @@ class WorkerClient:
         http: httpx.AsyncClient,
         settings: GatewaySettings,
         *,
-        routes: RoutingTable | None = None,
+        routes: Router | None = None,
         on_route: Callable[[RouteSource], None] | None = None,
         on_decision: Callable[[str, str], None] | None = None,
     ) -> None:
@@ -123,7 +126,9 @@ class WorkerClient:
         The pick and its reason are logged at debug level, with the request's id.
         """
         if self._routes is not None:
-            decision = self._routes.decide(model, exclude, route)
+            # Hashing the prompt is for cache_aware only.
+            cache_aware = route is not None and self._routes.method is DispatchMethod.CACHE_AWARE
+            decision = self._routes.decide(model, exclude, route.hint if cache_aware else NO_HINT)
             if decision is not None:
                 self._note_route(RouteSource.TABLE)
                 method = self._routes.method.value if self._routes.method else "unknown"

@@ -104,7 +104,7 @@ class GetWorkerAddressRequest(_Message):
     # controller ignores the field; the gateway then notices a repeated address and stops.
     exclude: list[str] = Field(default_factory=list, max_length=64)
     # Ours, for cache_aware dispatch (other methods ignore them): the chain hashes of the
-    # prompt's leading chunks (controller/cache_aware.py `prefix_hashes`) and a session key's
+    # prompt's leading chunks (routing/prefix_tree.py `prefix_hashes`) and a session key's
     # hash. A stock controller ignores both.
     prefix_hashes: list[int] = Field(default_factory=list, max_length=512)
     session: int | None = None

@@ -4,7 +4,7 @@ A paged worker keeps the KV blocks of prompts it served (engine/prefix_cache.py)
 for any later prompt that starts the same way. Routing by load alone scatters a long system
 prompt, or a conversation's turns, over every worker, and each one prefills it again.
 
-**What is matched** (``controller.prefix_tree``): an approximate prefix tree per worker, built
+**What is matched** (``routing.prefix_tree``): an approximate prefix tree per worker, built
 from this router's own picks. A request's routing text is cut into chunks named by chained
 hashes, as the engine names KV blocks; a worker's tree holds the chains routed to it, and a
 request's match on a worker is how many of its leading hashes that tree holds. Entries age out,
@@ -40,7 +40,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from llmplatform.controller.prefix_tree import (  # re-exported: routing imports them from here
+from llmplatform.routing.prefix_tree import (  # re-exported: the policy's hint types
     CHUNK_CHARS,
     MAX_ROUTE_CHUNKS,
     NO_HINT,
@@ -158,10 +158,10 @@ C = TypeVar("C")
 
 
 class CacheAwarePolicy:
-    """The cache_aware state (one per controller, one per gateway routing table) and its pick.
+    """The cache_aware state (one per router: the controller's, each gateway's) and its pick.
 
     Pure bookkeeping: no network, no asyncio; the clock and the load ranking are injected (the
-    ranking is dispatch's least_load, passed in so this module stays below dispatch).
+    ranking is policies.py's least_load, passed in so this module stays below it).
     """
 
     def __init__(

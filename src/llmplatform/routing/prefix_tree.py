@@ -2,7 +2,7 @@
 
 **What is matched: an approximate prefix tree per worker, built from this router's own picks.**
 The request's routing text (the gateway's rendering of the prompt: the completion prompt, or the
-chat messages serialized in order, see ``openai_api/worker_routing.py``) is cut into
+chat messages serialized in order: the gateway's ``openai_api/worker_routing.py``) is cut into
 ``CHUNK_CHARS``-character chunks, and each full chunk is named by a hash chained from the previous
 one (:func:`prefix_hashes`), exactly as the engine names KV blocks: equal hashes mean equal
 prefixes. Each worker's tree is the set of chain hashes of the prompts routed to it; a request's
@@ -16,7 +16,7 @@ alternative, block-hash sets that workers report in their heartbeats:
   prompt all arrive before any worker has reported it, and would all be spread by load. A tree
   updated at the pick knows where the prefix went from the first request on;
 - it works for any worker (hf, stock FastChat), and the controller and a gateway routing
-  locally can run the same code over the same hint.
+  locally run the same code (this package) over the same hint.
 
 What it gives up is exactness: the tree does not see a worker evict blocks. Entries therefore
 age out (``entry_ttl_s`` since last routed), each tree is bounded (``max_chunks_per_worker``,
@@ -27,7 +27,7 @@ reported (both change its ``cache_epoch``).
 A ``cache_salt`` seeds a chain (and namespaces a session key), as it seeds the engine's block
 hashes: a prompt salted for one tenant matches nothing of another's.
 
-The decision made from a match is ``controller.cache_aware``'s.
+The decision made from a match is ``routing.cache_aware``'s.
 """
 
 from __future__ import annotations
