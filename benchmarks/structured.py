@@ -235,14 +235,14 @@ def in_process_cluster(args: argparse.Namespace) -> Iterator[tuple[str, str, str
     from llmplatform.controller import create_app as create_controller_app
     from llmplatform.model_worker.app import WorkerSettings
     from llmplatform.model_worker.app import create_app as create_worker_app
-    from llmplatform.model_worker.backends import BackendConfig, build_llm
+    from llmplatform.llm.build import BackendConfig, build_backend
     from llmplatform.llm.resolve import resolve_model
     from llmplatform.openai_api.app import create_app as create_gateway_app
     from llmplatform.openai_api.settings import GatewaySettings
     from llmplatform.utils.server import serve_in_thread
 
     path = str(resolve_model(args.model_path).path)
-    llm = build_llm(BackendConfig(model_path=path, model_names=("bench",), backend=args.backend,
+    llm = build_backend(BackendConfig(model_path=path, model_names=("bench",), backend=args.backend,
                                   device="cpu", dtype=args.dtype, max_model_len=args.max_model_len,
                                   kv_cache_memory=args.kv_cache_memory, max_num_seqs=64))
     with contextlib.ExitStack() as stack:

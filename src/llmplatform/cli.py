@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pkgutil
 import sys
 
 USAGE = """\
@@ -20,6 +21,16 @@ the environment as LLMPLATFORM_<OPTION> (--max-num-seqs: LLMPLATFORM_MAX_NUM_SEQ
 beats the environment, which beats `serve --config FILE`, which beats the default.
 """
 
+COMMANDS = {
+    "serve": "llmplatform.serve.launcher:main",
+    "controller": "llmplatform.controller.__main__:main",
+    "worker": "llmplatform.model_worker.__main__:main",
+    "api": "llmplatform.openai_api.__main__:main",
+    "webui": "llmplatform.webui.__main__:main",
+}
+"""Each command's entry point, named rather than imported: only the one asked for is loaded, and
+the command line stays above the services it starts (test_layering.py)."""
+
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -27,19 +38,10 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE, end="")
         raise SystemExit(0 if argv else 2)
     command, rest = argv[0], argv[1:]
-    if command == "serve":
-        from llmplatform.serve.launcher import main as run
-    elif command == "controller":
-        from llmplatform.controller.__main__ import main as run
-    elif command == "worker":
-        from llmplatform.model_worker.__main__ import main as run
-    elif command == "api":
-        from llmplatform.openai_api.__main__ import main as run
-    elif command == "webui":
-        from llmplatform.webui.__main__ import main as run
-    else:
+    if command not in COMMANDS:
         print(f"llmplatform: unknown command {command!r}\n\n{USAGE}", file=sys.stderr, end="")
         raise SystemExit(2)
+    run = pkgutil.resolve_name(COMMANDS[command])
     run(rest)
 
 

@@ -20,6 +20,7 @@ from typing import Any, Sequence, Union
 
 from tqdm.auto import tqdm
 
+from llmplatform.llm.build import BackendConfig, paged_engine_config
 from llmplatform.sampling.outputs import FinishReason, TokenLogprob
 from llmplatform.sampling.params import SamplingParams
 
@@ -90,37 +91,34 @@ class RequestOutput:
     outputs: list[CompletionOutput]
 
 
+_DEFAULT = BackendConfig()  # every keyword's default: the worker flag's (llm/build.py)
+
+
 class LLM:
-    """The native engine for offline use. Keyword arguments mirror the worker's engine flags."""
+    """The native engine for offline use. Keyword arguments are the worker's engine flags (the
+    same names and defaults); `num_blocks` fixes the KV cache's block count."""
 
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                 compute_dtype: str = "auto", decode_path: str = "auto", quantization: str = "none",
-                 max_model_len: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, block_size: int = 16,
-                 kv_cache_memory: str = "2GiB", gpu_memory_utilization: float = 0.9,
-                 num_blocks: int | None = None, enable_prefix_caching: bool = True) -> None:
-        from transformers import AutoConfig
-
-        from llmplatform.engine.config import (CacheConfig, EngineConfig, ModelConfig,
-                                               SchedulerConfig, parse_memory_size)
+    def __init__(self, model: str | None = None, *, dtype: str = _DEFAULT.dtype,
+                 device: str = _DEFAULT.device, compute_dtype: str = _DEFAULT.compute_dtype,
+                 decode_path: str = _DEFAULT.decode_path, quantization: str = _DEFAULT.quantization,
+                 max_model_len: int | None = _DEFAULT.max_model_len,
+                 max_num_seqs: int = _DEFAULT.max_num_seqs,
+                 max_num_batched_tokens: int = _DEFAULT.max_num_batched_tokens,
+                 block_size: int = _DEFAULT.block_size,
+                 kv_cache_memory: str = _DEFAULT.kv_cache_memory,
+                 gpu_memory_utilization: float = _DEFAULT.gpu_memory_utilization,
+                 num_blocks: int | None = None,
+                 enable_prefix_caching: bool = _DEFAULT.enable_prefix_caching) -> None:
         from llmplatform.engine.llm_engine import LLMEngine
-        from llmplatform.llm.resolve import quantized_gguf, resolve_model
-        from llmplatform.models.registry import max_model_len as model_max_len
 
-        resolved = resolve_model(model)
-        gguf = quantized_gguf(resolved, quantization)
-        limit = model_max_len(AutoConfig.from_pretrained(str(resolved.path)))
-        self.engine = LLMEngine(EngineConfig(
-            model=ModelConfig(str(resolved.path), (resolved.name,), device=device, dtype=dtype,
-                              compute_dtype=compute_dtype, decode_path=decode_path,
-                              quantized_gguf=None if gguf is None else str(gguf)),
-            cache=CacheConfig(block_size=block_size,
-                              kv_cache_memory_bytes=parse_memory_size(kv_cache_memory),
-                              gpu_memory_utilization=gpu_memory_utilization, num_blocks=num_blocks,
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=min(limit, max_model_len or limit))))
+        config = BackendConfig(
+            model_path=model, backend="paged", dtype=dtype, device=device,
+            compute_dtype=compute_dtype, decode_path=decode_path, quantization=quantization,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching)
+        self.engine = LLMEngine(paged_engine_config(config, num_blocks=num_blocks))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 

@@ -67,14 +67,14 @@ def two_backends(tiny_model_dir: Any) -> Iterator[TwoBackendCluster]:
     behind its own real worker, with a real controller and gateway, all on 127.0.0.1."""
     from transformers import AutoTokenizer
 
-    from llmplatform.model_worker.backends import BackendConfig, build_llm
+    from llmplatform.llm.build import BackendConfig, build_backend
     from tests.integration.cluster import running_cluster
 
     with running_cluster() as cluster:
         urls = {}
         for backend in BACKENDS:
             extra = {"kv_cache_memory": "64MiB"} if backend == "paged" else {"max_concurrency": 2}
-            llm = build_llm(BackendConfig(model_path=str(tiny_model_dir), model_names=(model_name(backend),),
+            llm = build_backend(BackendConfig(model_path=str(tiny_model_dir), model_names=(model_name(backend),),
                                           backend=backend, device="cpu", dtype="float32", **extra))
             assert llm.facts.vocab_size == TINY_VOCAB_SIZE
             urls[backend] = cluster.add_worker(llm)

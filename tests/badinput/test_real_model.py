@@ -17,7 +17,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from llmplatform.model_worker.backends import BackendConfig, build_llm
+from llmplatform.llm.build import BackendConfig, build_backend
 from tests.badinput.test_properties import chat_requests, check_answer, completion_requests
 from tests.integration.cluster import Cluster, running_cluster
 
@@ -28,7 +28,7 @@ USER = [{"role": "user", "content": "Tell me about the sea."}]
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Any) -> Iterator[Cluster]:
-    llm = build_llm(BackendConfig(model_path=str(tiny_model_dir), model_names=(MODEL,), backend="paged",
+    llm = build_backend(BackendConfig(model_path=str(tiny_model_dir), model_names=(MODEL,), backend="paged",
                                   device="cpu", dtype="float32", kv_cache_memory="64MiB"))
     with running_cluster() as cluster:
         cluster.add_worker(llm)

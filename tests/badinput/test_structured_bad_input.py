@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 
-from llmplatform.model_worker.backends import BackendConfig, build_llm
+from llmplatform.llm.build import BackendConfig, build_backend
 from llmplatform.sampling.grammar import GrammarCompiler, GrammarConfig
 from tests.integration.cluster import Cluster, running_cluster
 
@@ -32,7 +32,7 @@ LLMS: dict[str, Any] = {}
 def _tiny(model_dir: Path, name: str, **overrides: Any):
     config: dict[str, Any] = dict(model_path=str(model_dir), model_names=(name,), backend="paged",
                                   device="cpu", dtype="float32", kv_cache_memory="64MiB")
-    return build_llm(BackendConfig(**(config | overrides)))
+    return build_backend(BackendConfig(**(config | overrides)))
 
 
 @pytest.fixture(scope="module")

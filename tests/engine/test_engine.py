@@ -267,10 +267,10 @@ def test_worker_rebuilds_a_failed_engine_and_answers_503_once_it_cannot(tiny_mod
     import httpx
 
     from llmplatform.model_worker.app import WorkerSettings, create_app
-    from llmplatform.model_worker.backends import BackendConfig, build_llm
+    from llmplatform.llm.build import BackendConfig, build_backend
     from llmplatform.utils.server import serve_in_thread
 
-    llm = build_llm(BackendConfig(model_path=str(tiny_model_dir), backend="paged", device="cpu",
+    llm = build_backend(BackendConfig(model_path=str(tiny_model_dir), backend="paged", device="cpu",
                                   dtype="float32", kv_cache_memory="32MiB"))
 
     def broken(scheduled):

@@ -182,19 +182,19 @@ def test_greedy_identical_on_the_default_model(default_model_dir):
 
 def test_the_switch_reaches_the_engine_from_the_worker_flag_and_the_offline_api(tiny_model_dir):
     from llmplatform import LLM
-    from llmplatform.model_worker.backends import build_llm
+    from llmplatform.llm.build import build_backend
     from llmplatform.model_worker.settings import WorkerServiceSettings
 
     assert WorkerServiceSettings.parse([]).backend_config.enable_prefix_caching is True
     settings = WorkerServiceSettings.parse([
         "--model-path", str(tiny_model_dir), "--backend", "paged", "--device", "cpu",
         "--dtype", "float32", "--kv-cache-memory", "16MiB", "--no-enable-prefix-caching"])
-    llm = build_llm(settings.backend_config)
+    llm = build_backend(settings.backend_config)
     assert not llm.engine.block_manager.enable_prefix_caching
     # Off, it reports no prefix-cache counters (None, not zeros): cache_aware dispatch then
     # ranks it by load alone, as a worker with nothing to reuse.
     assert (llm.load().prefix_cache_queries, llm.load().prefix_cache_hits) == (None, None)
-    on = build_llm(WorkerServiceSettings.parse([
+    on = build_backend(WorkerServiceSettings.parse([
         "--model-path", str(tiny_model_dir), "--backend", "paged", "--device", "cpu",
         "--dtype", "float32", "--kv-cache-memory", "16MiB"]).backend_config)
     assert (on.load().prefix_cache_queries, on.load().prefix_cache_hits) == (0, 0)

@@ -16,7 +16,7 @@ from llmplatform.controller import create_app as create_controller_app
 from llmplatform.llm.base import LLMBackend
 from llmplatform.model_worker.app import WorkerSettings
 from llmplatform.model_worker.app import create_app as create_worker_app
-from llmplatform.model_worker.backends import BackendConfig, build_llm
+from llmplatform.llm.build import BackendConfig, build_backend
 from llmplatform.openai_api.app import create_app as create_gateway_app
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.utils.server import serve_in_thread
@@ -28,7 +28,7 @@ def paged_tiny_llm(model_dir: Path, **overrides: Any) -> LLMBackend:
     config: dict[str, Any] = dict(model_path=str(model_dir), model_names=("tiny",), backend="paged",
                                   device="cpu", dtype="float32", kv_cache_memory="64MiB")
     config.update(overrides)
-    return build_llm(BackendConfig(**config))
+    return build_backend(BackendConfig(**config))
 
 
 @dataclass

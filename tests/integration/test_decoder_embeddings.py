@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from llmplatform.model_worker.app import WorkerSettings
-from llmplatform.model_worker.backends import BackendConfig, build_llm
-from llmplatform.utils.startup import worker_summary
+from llmplatform.llm.build import BackendConfig, build_backend
+from llmplatform.model_worker.__main__ import worker_summary
 from tests.integration.cluster import Cluster, running_cluster
 
 MODEL = "tiny-embed"
@@ -48,7 +48,7 @@ def mrl_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 @pytest.fixture(scope="module")
 def cluster(mrl_dir: Path) -> Iterator[Cluster]:
     with running_cluster() as cluster:
-        cluster.add_worker(build_llm(BackendConfig(
+        cluster.add_worker(build_backend(BackendConfig(
             model_path=str(mrl_dir), model_names=(MODEL,), backend="paged", task="embed",
             device="cpu", dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=64)))
         yield cluster
@@ -146,7 +146,7 @@ def test_backend_auto_serves_a_sentence_transformers_decoder_folder_on_the_engin
     (folder / "1_Pooling" / "config.json").write_text(json.dumps(
         {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True}))
     (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 100}))
-    llm = build_llm(BackendConfig(model_path=str(folder), device="cpu", dtype="float32",
+    llm = build_backend(BackendConfig(model_path=str(folder), device="cpu", dtype="float32",
                                   kv_cache_memory="16MiB"))
     try:
         assert llm.backend_name == "paged" and [str(t) for t in llm.facts.tasks] == ["embed"]
@@ -157,11 +157,11 @@ def test_backend_auto_serves_a_sentence_transformers_decoder_folder_on_the_engin
     finally:
         asyncio.run(llm.shutdown())
     with pytest.raises(ValueError, match="--pooling last"):
-        build_llm(BackendConfig(model_path=str(tiny_model_dir), pooling="last", device="cpu"))
+        build_backend(BackendConfig(model_path=str(tiny_model_dir), pooling="last", device="cpu"))
 
 
 def test_the_encoder_batches_concurrent_single_sentence_requests(embedding_model_dir: Path) -> None:
-    llm = build_llm(BackendConfig(model_path=str(embedding_model_dir), device="cpu"))
+    llm = build_backend(BackendConfig(model_path=str(embedding_model_dir), device="cpu"))
     summary = worker_summary(llm, WorkerSettings(register=False), "http://127.0.0.1:1")
     assert summary["serves"] == "embed" and summary["kv_cache"] == "none (embeddings only)"
     sentences = [f"sentence number {i} about the sea" for i in range(16)]
@@ -196,7 +196,7 @@ def test_a_bare_mistral_model_checkpoint_embeds_like_transformers(tiny_model_dir
         sliding_window=None, initializer_range=0.2)).eval()
     reference.save_pretrained(str(folder))
     AutoTokenizer.from_pretrained(str(tiny_model_dir)).save_pretrained(str(folder))
-    llm = build_llm(BackendConfig(model_path=str(folder), device="cpu", dtype="float32",
+    llm = build_backend(BackendConfig(model_path=str(folder), device="cpu", dtype="float32",
                                   kv_cache_memory="16MiB"))
     ids = llm.embedding_token_ids_sync(TEXTS, None)
 
@@ -214,4 +214,4 @@ def test_a_bare_mistral_model_checkpoint_embeds_like_transformers(tiny_model_dir
             reference(torch.tensor([one])).last_hidden_state[0, -1], dim=0).numpy() for one in ids])
     np.testing.assert_allclose(got, expected, atol=1e-4)
     with pytest.raises(ValueError, match="no LM head"):
-        build_llm(BackendConfig(model_path=str(folder), task="generate", device="cpu"))
+        build_backend(BackendConfig(model_path=str(folder), task="generate", device="cpu"))

@@ -7,13 +7,13 @@ import pytest
 
 from llmplatform.llm.hf import HFTransformersLLM
 from llmplatform.llm.paged import PagedLLM
-from llmplatform.model_worker.backends import BackendConfig, build_llm
+from llmplatform.llm.build import BackendConfig, build_backend
 from tests.integration.cluster import running_cluster
 
 
 @pytest.fixture(scope="module")
 def two_model_cluster(tiny_model_dir):
-    smol = build_llm(BackendConfig(device="cpu", kv_cache_memory="256MiB"))  # default: paged, bf16
+    smol = build_backend(BackendConfig(device="cpu", kv_cache_memory="256MiB"))  # default: paged, bf16
     assert isinstance(smol, PagedLLM)
     tiny = HFTransformersLLM(str(tiny_model_dir), ("tiny",), device="cpu", dtype="float32")
     with running_cluster() as cluster:

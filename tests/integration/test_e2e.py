@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from llmplatform.llm.hf import HFTransformersLLM
 from llmplatform.llm.paged import PagedLLM
-from llmplatform.model_worker.backends import BackendConfig, build_llm
+from llmplatform.llm.build import BackendConfig, build_backend
 from tests.integration.cluster import running_cluster
 from tests.polling import wait_until
 
@@ -22,7 +22,7 @@ def tiny_llm(request, tiny_model_dir):
     if request.param == "hf":
         return HFTransformersLLM(str(tiny_model_dir), ("tiny",), device="cpu", dtype="float32",
                                  max_concurrency=4)
-    return build_llm(BackendConfig(model_path=str(tiny_model_dir), model_names=("tiny",),
+    return build_backend(BackendConfig(model_path=str(tiny_model_dir), model_names=("tiny",),
                                    backend="paged", device="cpu", dtype="float32",
                                    kv_cache_memory="64MiB"))
 

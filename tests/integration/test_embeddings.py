@@ -15,7 +15,7 @@ import numpy as np
 import openai
 import pytest
 
-from llmplatform.model_worker.backends import BackendConfig, build_llm
+from llmplatform.llm.build import BackendConfig, build_backend
 from llmplatform.protocol.worker import MAX_EMBEDDING_INPUTS
 from tests.integration.cluster import Cluster, paged_tiny_llm, running_cluster
 
@@ -44,7 +44,7 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def cluster(embedding_model_dir: Path, tiny_model_dir: Path) -> Iterator[Cluster]:
     with running_cluster() as cluster:
         # --backend auto: the folder says it is an embedding model.
-        cluster.add_worker(build_llm(BackendConfig(model_path=str(embedding_model_dir),
+        cluster.add_worker(build_backend(BackendConfig(model_path=str(embedding_model_dir),
                                                    model_names=(EMBED,), device="cpu")))
         cluster.add_worker(paged_tiny_llm(tiny_model_dir))
         yield cluster

@@ -26,7 +26,7 @@ from llmplatform.routing.policies import DispatchMethod
 from llmplatform.controller.registry import WorkerInfo, WorkerRegistry
 from llmplatform.model_worker.app import WorkerSettings
 from llmplatform.model_worker.app import create_app as create_worker_app
-from llmplatform.model_worker.backends import BackendConfig, build_llm
+from llmplatform.llm.build import BackendConfig, build_backend
 from llmplatform.openai_api.app import create_app as create_gateway_app
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.utils.server import serve_in_thread
@@ -92,7 +92,7 @@ def test_requests_go_to_the_worker_with_the_smaller_share_of_capacity(
 
         urls = []
         for max_num_seqs in (16, 2):
-            llm = build_llm(BackendConfig(model_path=str(long_context_model), model_names=(MODEL,),
+            llm = build_backend(BackendConfig(model_path=str(long_context_model), model_names=(MODEL,),
                                           backend="paged", dtype="float32",
                                           max_num_seqs=max_num_seqs, kv_cache_memory="64MiB"))
             app = create_worker_app(llm, WorkerSettings(

@@ -10,7 +10,7 @@ import pytest
 from llmplatform.llm.hf import HFTransformersLLM
 from llmplatform.model_worker.app import WorkerSettings
 from llmplatform.model_worker.app import create_app as create_worker_app
-from llmplatform.model_worker.backends import BackendConfig, build_llm
+from llmplatform.llm.build import BackendConfig, build_backend
 from llmplatform.openai_api.app import create_app as create_gateway_app
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.utils.server import serve_in_thread
@@ -23,7 +23,7 @@ BLOCK_SIZE = 16
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
-    llm = build_llm(BackendConfig(model_path=str(tiny_model_dir), model_names=("tiny",),
+    llm = build_backend(BackendConfig(model_path=str(tiny_model_dir), model_names=("tiny",),
                                   backend="paged", device="cpu", dtype="float32",
                                   kv_cache_memory="64MiB", block_size=BLOCK_SIZE))
     with running_cluster() as cluster:
@@ -119,7 +119,7 @@ def test_a_backend_without_prefix_cache_says_so(tiny_model_dir):
 
 def test_the_admin_reset_reaches_every_worker_of_the_model(tiny_model_dir):
     def paged() -> object:
-        return build_llm(BackendConfig(model_path=str(tiny_model_dir), model_names=("tiny",),
+        return build_backend(BackendConfig(model_path=str(tiny_model_dir), model_names=("tiny",),
                                        backend="paged", device="cpu", dtype="float32",
                                        kv_cache_memory="64MiB", block_size=BLOCK_SIZE))
 

@@ -22,13 +22,13 @@ from llmplatform.engine.decode_path import apply_decode_path
 from llmplatform.kernels import AttentionMetadata, cpu_quant_linear
 from llmplatform.llm.resolve import ModelPathError, default_gguf_path, resolve_model
 from llmplatform.model_worker.app import WorkerSettings
-from llmplatform.model_worker.backends import BackendConfig, build_llm
+from llmplatform.llm.build import BackendConfig, build_backend
 from llmplatform.models.gguf_export import write_llama_gguf
 from llmplatform.models.loader import load_model
 from llmplatform.models.quantized import QuantizedLinear
 from llmplatform.offline import LLM
 from llmplatform.sampling.params import SamplingParams
-from llmplatform.utils.startup import worker_summary
+from llmplatform.model_worker.__main__ import worker_summary
 from tests.integration.cluster import running_cluster
 
 PROMPTS = ["Once upon a time", "The capital of France is"]
@@ -89,8 +89,8 @@ def test_greedy_tokens_equal_the_dequantized_model(tiny_q8_gguf) -> None:
 def test_served_quantized_matches_served_dequantized(tiny_q8_gguf) -> None:
     common = dict(model_path=str(tiny_q8_gguf), backend="paged", device="cpu", dtype="float32",
                   kv_cache_memory="32MiB")
-    quantized = build_llm(BackendConfig(model_names=("tiny-q8",), quantization="gguf", **common))
-    dense = build_llm(BackendConfig(model_names=("tiny-dense",), **common))
+    quantized = build_backend(BackendConfig(model_names=("tiny-q8",), quantization="gguf", **common))
+    dense = build_backend(BackendConfig(model_names=("tiny-dense",), **common))
     summary = worker_summary(quantized, WorkerSettings(register=False), "http://127.0.0.1:1")
     assert summary["weights"].startswith("projections kept quantized: q8_0 (9/9")
     assert "weights" not in worker_summary(dense, WorkerSettings(register=False), "http://127.0.0.1:1")
@@ -108,7 +108,7 @@ def test_served_quantized_matches_served_dequantized(tiny_q8_gguf) -> None:
 
 def test_the_switch_needs_a_gguf_model(tiny_model_dir) -> None:
     with pytest.raises(ModelPathError, match="--quantization gguf needs a .gguf model file"):
-        build_llm(BackendConfig(model_path=str(tiny_model_dir), quantization="gguf", backend="paged",
+        build_backend(BackendConfig(model_path=str(tiny_model_dir), quantization="gguf", backend="paged",
                                 device="cpu", dtype="float32", kv_cache_memory="32MiB"))
     with pytest.raises(ModelPathError, match="needs a .gguf"):
         LLM(str(tiny_model_dir), quantization="gguf")
@@ -116,11 +116,11 @@ def test_the_switch_needs_a_gguf_model(tiny_model_dir) -> None:
 
 def test_the_switch_needs_the_paged_backend(tiny_q8_gguf) -> None:
     with pytest.raises(ValueError, match="paged backend, not hf"):
-        build_llm(BackendConfig(model_path=str(tiny_q8_gguf), quantization="gguf", backend="hf",
+        build_backend(BackendConfig(model_path=str(tiny_q8_gguf), quantization="gguf", backend="hf",
                                 device="cpu", dtype="float32"))
 
 
 def test_the_switch_refuses_tensor_parallelism(tiny_q8_gguf) -> None:
     with pytest.raises(ValueError, match="does not combine with --tensor-parallel-size"):
-        build_llm(BackendConfig(model_path=str(tiny_q8_gguf), quantization="gguf", backend="paged",
+        build_backend(BackendConfig(model_path=str(tiny_q8_gguf), quantization="gguf", backend="paged",
                                 device="cpu", dtype="float32", tensor_parallel_size=2))

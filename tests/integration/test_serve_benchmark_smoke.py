@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from llmplatform.model_worker.backends import BackendConfig, build_llm
+from llmplatform.llm.build import BackendConfig, build_backend
 from tests.benchmark_scripts import load_benchmark
 from tests.integration.cluster import running_cluster
 
@@ -26,7 +26,7 @@ def bench():
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
-    llm = build_llm(BackendConfig(model_path=str(tiny_model_dir), model_names=("tiny",), backend="paged",
+    llm = build_backend(BackendConfig(model_path=str(tiny_model_dir), model_names=("tiny",), backend="paged",
                                   device="cpu", dtype="float32", kv_cache_memory="64MiB"))
     with running_cluster() as cluster:
         cluster.add_worker(llm)

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import json
 
-from llmplatform.model_worker.backends import BackendConfig, build_llm
+from llmplatform.llm.build import BackendConfig, build_backend
 from tests.benchmark_scripts import load_benchmark
 from tests.integration.cluster import running_cluster
 
 
 def test_structured_benchmark_smoke(tiny_model_dir, tmp_path, capsys):
     bench = load_benchmark("structured")
-    llm = build_llm(BackendConfig(model_path=str(tiny_model_dir), model_names=("tiny",),
+    llm = build_backend(BackendConfig(model_path=str(tiny_model_dir), model_names=("tiny",),
                                   backend="paged", device="cpu", dtype="float32",
                                   kv_cache_memory="64MiB"))
     out = tmp_path / "result.json"

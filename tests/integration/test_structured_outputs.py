@@ -18,7 +18,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from llmplatform.model_worker.backends import BackendConfig, build_llm
+from llmplatform.llm.build import BackendConfig, build_backend
 from tests.integration.cluster import Cluster, running_cluster
 
 pytestmark = pytest.mark.slow  # the real default model
@@ -72,7 +72,7 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(default_model_dir: Any, backend: str) -> Iterator[Cluster]:
-    llm = build_llm(BackendConfig(model_path=str(default_model_dir), model_names=(MODEL,),
+    llm = build_backend(BackendConfig(model_path=str(default_model_dir), model_names=(MODEL,),
                                   backend=backend, device="cpu", dtype="bfloat16",
                                   kv_cache_memory="256MiB",
                                   # the paged engine runs each test's prompts as one batch

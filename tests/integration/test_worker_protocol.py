@@ -108,7 +108,7 @@ def test_status_count_token_details_conv_template(worker_url, tiny_llm):
                        timeout=10).json()
     assert count == {"count": len(tiny_llm.tokenizer("Hello world")["input_ids"]), "error_code": 0}
     details = httpx.post(f"{worker_url}/model_details", json={"model": "tiny"}, timeout=10).json()
-    # Built directly, without build_llm's template choice: no tools announced.
+    # Built directly, without build_backend's template choice: no tools announced.
     assert details == {"context_length": 512, "tasks": ["generate"],
                        "params": ["messages", "openai_max_tokens", "logit_bias", "structured_output",
                                   "stream_deltas", "cache_salt"]}

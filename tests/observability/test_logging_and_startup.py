@@ -19,10 +19,12 @@ from llmplatform.controller import ControllerConfig
 from llmplatform.kernels import cpu_decode
 from llmplatform.llm.hf import HFTransformersLLM
 from llmplatform.model_worker.app import WorkerSettings
-from llmplatform.model_worker.backends import BackendConfig, build_llm
+from llmplatform.llm.build import BackendConfig, build_backend
 from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.utils.logs import JsonFormatter, TextFormatter, request_context
-from llmplatform.utils.startup import controller_summary, gateway_summary, worker_summary
+from llmplatform.controller.__main__ import controller_summary
+from llmplatform.model_worker.__main__ import worker_summary
+from llmplatform.openai_api.__main__ import gateway_summary
 from tests.polling import wait_until
 
 LINE_TIMEOUT_S = 120
@@ -66,7 +68,7 @@ def test_text_lines_are_one_line_with_the_id_in_brackets():
 
 
 def test_worker_summary_states_backend_kv_cache_and_addresses(tiny_model_dir):
-    llm = build_llm(BackendConfig(model_path=str(tiny_model_dir), model_names=("tiny",),
+    llm = build_backend(BackendConfig(model_path=str(tiny_model_dir), model_names=("tiny",),
                                   backend="paged", device="cpu", dtype="float32",
                                   kv_cache_memory="8MiB", max_model_len=256))
     layout = llm.engine.runner.layout

@@ -22,7 +22,7 @@ from llmplatform.controller import ControllerConfig
 from llmplatform.controller import create_app as create_controller_app
 from llmplatform.model_worker.app import WorkerSettings
 from llmplatform.model_worker.app import create_app as create_worker_app
-from llmplatform.model_worker.backends import BackendConfig, build_llm
+from llmplatform.llm.build import BackendConfig, build_backend
 from llmplatform.openai_api import GatewaySettings
 from llmplatform.openai_api import create_app as create_gateway_app
 from llmplatform.utils.cluster_secret import SECRET_ENV, SECRET_HEADER
@@ -133,7 +133,7 @@ def test_every_controller_route_but_the_public_ones_needs_the_secret(controller:
 @pytest.fixture(scope="module")
 def secret_cluster(tiny_model_dir: Any) -> Iterator[dict[str, Any]]:
     """Controller, a real tiny-model worker and a gateway, all sharing SECRET."""
-    llm = build_llm(BackendConfig(model_path=str(tiny_model_dir), model_names=(MODEL,), backend="paged",
+    llm = build_backend(BackendConfig(model_path=str(tiny_model_dir), model_names=(MODEL,), backend="paged",
                                   device="cpu", dtype="float32", kv_cache_memory="32MiB"))
     with contextlib.ExitStack() as stack:
         controller = stack.enter_context(serve_in_thread(create_controller_app(

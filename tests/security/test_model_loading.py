@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import llmplatform
-from llmplatform.model_worker.backends import BackendConfig, build_llm
+from llmplatform.llm.build import BackendConfig, build_backend
 
 EVIL_CONFIG = '''
 from pathlib import Path
@@ -48,7 +48,7 @@ def remote_code_model(tiny_model_dir: Path, tmp_path: Path) -> tuple[Path, Path]
 def test_checkpoint_code_does_not_run_by_default(remote_code_model: tuple[Path, Path], backend: str) -> None:
     model_dir, marker = remote_code_model
     with pytest.raises((ValueError, OSError)) as info:
-        build_llm(BackendConfig(model_path=str(model_dir), backend=backend, device="cpu", dtype="float32"))
+        build_backend(BackendConfig(model_path=str(model_dir), backend=backend, device="cpu", dtype="float32"))
     assert "trust_remote_code" in str(info.value) or "evil-llama" in str(info.value)
     assert not marker.exists(), "code shipped with the checkpoint was executed"
 
@@ -83,7 +83,7 @@ def test_trust_remote_code_reaches_transformers_only_when_asked(
     for trust in (False, True):
         calls.clear()
         with pytest.raises(_Stop):
-            build_llm(BackendConfig(model_path=str(tiny_model_dir), backend="hf", device="cpu",
+            build_backend(BackendConfig(model_path=str(tiny_model_dir), backend="hf", device="cpu",
                                     dtype="float32", trust_remote_code=trust))
         assert [name for name, _ in calls] == ["tokenizer", "model"]
         assert all(kwargs.get("trust_remote_code") is trust for _, kwargs in calls), calls
@@ -131,7 +131,7 @@ def test_pickled_weights_are_refused_unread(pickle_only_model: Path, backend: st
     monkeypatch.setattr(torch, "load", recording_load)
     monkeypatch.setattr(pickle, "load", lambda *a, **k: unpickled.append(a[:1]))
     with pytest.raises((OSError, FileNotFoundError, ValueError)) as info:
-        build_llm(BackendConfig(model_path=str(pickle_only_model), backend=backend, device="cpu", dtype="float32"))
+        build_backend(BackendConfig(model_path=str(pickle_only_model), backend=backend, device="cpu", dtype="float32"))
     assert "safetensors" in str(info.value)
     assert unpickled == [], "a pickled checkpoint was opened"
 

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import pkgutil
+
 import pytest
 
+from llmplatform import cli
+from llmplatform.engine.config import CacheConfig, parse_memory_size
+from llmplatform.llm.build import BackendConfig
+from llmplatform.llm.resolve import EMBEDDING_MODEL_NAME
 from llmplatform.model_worker.settings import WorkerServiceSettings
+from llmplatform.offline import LLM
 from llmplatform.serve import launcher
+from llmplatform.utils.settings import ServiceSettings
 
 
 def address(*argv: str) -> str:
@@ -61,3 +71,53 @@ def test_serve_config_without_workers_is_an_error(tmp_path):
     config.write_text("[controller]\nport = 3000\n")
     with pytest.raises(SystemExit, match="no \\[\\[worker\\]\\]"):
         launcher.cluster_spec(launcher.ServeSettings.parse(["--config", str(config)]))
+
+
+# ---- one definition per worker setting -------------------------------------------------------------
+
+# BackendConfig fields the worker fills from flags of another name or shape.
+_FROM_OTHER_FLAGS = {"model_names": "model_names", "max_concurrency": "limit_worker_concurrency"}
+
+
+def test_every_backend_setting_is_a_worker_flag_with_its_default():
+    """BackendConfig (llm/build.py) is the table of backend settings: a field the worker had no
+    flag for would silently keep its default in every worker (settings.section fills fields by
+    name), and a flag's default is the field's."""
+    flags = WorkerServiceSettings.model_fields
+    for field in dataclasses.fields(BackendConfig):
+        if field.name in _FROM_OTHER_FLAGS:
+            assert _FROM_OTHER_FLAGS[field.name] in flags
+            continue
+        assert field.name in flags, f"--{field.name.replace('_', '-')} is missing"
+        assert flags[field.name].default == field.default, field.name
+
+
+def test_the_flags_reach_the_backend_config():
+    settings = WorkerServiceSettings.parse([
+        "--max-num-seqs", "7", "--kv-cache-memory", "1GiB", "--no-enable-prefix-caching",
+        "--model-names", "a,b", "--limit-worker-concurrency", "3", "--grammar-compile-timeout", "2"])
+    assert settings.backend_config == BackendConfig(
+        max_num_seqs=7, kv_cache_memory="1GiB", enable_prefix_caching=False, model_names=("a", "b"),
+        max_concurrency=3, grammar_compile_timeout=2.0)
+
+
+def test_offline_keywords_are_the_worker_flags():
+    """offline.LLM's keywords are backend settings by the same name, with the same defaults
+    (num_blocks, which fixes the KV cache's size, is the offline API's own)."""
+    defaults = BackendConfig()
+    parameters = inspect.signature(LLM.__init__).parameters
+    own = {"self", "model", "num_blocks"}
+    for name, parameter in parameters.items():
+        if name not in own:
+            assert parameter.default == getattr(defaults, name), name
+    assert parse_memory_size(defaults.kv_cache_memory) == CacheConfig().kv_cache_memory_bytes
+
+
+def test_serve_and_the_cli_name_real_entry_points():
+    """Serve and the command line start the services by name (they import none of them):
+    every name resolves, and the embedding worker's model is the packaged one."""
+    for module, where in launcher.SERVICE_SETTINGS.items():
+        model = pkgutil.resolve_name(where)
+        assert issubclass(model, ServiceSettings) and where.startswith(module + ".")
+    assert all(callable(pkgutil.resolve_name(where)) for where in cli.COMMANDS.values())
+    assert launcher.EMBEDDING_MODEL == EMBEDDING_MODEL_NAME

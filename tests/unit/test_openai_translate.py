@@ -8,7 +8,7 @@ import json
 import pytest
 
 from llmplatform.errors import ContextLengthExceededError, InvalidRequestError
-from llmplatform.openai_api.errors import param_path, parse_request
+from llmplatform.utils.json_body import param_path, parse_json_body
 from llmplatform.openai_api.constraints import request_constraints
 from llmplatform.openai_api.translate import (
     PreparedPrompt,
@@ -28,12 +28,12 @@ from llmplatform.protocol.worker import WorkerParams
 
 def chat(**fields: object) -> ChatCompletionRequest:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
-    return parse_request(ChatCompletionRequest, json.dumps(body).encode())
+    return parse_json_body(ChatCompletionRequest, json.dumps(body).encode())
 
 
 def completion(**fields: object) -> CompletionRequest:
     body = {"model": "m", "prompt": "Once", **fields}
-    return parse_request(CompletionRequest, json.dumps(body).encode())
+    return parse_json_body(CompletionRequest, json.dumps(body).encode())
 
 
 PREPARED = PreparedPrompt("PROMPT", prompt_tokens=10, context_length=100)
@@ -72,7 +72,7 @@ PREPARED = PreparedPrompt("PROMPT", prompt_tokens=10, context_length=100)
 )
 def test_bad_chat_bodies_are_400_with_param(raw: bytes, param: str | None) -> None:
     with pytest.raises(InvalidRequestError) as info:
-        parse_request(ChatCompletionRequest, raw)
+        parse_json_body(ChatCompletionRequest, raw)
     assert info.value.http_status == 400
     assert info.value.param == param
 

@@ -14,7 +14,7 @@ import httpx
 
 from llmplatform.llm.base import GenerateChunk, GenerateRequest, LLMBackend
 from llmplatform.llm.hf import HFTransformersLLM
-from llmplatform.model_worker.backends import BackendConfig, build_llm
+from llmplatform.llm.build import BackendConfig, build_backend
 from llmplatform.webui.settings import WebUISettings
 from tests.integration.cluster import Cluster, running_cluster
 from tests.polling import wait_until
@@ -91,7 +91,7 @@ def record_generations(llm: LLMBackend, stack: Stack) -> None:
 
 
 def tiny_llms(model_dir: Path) -> tuple[LLMBackend, LLMBackend]:
-    paged = build_llm(BackendConfig(model_path=str(model_dir), model_names=(PAGED_MODEL,),
+    paged = build_backend(BackendConfig(model_path=str(model_dir), model_names=(PAGED_MODEL,),
                                     backend="paged", device="cpu", dtype="float32",
                                     kv_cache_memory="64MiB"))
     hf = HFTransformersLLM(str(model_dir), (HF_MODEL,), device="cpu", dtype="float32",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from functools import cached_property
+from typing import Any
 
 from llmplatform.controller.app import create_app
 from llmplatform.controller.config import ControllerConfig
@@ -21,7 +22,7 @@ from llmplatform.utils.logs import configure_logging, log_summary
 from llmplatform.utils.server import DEFAULT_SHUTDOWN_TIMEOUT_S
 from llmplatform.utils.service_settings import ServerSettings
 from llmplatform.utils.settings import CommaList, OptionalText, option
-from llmplatform.utils.startup import controller_summary, listen_url
+from llmplatform.utils.startup import listen_url
 
 DEFAULT_PORT = 21001
 
@@ -104,6 +105,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     log_summary(logging.getLogger("llmplatform.controller"), "llmplatform controller",
                 controller_summary(config, listen_url(settings.host, settings.port)))
     settings.run(create_app(config))
+
+
+def controller_summary(config: ControllerConfig, listen: str) -> dict[str, Any]:
+    return {
+        "listen": listen,
+        "dispatch": config.dispatch_method.value,
+        "heartbeat_expiration": f"{config.heartbeat_expiration:g}s",
+        "cluster_secret": "on" if config.cluster_secret else "off",
+        "metrics": f"{listen}/metrics",
+    }
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import random
 import time
@@ -24,7 +23,7 @@ from typing import Any, TypeVar
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from llmplatform.controller.admission import RegistrationRefused, check_worker_address, split_worker_url
 from llmplatform.controller.confirmation import Claim, Confirmations
@@ -33,17 +32,17 @@ from llmplatform.controller.down_workers import DownWorkers, add_down_worker_rou
 from llmplatform.controller.config import ControllerConfig
 from llmplatform.controller.registry import WorkerInfo, WorkerRegistry
 from llmplatform.controller.workers import (
-    error_chunk,
     fetch_worker_status,
     relay_stream,
     single_chunk,
     sweep_periodically,
 )
-from llmplatform.errors import ErrorCode
+from llmplatform.errors import ErrorCode, InvalidRequestError
 from llmplatform.metrics.common import add_metrics_route
 from llmplatform.metrics.controller import ControllerMetrics
 from llmplatform.routing.cache_aware import RouteHint
 from llmplatform.routing.policies import RandomSource
+from llmplatform.utils.json_body import parse_json_body, read_json_body, validate_body
 from llmplatform.utils.request_id import RequestIdMiddleware
 from llmplatform.utils.cluster_secret import ClusterSecretMiddleware, secret_headers
 from llmplatform.utils.request_guard import RequestGuard
@@ -63,6 +62,7 @@ from llmplatform.protocol.controller import (
     WorkerDescription,
     WorkerStatus,
 )
+from llmplatform.protocol.worker import error_chunk
 
 logger = logging.getLogger("llmplatform.controller")
 
@@ -75,32 +75,24 @@ class BadRequest(Exception):
 
 async def _read_json(request: Request) -> Any:
     """The request's JSON body; BadRequest if it is missing or malformed."""
-    raw = await request.body()
-    if not raw.strip():
-        raise BadRequest(f"{request.url.path} needs a JSON body")
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"malformed JSON: {exc}") from None
+        return read_json_body(await request.body())
+    except InvalidRequestError as exc:
+        raise BadRequest(exc.message) from None
 
 
 def _validate(model: type[M], data: Any) -> M:
     try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise BadRequest(f"invalid {model.__name__}: {_describe(exc)}") from None
+        return validate_body(model, data)
+    except InvalidRequestError as exc:
+        raise BadRequest(f"invalid {model.__name__}: {exc.message}") from None
 
 
 async def _parse_body(request: Request, model: type[M]) -> M:
-    return _validate(model, await _read_json(request))
-
-
-def _describe(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors(include_url=False):
-        where = ".".join(str(p) for p in err["loc"]) or "body"
-        parts.append(f"{where}: {err['msg']}")
-    return "; ".join(parts)
+    try:
+        return parse_json_body(model, await request.body())
+    except InvalidRequestError as exc:
+        raise BadRequest(f"invalid {model.__name__}: {exc.message}") from None
 
 
 class _ParamsEnvelope(BaseModel):

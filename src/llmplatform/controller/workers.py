@@ -15,6 +15,7 @@ from llmplatform.controller.registry import WorkerRegistry
 from llmplatform.errors import ErrorCode
 from llmplatform.metrics.controller import ControllerMetrics
 from llmplatform.protocol.controller import WorkerStatus
+from llmplatform.protocol.worker import error_chunk
 from llmplatform.utils.peer_text import is_known_error_code, safe_peer_text
 
 logger = logging.getLogger("llmplatform.controller")
@@ -66,10 +67,6 @@ async def _read_at_most(response: httpx.Response, limit: int) -> bytes | None:
         if len(body) > limit:
             return None
     return bytes(body)
-
-
-def error_chunk(text: str, error_code: int) -> bytes:
-    return json.dumps({"text": text, "error_code": error_code}).encode() + b"\0"
 
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024

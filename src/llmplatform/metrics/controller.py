@@ -12,8 +12,8 @@ no worker was believed to hold, ``no_cache`` those with no prefix-caching worker
 from __future__ import annotations
 
 from collections import Counter as Tally
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -21,8 +21,17 @@ from prometheus_client.registry import Collector
 
 from llmplatform.metrics.common import PREFIX, new_registry
 
-if TYPE_CHECKING:
-    from llmplatform.controller.registry import WorkerRegistry
+
+class _Worker(Protocol):
+    @property
+    def model_names(self) -> Iterable[str]: ...
+
+
+class WorkerRegistry(Protocol):
+    """What the gauge reads of the controller's registry (``controller.registry.WorkerRegistry``
+    is one; metrics sits below the services and names only what it reads)."""
+
+    def live_workers(self) -> Iterable[_Worker]: ...
 
 
 class _WorkersCollector(Collector):

@@ -23,14 +23,37 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from llmplatform.llm.base import GenerateChunk, LoadStats
 from llmplatform.metrics.common import (INTER_TOKEN_BUCKETS, PREFIX, REQUEST_BUCKETS, TTFT_BUCKETS,
                                         new_registry)
+from llmplatform.sampling.outputs import GenerateChunk
+
+
+class LoadStats(Protocol):
+    """What the collector reads of a backend's load (``llm.base.LoadStats`` is one; metrics sits
+    below the backends and names only what it reads). ``None``: not reported."""
+
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def kv_cache_usage(self) -> float | None: ...
+    @property
+    def prefix_cache_queries(self) -> int | None: ...
+    @property
+    def prefix_cache_hits(self) -> int | None: ...
+    @property
+    def num_preemptions(self) -> int | None: ...
+    @property
+    def num_engine_restarts(self) -> int | None: ...
+    @property
+    def num_deferred_for_prefix(self) -> int | None: ...
 
 
 @dataclass(frozen=True)

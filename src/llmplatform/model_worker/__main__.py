@@ -11,10 +11,16 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from llmplatform.model_worker.backends import build_llm
+from llmplatform.llm.build import build_backend
 from llmplatform.model_worker.settings import WorkerServiceSettings
 from llmplatform.utils.logs import configure_logging, log_summary
+from llmplatform.utils.startup import listen_url
+
+if TYPE_CHECKING:
+    from llmplatform.llm.base import LLMBackend
+    from llmplatform.model_worker.app import WorkerSettings
 
 BACKEND_FAILURE_EXIT_STATUS = 1
 
@@ -36,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from llmplatform.model_worker.app import WorkerSettings, create_app, drain
 
     try:
-        llm = build_llm(settings.backend_config)
+        llm = build_backend(settings.backend_config)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from exc
     worker = settings.section(
@@ -46,11 +52,41 @@ def main(argv: Sequence[str] | None = None) -> None:
         retry_after=settings.overload_retry_after, guard=settings.worker_guard,
         prepare_grammars=True)
     app = create_app(llm, worker, on_backend_failure=_exit_after_backend_failure)
-    from llmplatform.utils.startup import listen_url, worker_summary
-
     log_summary(logging.getLogger("llmplatform.worker"), "llmplatform worker",
                 worker_summary(llm, worker, listen_url(settings.host, settings.port)))
     settings.run(app, on_drain=lambda: drain(app))
+
+
+def worker_summary(llm: LLMBackend, settings: WorkerSettings, listen: str) -> dict[str, Any]:
+    info = llm.backend_info()
+    tasks = [str(task) for task in llm.facts.tasks]
+    if info.num_kv_blocks is not None and info.kv_block_size is not None:
+        kv = (f"{info.num_kv_blocks} blocks x {info.kv_block_size} tokens = "
+              f"{info.kv_capacity_tokens} tokens")
+    elif "generate" not in tasks:
+        kv = "none (embeddings only)"  # an encoder: one forward pass per batch, nothing kept
+    else:
+        kv = "per request (no shared pool)"
+    registered = settings.register and settings.controller_address
+    return {
+        "model": ",".join(llm.model_names),
+        "backend": info.backend,
+        "serves": ",".join(tasks),
+        "dtype": info.dtype,
+        "device": info.device,
+        **({"attention": info.attention} if info.attention else {}),
+        **({"weights": info.weights} if info.weights else {}),
+        "kv_cache": kv,
+        **({"tensor_parallel": f"{info.tensor_parallel_size} ranks, {info.num_kv_heads_per_rank} "
+                               f"KV head(s) and {info.num_kv_blocks} KV blocks per rank"}
+           if info.tensor_parallel_size > 1 else {}),
+        "max_model_len": llm.context_length,
+        "concurrency": settings.limit_worker_concurrency,
+        "listen": listen,
+        "address": settings.worker_address or listen,
+        "controller": settings.controller_address if registered else "none (not registering)",
+        "metrics": f"{listen}/metrics",
+    }
 
 
 if __name__ == "__main__":

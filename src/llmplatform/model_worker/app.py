@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -28,9 +27,9 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from llmplatform.errors import ErrorCode, InvalidRequestError, LLMPlatformError
+from llmplatform.errors import ErrorCode, LLMPlatformError
 from llmplatform.llm.base import LLMBackend
 from llmplatform.llm.embedding import ModelTask
 from llmplatform.metrics.common import add_metrics_route
@@ -47,6 +46,7 @@ from llmplatform.model_worker.requests import (Accepted, accept, model_details_o
 from llmplatform.protocol.worker import (ACCEPTED_HEADER, AbortRequest, ApplyChatTemplateRequest,
                                          ApplyChatTemplateResponse, CountTokenRequest,
                                          ModelDetailsRequest, WorkerParams, error_chunk)
+from llmplatform.utils.json_body import parse_json_body
 from llmplatform.utils.logs import request_context
 from llmplatform.utils.cluster_secret import ClusterSecretMiddleware, secret_headers
 from llmplatform.utils.request_guard import RequestGuard, RequestGuardConfig
@@ -194,18 +194,7 @@ async def drain(app: FastAPI) -> None:
 
 
 async def _json_body(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
-    try:
-        data = json.loads(raw) if raw.strip() else {}
-    except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, an int of 5000 digits, deep nesting
-        raise InvalidRequestError(f"malformed JSON body: {str(exc)[:200]}") from exc
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ()))
-        raise InvalidRequestError(f"invalid value for {param or 'body'}: {first.get('msg')}",
-                                  param=param or None) from exc
+    return parse_json_body(model, await request.body())
 
 
 def _error_response(exc: LLMPlatformError) -> JSONResponse:

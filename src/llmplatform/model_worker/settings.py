@@ -1,8 +1,10 @@
 """The model worker's settings: every flag of `llmplatform worker`, declared once.
 
-`WorkerServiceSettings` is the single source of each flag's name, type, default, help, variable
-(`LLMPLATFORM_<FLAG>`) and cluster-file key (`[[worker]]` tables; `utils/settings.py`). It holds
-no torch: `llmplatform serve` reads it to turn a cluster file into workers' flags.
+`WorkerServiceSettings` is the single source of each flag's name, type, help, variable
+(`LLMPLATFORM_<FLAG>`) and cluster-file key (`[[worker]]` tables; `utils/settings.py`). A backend
+setting's default is `BackendConfig`'s (`llm/build.py`, which the offline ``LLM`` reads too), so a
+flag, its `[[worker]]` key and its keyword argument cannot disagree. It holds no torch:
+`llmplatform serve` reads it to turn a cluster file into workers' flags.
 """
 
 from __future__ import annotations
@@ -12,10 +14,16 @@ from functools import cached_property
 from typing import Literal
 from urllib.parse import urlparse
 
-from llmplatform.engine.config import COMPUTE_DTYPES, DECODE_PATHS, DEFAULT_RANK_TIMEOUT_S
-from llmplatform.llm.decoder_embedding import NORMALIZE_CHOICES, POOLING_CHOICES
-from llmplatform.llm.resolve import QUANTIZATIONS
-from llmplatform.model_worker.backends import BACKENDS, TASKS, BackendConfig
+from llmplatform.llm.build import (
+    BACKENDS,
+    COMPUTE_DTYPES,
+    DECODE_PATHS,
+    NORMALIZE_CHOICES,
+    POOLING_CHOICES,
+    QUANTIZATIONS,
+    TASKS,
+    BackendConfig,
+)
 from llmplatform.utils.cluster_secret import SECRET_HEADER
 from llmplatform.utils.request_guard import RequestGuardConfig
 from llmplatform.utils.server import DEFAULT_SHUTDOWN_TIMEOUT_S
@@ -29,6 +37,7 @@ Normalize = Literal[NORMALIZE_CHOICES]  # type: ignore[valid-type]
 ComputeDtype = Literal[COMPUTE_DTYPES]  # type: ignore[valid-type]
 DecodePath = Literal[DECODE_PATHS]  # type: ignore[valid-type]
 Quantization = Literal[QUANTIZATIONS]  # type: ignore[valid-type]
+_DEFAULT = BackendConfig()
 _ENGINE = "native engine (--backend paged)"
 _EMBED = "embedding models (--task embed; --backend encoder or paged)"
 
@@ -38,17 +47,19 @@ class WorkerServiceSettings(ServerSettings):
     cli_description = "Serve one model as a FastChat-compatible model worker."
     sections = ("worker_guard", "backend_config")
 
-    model_path: str | None = option(None, "local HF directory, hub id, or .gguf file (default: "
-                                    "the embedded SmolLM2-135M-Instruct)")
+    model_path: str | None = option(
+        _DEFAULT.model_path, "local HF directory, hub id, or .gguf file (default: the embedded "
+        "SmolLM2-135M-Instruct)")
     model_names: CommaList = option((), "comma-separated names to serve the model under "
                                     "(default: its directory name)")
-    backend: Backend = option("auto", "inference backend (auto picks the best available; an "
-                              "embedding model folder gets encoder)")
+    backend: Backend = option(
+        _DEFAULT.backend, "inference backend (auto picks the best available; an embedding model "
+        "folder gets encoder)")
     task: Task = option(
-        "auto", "what the worker serves: generate (chat, completions) or embed (embeddings). "
-        "auto: embed for an embedding model folder (sentence-transformers files, or a BERT-family "
-        "encoder), else generate. A Llama/Mistral/Qwen2 decoder with embed runs the native "
-        "engine's pooling mode (see --pooling)")
+        _DEFAULT.task, "what the worker serves: generate (chat, completions) or embed "
+        "(embeddings). auto: embed for an embedding model folder (sentence-transformers files, or "
+        "a BERT-family encoder), else generate. A Llama/Mistral/Qwen2 decoder with embed runs the "
+        "native engine's pooling mode (see --pooling)")
     port: int = option(21002, "bind port; 0 picks a free one (default: %(default)s)")
     worker_address: str | None = option(
         None, "URL the controller and gateway reach this worker at (default: http://HOST:PORT; "
@@ -74,85 +85,92 @@ class WorkerServiceSettings(ServerSettings):
         f"({SECRET_HEADER}) on every route but /health and /metrics; default: "
         "$LLMPLATFORM_CLUSTER_SECRET (prefer it: flags show in ps)", secret=True)
     trust_remote_code: bool = option(
-        False, "run Python code shipped with the checkpoint (transformers' trust_remote_code; hf "
-        "backend). Off by default: only for models whose code you have read")
-    device: Literal["auto", "cpu", "cuda"] = option("auto", "(default: %(default)s)")
+        _DEFAULT.trust_remote_code, "run Python code shipped with the checkpoint (transformers' "
+        "trust_remote_code; hf backend). Off by default: only for models whose code you have read")
+    device: Literal["auto", "cpu", "cuda"] = option(_DEFAULT.device, "(default: %(default)s)")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = option(
-        "auto", "weights and activations dtype (auto: bfloat16)")
+        _DEFAULT.dtype, "weights and activations dtype (auto: bfloat16)")
     max_model_len: int | None = option(
-        None, "cap on prompt + output tokens (default: the model's context length)", ge=1)
+        _DEFAULT.max_model_len, "cap on prompt + output tokens (default: the model's context "
+        "length)", ge=1)
     chat_template: str | None = option(
-        None, "a Jinja chat template replacing the model's own (e.g. one that handles tools); "
-        "default: the model's own, or for SmolLM2-Instruct (the default model) the shipped "
-        "ChatML template with Hermes tools", metavar="FILE")
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = option(
-        None, "the syntax the model writes tool calls in (read from its output; forced for "
-        "tool_choice required/named). Default: read from the chat template (<tool_call>: "
-        "hermes); without one the model serves no tools")
+        _DEFAULT.chat_template, "a Jinja chat template replacing the model's own (e.g. one that "
+        "handles tools); default: the model's own, or for SmolLM2-Instruct (the default model) the "
+        "shipped ChatML template with Hermes tools", metavar='FILE')
+    tool_call_parser: Literal['hermes', 'llama3_json'] | None = option(
+        _DEFAULT.tool_call_parser, "the syntax the model writes tool calls in (read from its "
+        "output; forced for tool_choice required/named). Default: read from the chat template "
+        "(<tool_call>: hermes); without one the model serves no tools")
     compute_dtype: ComputeDtype = option(
-        "auto", "dtype of the matrix products. auto: the model dtype, except bf16/fp16 on a CPU "
-        "without bf16/fp16 matrix instructions (no AMX or AVX512-BF16), where float32 is several "
-        "times faster (projection weights are then held in float32: twice the bf16 memory); "
-        "model: always the model dtype; float32: always float32", group=_ENGINE)
+        _DEFAULT.compute_dtype, "dtype of the matrix products. auto: the model dtype, except "
+        "bf16/fp16 on a CPU without bf16/fp16 matrix instructions (no AMX or AVX512-BF16), where "
+        "float32 is several times faster (projection weights are then held in float32: twice the "
+        "bf16 memory); model: always the model dtype; float32: always float32", group=_ENGINE)
     decode_path: DecodePath = option(
-        "auto", "how steps of up to 16 rows (decode batches) run. fused: projections on a C kernel "
-        "that streams the weights as loaded (bf16: half the bytes of the float32 copy), one C "
-        "call per RMSNorm, two for rotary + KV store + decode attention; eager: torch ops only (the reference, for debugging); auto: fused on "
-        "CPU when its kernels build, else eager (logged)", group=_ENGINE)
+        _DEFAULT.decode_path, "how steps of up to 16 rows (decode batches) run. fused: projections "
+        "on a C kernel that streams the weights as loaded (bf16: half the bytes of the float32 "
+        "copy), one C call per RMSNorm, two for rotary + KV store + decode attention; eager: torch "
+        "ops only (the reference, for debugging); auto: fused on CPU when its kernels build, else "
+        "eager (logged)", group=_ENGINE)
     quantization: Quantization = option(
-        "none", "gguf: a GGUF model's projection weights (q/k/v, o, gate/up, down) stay in their "
-        "Q8_0/Q4_1 blocks and decode steps read those (2-3x fewer bytes than bf16) instead of the "
-        "dequantized copy; needs a .gguf --model-path or the default model, CPU only. none: "
-        "dequantize at load (default: %(default)s)", group=_ENGINE)
+        _DEFAULT.quantization, "gguf: a GGUF model's projection weights (q/k/v, o, gate/up, down) "
+        "stay in their Q8_0/Q4_1 blocks and decode steps read those (2-3x fewer bytes than bf16) "
+        "instead of the dequantized copy; needs a .gguf --model-path or the default model, CPU "
+        "only. none: dequantize at load (default: %(default)s)", group=_ENGINE)
     tensor_parallel_size: int = option(
-        1, "split the model over this many ranks (tensor parallelism: each holds 1/N of the "
-        "attention heads, KV heads, MLP and vocabulary, and the KV cache of its heads; rank 0 is "
-        "this process, the others are processes it starts on this host; NCCL on CUDA, gloo on "
-        "CPU). The model's attention and KV head counts must divide by it (default: %(default)s)",
-        group=_ENGINE, ge=1)
+        _DEFAULT.tensor_parallel_size, "split the model over this many ranks (tensor parallelism: "
+        "each holds 1/N of the attention heads, KV heads, MLP and vocabulary, and the KV cache of "
+        "its heads; rank 0 is this process, the others are processes it starts on this host; NCCL "
+        "on CUDA, gloo on CPU). The model's attention and KV head counts must divide by it "
+        "(default: %(default)s)", group=_ENGINE, ge=1)
     tensor_parallel_timeout: float = option(
-        DEFAULT_RANK_TIMEOUT_S, "with --tensor-parallel-size > 1: how long a step waits on the "
-        "other ranks before it fails (a rank that hangs; one that dies is noticed at once). The "
-        "engine then starts the ranks again, or the worker exits for its supervisor "
-        "(default: %(default)s)", metavar="SECONDS", group=_ENGINE, gt=0)
-    max_num_seqs: int = option(64, "sequences batched together at most", group=_ENGINE, ge=1)
+        _DEFAULT.tensor_parallel_timeout, "with --tensor-parallel-size > 1: how long a step waits "
+        "on the other ranks before it fails (a rank that hangs; one that dies is noticed at once). "
+        "The engine then starts the ranks again, or the worker exits for its supervisor (default: "
+        "%(default)s)", metavar='SECONDS', group=_ENGINE, gt=0)
+    max_num_seqs: int = option(
+        _DEFAULT.max_num_seqs, "sequences batched together at most", group=_ENGINE, ge=1)
     max_num_batched_tokens: int = option(
-        2048, "tokens computed per engine step (prefill chunks + decodes)", group=_ENGINE, ge=1)
-    block_size: int = option(16, "tokens per KV-cache block", group=_ENGINE, ge=1)
-    kv_cache_memory: str = option("2GiB", "KV-cache size on CPU, e.g. 2GiB or 512MiB",
-                                  group=_ENGINE)
+        _DEFAULT.max_num_batched_tokens, "tokens computed per engine step (prefill chunks + "
+        "decodes)", group=_ENGINE, ge=1)
+    block_size: int = option(_DEFAULT.block_size, "tokens per KV-cache block", group=_ENGINE, ge=1)
+    kv_cache_memory: str = option(
+        _DEFAULT.kv_cache_memory, "KV-cache size on CPU, e.g. 2GiB or 512MiB", group=_ENGINE)
     gpu_memory_utilization: float = option(
-        0.9, "fraction of GPU memory for weights, activations and KV cache (CUDA)", group=_ENGINE)
+        _DEFAULT.gpu_memory_utilization, "fraction of GPU memory for weights, activations and KV "
+        "cache (CUDA)", group=_ENGINE)
     embed_max_batch_tokens: int | None = option(
-        None, "embedding models: tokens per forward pass at most (padded: inputs x longest; a "
-        "BERT encoder's packed batches count their tokens); concurrent requests' inputs are "
-        "batched together up to it (default: 1024 on CPU, where larger batches run slower, "
-        "16384 on GPU)", group=_EMBED, ge=1)
+        _DEFAULT.embed_max_batch_tokens, "embedding models: tokens per forward pass at most "
+        "(padded: inputs x longest; a BERT encoder's packed batches count their tokens); "
+        "concurrent requests' inputs are batched together up to it (default: 1024 on CPU, where "
+        "larger batches run slower, 16384 on GPU)", group=_EMBED, ge=1)
     embed_batch_wait_ms: float = option(
-        2.0, "embedding models: how long a first queued input waits for others to batch with "
-        "(default: %(default)s)", group=_EMBED, ge=0, le=1000)
+        _DEFAULT.embed_batch_wait_ms, "embedding models: how long a first queued input waits for "
+        "others to batch with (default: %(default)s)", group=_EMBED, ge=0, le=1000)
     pooling: Pooling = option(
-        "auto", "decoder embedding models (--task embed on the paged backend): the vector is the "
-        "last token's final hidden state (last: e5-mistral, gte-Qwen2) or the mean over the input "
-        "(mean). auto: the folder's 1_Pooling/config.json, else last", group=_EMBED)
+        _DEFAULT.pooling, "decoder embedding models (--task embed on the paged backend): the "
+        "vector is the last token's final hidden state (last: e5-mistral, gte-Qwen2) or the mean "
+        "over the input (mean). auto: the folder's 1_Pooling/config.json, else last", group=_EMBED)
     embed_normalize: Normalize = option(
-        "auto", "decoder embedding models: L2-normalize the vectors (yes/no). auto: as the folder's "
-        "modules.json says (a Normalize module), else yes", group=_EMBED)
+        _DEFAULT.embed_normalize, "decoder embedding models: L2-normalize the vectors (yes/no). "
+        "auto: as the folder's modules.json says (a Normalize module), else yes", group=_EMBED)
     grammar_token_budget_ms: float = option(
-        250.0, "structured outputs: the longest one output token's grammar mask may take. A new "
-        "grammar slower than this on its first tokens is refused (400); a request whose mask "
-        "takes longer later is failed alone (400) and its grammar process killed, so it holds "
-        "other requests' step at most this long, once (default: %(default)s)", metavar="MS",
-        gt=0)
+        _DEFAULT.grammar_token_budget_ms, "structured outputs: the longest one output token's "
+        "grammar mask may take. A new grammar slower than this on its first tokens is refused "
+        "(400); a request whose mask takes longer later is failed alone (400) and its grammar "
+        "process killed, so it holds other requests' step at most this long, once (default: "
+        "%(default)s)", metavar='MS', gt=0)
     grammar_cache_memory: str = option(
-        "128MiB", "structured outputs: memory for compiled grammars kept for reuse (LRU); one "
-        "grammar may use at most min(16MiB, this) or is refused (default: %(default)s)")
+        _DEFAULT.grammar_cache_memory, "structured outputs: memory for compiled grammars kept for "
+        "reuse (LRU); one grammar may use at most min(16MiB, this) or is refused (default: "
+        "%(default)s)")
     grammar_compile_timeout: float = option(
-        10.0, "structured outputs: a grammar that takes longer to compile is refused (400) and its "
-        "compile process killed (default: %(default)s)", metavar="SECONDS", gt=0)
+        _DEFAULT.grammar_compile_timeout, "structured outputs: a grammar that takes longer to "
+        "compile is refused (400) and its compile process killed (default: %(default)s)",
+        metavar='SECONDS', gt=0)
     enable_prefix_caching: bool = option(
-        True, "reuse the KV cache of prompt prefixes seen before (default: on; "
-        "--no-enable-prefix-caching turns it off)", group=_ENGINE, negatable=True)
+        _DEFAULT.enable_prefix_caching, "reuse the KV cache of prompt prefixes seen before "
+        "(default: on; --no-enable-prefix-caching turns it off)", group=_ENGINE, negatable=True)
 
     @cached_property
     def announced_address(self) -> str:
@@ -170,7 +188,7 @@ class WorkerServiceSettings(ServerSettings):
 
     @cached_property
     def backend_config(self) -> BackendConfig:
-        """What `build_llm` loads, and how."""
+        """What `build_backend` loads, and how."""
         return self.section(BackendConfig, model_names=self.model_names or None,
                             max_concurrency=self.limit_worker_concurrency)
 

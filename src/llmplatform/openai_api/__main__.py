@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from functools import cached_property
+from typing import Any
 
 from llmplatform.openai_api.app import create_app
 from llmplatform.openai_api.settings import (DEFAULT_MAX_CONCURRENT_REQUESTS_PER_KEY, GatewaySettings,
@@ -17,7 +18,7 @@ from llmplatform.openai_api.settings import (DEFAULT_MAX_CONCURRENT_REQUESTS_PER
 from llmplatform.utils.logs import configure_logging, log_summary
 from llmplatform.utils.service_settings import ServerSettings
 from llmplatform.utils.settings import CommaList, OptionalText, option
-from llmplatform.utils.startup import gateway_summary, listen_url
+from llmplatform.utils.startup import listen_url
 
 _LIMITS = "request limits (a request over one is a 400; the body cap a 413)"
 _TENANTS = ("per-key limits and isolation (per client address without --api-keys; a request "
@@ -136,6 +137,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     # GatewayMetricsMiddleware logs one line per request, with its model and duration;
     # uvicorn's own access line would be a second one, written before the first byte is sent.
     settings.run(app, access_log=False)
+
+
+def gateway_summary(settings: GatewaySettings, listen: str) -> dict[str, Any]:
+    return {
+        "listen": listen,
+        "api": f"{listen}/v1",
+        "controller": settings.controller_address,
+        "routing": (f"local (refresh {settings.worker_refresh_interval:g}s)"
+                    if settings.routing.value == "local" else settings.routing.value),
+        "auth": "on" if settings.api_keys else "off",
+        "cors": ",".join(settings.allowed_origins) or "off",
+        "metrics": f"{listen}/metrics",
+    }
 
 
 if __name__ == "__main__":

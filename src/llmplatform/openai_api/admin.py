@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from llmplatform.errors import LLMPlatformError
-from llmplatform.openai_api.errors import parse_request
 from llmplatform.openai_api.worker_client import WorkerClient
+from llmplatform.utils.json_body import parse_json_body
 
 
 class ResetPrefixCacheRequest(BaseModel):
@@ -30,7 +30,7 @@ class ResetPrefixCacheRequest(BaseModel):
 
 
 async def reset_prefix_cache(request: Request) -> JSONResponse:
-    body = parse_request(ResetPrefixCacheRequest, await request.body())
+    body = parse_json_body(ResetPrefixCacheRequest, await request.body())
     client: WorkerClient = request.app.state.worker_client
     addresses = await client.worker_addresses(body.model)
     results = await asyncio.gather(*(client.reset_prefix_cache(a) for a in addresses), return_exceptions=True)

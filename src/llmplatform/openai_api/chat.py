@@ -17,7 +17,6 @@ from llmplatform.openai_api.deltas import (
     sum_usage,
 )
 from llmplatform.openai_api.constraints import WorkerConstraint, request_constraints
-from llmplatform.openai_api.errors import parse_request
 from llmplatform.openai_api.generation import answer, route_request, tenants, worker_client
 from llmplatform.openai_api.worker_routing import chat_routing_text
 from llmplatform.openai_api.sse import sse_event
@@ -47,11 +46,12 @@ from llmplatform.protocol.openai import (
 )
 from llmplatform.sampling.tool_parsers import ContentDelta, ToolParser, accumulate
 from llmplatform.protocol.worker import WorkerChunk
+from llmplatform.utils.json_body import parse_json_body
 from llmplatform.utils.request_id import worker_request_id_prefix
 
 
 async def create_chat_completion(request: Request) -> Response:
-    body = parse_request(ChatCompletionRequest, await request.body())
+    body = parse_json_body(ChatCompletionRequest, await request.body())
     messages = chat_messages(body.messages)
     check_chat_request(body)
     check_unsupported(body)

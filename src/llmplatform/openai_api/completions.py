@@ -17,7 +17,6 @@ from llmplatform.openai_api.deltas import (
     sum_usage,
 )
 from llmplatform.openai_api.constraints import request_constraints
-from llmplatform.openai_api.errors import parse_request
 from llmplatform.openai_api.generation import answer, route_request, tenants, worker_client
 from llmplatform.openai_api.sse import sse_event
 from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_choices
@@ -41,11 +40,12 @@ from llmplatform.protocol.openai import (
     Usage,
 )
 from llmplatform.protocol.worker import WorkerChunk
+from llmplatform.utils.json_body import parse_json_body
 from llmplatform.utils.request_id import worker_request_id_prefix
 
 
 async def create_completion(request: Request) -> Response:
-    body = parse_request(CompletionRequest, await request.body())
+    body = parse_json_body(CompletionRequest, await request.body())
     prompts = completion_prompts(body)
     check_unsupported(body)
     constraints = request_constraints(body)  # response_format and vLLM's guided_* extras

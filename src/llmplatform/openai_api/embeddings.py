@@ -28,12 +28,13 @@ from fastapi.responses import Response
 
 from llmplatform.errors import InvalidRequestError
 from llmplatform.metrics.gateway import note_model
-from llmplatform.openai_api.errors import UpstreamError, error_from_http, parse_request
+from llmplatform.openai_api.errors import UpstreamError, error_from_http
 from llmplatform.openai_api.failover import with_failover
 from llmplatform.openai_api.tenants import ticket_of
 from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.protocol.openai import EmbeddingRequest
 from llmplatform.protocol.worker import MAX_EMBEDDING_INPUTS
+from llmplatform.utils.json_body import parse_json_body
 from llmplatform.utils.request_id import worker_request_id_prefix
 
 STOCK_WORKER_BATCH = 4
@@ -62,7 +63,7 @@ def request_inputs(body: EmbeddingRequest) -> Inputs:
 
 
 async def create_embeddings(request: Request) -> Response:
-    body = parse_request(EmbeddingRequest, await request.body())
+    body = parse_json_body(EmbeddingRequest, await request.body())
     inputs = request_inputs(body)
     client: WorkerClient = request.app.state.worker_client
     address = await client.worker_address(body.model)

@@ -10,22 +10,20 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmplatform.errors import ErrorCode, InvalidRequestError, LLMPlatformError, error_from_code
 from llmplatform.protocol.openai import ErrorResponse
+from llmplatform.utils.json_body import param_path
 from llmplatform.utils.peer_text import invalid_response, is_known_error_code, safe_peer_text
 
 logger = logging.getLogger("llmplatform.openai_api")
-
-M = TypeVar("M", bound=BaseModel)
 
 
 class AuthenticationError(LLMPlatformError):
@@ -109,51 +107,6 @@ def error_from_http(status_code: int, body: bytes, what: str) -> LLMPlatformErro
     if 400 <= status_code < 500:
         return InvalidRequestError(message)
     return UpstreamError(message)
-
-
-def parse_request(model: type[M], raw: bytes) -> M:
-    """Parse a JSON request body; InvalidRequestError (400, with ``param``) on any problem."""
-    if not raw.strip():
-        raise InvalidRequestError("The request body is empty; expected a JSON object.")
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        raise _invalid_request(exc) from None
-
-
-def _invalid_request(exc: ValidationError) -> InvalidRequestError:
-    first = exc.errors(include_url=False)[0]
-    if first["type"] == "json_invalid":
-        return InvalidRequestError(
-            f"We could not parse the JSON body of your request: {first['msg']}. "
-            "The body must be valid JSON."
-        )
-    param = param_path(first["loc"])
-    if not param:
-        return InvalidRequestError(f"The request body must be a JSON object: {first['msg']}.")
-    if first["type"] == "missing":
-        return InvalidRequestError(f"Missing required parameter: '{param}'.", param=param)
-    return InvalidRequestError(f"Invalid value for '{param}': {first['msg']}.", param=param)
-
-
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
-
-
-def param_path(loc: tuple[int | str, ...]) -> str:
-    """``("messages", 0, "content", "str")`` -> ``"messages[0].content"``.
-
-    Pydantic adds union members (``str``, ``list[int]``) and model names to locations; those are
-    dropped so the path names what the client sent.
-    """
-    path = ""
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part in _TYPE_TAGS or "[" in part or part[:1].isupper() or "-" in part:
-            continue
-        else:
-            path += f".{part}" if path else part
-    return path
 
 
 def _internal_error_response() -> JSONResponse:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pkgutil
 import secrets
 import shlex
 import sys
@@ -47,6 +48,19 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 API_KEYS_ENV = "LLMPLATFORM_API_KEYS"
 WEBUI_KEY_ENV = "LLMPLATFORM_API_KEY"
 ADMIN_KEYS_ENV = "LLMPLATFORM_ADMIN_API_KEYS"
+EMBEDDING_MODEL = "all-MiniLM-L6-v2"
+"""`--embeddings`' worker: the packaged embedding model, by the name its --model-path takes."""
+
+SERVICE_SETTINGS = {
+    "llmplatform.controller": "llmplatform.controller.__main__:ControllerServiceSettings",
+    "llmplatform.model_worker": "llmplatform.model_worker.settings:WorkerServiceSettings",
+    "llmplatform.openai_api": "llmplatform.openai_api.__main__:GatewayServiceSettings",
+    "llmplatform.webui": "llmplatform.webui.__main__:WebUIServiceSettings",
+}
+"""Each service serve runs (`python -m <module>`) and where its settings model is declared. Serve
+reads a model to turn a cluster-file table into that service's flags and to keep secret flags off
+command lines; it names them here, by name, because the services are siblings that never import
+each other (test_layering.py), serve included."""
 
 
 class ServeSettings(LoggingSettings):
@@ -160,15 +174,7 @@ def _is_table(value: object) -> bool:
 
 def service_settings_models() -> dict[str, type[ServiceSettings]]:
     """Each service's settings model, by the module serve runs it as."""
-    from llmplatform.controller.__main__ import ControllerServiceSettings
-    from llmplatform.model_worker.settings import WorkerServiceSettings
-    from llmplatform.openai_api.__main__ import GatewayServiceSettings
-    from llmplatform.webui.__main__ import WebUIServiceSettings
-
-    return {"llmplatform.controller": ControllerServiceSettings,
-            "llmplatform.model_worker": WorkerServiceSettings,
-            "llmplatform.openai_api": GatewayServiceSettings,
-            "llmplatform.webui": WebUIServiceSettings}
+    return {module: pkgutil.resolve_name(where) for module, where in SERVICE_SETTINGS.items()}
 
 
 def service_flags(table: dict, model: type[ServiceSettings], *, source: str) -> list[str]:
@@ -219,9 +225,7 @@ def cluster_spec(settings: ServeSettings) -> ClusterSpec:
         spec.workers = ([] if settings.config is None else spec.workers) + [
             shlex.split(w) for w in settings.worker]
     if settings.embeddings:
-        from llmplatform.llm.resolve import EMBEDDING_MODEL_NAME
-
-        spec.workers = spec.workers + [["--model-path", EMBEDDING_MODEL_NAME]]
+        spec.workers = spec.workers + [["--model-path", EMBEDDING_MODEL]]
     # Serve's keys (flag, variable or the file's top level) reach the gateway in its environment:
     # services_for moves them there like every secret flag.
     if settings.api_keys:

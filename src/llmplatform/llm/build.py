@@ -1,4 +1,12 @@
-"""Choosing and building a worker's backend from its flags (one place for every entry point)."""
+"""Settings to a backend: the one place that turns a backend's settings into a built `LLMBackend`
+(:func:`build_backend`, for the model worker) or into the native engine's config
+(:func:`paged_engine_config`, for the worker's paged backend and for the offline ``LLM``).
+
+`BackendConfig` is the table of backend settings: each field's name is the worker's flag (and
+``LLMPLATFORM_<FLAG>``, ``[[worker]]`` key and offline ``LLM`` keyword) and its value the default
+those take (``model_worker/settings.py`` and ``offline.py`` read them from here). The engine's
+settings take their defaults from the engine's own config sections.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +14,25 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from llmplatform.engine.config import (
+    COMPUTE_DTYPES,
+    DECODE_PATHS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    parse_memory_size,
+)
 from llmplatform.llm.base import LLMBackend
+from llmplatform.llm.decoder_embedding import NORMALIZE_CHOICES, POOLING_CHOICES
+from llmplatform.llm.resolve import QUANTIZATIONS
 
 if TYPE_CHECKING:
     from llmplatform.sampling.grammar import GrammarConfig
+
+__all__ = ["BACKENDS", "COMPUTE_DTYPES", "DECODE_PATHS", "NORMALIZE_CHOICES", "POOLING_CHOICES",
+           "QUANTIZATIONS", "TASKS", "BackendConfig", "build_backend", "paged_engine_config"]
 
 logger = logging.getLogger("llmplatform.worker")
 
@@ -22,22 +45,22 @@ class BackendConfig:
     model_path: str | None = None
     model_names: tuple[str, ...] | None = None
     backend: str = "auto"
-    device: str = "auto"
-    dtype: str = "auto"
-    compute_dtype: str = "auto"  # paged backend only
-    decode_path: str = "auto"  # paged backend only
+    device: str = ModelConfig.device
+    dtype: str = ModelConfig.dtype
+    compute_dtype: str = ModelConfig.compute_dtype  # paged backend only
+    decode_path: str = ModelConfig.decode_path  # paged backend only
     quantization: str = "none"  # paged backend only: gguf keeps a GGUF's projection blocks
     max_concurrency: int | None = None  # hf: forward passes at once (default 5)
-    max_model_len: int | None = None
+    max_model_len: int | None = None  # None: the model's context length
     # Native engine (paged backend) only.
-    tensor_parallel_size: int = 1
-    tensor_parallel_timeout: float = 60.0  # seconds a step waits on the other ranks
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    kv_cache_memory: str = "2GiB"
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    tensor_parallel_timeout: float = ParallelConfig.rank_timeout_s  # seconds a step waits on the other ranks
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    block_size: int = CacheConfig.block_size
+    kv_cache_memory: str = "2GiB"  # CacheConfig.kv_cache_memory_bytes, as a size to read
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     # Run Python code shipped with a checkpoint (HF `trust_remote_code`); hf backend only, since
     # the paged backend serves only its own built-in architectures.
     trust_remote_code: bool = False
@@ -61,7 +84,7 @@ class BackendConfig:
     grammar_compile_timeout: float = 10.0
 
 
-def build_llm(config: BackendConfig) -> LLMBackend:
+def build_backend(config: BackendConfig) -> LLMBackend:
     """Resolves the model (local dir, hub id, .gguf, or the embedded default), loads it, and
     sets its chat template and tool-call syntax."""
     from llmplatform.llm.tool_support import check_tool_flags, configure_tool_support
@@ -76,7 +99,6 @@ def build_llm(config: BackendConfig) -> LLMBackend:
 
 
 def _grammar_config(config: BackendConfig) -> GrammarConfig:
-    from llmplatform.engine.config import parse_memory_size
     from llmplatform.sampling.grammar import GrammarConfig
 
     cache_bytes = parse_memory_size(config.grammar_cache_memory)
@@ -217,11 +239,33 @@ def encoder_batch_tokens(device: str) -> int:
 
 def _build_paged(config: BackendConfig, path: str, names: tuple[str, ...], *,
                  embed: bool = False, quantized_gguf: str | None = None) -> LLMBackend:
+    from llmplatform.llm.paged import PagedLLM
+
+    engine_config = _engine_config(config, path, names, quantized_gguf=quantized_gguf)
+    embedding = None
+    if embed:
+        from llmplatform.llm.decoder_embedding import decoder_embedding
+
+        embedding = decoder_embedding(path, config.pooling, config.embed_normalize)
+    return PagedLLM(engine_config, embedding)
+
+
+def paged_engine_config(config: BackendConfig, *, num_blocks: int | None = None) -> EngineConfig:
+    """The native engine's config for `config`'s model (resolved as the worker resolves it: local
+    dir, hub id, .gguf or the embedded default). `num_blocks` fixes the KV cache's block count
+    instead of sizing it from `kv_cache_memory` (offline use and tests)."""
+    from llmplatform.llm.resolve import quantized_gguf, resolve_model
+
+    resolved = resolve_model(config.model_path)
+    gguf = quantized_gguf(resolved, config.quantization)
+    return _engine_config(config, str(resolved.path), config.model_names or (resolved.name,),
+                          quantized_gguf=None if gguf is None else str(gguf), num_blocks=num_blocks)
+
+
+def _engine_config(config: BackendConfig, path: str, names: tuple[str, ...], *,
+                   quantized_gguf: str | None, num_blocks: int | None = None) -> EngineConfig:
     from transformers import AutoConfig
 
-    from llmplatform.engine.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                                           SchedulerConfig, parse_memory_size)
-    from llmplatform.llm.paged import PagedLLM
     from llmplatform.models.registry import max_model_len
 
     model_len = max_model_len(AutoConfig.from_pretrained(path))
@@ -230,22 +274,16 @@ def _build_paged(config: BackendConfig, path: str, names: tuple[str, ...], *,
             raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's context "
                              f"length {model_len}")
         model_len = config.max_model_len
-    engine_config = EngineConfig(
+    return EngineConfig(
         model=ModelConfig(model_path=path, model_names=names, device=config.device,
                           dtype=config.dtype, compute_dtype=config.compute_dtype,
                           decode_path=config.decode_path, quantized_gguf=quantized_gguf),
         cache=CacheConfig(block_size=config.block_size,
                           kv_cache_memory_bytes=parse_memory_size(config.kv_cache_memory),
                           gpu_memory_utilization=config.gpu_memory_utilization,
-                          enable_prefix_caching=config.enable_prefix_caching),
+                          num_blocks=num_blocks, enable_prefix_caching=config.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_model_len=model_len),
         parallel=ParallelConfig(tensor_parallel_size=config.tensor_parallel_size,
                                 rank_timeout_s=config.tensor_parallel_timeout))
-    embedding = None
-    if embed:
-        from llmplatform.llm.decoder_embedding import decoder_embedding
-
-        embedding = decoder_embedding(path, config.pooling, config.embed_normalize)
-    return PagedLLM(engine_config, embedding)
