@@ -10,6 +10,7 @@ the worker stays healthy.
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
