@@ -1,6 +1,6 @@
 """Parallel sampling in the engine (``n`` = 4) against 4 separate requests of the same prompt.
 
-    python benchmarks/parallel_sampling.py [--prompt-len 1500] [--n 4] [--output-len 32]
+    python benchmarks/parallel_sampling.py [--prompt-len 1500] [--n 4] [--output-len 16]
 
 Model: the packaged default (SmolLM2-135M-Instruct), bfloat16 on CPU, driven through
 ``LLMEngine`` directly (no server). The prompt is random token ids without special tokens
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--model-path", default=None, help="default: the packaged default model")
     parser.add_argument("--prompt-len", type=int, default=1500)
     parser.add_argument("--n", type=int, default=4)
-    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 

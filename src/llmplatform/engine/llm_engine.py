@@ -14,16 +14,13 @@ Pooling requests (:meth:`LLMEngine.add_pooling_request`, :mod:`.pooling`) share 
 the step with generation; the step that computes a pooling sequence's last prompt token finishes
 it and returns its vector in the update (``SequenceUpdate.pooled``).
 
-Parallel sampling: a request with ``n`` > 1 is ``n`` sequences whose prompt is computed once (the
-scheduler forks the children off the parent's prefill, engine.scheduler); each output has its own
-random stream (with a seed, output ``i`` draws from ``seed + i``) and every update says which
-output it is (``SequenceUpdate.index``). Aborting the request stops all ``n``.
+A request with ``n`` > 1 is ``n`` sequences whose prompt is computed once (engine.scheduler,
+"Parallel sampling"); output ``i`` of a seeded request draws from ``seed + i``; every update says
+which output it is (``SequenceUpdate.index``); aborting the request stops all ``n``.
 
-The engine keeps its own record of each output (:class:`OutputState`: output processing, prompt
-logprobs waiting for their first chunk, timings), by sequence id: the scheduler's output and the
-runner's carry ids and typed records, never live sequences (engine.outputs). The runner comes from
-``runner_factory`` (default :meth:`ModelRunner.from_config`): the one seam through which tests
-inject faults into a real engine.
+The engine's record of each output (:class:`OutputState`) is kept by sequence id: the scheduler's
+and the runner's outputs carry ids and typed records (engine.outputs). The runner comes from
+``runner_factory`` (default :meth:`ModelRunner.from_config`), the seam tests inject faults through.
 """
 
 from __future__ import annotations

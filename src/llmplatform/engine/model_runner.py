@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,8 +46,11 @@ from llmplatform.engine.runner_state import RunnerSequence, RunnerStates
 from llmplatform.kernels import AttentionMetadata
 from llmplatform.sampling.output_processor import token_text
 from llmplatform.sampling.outputs import TokenLogprob
-from llmplatform.sampling.sampler import Sampler, SamplingRow
+from llmplatform.sampling.sampler import Sampler
 from llmplatform.utils.torch_utils import resolve_device, resolve_dtype
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("llmplatform.engine")
 
@@ -107,7 +110,7 @@ class ModelRunner:
             raise
 
     @classmethod
-    def from_config(cls, config: EngineConfig, tokenizer: Any) -> ModelRunner:
+    def from_config(cls, config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> ModelRunner:
         """The runner an engine of ``config`` uses (what :data:`RunnerFactory` defaults to)."""
         sched = config.scheduler
         return cls(config.model, config.cache, tokenizer, sched.max_model_len,
@@ -306,7 +309,7 @@ class ModelRunner:
         return records
 
 
-RunnerFactory = Callable[[EngineConfig, Any], ModelRunner]
+RunnerFactory = Callable[[EngineConfig, "PreTrainedTokenizerBase"], ModelRunner]
 """Builds an engine's model runner from its config and tokenizer: the seam through which an engine
 gets its runner (``LLMEngine(..., runner_factory=...)``, ``PagedLLM(..., runner_factory=...)``).
 The default is :meth:`ModelRunner.from_config`; tests pass a subclass that injects faults."""

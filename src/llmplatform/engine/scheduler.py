@@ -76,11 +76,9 @@ independently; a write into the shared, partly filled last block copies it first
 If the parent is preempted before the fork, its children wait for its recompute; a child
 preempted after the fork recomputes alone.
 
-What the step hands the model runner (``SchedulerOutput``, engine.outputs) names sequences by id:
-a sequence the runner has not computed yet (new, a forked child, or resumed after preemption)
-comes with a ``NewSequenceData`` record of everything the runner keeps for it, one it holds with a
-``CachedSequenceData`` record of what changed (computed tokens, new blocks), and one that finished
-since the last step is listed in ``finished_seq_ids`` so the runner drops it.
+``SchedulerOutput`` (engine.outputs) names sequences by id: a ``NewSequenceData`` when the runner
+first computes one (new, a forked child, resumed after preemption), then ``CachedSequenceData``
+(what changed); ``finished_seq_ids`` lists those it held that finished since the last step.
 
 Pure Python, no torch.
 """
