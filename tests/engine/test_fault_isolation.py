@@ -1,7 +1,7 @@
 """One request's fault stays that request's, and a step that fails as a whole rebuilds the engine.
 
-Real engines on the tiny model; the faults come from the engine's test-only fault injection
-(``FaultInjectionConfig``): requests whose prompt carries a marker fail in sampling, in output
+Real engines on the tiny model; the faults come from a faulty model runner the test passes in
+(tests/faults/faulty_runner.py): requests whose prompt carries a marker fail in sampling, in output
 processing, or fail the whole step.
 """
 
@@ -14,9 +14,8 @@ import torch
 from transformers import AutoTokenizer
 
 from llmplatform.engine.async_engine import AsyncEngine
-from llmplatform.engine.config import (CacheConfig, EngineConfig, FaultInjectionConfig,
-                                       ModelConfig, RestartConfig, SchedulerConfig)
-from llmplatform.engine.faults import FaultInjector, InjectedFault, faults_from_env
+from llmplatform.engine.config import (CacheConfig, EngineConfig, ModelConfig, RestartConfig,
+                                       SchedulerConfig)
 from llmplatform.engine.isolation import IsolatingSampler
 from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.engine.sequence import Sequence
@@ -25,22 +24,23 @@ from llmplatform.sampling.outputs import FinishReason
 from llmplatform.sampling.params import SamplingParams
 from llmplatform.sampling.sampler import Sampler, SamplingRow
 from tests.engine.test_engine import assert_all_blocks_free, varied_prompts
+from tests.faults.faulty_runner import Faults, FaultySampler, InjectedFault
 from tests.polling import wait_until_async
 
 SAMPLING_MARK = "zebra sampling fault"
 PROCESSING_MARK = "zebra processing fault"
 STEP_MARK = "zebra step fault"
-FAULTS = FaultInjectionConfig(sampling_marker=SAMPLING_MARK, processing_marker=PROCESSING_MARK,
+FAULTS = Faults(sampling_marker=SAMPLING_MARK, processing_marker=PROCESSING_MARK,
                               step_marker=STEP_MARK)
 NUM_TOKENS = 12
 
 
-def make_engine(model_dir, faults: FaultInjectionConfig | None = FAULTS) -> LLMEngine:
+def make_engine(model_dir, faults: Faults = FAULTS) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=ModelConfig(str(model_dir), ("m",), device="cpu", dtype="float32"),
         cache=CacheConfig(kv_cache_memory_bytes=32 << 20),
-        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=256),
-        faults=faults))
+        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=256)),
+        runner_factory=faults.runner_factory())
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +106,9 @@ def test_a_fault_in_one_requests_own_work_fails_that_request_alone(engine, token
 def test_the_sampler_fails_the_step_when_no_single_row_is_to_blame(tokenizer):
     prompt = tokenizer(f"one {SAMPLING_MARK}")["input_ids"]
     params = SamplingParams(max_tokens=4, temperature=0.0)
-    injector = FaultInjector(FaultInjectionConfig(sampling_marker=SAMPLING_MARK), tokenizer)
     seqs = [Sequence("a", prompt, params), Sequence("b", prompt, params), Sequence("c", [5, 6], params)]
-    injector.arm(seqs[:2], prompt)
     rows = [SamplingRow(params, seq.prompt_token_ids, []) for seq in seqs]
-    sampler = IsolatingSampler(Sampler(tokenizer), injector)
+    sampler = IsolatingSampler(FaultySampler(Sampler(tokenizer), SAMPLING_MARK, tokenizer))
     logits = torch.randn(3, len(tokenizer))
 
     sampled = sampler(logits, rows, seqs)  # two of three rows fail: pinned on them
@@ -121,12 +119,12 @@ def test_the_sampler_fails_the_step_when_no_single_row_is_to_blame(tokenizer):
         sampler(logits[:2], rows[:2], seqs[:2])
 
 
-def test_faults_from_the_environment(monkeypatch):
-    assert faults_from_env({}) is None
-    assert faults_from_env({"LLMPLATFORM_TEST_FAULTS": '{"step_marker": "X", "fail_rebuild": true}'}) \
-        == FaultInjectionConfig(step_marker="X", fail_rebuild=True)
-    with pytest.raises(ValueError, match="LLMPLATFORM_TEST_FAULTS"):
-        faults_from_env({"LLMPLATFORM_TEST_FAULTS": '{"no_such_fault": 1}'})
+def test_faults_for_a_worker_subprocess_come_from_its_command_line():
+    assert Faults.from_json("") is None
+    assert Faults.from_json('{"step_marker": "X", "fail_rebuild": true}') \
+        == Faults(step_marker="X", fail_rebuild=True)
+    with pytest.raises(ValueError, match="faults must be a JSON object"):
+        Faults.from_json('{"no_such_fault": 1}')
 
 
 # ---- a step that fails as a whole ------------------------------------------------------------
@@ -179,7 +177,7 @@ async def wait_dead(async_engine: AsyncEngine) -> str:
 
 @pytest.mark.parametrize("case", ["over the bound", "rebuild fails"])
 async def test_an_engine_that_cannot_be_rebuilt_is_dead_for_good(tiny_model_dir, tokenizer, case):
-    faults = FaultInjectionConfig(step_marker=STEP_MARK, fail_rebuild=case == "rebuild fails")
+    faults = Faults(step_marker=STEP_MARK, fail_rebuild=case == "rebuild fails")
     async_engine = AsyncEngine(make_engine(tiny_model_dir, faults),
                                restart=RestartConfig(max_restarts_per_minute=1))
     async_engine.start()

@@ -11,26 +11,26 @@ import logging
 import pytest
 from transformers import AutoTokenizer
 
-from llmplatform.engine.config import (CacheConfig, EngineConfig, FaultInjectionConfig,
-                                       ModelConfig, SchedulerConfig)
+from llmplatform.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.sampling.outputs import FinishReason
 from tests.engine.test_prefix_caching_engine import greedy
+from tests.faults.faulty_runner import Faults
 
 SAMPLING_MARK = "zebra sampling fault"
 
 
 def make_engine(model_dir, *, min_in_flight_prefix_blocks=1, enable_prefix_caching=True,
                 num_blocks=None, max_num_batched_tokens=512, max_model_len=256,
-                faults=None) -> LLMEngine:
+                faults: Faults = Faults()) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=ModelConfig(str(model_dir), ("m",), device="cpu", dtype="float32"),
         cache=CacheConfig(block_size=16, num_blocks=num_blocks, kv_cache_memory_bytes=32 << 20,
                           enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len,
-                                  min_in_flight_prefix_blocks=min_in_flight_prefix_blocks),
-        faults=faults))
+                                  min_in_flight_prefix_blocks=min_in_flight_prefix_blocks)),
+        runner_factory=faults.runner_factory())
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ def test_a_sharer_that_fails_releases_the_waiter_which_computes_the_prefix_itsel
         tiny_model_dir, tokenizer, system, alone):
     failing = system + tokenizer(" " + SAMPLING_MARK)["input_ids"]
     waiting = system + tokenizer(" Tell me about rivers.")["input_ids"]
-    engine = make_engine(tiny_model_dir, faults=FaultInjectionConfig(sampling_marker=SAMPLING_MARK))
+    engine = make_engine(tiny_model_dir, faults=Faults(sampling_marker=SAMPLING_MARK))
     engine.add_request("failing", failing, greedy(6))
     engine.add_request("waiting", waiting, greedy(6))
     outputs: dict[str, list[int]] = {}

@@ -60,8 +60,8 @@ def _run(engine, prompts, params, grammar, *, abort_after_steps=None):
             if update.chunk.finish_reason is not None:
                 finish[key] = update.chunk.finish_reason
         for seq in seqs:
-            if seq.state.grammar is not None and not seq.is_finished:
-                assert seq.state.grammar.num_accepted == len(seq.output_token_ids)
+            if seq.grammar is not None and not seq.is_finished:
+                assert seq.grammar.num_accepted == len(seq.output_token_ids)
     assert not engine.has_unfinished()
     return outputs, finish, seqs
 
@@ -69,7 +69,7 @@ def _run(engine, prompts, params, grammar, *, abort_after_steps=None):
 def _check(outputs, finish, seqs, tokenizer, *, aborted=()):
     for seq in seqs:
         key = (seq.request_id, seq.index)
-        if seq.state.grammar is None or seq.request_id in aborted:
+        if seq.grammar is None or seq.request_id in aborted:
             continue
         assert finish[key] == "stop", (key, tokenizer.decode(outputs[key]))
         text = tokenizer.decode(outputs[key], skip_special_tokens=True)

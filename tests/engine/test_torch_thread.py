@@ -36,10 +36,10 @@ async def test_the_engine_is_built_and_stepped_on_one_thread(
     stepped_on: set[int] = set()
     original_init, original_step = LLMEngine.__init__, LLMEngine.step
 
-    def init(self: LLMEngine, config: EngineConfig) -> None:
+    def init(self: LLMEngine, config: EngineConfig, **kwargs) -> None:
         built_on.append(threading.get_ident())
         built_by.append(threading.current_thread())
-        original_init(self, config)
+        original_init(self, config, **kwargs)
 
     def step(self: LLMEngine):
         stepped_on.add(threading.get_ident())

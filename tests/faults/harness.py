@@ -8,6 +8,8 @@ here is killed and reaped on exit, whatever the test did to it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -15,7 +17,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -30,6 +32,9 @@ from llmplatform.utils.server import serve_in_thread
 
 from tests.polling import wait_until
 from tests.processes import free_port
+
+if TYPE_CHECKING:
+    from tests.faults.faulty_runner import Faults
 
 MODEL = "tiny"
 SUBPROCESS_START_TIMEOUT_S = 120.0
@@ -169,14 +174,18 @@ def services(*started: Service) -> Iterator[list[Service]]:
 
 
 def start_worker(model_dir: Path, controller_url: str, log_dir: Path, *, name: str = "worker",
-                 extra: list[str] | None = None, env: dict[str, str] | None = None) -> Service:
+                 extra: list[str] | None = None, env: dict[str, str] | None = None,
+                 faults: Faults | None = None) -> Service:
     """A paged tiny-model worker, `python -m llmplatform.model_worker`, registering with
-    `controller_url` (heartbeat every 0.5 s)."""
+    `controller_url` (heartbeat every 0.5 s). With `faults`, the same worker started through
+    `tests.faults.faulty_worker`, whose engine injects them."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     args = ["--model-path", str(model_dir), "--model-names", MODEL, "--backend", "paged",
             "--device", "cpu", "--dtype", "float32", "--kv-cache-memory", "64MiB",
             "--port", str(port), "--controller-address", controller_url,
             "--heartbeat-interval", "0.5", "--log-level", "info", *(extra or [])]
-    return start_service("llmplatform.model_worker", args, log_dir / f"{name}.log",
-                         f"{url}/health", url, env)
+    module = "llmplatform.model_worker"
+    if faults is not None:
+        module, args = "tests.faults.faulty_worker", [json.dumps(dataclasses.asdict(faults)), *args]
+    return start_service(module, args, log_dir / f"{name}.log", f"{url}/health", url, env)

@@ -1,7 +1,8 @@
 """An engine step that fails as a whole: no zombie.
 
 The worker runs as a real service (`python -m llmplatform.model_worker`, paged tiny model) with
-the test-only fault injection in `$LLMPLATFORM_TEST_FAULTS`: a step that schedules a request whose
+the test-only fault injection (tests/faults/faulty_runner.py, the worker started through
+`tests.faults.faulty_worker`): a step that schedules a request whose
 prompt carries STEP_MARK raises in the forward pass, exactly where a CUDA error or a bug in the
 model would. The controller and the gateway are in-process servers.
 
@@ -24,8 +25,8 @@ import httpx
 import openai
 import pytest
 
-from llmplatform.engine.faults import FAULTS_ENV
 from llmplatform.utils.server import serve_in_thread
+from tests.faults.faulty_runner import Faults
 from tests.faults.harness import MODEL, Service, controller_app, gateway_app, services, start_worker
 from tests.integration.cluster import wait_for_models
 from tests.polling import wait_until
@@ -44,7 +45,7 @@ def front():
 
 def faulty_worker(model_dir: Path, controller_url: str, log_dir: Path, **faults: object) -> Service:
     return start_worker(model_dir, controller_url, log_dir,
-                        env={FAULTS_ENV: json.dumps({"step_marker": STEP_MARK, **faults})})
+                        faults=Faults(step_marker=STEP_MARK, **faults))
 
 
 def generate_direct(worker_url: str, prompt: str, max_new_tokens: int) -> dict:

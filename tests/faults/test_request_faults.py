@@ -1,9 +1,9 @@
 """A fault pinned on one request fails that request alone, through the whole stack.
 
 A paged tiny-model worker (in-process, real uvicorn) behind a real controller and gateway; the
-official openai client. The worker's engine gets the test-only fault injection from
-``$LLMPLATFORM_TEST_FAULTS``, read when the backend is built, exactly as a worker subprocess
-reads it: a request whose prompt carries a marker raises in sampling, or in output processing.
+official openai client. The worker's engine is built with the test-only faulty model runner
+(tests/faults/faulty_runner.py), exactly as the faulty worker subprocess builds it: a request
+whose prompt carries a marker raises in sampling, or in output processing.
 Every other request sent at the same time completes with the same text as without the fault, and
 the worker stays healthy.
 """
@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
-from llmplatform.engine.faults import FAULTS_ENV
 from llmplatform.utils.server import serve_in_thread
+from tests.faults.faulty_runner import Faults, paged_backends_with
 from tests.faults.harness import (MODEL, controller_app, gateway_app, idle, serve_worker,
                                   worker_app, worker_status)
 from tests.integration.cluster import paged_tiny_llm, wait_for_models
@@ -33,9 +33,8 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(FAULTS_ENV, json.dumps({"sampling_marker": SAMPLING_MARK,
-                                             "processing_marker": PROCESSING_MARK}))
+    with paged_backends_with(Faults(sampling_marker=SAMPLING_MARK,
+                                    processing_marker=PROCESSING_MARK)):
         llm = paged_tiny_llm(tiny_model_dir)
     with serve_in_thread(controller_app()) as controller_url, \
             serve_in_thread(gateway_app(controller_url)) as gateway_url, \

@@ -1,7 +1,10 @@
 """The scheduler tests' fake model and invariant checks (test_scheduler*.py).
 
 ``step`` plays the engine: schedule, check every invariant, feed a fake model's output back,
-check again.
+check again. The scheduler's output names sequences by id; ``SEQS`` maps the ids back to the
+sequences the tests made (``seq_of``, ``batch``, ``preempted``, ``deferred``, ``rejected``), and
+``RunnerMirror`` plays the model runner's bookkeeping: built from the output's new and cached
+records alone, its block tables and computed tokens must be the scheduler's.
 """
 
 from __future__ import annotations
@@ -10,13 +13,79 @@ import itertools
 
 from llmplatform.engine.block_manager import BlockManager
 from llmplatform.engine.config import SchedulerConfig
-from llmplatform.engine.outputs import ModelOutput, SchedulerOutput
+from llmplatform.engine.outputs import ModelOutput, ScheduledChunk, SchedulerOutput
 from llmplatform.engine.scheduler import Scheduler
 from llmplatform.engine.sequence import Sequence, SequenceStatus
 from llmplatform.sampling.params import SamplingParams
 
 SAMPLED = 7  # the fake model always samples this token
 _request_ids = itertools.count()
+# Every sequence a test scheduler was given, by id (sequence ids are unique in the process).
+SEQS: dict[int, Sequence] = {}
+
+
+class RecordingScheduler(Scheduler):
+    """A scheduler that registers its sequences in ``SEQS`` and checks each output against a
+    mirror of the runner's bookkeeping (``RunnerMirror``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.mirror = RunnerMirror()
+
+    def schedule(self) -> SchedulerOutput:
+        out = super().schedule()
+        self.mirror.apply(out)
+        return out
+
+    def add_request(self, seqs: list[Sequence]) -> None:
+        SEQS.update((seq.seq_id, seq) for seq in seqs)
+        super().add_request(seqs)
+
+
+def seq_of(item: ScheduledChunk | int) -> Sequence:
+    return SEQS[item if isinstance(item, int) else item.seq_id]
+
+
+def preempted(out: SchedulerOutput) -> list[Sequence]:
+    return [SEQS[seq_id] for seq_id in out.preempted]
+
+
+def deferred(out: SchedulerOutput) -> list[tuple[Sequence, int]]:
+    return [(SEQS[seq_id], num_blocks) for seq_id, num_blocks in out.deferred]
+
+
+def rejected(out: SchedulerOutput) -> list[tuple[Sequence, str]]:
+    return [(SEQS[seq_id], reason) for seq_id, reason in out.rejected]
+
+
+class RunnerMirror:
+    """What a model runner knows of each sequence, from the scheduler's records only."""
+
+    def __init__(self) -> None:
+        self.tables: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+
+    def apply(self, out: SchedulerOutput) -> None:
+        for seq_id in out.finished_seq_ids:
+            del self.tables[seq_id], self.computed[seq_id]
+        for new in out.new_seqs:
+            seq = SEQS[new.seq_id]
+            assert new.prompt_token_ids == tuple(seq.prompt_token_ids)
+            assert new.output_token_ids == tuple(seq.output_token_ids)
+            self.tables[new.seq_id] = list(new.block_ids)
+            self.computed[new.seq_id] = new.num_computed_tokens
+        for cached in out.cached_seqs:
+            del self.tables[cached.seq_id][cached.block_ids_from:]
+            self.tables[cached.seq_id].extend(cached.new_block_ids)
+            self.computed[cached.seq_id] = cached.num_computed_tokens
+        assert {r.seq_id for r in out.new_seqs} | {r.seq_id for r in out.cached_seqs} \
+            == {item.seq_id for item in out.scheduled}, "every chunk has exactly one record"
+        for item in out.scheduled:
+            seq = seq_of(item)
+            assert self.tables[item.seq_id] == seq.block_table, f"seq {item.seq_id}'s table"
+            assert self.computed[item.seq_id] == seq.num_computed_tokens
+
+
 
 
 def make_scheduler(*, num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
@@ -25,7 +94,7 @@ def make_scheduler(*, num_blocks=16, block_size=4, max_num_seqs=4, max_num_batch
     # the prefix cache (test_prefix_caching_scheduler.py covers the scheduler with it).
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len)
-    return Scheduler(config, BlockManager(num_blocks=num_blocks, block_size=block_size,
+    return RecordingScheduler(config, BlockManager(num_blocks=num_blocks, block_size=block_size,
                                           enable_prefix_caching=enable_prefix_caching))
 
 
@@ -64,12 +133,13 @@ def step(sched: Scheduler) -> SchedulerOutput:
     out = sched.schedule()
     check(sched, after_update=False)
     assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
-    assert len({id(s.seq) for s in out.scheduled}) == len(out.scheduled)
+    assert len({s.seq_id for s in out.scheduled}) == len(out.scheduled)
     for item in out.scheduled:
-        end = item.seq.num_computed_tokens + item.num_new_tokens
-        assert end <= item.seq.num_tokens and item.samples == (end == item.seq.num_tokens)
-        assert len(item.seq.block_table) >= sched.block_manager.num_blocks_for(end)
-    samplers = [item.seq for item in out.scheduled if item.samples]
+        seq = seq_of(item)
+        end = seq.num_computed_tokens + item.num_new_tokens
+        assert end <= seq.num_tokens and item.samples == (end == seq.num_tokens)
+        assert len(seq.block_table) >= sched.block_manager.num_blocks_for(end)
+    samplers = [seq_of(item) for item in out.scheduled if item.samples]
     sched.update(out, ModelOutput(seq_ids=[s.seq_id for s in samplers], token_ids=[SAMPLED] * len(samplers),
                                   logprobs=[None] * len(samplers)))
     check(sched, after_update=True)
@@ -77,15 +147,15 @@ def step(sched: Scheduler) -> SchedulerOutput:
 
 
 def batch(out: SchedulerOutput) -> list[tuple[Sequence, int, bool]]:
-    return [(s.seq, s.num_new_tokens, s.samples) for s in out.scheduled]
+    return [(seq_of(s), s.num_new_tokens, s.samples) for s in out.scheduled]
 
 
 def finish_done(sched: Scheduler, out: SchedulerOutput, num_outputs: dict[int, int]) -> None:
     """Finish each sequence of `out` that has sampled its `num_outputs[seq_id]` tokens (what the
     engine does on a length stop), as randomized workloads do after every step."""
     for item in out.scheduled:
-        if item.samples and len(item.seq.output_token_ids) >= num_outputs[item.seq.seq_id]:
-            sched.finish(item.seq)
+        if item.samples and len(seq_of(item).output_token_ids) >= num_outputs[item.seq_id]:
+            sched.finish(seq_of(item))
 
 
 def finish_all(sched: Scheduler, *seqs: Sequence) -> None:

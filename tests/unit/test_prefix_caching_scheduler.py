@@ -15,7 +15,8 @@ from llmplatform.engine.scheduler import Scheduler
 from llmplatform.engine.sequence import Sequence, SequenceStatus
 from llmplatform.sampling.params import SamplingParams
 from tests.unit import scheduler_helpers
-from tests.unit.scheduler_helpers import SAMPLED, add, assert_drained, batch, finish_all, finish_done, step
+from tests.unit.scheduler_helpers import (SAMPLED, add, assert_drained, batch, finish_all,
+                                          finish_done, preempted, seq_of, step)
 
 PROMPT = list(range(100, 110))  # 10 tokens: with block_size 4, two full blocks and a partial one
 
@@ -102,7 +103,7 @@ def test_a_preempted_sequence_finds_its_own_blocks_cached_when_readmitted():
     step(sched)  # b's block 2 fills up (tokens 4..7) and is cached
     assert bm.block_hash(2) is not None and bm.free_block_ids == []
     out = step(sched)  # b's token 8 needs a block, none is free: b, the newest, preempts itself
-    assert out.preempted == [b] and batch(out) == [(a, 1, True)]
+    assert preempted(out) == [b] and batch(out) == [(a, 1, True)]
     assert bm.free_block_ids == [2, 1] and bm.num_cached_blocks == 3  # b's blocks still cached
     sched.finish(a)
     assert bm.free_block_ids == [2, 1, 3, 0]
@@ -144,13 +145,13 @@ class FakeKV:
                 if src * size + offset in self.slots:
                     self.slots[dst * size + offset] = self.slots[src * size + offset]
         for item in out.scheduled:
-            seq = item.seq
+            seq = seq_of(item)
             tokens = tuple(seq.all_token_ids())
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
             for position in range(start, end):
                 self.slots[self.bm.slot(seq, position)] = tokens[:position + 1]
         for item in out.scheduled:  # attention reads every position up to the chunk's end
-            seq = item.seq
+            seq = seq_of(item)
             tokens = tuple(seq.all_token_ids())
             for position in range(seq.num_computed_tokens + item.num_new_tokens):
                 assert self.slots.get(self.bm.slot(seq, position)) == tokens[:position + 1], \
@@ -182,7 +183,7 @@ def test_random_workloads_read_only_their_own_kv(seed):
             sched.abort_request(rng.choice(requests)[0].request_id)
         out = sched.schedule()
         kv.run(out)
-        samplers = [item.seq for item in out.scheduled if item.samples]
+        samplers = [seq_of(item) for item in out.scheduled if item.samples]
         # Sampled tokens differ per sequence, so siblings and look-alikes diverge.
         sched.update(out, ModelOutput(seq_ids=[s.seq_id for s in samplers],
                                       token_ids=[rng.randint(0, 3) for _ in samplers],

@@ -16,8 +16,9 @@ from llmplatform.engine.pooling import PoolingMode, PoolingParams
 from llmplatform.engine.scheduler import Scheduler
 from llmplatform.engine.sequence import Sequence, SequenceStatus
 from llmplatform.sampling.params import SamplingParams
-from tests.unit.scheduler_helpers import (SAMPLED, add, assert_drained, batch, check, finish_all,
-                                          finish_done, step)
+from tests.unit.scheduler_helpers import (SAMPLED, RecordingScheduler, add, assert_drained, batch,
+                                          check, deferred, finish_all, finish_done, preempted,
+                                          seq_of, step)
 from tests.unit.test_prefix_caching_scheduler import FakeKV
 
 PROMPT = list(range(100, 110))  # 10 tokens: with block_size 4, two full blocks and a partial one
@@ -28,7 +29,7 @@ def make_scheduler(*, num_blocks=16, block_size=4, max_num_seqs=4, max_num_batch
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len,
                              min_in_flight_prefix_blocks=min_in_flight_prefix_blocks)
-    return Scheduler(config, BlockManager(num_blocks=num_blocks, block_size=block_size))
+    return RecordingScheduler(config, BlockManager(num_blocks=num_blocks, block_size=block_size))
 
 
 def hits(sched: Scheduler) -> int:
@@ -41,12 +42,12 @@ def test_the_same_prompt_twice_in_one_step_is_computed_once():
     b, = add(sched, PROMPT)
     out = step(sched)
     # a computes the prompt; b would need a's two full blocks, which this very step computes.
-    assert batch(out) == [(a, 10, True)] and out.deferred == [(b, 2)]
+    assert batch(out) == [(a, 10, True)] and deferred(out) == [(b, 2)]
     assert sched.waiting[0] is b and b.status is SequenceStatus.WAITING
     assert sched.num_waiting == 1 and sched.num_running == 1
     out = step(sched)
     # Now cached: b starts after them and computes only its last 2 tokens.
-    assert batch(out) == [(a, 1, True), (b, 2, True)] and out.deferred == []
+    assert batch(out) == [(a, 1, True), (b, 2, True)] and deferred(out) == []
     assert b.block_table[:2] == a.block_table[:2] and hits(sched) == 8
     assert a.output_token_ids == [SAMPLED] * 2 and b.output_token_ids == [SAMPLED]
     finish_all(sched, a, b)
@@ -57,7 +58,7 @@ def test_with_the_threshold_at_0_both_compute_the_prefix():
     a, = add(sched, PROMPT)
     b, = add(sched, PROMPT)
     out = step(sched)
-    assert batch(out) == [(a, 10, True), (b, 10, True)] and out.deferred == []
+    assert batch(out) == [(a, 10, True), (b, 10, True)] and deferred(out) == []
     assert hits(sched) == 0
     finish_all(sched, a, b)
 
@@ -79,7 +80,7 @@ def test_an_unrelated_request_behind_a_deferred_one_is_not_held_up():
     out = step(sched)
     # b and d wait in their places; c, behind b, runs in the first step.
     assert batch(out) == [(a, 10, True), (c, 6, True)]
-    assert out.deferred == [(b, 2), (d, 1)] and list(sched.waiting) == [b, d]
+    assert deferred(out) == [(b, 2), (d, 1)] and list(sched.waiting) == [b, d]
     out = step(sched)
     assert batch(out) == [(a, 1, True), (c, 1, True), (b, 2, True), (d, 5, True)]
     assert hits(sched) == 8 + 4
@@ -94,7 +95,7 @@ def test_a_deferred_sequence_keeps_its_place_when_others_do_not_fit():
     d, = add(sched, [4, 5, 6])
     out = step(sched)
     # b waits for a's blocks; c takes the second slot; d does not fit and stops admission.
-    assert batch(out) == [(a, 10, True), (c, 3, True)] and out.deferred == [(b, 2)]
+    assert batch(out) == [(a, 10, True), (c, 3, True)] and deferred(out) == [(b, 2)]
     assert list(sched.waiting) == [b, d]
     sched.finish(c)
     # b is ahead of d again: FCFS among those not waiting for a prefix.
@@ -108,10 +109,10 @@ def test_a_waiter_is_admitted_once_the_shared_blocks_are_computed_under_chunked_
     b, = add(sched, PROMPT[:8] + [1, 2, 3])
     # Step 1: a's first chunk takes the whole budget; b is not considered yet.
     out = step(sched)
-    assert batch(out) == [(a, 6, False)] and out.deferred == []
+    assert batch(out) == [(a, 6, False)] and deferred(out) == []
     # Step 2: a's last 4 tokens compute block 1, which b needs (block 0 is cached already).
     out = step(sched)
-    assert batch(out) == [(a, 4, True)] and out.deferred == [(b, 1)]
+    assert batch(out) == [(a, 4, True)] and deferred(out) == [(b, 1)]
     # Step 3: b finds both shared blocks cached, though a went on (here: to decode).
     out = step(sched)
     assert batch(out) == [(a, 1, True), (b, 3, True)]
@@ -125,10 +126,10 @@ def test_a_deferral_is_reported_once_per_wait():
     c, = add(sched, PROMPT[:8] + [1] * 8)
     b, = add(sched, PROMPT[:8] + [1] * 8 + [2])
     out = step(sched)
-    assert batch(out) == [(a, 10, True)] and out.deferred == [(c, 2), (b, 2)]
+    assert batch(out) == [(a, 10, True)] and deferred(out) == [(c, 2), (b, 2)]
     out = step(sched)
     # c starts after a's blocks and computes blocks 2 and 3, which b needs next: b waits on.
-    assert batch(out) == [(a, 1, True), (c, 8, True)] and out.deferred == []
+    assert batch(out) == [(a, 1, True), (c, 8, True)] and deferred(out) == []
     assert b in sched.waiting
     out = step(sched)
     assert batch(out) == [(a, 1, True), (c, 1, True), (b, 1, True)]
@@ -143,7 +144,7 @@ def test_aborting_the_computing_request_mid_step_releases_the_waiter():
     a, = add(sched, PROMPT)
     b, = add(sched, PROMPT)
     out = sched.schedule()
-    assert out.deferred == [(b, 2)]
+    assert deferred(out) == [(b, 2)]
     sched.abort_request(a.request_id)
     sched.update(out, ModelOutput(seq_ids=[a.seq_id], token_ids=[SAMPLED], logprobs=[None]))
     check(sched, after_update=True)
@@ -156,7 +157,7 @@ def test_aborting_a_waiter_forgets_it():
     sched = make_scheduler()
     a, = add(sched, PROMPT)
     b, = add(sched, PROMPT)
-    assert step(sched).deferred == [(b, 2)]
+    assert deferred(step(sched)) == [(b, 2)]
     sched.abort_request(b.request_id)
     assert b.is_finished and not sched.waiting and not sched._deferred_seq_ids
     finish_all(sched, a)
@@ -172,12 +173,12 @@ def test_preempted_sharers_are_readmitted_first_and_their_waiter_follows():
     a, = add(sched, PROMPT)
     b, = add(sched, PROMPT)
     out = step(sched)
-    assert batch(out) == [(old, 1, True), (a, 10, True)] and out.deferred == [(b, 2)]
+    assert batch(out) == [(old, 1, True), (a, 10, True)] and deferred(out) == [(b, 2)]
     assert batch(step(sched)) == [(old, 1, True), (a, 1, True), (b, 2, True)]
     assert b.block_table[:2] == a.block_table[:2] == [2, 3]
     step(sched)
     # old outgrows the pool: the newest running sequences are preempted, b then a.
-    assert step(sched).preempted == [b] and step(sched).preempted == [a]
+    assert preempted(step(sched)) == [b] and preempted(step(sched)) == [a]
     assert list(sched.waiting) == [a, b] and bm.num_in_flight_hashes == 0
     for _ in range(8):
         assert batch(step(sched)) == [(old, 1, True)]  # old's new blocks evict a's cached ones
@@ -186,7 +187,7 @@ def test_preempted_sharers_are_readmitted_first_and_their_waiter_follows():
     out = step(sched)
     # a, at the front, starts after its one cached block; b would need the next, which a is
     # computing: it waits for it (instead of computing it too), not for a as a whole.
-    assert batch(out) == [(a, 10, True)] and out.deferred == [(b, 1)]
+    assert batch(out) == [(a, 10, True)] and deferred(out) == [(b, 1)]
     out = step(sched)
     assert batch(out) == [(a, 1, True), (b, 4, True)]
     assert b.block_table[:2] == a.block_table[:2]
@@ -206,7 +207,7 @@ def test_prompt_logprobs_and_mean_pooling_never_wait():
     out = sched.schedule()  # (the helper's step() expects every finished prompt to sample)
     # Neither b nor the mean pool may use the cache, so they compute; last-token pooling waits.
     assert batch(out) == [(a, 10, True), (b, 10, True), (mean, 10, False)]
-    assert out.deferred == [(last, 2)]
+    assert deferred(out) == [(last, 2)]
     sched.update(out, ModelOutput(seq_ids=[a.seq_id, b.seq_id], token_ids=[SAMPLED] * 2,
                                   logprobs=[None] * 2))
     sched.finish(mean)  # the engine finishes a pooling sequence in the step of its last token
@@ -222,7 +223,7 @@ def test_n2_requests_with_one_prompt_share_it_and_still_fork():
     group2 = add(sched, PROMPT, n=2)
     out = step(sched)
     # Parent 1 prefills up to its fork point (9 tokens); parent 2 waits for its 2 full blocks.
-    assert batch(out) == [(group1[0], 9, False)] and out.deferred == [(group2[0], 2)]
+    assert batch(out) == [(group1[0], 9, False)] and deferred(out) == [(group2[0], 2)]
     out = step(sched)
     # Group 1 forks and samples; parent 2 starts after the cached blocks and stops at its fork.
     assert batch(out) == [(group1[0], 1, True), (group1[1], 1, True), (group2[0], 1, False)]
@@ -297,11 +298,11 @@ def run_look_alike_workload(seed: int) -> int:
         if requests and rng.random() < 0.03:
             sched.abort_request(rng.choice(requests)[0].request_id)
         out = sched.schedule()
-        num_deferred += len(out.deferred)
-        for seq, num_blocks_in_flight in out.deferred:
+        num_deferred += len(deferred(out))
+        for seq, num_blocks_in_flight in deferred(out):
             assert seq.status is SequenceStatus.WAITING and num_blocks_in_flight >= 1
         kv.run(out)
-        samplers = [item.seq for item in out.scheduled if item.samples]
+        samplers = [seq_of(item) for item in out.scheduled if item.samples]
         sched.update(out, ModelOutput(seq_ids=[s.seq_id for s in samplers],
                                       token_ids=[rng.randint(0, 3) for _ in samplers],
                                       logprobs=[None] * len(samplers)))

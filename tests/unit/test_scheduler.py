@@ -9,7 +9,7 @@ from __future__ import annotations
 from llmplatform.engine.outputs import ModelOutput
 from llmplatform.engine.sequence import SequenceStatus
 from tests.unit.scheduler_helpers import (SAMPLED, add, assert_drained, batch, finish_all,
-                                         make_scheduler, step)
+                                          make_scheduler, preempted, rejected, step)
 
 
 # ---- batches ---------------------------------------------------------------------------------
@@ -35,7 +35,7 @@ def test_chunked_prefills_and_decodes_share_the_budget():
     assert batch(out) == [(a, 1, True), (b, 1, True), (c, 1, True)]
     assert [s.num_tokens for s in (a, b, c)] == [8, 8, 5]
     assert [s.num_computed_tokens for s in (a, b, c)] == [7, 7, 4]
-    assert out.preempted == [] and out.blocks_to_copy == [] and out.rejected == []
+    assert preempted(out) == [] and out.blocks_to_copy == [] and rejected(out) == []
     finish_all(sched, a, b, c)
     assert sched.block_manager.free_block_ids == list(range(5, 16)) + [1, 0, 3, 2, 4]
 
@@ -135,7 +135,7 @@ def test_preempts_the_most_recently_admitted_and_recomputes_it_later():
     # Token 4 of each needs a new block: a takes the last free one, b takes c's.
     out = step(sched)
     assert batch(out) == [(a, 1, True), (b, 1, True)]
-    assert out.preempted == [c]
+    assert preempted(out) == [c]
     assert (a.block_table, b.block_table, c.block_table, bm.free_block_ids) == ([0, 3], [1, 2], [], [])
     assert c.status is SequenceStatus.WAITING and c.num_computed_tokens == 0
     assert c.output_token_ids == [SAMPLED] and c.num_preemptions == 1
@@ -161,7 +161,7 @@ def test_a_sequence_preempts_itself_when_it_is_the_newest():
     step(sched)
     assert (a.block_table, b.block_table) == ([0, 1], [2])
     out = step(sched)  # a's token 6 fits block 1; b's token 4 needs a block there is none of
-    assert batch(out) == [(a, 1, True)] and out.preempted == [b]
+    assert batch(out) == [(a, 1, True)] and preempted(out) == [b]
     assert bm.free_block_ids == [2] and list(sched.waiting) == [b]
     assert b.status is SequenceStatus.WAITING and b.num_preemptions == 1
     # b's recompute (5 tokens) needs 2 blocks; 1 is free.
@@ -182,7 +182,7 @@ def test_a_step_that_preempted_admits_nothing():
     assert batch(step(sched)) == [(a, 1, True), (b, 1, True)]
     assert bm.free_block_ids == []
     out = step(sched)
-    assert batch(out) == [(a, 1, True)] and out.preempted == [b]
+    assert batch(out) == [(a, 1, True)] and preempted(out) == [b]
     # A 1-token chunk of b would fit block 1 and the budget left, but the pool is under pressure:
     # readmitting b now would only have it preempted again.
     assert bm.free_block_ids == [1] and list(sched.waiting) == [b]
@@ -205,7 +205,7 @@ def test_preempting_a_sharer_frees_nothing_so_preemption_goes_on():
     # only drops its references, so the parent preempts itself too.
     out = step(sched)
     assert batch(out) == [(a, 1, True)]
-    assert out.preempted == [child, parent]
+    assert preempted(out) == [child, parent]
     assert list(sched.waiting) == [parent, child]  # admission order kept
     assert a.block_table == [0, 3] and bm.free_block_ids == [2, 1]
     assert batch(step(sched)) == [(a, 1, True)]  # the parent needs 3 blocks: nobody skips it
@@ -226,7 +226,7 @@ def test_a_prompt_longer_than_max_model_len_is_rejected_and_others_proceed():
     long, = add(sched, 33)
     ok, = add(sched, 3)
     out = step(sched)
-    assert out.rejected == [(long, "sequence has 33 tokens (prompt 33 + output 0), more than max_model_len=32")]
+    assert rejected(out) == [(long, "sequence has 33 tokens (prompt 33 + output 0), more than max_model_len=32")]
     assert long.status is SequenceStatus.FINISHED and long.block_table == []
     assert batch(out) == [(ok, 3, True)]
     assert sched.get_request_seqs(long.request_id) == []
@@ -237,7 +237,7 @@ def test_a_prompt_larger_than_the_kv_pool_is_rejected():
     sched = make_scheduler(num_blocks=4, max_model_len=64)
     big, = add(sched, 17)
     out = step(sched)
-    assert out.rejected == [(big, "sequence has 17 tokens, more than the KV cache holds "
+    assert rejected(out) == [(big, "sequence has 17 tokens, more than the KV cache holds "
                                   "(4 blocks of 4 = 16 tokens)")]
     assert out.scheduled == []
     assert_drained(sched)
@@ -249,8 +249,8 @@ def test_a_running_sequence_that_outgrows_the_pool_is_rejected():
     assert batch(step(sched)) == [(a, 7, True)]
     assert batch(step(sched)) == [(a, 1, True)]  # 9 tokens now: the pool holds 8
     out = step(sched)
-    assert out.rejected == [(a, "sequence has 9 tokens, more than the KV cache holds (2 blocks of 4 = 8 tokens)")]
-    assert out.scheduled == [] and out.preempted == []
+    assert rejected(out) == [(a, "sequence has 9 tokens, more than the KV cache holds (2 blocks of 4 = 8 tokens)")]
+    assert out.scheduled == [] and preempted(out) == []
     assert_drained(sched)
 
 
@@ -259,7 +259,7 @@ def test_a_request_wanting_more_sequences_than_max_num_seqs_is_rejected_whole():
     group = add(sched, 5, n=3)
     out = step(sched)
     reason = "request asks for 3 parallel sequences, more than max_num_seqs=2"
-    assert out.rejected == [(s, reason) for s in group]
+    assert rejected(out) == [(s, reason) for s in group]
     assert all(s.is_finished for s in group)
     assert_drained(sched)
 

@@ -12,7 +12,7 @@ import pytest
 
 from llmplatform.engine.sequence import Sequence, SequenceStatus
 from tests.unit.scheduler_helpers import (SAMPLED, add, assert_drained, batch, finish_all,
-                                         finish_done, make_scheduler, step)
+                                          finish_done, make_scheduler, preempted, rejected, step)
 
 
 # ---- n > 1 -----------------------------------------------------------------------------------
@@ -97,7 +97,7 @@ def test_a_parent_preempted_before_its_fork_keeps_its_children_waiting():
     assert batch(step(sched)) == [(a, 4, True), (parent, 4, False)]
     # a takes block 2 for token 4; the parent needs 2 more blocks for tokens 4..8, 1 is free.
     out = step(sched)
-    assert batch(out) == [(a, 1, True)] and out.preempted == [parent]
+    assert batch(out) == [(a, 1, True)] and preempted(out) == [parent]
     assert parent.num_computed_tokens == 0 and parent.block_table == []
     assert list(sched.waiting) == [parent] and sched.num_waiting == 2
     assert child.status is SequenceStatus.WAITING
@@ -125,7 +125,7 @@ def test_a_preempted_child_recomputes_alone():
     step(sched)
     step(sched)  # 8 tokens each; token 8 needs a new block for each, none is free
     out = step(sched)
-    assert out.preempted == [child] and batch(out) == [(parent, 1, True)]
+    assert preempted(out) == [child] and batch(out) == [(parent, 1, True)]
     assert parent.block_table == [0, 2, 1] and bm.ref_count(0) == 1
     assert child.num_computed_tokens == 0 and child.output_token_ids == [SAMPLED] * 3
     sched.finish(parent)
@@ -150,7 +150,7 @@ def test_random_workloads_keep_every_invariant_and_drain(seed, enable_prefix_cac
                            enable_prefix_caching=enable_prefix_caching)
     num_outputs: dict[int, int] = {}  # seq_id -> tokens to generate before the engine finishes it
     requests: list[list[Sequence]] = []
-    rejected, aborted = set(), set()
+    refused, aborted = set(), set()
     for _ in range(600):
         if len(requests) < 25 and rng.random() < 0.3:
             group = add(sched, rng.randint(1, 12), n=rng.choice([1, 1, 2, 3]))
@@ -160,7 +160,7 @@ def test_random_workloads_keep_every_invariant_and_drain(seed, enable_prefix_cac
         if requests and rng.random() < 0.03:
             aborted.update(id(s) for s in sched.abort_request(rng.choice(requests)[0].request_id))
         out = step(sched)
-        rejected.update(id(s) for s, _ in out.rejected)
+        refused.update(id(s) for s, _ in rejected(out))
         finish_done(sched, out, num_outputs)
         if len(requests) == 25 and not sched.has_unfinished():
             break
@@ -168,5 +168,5 @@ def test_random_workloads_keep_every_invariant_and_drain(seed, enable_prefix_cac
     assert_drained(sched)
     for seq in (s for group in requests for s in group):
         assert seq.is_finished
-        if id(seq) not in rejected and id(seq) not in aborted:
+        if id(seq) not in refused and id(seq) not in aborted:
             assert seq.output_token_ids == [SAMPLED] * num_outputs[seq.seq_id]

@@ -168,39 +168,13 @@ class RestartConfig:
 
 
 @dataclass(frozen=True)
-class FaultInjectionConfig:
-    """TEST ONLY: faults the engine raises on purpose, so tests can show that a fault stays with
-    the request that caused it and that a dead engine is rebuilt. Off unless given (a worker reads
-    it from ``$LLMPLATFORM_TEST_FAULTS``, see :mod:`llmplatform.engine.faults`); never set it in
-    production.
-
-    sampling_marker: sampling raises for every row of a request whose prompt contains this text.
-    processing_marker: output processing (detokenizing, stops) raises for such a request.
-    step_marker: the forward pass raises (a fatal step failure) whenever a step schedules such a
-        request.
-    fail_rebuild: rebuilding the engine after a fatal step failure raises.
-    """
-
-    sampling_marker: str | None = None
-    processing_marker: str | None = None
-    step_marker: str | None = None
-    fail_rebuild: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("sampling_marker", "processing_marker", "step_marker"):
-            if getattr(self, name) == "":
-                raise ValueError(f"{name} must not be empty (it would match every prompt)")
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     restart: RestartConfig = RestartConfig()
     parallel: ParallelConfig = ParallelConfig()
-    faults: FaultInjectionConfig | None = None  # tests only
 
 
 __all__ = ["COMPUTE_DTYPES", "DECODE_PATHS", "CacheConfig", "SchedulerConfig", "ModelConfig", "EngineConfig",
-           "ParallelConfig", "RestartConfig", "FaultInjectionConfig", "parse_memory_size", "InvalidRequestError"]
+           "ParallelConfig", "RestartConfig", "parse_memory_size", "InvalidRequestError"]

@@ -24,12 +24,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from llmplatform.engine.faults import FaultInjector
 from llmplatform.engine.outputs import Failure
-from llmplatform.engine.sequence import Sequence
 from llmplatform.errors import LLMPlatformError
 from llmplatform.sampling.grammar_sandbox import fill_remote_grammars
 from llmplatform.sampling.outputs import TokenLogprob
@@ -39,7 +38,17 @@ from llmplatform.utils.logs import request_context
 logger = logging.getLogger("llmplatform.engine")
 
 
-def pinned_fault(seq: Sequence, stage: str, exc: BaseException) -> Failure:
+class Output(Protocol):
+    """Whose fault it is: one output of one request (the engine's and the runner's records)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def index(self) -> int: ...
+
+
+def pinned_fault(seq: Output, stage: str, exc: BaseException) -> Failure:
     """Logs a fault pinned on ``seq`` (with its traceback, in its request's context) and returns
     the error its client gets. A client-class error (the request's own doing, e.g. a grammar
     past its per-token budget) keeps its message and code and is logged without a traceback."""
@@ -65,12 +74,11 @@ class SampledRows:
 
 
 class IsolatingSampler:
-    def __init__(self, sampler: Sampler, faults: FaultInjector | None = None) -> None:
+    def __init__(self, sampler: Sampler) -> None:
         self._sampler = sampler
-        self._faults = faults
 
     def __call__(self, logits: torch.Tensor, rows: Seq[SamplingRow],
-                 seqs: Seq[Sequence]) -> SampledRows:
+                 seqs: Seq[Output]) -> SampledRows:
         """logits: [num_rows, vocab_size]; ``seqs[i]`` is the sequence row i samples for.
 
         Raises only when no row can be blamed: every row also fails on its own (with more than
@@ -93,14 +101,14 @@ class IsolatingSampler:
                     sampled.errors[i] = kept.errors[j]
         return sampled
 
-    def _sample_rows(self, logits: torch.Tensor, rows: Seq[SamplingRow], seqs: Seq[Sequence]
+    def _sample_rows(self, logits: torch.Tensor, rows: Seq[SamplingRow], seqs: Seq[Output]
                      ) -> SampledRows:
         # A seeded row's generator may have drawn before the batch raised; its retry must draw
         # the same numbers as a run without the fault.
         generator_states = [(row.generator, row.generator.get_state())
                             for row in rows if row.generator is not None]
         try:
-            token_ids, logprobs = self._sample(logits, rows, seqs)
+            token_ids, logprobs = self._sampler(logits, rows)
             sampled = SampledRows(list(token_ids), list(logprobs), {})
         except Exception as batch_exc:
             for generator, state in generator_states:
@@ -111,15 +119,15 @@ class IsolatingSampler:
             sampled.errors[i] = pinned_fault(seqs[i], "structured output", exc)
         return sampled
 
-    def _one_by_one(self, logits: torch.Tensor, rows: Seq[SamplingRow], seqs: Seq[Sequence],
+    def _one_by_one(self, logits: torch.Tensor, rows: Seq[SamplingRow], seqs: Seq[Output],
                     batch_exc: Exception) -> SampledRows:
         token_ids: list[int | None] = []
         logprobs: list[TokenLogprob | None] = []
         errors: dict[int, Failure] = {}
         failures: list[tuple[int, Exception]] = []
-        for i, (row, seq) in enumerate(zip(rows, seqs)):
+        for i, row in enumerate(rows):
             try:
-                ids, records = self._sample(logits[i:i + 1], [row], [seq])
+                ids, records = self._sampler(logits[i:i + 1], [row])
             except Exception as exc:
                 failures.append((i, exc))
                 token_ids.append(None)
@@ -132,10 +140,3 @@ class IsolatingSampler:
         for i, exc in failures:
             errors[i] = pinned_fault(seqs[i], "sampling", exc)
         return SampledRows(token_ids, logprobs, errors)
-
-    def _sample(self, logits: torch.Tensor, rows: Seq[SamplingRow], seqs: Seq[Sequence]
-                ) -> tuple[list[int], list[TokenLogprob | None]]:
-        sampled = self._sampler(logits, rows)
-        if self._faults is not None:  # after the draws, as a fault in the logprob records would
-            self._faults.check_sampling(seqs)
-        return sampled

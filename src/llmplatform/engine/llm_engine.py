@@ -13,6 +13,14 @@ sequence with ``FinishReason.ERROR`` and frees its blocks; the step goes on for 
 Pooling requests (:meth:`LLMEngine.add_pooling_request`, :mod:`.pooling`) share the scheduler and
 the step with generation; the step that computes a pooling sequence's last prompt token finishes
 it and returns its vector in the update (``SequenceUpdate.pooled``).
+
+A request with ``n`` > 1 is ``n`` sequences whose prompt is computed once (engine.scheduler,
+"Parallel sampling"); output ``i`` of a seeded request draws from ``seed + i``; every update says
+which output it is (``SequenceUpdate.index``); aborting the request stops all ``n``.
+
+The engine's record of each output (:class:`OutputState`) is kept by sequence id: the scheduler's
+and the runner's outputs carry ids and typed records (engine.outputs). The runner comes from
+``runner_factory`` (default :meth:`ModelRunner.from_config`), the seam tests inject faults through.
 """
 
 from __future__ import annotations
@@ -24,26 +32,24 @@ from typing import TYPE_CHECKING, Any
 
 from llmplatform.engine.block_manager import BlockManager
 from llmplatform.engine.config import EngineConfig
-from llmplatform.engine.faults import FaultInjector
 from llmplatform.engine.isolation import pinned_fault
-from llmplatform.engine.model_runner import ModelRunner
+from llmplatform.engine.model_runner import ModelRunner, RunnerFactory
 from llmplatform.engine.outputs import Failure, ModelOutput, SchedulerOutput
-from llmplatform.engine.pooling import PoolingParams, PoolingState
+from llmplatform.engine.pooling import PoolingParams
 from llmplatform.engine.prefix_cache import PrefixCacheStats
 from llmplatform.engine.scheduler import Scheduler
 from llmplatform.engine.sequence import Sequence
 from llmplatform.errors import ContextLengthExceededError, InvalidRequestError
 from llmplatform.sampling.grammar_sandbox import GrammarSandbox
 from llmplatform.sampling.output_processor import OutputProcessor, eos_token_ids_of
-from llmplatform.sampling.outputs import FinishReason, GenerateChunk, Usage
+from llmplatform.sampling.outputs import FinishReason, GenerateChunk, TokenLogprob, Usage
 from llmplatform.sampling.params import SamplingParams, check_prompt_token_ids
-from llmplatform.sampling.sampler import SamplingRow, make_generator
 from llmplatform.utils.logs import request_context
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from llmplatform.sampling.grammar import CompiledGrammar
-    from llmplatform.sampling.grammar_matcher import SequenceGrammar
-    from llmplatform.sampling.grammar_sandbox import RemoteGrammar
 
 logger = logging.getLogger("llmplatform.engine")
 
@@ -53,34 +59,30 @@ class SequenceUpdate:
     request_id: str
     index: int  # which of the request's n outputs
     chunk: GenerateChunk
-    # A pooling sequence's vector ([hidden] float32 numpy array), on its final update.
-    pooled: Any = None
+    # A pooling sequence's vector ([hidden] float32), on its final update.
+    pooled: np.ndarray | None = None
 
 
 @dataclass
-class SeqState:
-    """Per-sequence engine state the scheduler does not need: output processing, randomness."""
+class OutputState:
+    """The engine's record of one output (one sequence) until it finishes."""
 
-    processor: OutputProcessor
-    generator: Any
-    stop_token_ids: tuple[int, ...]
-    pending_prompt_logprobs: list = field(default_factory=list)
+    seq: Sequence  # the scheduler's sequence, which the engine made: to finish it
+    # Turns its tokens into chunks (detokenizing, stops); None for a pooling sequence.
+    processor: OutputProcessor | None
+    pending_prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     # When a step first scheduled the sequence (time.monotonic()), sent on its first chunk so the
     # worker can tell queue time from compute time.
     first_scheduled_time: float | None = None
     first_scheduled_time_sent: bool = False
-    # The sequence's walk through its output grammar (structured outputs), if it has one. It
-    # has accepted exactly the sequence's output tokens: preemption keeps those (recompute only
-    # rebuilds their KV cache), so the walk survives it unchanged.
-    grammar: SequenceGrammar | RemoteGrammar | None = None
 
-    def sampling_row(self, seq: Sequence) -> SamplingRow:
-        grammar = self.grammar
-        if grammar is not None and grammar.num_accepted != len(seq.output_token_ids):
-            grammar.replay(seq.output_token_ids)  # never expected: the walk follows the output
-        return SamplingRow(params=seq.params, prompt_token_ids=seq.prompt_token_ids,
-                           output_token_ids=seq.output_token_ids, generator=self.generator,
-                           stop_token_ids=self.stop_token_ids, grammar=grammar)
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
+
+    @property
+    def index(self) -> int:
+        return self.seq.index
 
 
 @dataclass
@@ -96,15 +98,19 @@ class StepStats:
     # Waiting sequences deferred because another one was computing their prefix's next blocks
     # (each counted once per wait; engine.scheduler, "Prefixes in flight").
     num_deferred_for_prefix: int = 0
+    # Prompt tokens computed (prefill work: a prompt shared by n outputs counts once; cached
+    # prefixes and recomputed outputs not at all, a preempted prompt again).
+    num_computed_prompt_tokens: int = 0
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any | None = None,
-                 runner: ModelRunner | None = None, grammars: GrammarSandbox | None = None
-                 ) -> None:
-        """``runner``: an existing model runner to reuse, weights and all (see :meth:`rebuild`).
-        ``grammars``: the grammar process of the constrained sequences, likewise (made on the
-        first constrained request otherwise)."""
+                 runner: ModelRunner | None = None, grammars: GrammarSandbox | None = None,
+                 *, runner_factory: RunnerFactory = ModelRunner.from_config) -> None:
+        """``runner``: an existing model runner to reuse, weights and all (see :meth:`rebuild`);
+        otherwise ``runner_factory(config, tokenizer)`` builds one. ``grammars``: the grammar
+        process of the constrained sequences, likewise (made on the first constrained request
+        otherwise)."""
         from transformers import AutoTokenizer, GenerationConfig
 
         self.config = config
@@ -117,13 +123,9 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids_of(self.tokenizer, generation_config)
         sched = config.scheduler
         self.max_model_len = sched.max_model_len
-        if runner is None:
-            faults = FaultInjector(config.faults, self.tokenizer) if config.faults else None
-            runner = ModelRunner(config.model, config.cache, self.tokenizer, sched.max_model_len,
-                                 sched.max_num_batched_tokens, faults, config.parallel)
-        self.runner = runner
+        self.runner = runner if runner is not None else runner_factory(config, self.tokenizer)
         self.grammars = grammars
-        self.faults = runner.faults  # tests only; None in production
+        self._outputs: dict[int, OutputState] = {}  # by seq id, until the sequence finishes
         layout = self.runner.layout
         if layout.num_tokens < sched.max_model_len:
             self.runner.close()  # stops the other tensor-parallel ranks (none otherwise)
@@ -189,35 +191,35 @@ class LLMEngine:
         self.validate_pooling(prompt_token_ids)
         seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                        params=_POOLING_SAMPLING, pooling=pooling)
-        seq.state = PoolingState(pooling)
+        self._outputs[seq.seq_id] = OutputState(seq, processor=None)
         self.scheduler.add_request([seq])
         return seq
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, grammar: CompiledGrammar | None = None,
                     *, cache_salt: str | None = None) -> list[Sequence]:
-        """``grammar``: the output constraint, compiled already (compiling is no step's work);
-        each of the ``n`` sequences walks it with a matcher of its own. ``cache_salt``: only
-        sequences with the same salt share prefix-cache blocks (engine.prefix_cache)."""
+        """Queues the request's ``params.n`` outputs (their prompt computed once, see the module
+        docstring); returns their sequences, output ``i`` at index ``i``. ``grammar``: the output
+        constraint, compiled already (compiling is no step's work); each output walks it with a
+        matcher of its own. ``cache_salt``: only sequences with the same salt share prefix-cache
+        blocks (engine.prefix_cache)."""
         self.validate(prompt_token_ids, params)
         seqs = []
         stop_token_ids = tuple(self.eos_token_ids) + params.stop_token_ids
         for index in range(params.n):
-            seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                           params=params, index=index, cache_salt=cache_salt)
-            # With a seed, output i draws from seed + i: reproducible, and the n outputs differ.
-            seed = None if params.seed is None else params.seed + index
+            # The walk accepts exactly the output's tokens: preemption keeps those (recompute
+            # only rebuilds their KV cache), so it survives preemption unchanged.
             matcher = (self._grammar_sandbox(grammar).new_matcher(
                 grammar, stop_token_ids=stop_token_ids) if grammar is not None else None)
-            seq.state = SeqState(
-                processor=OutputProcessor(request_id, self.tokenizer, params, prompt_token_ids,
-                                          self.eos_token_ids, self.max_model_len,
-                                          grammar=matcher),
-                generator=make_generator(seed, self.runner.device),
-                stop_token_ids=stop_token_ids, grammar=matcher)
+            # With a seed, output i draws from seed + i: reproducible, and the n outputs differ.
+            seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                           params=params, index=index, cache_salt=cache_salt,
+                           seed=None if params.seed is None else params.seed + index,
+                           stop_token_ids=stop_token_ids, grammar=matcher)
+            self._outputs[seq.seq_id] = OutputState(seq, OutputProcessor(
+                request_id, self.tokenizer, params, prompt_token_ids, self.eos_token_ids,
+                self.max_model_len, grammar=matcher))
             seqs.append(seq)
-        if self.faults is not None:
-            self.faults.arm(seqs, prompt_token_ids)
         self.scheduler.add_request(seqs)
         return seqs
 
@@ -230,8 +232,8 @@ class LLMEngine:
         return self.grammars
 
     def abort(self, request_id: str) -> list[SequenceUpdate]:
-        """Stops the request's sequences and frees their blocks now."""
-        return [SequenceUpdate(seq.request_id, seq.index, _finish_chunk(seq, FinishReason.ABORT))
+        """Stops the request's sequences (all ``n``) and frees their blocks now."""
+        return [self._finished_update(seq.seq_id, FinishReason.ABORT)
                 for seq in self.scheduler.abort_request(request_id)]
 
     def has_unfinished(self) -> bool:
@@ -247,8 +249,6 @@ class LLMEngine:
         raised cannot have left them half-changed. A fault that broke the device itself (a
         CUDA error poisons the whole context) makes the new pool's probe forward pass raise,
         and then only a new process helps. Runs on the step thread, like ``step``."""
-        if self.faults is not None:
-            self.faults.check_rebuild()
         self.runner.reset_kv_cache()
         return LLMEngine(self.config, self.tokenizer, runner=self.runner, grammars=self.grammars)
 
@@ -268,21 +268,25 @@ class LLMEngine:
         return updates + self._process(scheduled, model_output)
 
     def _reject(self, scheduled: SchedulerOutput) -> list[SequenceUpdate]:
-        return [SequenceUpdate(seq.request_id, seq.index,
-                               _finish_chunk(seq, FinishReason.ERROR, error=reason))
-                for seq, reason in scheduled.rejected]
+        return [self._finished_update(seq_id, FinishReason.ERROR, error=reason)
+                for seq_id, reason in scheduled.rejected]
 
     def _fail_pinned(self, scheduled: SchedulerOutput, output: ModelOutput) -> list[SequenceUpdate]:
         """Finishes the sequences whose own sampling failed (before ``scheduler.update``, which
         then skips them: they got no token)."""
-        return [self._fail(item.seq, output.errors[item.seq.seq_id])
+        return [self._fail(self._outputs[item.seq_id], output.errors[item.seq_id])
                 for item in scheduled.scheduled
-                if item.seq.seq_id in output.errors and not item.seq.is_finished]
+                if item.seq_id in output.errors and item.seq_id in self._outputs]
 
-    def _fail(self, seq: Sequence, failure: Failure) -> SequenceUpdate:
-        """Finishes ``seq`` with an error and frees its blocks. The chunk is built here, not by
-        its output processor, which may be what failed."""
-        self.scheduler.finish(seq)
+    def _finish(self, state: OutputState) -> None:
+        self.scheduler.finish(state.seq)
+        del self._outputs[state.seq.seq_id]
+
+    def _fail(self, state: OutputState, failure: Failure) -> SequenceUpdate:
+        """Finishes the output with an error and frees its blocks. The chunk is built here, not
+        by its output processor, which may be what failed."""
+        seq = state.seq
+        self._finish(state)
         chunk = GenerateChunk(request_id=seq.request_id, text="", token_ids=(),
                               usage=Usage(seq.num_prompt_tokens, len(seq.output_token_ids)),
                               finish_reason=FinishReason.ERROR, error=failure.message,
@@ -291,47 +295,45 @@ class LLMEngine:
 
     def _process(self, scheduled: SchedulerOutput, output: ModelOutput) -> list[SequenceUpdate]:
         updates = []
-        by_seq = {item.seq.seq_id: item.seq for item in scheduled.scheduled}
-        prompt_records = output.prompt_logprobs
-        for seq_id, records in prompt_records.items():
-            by_seq[seq_id].state.pending_prompt_logprobs.extend(records)
-        updates += self._finish_pooled(by_seq, output.pooled)
+        for seq_id, records in output.prompt_logprobs.items():
+            if seq_id in self._outputs:
+                self._outputs[seq_id].pending_prompt_logprobs.extend(records)
+        updates += self._finish_pooled(output.pooled)
         for seq_id, token_id, logprob in zip(output.seq_ids, output.token_ids, output.logprobs):
-            seq = by_seq[seq_id]
-            if seq.is_finished:  # aborted while the step ran, or failed above
+            state = self._outputs.get(seq_id)
+            if state is None:  # aborted while the step ran, or failed above
                 continue
             try:
-                chunk = self._output_chunk(seq, token_id, logprob)
+                chunk = self._output_chunk(state, token_id, logprob)
             except Exception as exc:  # detokenizing, stop handling: this sequence's alone
-                updates.append(self._fail(seq, pinned_fault(seq, "output processing", exc)))
+                updates.append(self._fail(state, pinned_fault(state, "output processing", exc)))
                 continue
             if chunk.finish_reason is not None:
-                self.scheduler.finish(seq)
-            updates.append(SequenceUpdate(seq.request_id, seq.index, chunk))
+                self._finish(state)
+            updates.append(SequenceUpdate(state.request_id, state.index, chunk))
         return updates
 
-    def _finish_pooled(self, by_seq: dict[int, Sequence], pooled: dict[int, Any]
-                       ) -> list[SequenceUpdate]:
+    def _finish_pooled(self, pooled: dict[int, np.ndarray]) -> list[SequenceUpdate]:
         """Pooling sequences whose prompt this step finished: finished now (blocks freed), each
         update carrying its vector."""
         updates = []
         for seq_id, vector in pooled.items():
-            seq = by_seq[seq_id]
-            if seq.is_finished:  # aborted while the step ran
+            state = self._outputs.get(seq_id)
+            if state is None:  # aborted while the step ran
                 continue
-            self.scheduler.finish(seq)
-            chunk = replace(_finish_chunk(seq, FinishReason.STOP),
-                            first_scheduled_time=seq.state.first_scheduled_time)
-            updates.append(SequenceUpdate(seq.request_id, seq.index, chunk, pooled=vector))
+            update = self._finished_update(seq_id, FinishReason.STOP)
+            chunk = replace(update.chunk, first_scheduled_time=state.first_scheduled_time)
+            updates.append(replace(update, chunk=chunk, pooled=vector))
         if pooled:
             self.stats.num_pooled_seqs += len(pooled)
             self.stats.max_pooled_per_step = max(self.stats.max_pooled_per_step, len(pooled))
         return updates
 
-    def _output_chunk(self, seq: Sequence, token_id: int, logprob: Any) -> GenerateChunk:
-        state: SeqState = seq.state
+    def _output_chunk(self, state: OutputState, token_id: int, logprob: TokenLogprob | None
+                      ) -> GenerateChunk:
+        assert state.processor is not None, "a pooling sequence never samples"
         chunk = state.processor.append([token_id], [logprob] if logprob is not None else None)
-        if state.pending_prompt_logprobs and seq.params.prompt_logprobs is not None:
+        if state.pending_prompt_logprobs and state.seq.params.prompt_logprobs is not None:
             chunk = replace(chunk, prompt_logprobs=tuple(state.pending_prompt_logprobs))
             state.pending_prompt_logprobs = []
         if not state.first_scheduled_time_sent:
@@ -342,21 +344,25 @@ class LLMEngine:
     def _note_first_scheduled(self, scheduled: SchedulerOutput) -> None:
         now = time.monotonic()
         for item in scheduled.scheduled:
-            if item.seq.state.first_scheduled_time is None:
-                item.seq.state.first_scheduled_time = now
+            state = self._outputs[item.seq_id]
+            if state.first_scheduled_time is None:
+                state.first_scheduled_time = now
 
     def _record_stats(self, scheduled: SchedulerOutput) -> None:
         stats = self.stats
         stats.num_steps += 1
         stats.num_preemptions += len(scheduled.preempted)
-        for seq in scheduled.preempted:
+        for seq_id in scheduled.preempted:
+            seq = self._outputs[seq_id].seq
             with request_context(seq.request_id):
                 logger.debug("preempted output %d at %d tokens (KV cache full); it will be "
                              "recomputed", seq.index, seq.num_tokens)
         # A deferral waits for blocks a scheduled sequence computes, so no step that defers is
         # empty (empty steps return before this).
         stats.num_deferred_for_prefix += len(scheduled.deferred)
-        for seq, num_blocks in scheduled.deferred:
+        stats.num_computed_prompt_tokens += scheduled.num_prompt_tokens
+        for seq_id, num_blocks in scheduled.deferred:
+            seq = self._outputs[seq_id].seq
             with request_context(seq.request_id):
                 logger.debug("output %d waits for %d prompt blocks another request is computing "
                              "now (a shared prefix); it reuses them once cached", seq.index,
@@ -367,6 +373,21 @@ class LLMEngine:
         stored = sum(s.num_computed_tokens for s in running)
         if slots:
             stats.kv_efficiency_sum += stored / slots
+
+    def _finished_update(self, seq_id: int, reason: FinishReason, error: str | None = None
+                         ) -> SequenceUpdate:
+        """The last update of an output the engine ends (abort, rejection, a pooled vector); the
+        scheduler has finished it or is told to now."""
+        state = self._outputs.pop(seq_id)
+        seq = state.seq
+        self.scheduler.finish(seq)  # a no-op when the scheduler finished it itself
+        if state.processor is not None:
+            chunk = state.processor.finish(reason, error=error)
+        else:
+            chunk = GenerateChunk(request_id=seq.request_id, text="", token_ids=(),
+                                  usage=Usage(seq.num_prompt_tokens, 0), finish_reason=reason,
+                                  error=error)
+        return SequenceUpdate(seq.request_id, seq.index, chunk)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -387,11 +408,3 @@ class LLMEngine:
 # What a pooling sequence carries as sampling params: it never samples, so only the fields the
 # scheduler reads (no prompt logprobs) matter.
 _POOLING_SAMPLING = SamplingParams(max_tokens=1)
-
-
-def _finish_chunk(seq: Sequence, reason: FinishReason, error: str | None = None) -> GenerateChunk:
-    """The last chunk of a sequence ended by the engine (abort, rejection, a pooled vector)."""
-    if seq.pooling is None:
-        return seq.state.processor.finish(reason, error=error)
-    return GenerateChunk(request_id=seq.request_id, text="", token_ids=(),
-                         usage=Usage(seq.num_prompt_tokens, 0), finish_reason=reason, error=error)

@@ -1,6 +1,8 @@
 """The model runner: a SchedulerOutput in, one sampled token per sampling sequence out.
 
-It owns the model weights and the paged KV cache tensors. Each step it
+It owns the model weights, the paged KV cache tensors and its own record of each sequence it
+computes (tokens, block table, sampling state: :mod:`.runner_state`), kept in step with the
+scheduler's records. Each step it
 1. copies KV blocks that the scheduler copied-on-write,
 2. flattens the scheduled chunks into one batch (no padding): input ids, positions, the slots
    where the new K/V go, and the attention metadata,
@@ -27,24 +29,28 @@ pool has the same blocks, holding its own key/value heads.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llmplatform.engine.config import CacheConfig, ModelConfig, ParallelConfig
-from llmplatform.engine.faults import FaultInjector
+from llmplatform.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from llmplatform.engine.isolation import IsolatingSampler, pinned_fault
 from llmplatform.engine.model_setup import copy_kv_blocks, prepare_model
 from llmplatform.engine.outputs import ModelOutput, SchedulerOutput
 from llmplatform.engine.parallel.messages import AllocateKV, ComputeLogits, StepInputs
 from llmplatform.engine.parallel.ranks import RankFailedError, TensorParallelRanks
 from llmplatform.engine.pooler import PoolingSpan, pool_spans
+from llmplatform.engine.runner_state import RunnerSequence, RunnerStates
 from llmplatform.kernels import AttentionMetadata
 from llmplatform.sampling.output_processor import token_text
 from llmplatform.sampling.outputs import TokenLogprob
-from llmplatform.sampling.sampler import Sampler, SamplingRow
+from llmplatform.sampling.sampler import Sampler
 from llmplatform.utils.torch_utils import resolve_device, resolve_dtype
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("llmplatform.engine")
 
@@ -68,9 +74,7 @@ class CacheLayout:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, tokenizer: Any,
                  max_model_len: int, max_num_batched_tokens: int,
-                 faults: FaultInjector | None = None,
                  parallel: ParallelConfig | None = None) -> None:
-        self.faults = faults  # tests only (engine.faults); None in production
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.block_size = cache_config.block_size
@@ -91,8 +95,9 @@ class ModelRunner:
         self.compute_dtype = prepared.compute_dtype
         self.onednn_linears = prepared.onednn_linears
         self.sampler = Sampler(tokenizer)
-        self._sample = IsolatingSampler(self.sampler, faults)
+        self._sample = IsolatingSampler(self.sampler)
         self._tokenizer = tokenizer
+        self.states = RunnerStates(self.device)
         bytes_per_block = self.model.kv_cache_bytes_per_block(self.block_size)
         try:
             num_blocks = self._num_blocks(cache_config, bytes_per_block, max_num_batched_tokens)
@@ -103,6 +108,13 @@ class ModelRunner:
         except BaseException:
             self.close()
             raise
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> ModelRunner:
+        """The runner an engine of ``config`` uses (what :data:`RunnerFactory` defaults to)."""
+        sched = config.scheduler
+        return cls(config.model, config.cache, tokenizer, sched.max_model_len,
+                   sched.max_num_batched_tokens, config.parallel)
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks, if any (idempotent)."""
@@ -189,6 +201,7 @@ class ModelRunner:
         tensor parallelism the other ranks are started again first (their state after a failed
         step is unknown; they load their shards again)."""
         self.kv_caches = []  # the old pool goes first, so the two never coexist in memory
+        self.states.clear()  # the new engine's scheduler starts from nothing
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if self.tp is not None:
@@ -216,8 +229,7 @@ class ModelRunner:
             raise self.tp.explain(exc) from exc
 
     def _execute(self, scheduled: SchedulerOutput) -> ModelOutput:
-        if self.faults is not None:
-            self.faults.check_step(scheduled)
+        self.states.apply(scheduled)
         copy_kv_blocks(self.kv_caches, scheduled.blocks_to_copy, self.device)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -225,23 +237,16 @@ class ModelRunner:
         query_lens: list[int] = []
         block_tables: list[list[int]] = []
         sample_rows: list[int] = []
-        sampling: list[SamplingRow] = []
-        sample_seqs: list[Any] = []
+        sample_seqs: list[RunnerSequence] = []
         # (seq, its first row, its first position, its number of new tokens)
-        prompt_logprob_spans: list[tuple[Any, int, int, int]] = []
+        prompt_logprob_spans: list[tuple[RunnerSequence, int, int, int]] = []
         pooling_spans: list[PoolingSpan] = []  # chunks of pooling sequences (engine.pooler)
         for item in scheduled.scheduled:
-            seq = item.seq
+            seq = self.states[item.seq_id]
             start = seq.num_computed_tokens
             end = start + item.num_new_tokens
             first_row = len(input_ids)
-            if item.num_new_tokens == 1:  # decode: avoid copying the whole history
-                tokens = [seq.token_at(start)]
-            elif end <= seq.num_prompt_tokens:
-                tokens = seq.prompt_token_ids[start:end]
-            else:
-                tokens = seq.all_token_ids()[start:end]
-            input_ids.extend(tokens)
+            input_ids.extend(seq.token_ids_in(start, end))
             positions.extend(range(start, end))
             context_lens.append(start)
             query_lens.append(item.num_new_tokens)
@@ -252,7 +257,6 @@ class ModelRunner:
                 pooling_spans.append(PoolingSpan(seq, first_row, start, item.num_new_tokens))
             if item.samples:
                 sample_rows.append(len(input_ids) - 1)
-                sampling.append(seq.state.sampling_row(seq))
                 sample_seqs.append(seq)
 
         inputs = StepInputs(input_ids, positions, context_lens, query_lens, block_tables,
@@ -262,13 +266,16 @@ class ModelRunner:
         output = ModelOutput(seq_ids=[], token_ids=[], logprobs=[])
         if sample_rows:
             logits = self._logits(hidden, sample_rows)  # [num_sampling, vocab]
-            sampled = self._sample(logits, sampling, sample_seqs)
+            sampled = self._sample(logits, [seq.sampling_row() for seq in sample_seqs],
+                                   sample_seqs)
             for i, seq in enumerate(sample_seqs):
                 if i in sampled.errors:
                     output.errors[seq.seq_id] = sampled.errors[i]
                     continue
+                token_id = sampled.token_ids[i]
+                seq.output_token_ids.append(token_id)
                 output.seq_ids.append(seq.seq_id)
-                output.token_ids.append(sampled.token_ids[i])
+                output.token_ids.append(token_id)
                 output.logprobs.append(sampled.logprobs[i])
         for seq, first_row, start, num_new in prompt_logprob_spans:
             if seq.seq_id in output.errors:
@@ -284,7 +291,7 @@ class ModelRunner:
             output.errors.update(errors)
         return output
 
-    def _prompt_logprobs(self, seq: Any, hidden: torch.Tensor, first_row: int, start: int,
+    def _prompt_logprobs(self, seq: RunnerSequence, hidden: torch.Tensor, first_row: int, start: int,
                          num_new: int) -> list[TokenLogprob]:
         """Records for the prompt tokens this chunk scores. The row of position q scores the
         token at q + 1, so a chunk [start, end) scores prompt tokens start+1 .. end (the last one
@@ -300,6 +307,12 @@ class ModelRunner:
             records.extend(self.sampler.logprob_records(logprobs, prompt[start + 1:last_q + 1],
                                                         seq.params.prompt_logprobs or 0))
         return records
+
+
+RunnerFactory = Callable[[EngineConfig, "PreTrainedTokenizerBase"], ModelRunner]
+"""Builds an engine's model runner from its config and tokenizer: the seam through which an engine
+gets its runner (``LLMEngine(..., runner_factory=...)``, ``PagedLLM(..., runner_factory=...)``).
+The default is :meth:`ModelRunner.from_config`; tests pass a subclass that injects faults."""
 
 
 def _start_ranks(parallel: ParallelConfig, model_config: ModelConfig, device: torch.device,

@@ -1,45 +1,99 @@
-"""The typed objects that cross the engine's internal boundaries (contracts only, no logic).
+"""The typed records that cross the engine's internal boundaries (contracts only, no logic).
 
-scheduler --SchedulerOutput--> model runner --ModelOutput--> engine update
+    scheduler --SchedulerOutput--> model runner --ModelOutput--> engine update
+
+No live :class:`~llmplatform.engine.sequence.Sequence` crosses them: the scheduler owns its
+sequences, and tells the runner about each by id. The first time the runner is to compute a
+sequence (new, a forked child, or one resumed after preemption) the step carries a
+:class:`NewSequenceData` with everything the runner keeps for it (its tokens, blocks and
+sampling parameters); afterwards a :class:`CachedSequenceData` carries only what changed (its
+computed tokens, its new blocks). The runner appends the tokens it samples itself, so tokens
+never travel back. ``finished_seq_ids`` tells the runner which state to drop. This is the shape
+of vLLM v1's ``SchedulerOutput`` (``NewRequestData`` / ``CachedRequestData``), smaller.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
-from llmplatform.engine.sequence import Sequence
+from llmplatform.engine.pooling import PoolingParams
 from llmplatform.errors import ErrorCode
 from llmplatform.sampling.outputs import TokenLogprob
+from llmplatform.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from llmplatform.sampling.grammar_matcher import SequenceGrammar
+    from llmplatform.sampling.grammar_sandbox import RemoteGrammar
 
 
 @dataclass(frozen=True)
-class ScheduledSequence:
-    """Compute tokens ``[num_computed_tokens, num_computed_tokens + num_new_tokens)`` of ``seq``.
+class NewSequenceData:
+    """A sequence the runner has not computed yet, or one resumed after preemption (then the
+    runner keeps its random stream and grammar walk, and takes the rest from here)."""
+
+    seq_id: int
+    request_id: str
+    index: int  # which of its request's n outputs
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int
+    params: SamplingParams
+    seed: int | None  # this output's own seed (derived from the request's), None: unseeded
+    stop_token_ids: tuple[int, ...]  # EOS + params.stop_token_ids
+    grammar: SequenceGrammar | RemoteGrammar | None = None
+    pooling: PoolingParams | None = None
+
+
+@dataclass(frozen=True)
+class CachedSequenceData:
+    """A sequence the runner already holds: its block table from ``block_ids_from`` on is now
+    ``new_block_ids`` (blocks appended, or a copy-on-write that replaced its last block)."""
+
+    seq_id: int
+    num_computed_tokens: int
+    block_ids_from: int
+    new_block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute tokens ``[num_computed_tokens, num_computed_tokens + num_new_tokens)`` of
+    sequence ``seq_id`` (its ``num_computed_tokens`` is in its new or cached record).
 
     ``samples`` is True when this chunk reaches the end of the sequence's tokens: the model then
     samples the next token for it. A prefill chunk that stops short samples nothing, and neither
     does a pooling sequence's chunk (its last one yields its vector: ``ModelOutput.pooled``).
     """
 
-    seq: Sequence
+    seq_id: int
     num_new_tokens: int
     samples: bool
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledSequence]
+    # The step's chunks, in batch order.
+    scheduled: list[ScheduledChunk]
+    new_seqs: list[NewSequenceData] = field(default_factory=list)
+    cached_seqs: list[CachedSequenceData] = field(default_factory=list)
+    # Sequences the runner held that finished since the last step: drop their state.
+    finished_seq_ids: list[int] = field(default_factory=list)
     # Sequences preempted this step (their blocks were freed; they will be recomputed).
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
     # KV blocks to copy before the forward pass (copy-on-write of a shared, partly filled block).
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    # Requests rejected at admission because they can never fit, with the reason.
-    rejected: list[tuple[Sequence, str]] = field(default_factory=list)
+    # Sequences rejected at admission because they can never fit (finished), with the reason.
+    rejected: list[tuple[int, str]] = field(default_factory=list)
     # Waiting sequences deferred this step, for the first time since they queued, because another
     # sequence is computing the blocks after their cached prefix (engine.scheduler), each with the
     # number of those blocks. They stay waiting.
-    deferred: list[tuple[Sequence, int]] = field(default_factory=list)
+    deferred: list[tuple[int, int]] = field(default_factory=list)
+    # Prompt tokens this step computes (prefill work; decode and recomputed output tokens not).
+    num_prompt_tokens: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -72,6 +126,6 @@ class ModelOutput:
     # Sequences whose own work in the runner (sampling, prompt logprobs) raised: seq id -> the
     # error for their client. They got no token; the engine fails them alone.
     errors: dict[int, Failure] = field(default_factory=dict)
-    # Pooling sequences whose prompt this step finished: seq id -> their vector ([hidden] float32
-    # numpy array; engine.pooling).
-    pooled: dict[int, Any] = field(default_factory=dict)
+    # Pooling sequences whose prompt this step finished: seq id -> their vector ([hidden]
+    # float32; engine.pooling).
+    pooled: dict[int, np.ndarray] = field(default_factory=dict)

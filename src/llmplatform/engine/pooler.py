@@ -16,8 +16,8 @@ import torch
 
 from llmplatform.engine.isolation import pinned_fault
 from llmplatform.engine.outputs import Failure
-from llmplatform.engine.pooling import PoolingMode, PoolingState
-from llmplatform.engine.sequence import Sequence
+from llmplatform.engine.pooling import PoolingMode
+from llmplatform.engine.runner_state import RunnerSequence
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class PoolingSpan:
     """Rows ``[first_row, first_row + num_new_tokens)`` of the step's hidden states are positions
     ``[start, start + num_new_tokens)`` of ``seq``."""
 
-    seq: Sequence
+    seq: RunnerSequence
     first_row: int
     start: int
     num_new_tokens: int
@@ -48,24 +48,25 @@ def pool_spans(hidden: torch.Tensor, spans: list[PoolingSpan]
 
 
 def _pool_span(hidden: torch.Tensor, span: PoolingSpan) -> np.ndarray | None:
-    state: PoolingState = span.seq.state
+    seq = span.seq
+    assert seq.pooling is not None
     end = span.start + span.num_new_tokens
     rows = hidden[span.first_row:span.first_row + span.num_new_tokens]  # [num_new_tokens, hidden]
-    if state.params.mode is PoolingMode.MEAN:
+    if seq.pooling.mode is PoolingMode.MEAN:
         chunk_sum = rows.float().sum(dim=0)  # [hidden]
         if span.start == 0:
-            state.running_sum = chunk_sum
+            seq.pooling_sum = chunk_sum
         else:
             # A mean pool never starts from a prefix-cache hit: every earlier chunk added its rows.
-            assert state.running_sum is not None, "mean pooling lost its earlier chunks"
-            state.running_sum = state.running_sum + chunk_sum
-    if end < span.seq.num_prompt_tokens:
+            assert seq.pooling_sum is not None, "mean pooling lost its earlier chunks"
+            seq.pooling_sum = seq.pooling_sum + chunk_sum
+    if end < seq.num_prompt_tokens:
         return None
-    if state.params.mode is PoolingMode.MEAN:
-        pooled = state.running_sum / span.seq.num_prompt_tokens  # [hidden]
-        state.running_sum = None
+    if seq.pooling.mode is PoolingMode.MEAN:
+        pooled = seq.pooling_sum / seq.num_prompt_tokens  # [hidden]
+        seq.pooling_sum = None
     else:
         pooled = rows[-1].float()  # [hidden]
-    if state.params.normalize:
+    if seq.pooling.normalize:
         pooled = torch.nn.functional.normalize(pooled, p=2, dim=0)
     return pooled.cpu().numpy().astype(np.float32, copy=False)

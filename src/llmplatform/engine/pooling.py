@@ -15,8 +15,8 @@ Chunked prefill is kept for pooling requests (a prompt longer than the step's to
 computed over several steps, as any prompt): refusing to chunk them would cap embedding inputs
 at ``max_num_batched_tokens`` and would break the scheduler's rule that only the last running
 sequence has an unfinished prefill. Instead the pooler (:mod:`.pooler`) carries what ``mean``
-needs across chunks, a float32 running sum of the chunk's rows, in the sequence's own
-:class:`PoolingState`; ``last`` needs only the final chunk.
+needs across chunks, a float32 running sum of the chunk's rows, in the runner's record of the
+sequence (``RunnerSequence.pooling_sum``); ``last`` needs only the final chunk.
 
 Prefix caching: a cache hit skips computing the cached positions, so ``mean`` pooling requests
 never look up the prefix cache (like prompt-logprob requests); ``last`` pooling may, since the
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
 
 
 class PoolingMode(str, enum.Enum):
@@ -54,15 +53,3 @@ class PoolingParams:
     def uses_every_position(self) -> bool:
         """True when the vector needs every prompt position computed (no prefix-cache reuse)."""
         return self.mode is PoolingMode.MEAN
-
-
-@dataclass
-class PoolingState:
-    """The engine's per-sequence state for a pooling sequence (``Sequence.state``)."""
-
-    params: PoolingParams
-    # Over the chunks computed so far: the float32 sum of their rows ([hidden] tensor; mean only).
-    # Reset by the chunk that starts at position 0 (the first, or the first after preemption).
-    running_sum: Any = None
-    # When a step first scheduled the sequence (time.monotonic()), as for generation.
-    first_scheduled_time: float | None = None

@@ -76,6 +76,10 @@ independently; a write into the shared, partly filled last block copies it first
 If the parent is preempted before the fork, its children wait for its recompute; a child
 preempted after the fork recomputes alone.
 
+``SchedulerOutput`` (engine.outputs) names sequences by id: a ``NewSequenceData`` when the runner
+first computes one (new, a forked child, resumed after preemption), then ``CachedSequenceData``
+(what changed); ``finished_seq_ids`` lists those it held that finished since the last step.
+
 Pure Python, no torch.
 """
 
@@ -85,7 +89,8 @@ from collections import deque
 
 from llmplatform.engine.block_manager import BlockManager
 from llmplatform.engine.config import SchedulerConfig
-from llmplatform.engine.outputs import ModelOutput, ScheduledSequence, SchedulerOutput
+from llmplatform.engine.outputs import (CachedSequenceData, ModelOutput, NewSequenceData,
+                                        ScheduledChunk, SchedulerOutput)
 from llmplatform.engine.sequence import Sequence, SequenceStatus
 
 
@@ -103,6 +108,12 @@ class Scheduler:
         self._requests: dict[str, list[Sequence]] = {}
         # Waiting sequences deferred for an in-flight prefix since they last queued (reported once).
         self._deferred_seq_ids: set[int] = set()
+        # Every unfinished sequence, by id (a step's records name sequences by id).
+        self._live: dict[int, Sequence] = {}
+        # Sequences the model runner holds state for (it got their NewSequenceData), and those of
+        # them finished since the last step (reported in the next SchedulerOutput).
+        self._in_runner: set[int] = set()
+        self._finished_in_runner: list[int] = []
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -114,6 +125,7 @@ class Scheduler:
             assert seq.request_id == parent.request_id and seq.status is SequenceStatus.WAITING
             assert seq.prompt_token_ids == parent.prompt_token_ids and not seq.block_table
         self._requests[parent.request_id] = list(seqs)
+        self._live.update((seq.seq_id, seq) for seq in seqs)
         if children and parent.num_prompt_tokens > 1:
             self._pending_children[parent.seq_id] = list(children)
             self.waiting.append(parent)
@@ -126,6 +138,10 @@ class Scheduler:
             return
         self._discard(seq)
         seq.status = SequenceStatus.FINISHED
+        del self._live[seq.seq_id]
+        if seq.seq_id in self._in_runner:
+            self._in_runner.remove(seq.seq_id)
+            self._finished_in_runner.append(seq.seq_id)
         self.block_manager.free(seq)
         # Children still waiting to share this parent's prefill now run on their own.
         self.waiting.extendleft(reversed(self._pending_children.pop(seq.seq_id, [])))
@@ -145,6 +161,10 @@ class Scheduler:
     def get_request_seqs(self, request_id: str) -> list[Sequence]:
         return list(self._requests.get(request_id, ()))
 
+    def sequence(self, seq_id: int) -> Sequence | None:
+        """The unfinished sequence ``seq_id`` (None once finished)."""
+        return self._live.get(seq_id)
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -162,11 +182,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         bm = self.block_manager
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledSequence] = []
+        scheduled: list[ScheduledChunk] = []
+        new_seqs: list[NewSequenceData] = []
+        cached_seqs: list[CachedSequenceData] = []
         preempted: list[Sequence] = []
         blocks_to_copy: list[tuple[int, int]] = []
-        rejected: list[tuple[Sequence, str]] = []
-        deferred: list[tuple[Sequence, int]] = []
+        rejected: list[tuple[int, str]] = []
+        deferred: list[tuple[int, int]] = []
+        num_prompt_tokens = 0
 
         # 0. Reject what can never run (every step: a sequence may outgrow the pool as it decodes).
         for seq in [*self.running, *self.waiting]:
@@ -174,7 +197,7 @@ class Scheduler:
             if reason is not None:
                 for s in [seq, *self._pending_children.pop(seq.seq_id, [])]:
                     self.finish(s)
-                    rejected.append((s, reason))
+                    rejected.append((s.seq_id, reason))
 
         # 1. Running sequences, oldest first; the newest are preempted to make room.
         for seq in list(self.running):
@@ -183,8 +206,19 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older sequence
             num_new_tokens = self._num_new_tokens(seq, budget)
+            num_blocks_before, num_copies_before = len(seq.block_table), len(blocks_to_copy)
             if self._allocate_or_preempt(seq, num_new_tokens, blocks_to_copy, preempted):
+                if seq.seq_id in self._in_runner:
+                    # A copy-on-write replaced the block it writes into: the table changes there.
+                    changed_from = min([num_blocks_before] + [
+                        seq.block_table.index(dst) for _, dst in blocks_to_copy[num_copies_before:]])
+                    cached_seqs.append(CachedSequenceData(
+                        seq.seq_id, seq.num_computed_tokens, changed_from,
+                        tuple(seq.block_table[changed_from:])))
+                else:  # a child forked last step: the runner meets it now
+                    new_seqs.append(self._new_data(seq))
                 scheduled.append(self._chunk(seq, num_new_tokens))
+                num_prompt_tokens += self._num_prompt_tokens_in(seq, num_new_tokens)
                 budget -= num_new_tokens
 
         # 2. Waiting sequences, FCFS but for deferrals, unless step 1 found the pool full.
@@ -197,7 +231,7 @@ class Scheduler:
             if num_in_flight_blocks:
                 if seq.seq_id not in self._deferred_seq_ids:
                     self._deferred_seq_ids.add(seq.seq_id)
-                    deferred.append((seq, num_in_flight_blocks))
+                    deferred.append((seq.seq_id, num_in_flight_blocks))
                 index += 1
                 continue
             if self._num_seq_slots_used() + self._num_seq_slots(seq) > self.config.max_num_seqs:
@@ -215,18 +249,24 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             num_new_tokens = num_total_tokens - seq.num_computed_tokens
+            new_seqs.append(self._new_data(seq))  # new, or resumed after preemption
             scheduled.append(self._chunk(seq, num_new_tokens))
+            num_prompt_tokens += self._num_prompt_tokens_in(seq, num_new_tokens)
             budget -= num_new_tokens
 
-        return SchedulerOutput(scheduled=scheduled, preempted=preempted,
-                               blocks_to_copy=blocks_to_copy, rejected=rejected, deferred=deferred)
+        finished, self._finished_in_runner = self._finished_in_runner, []
+        return SchedulerOutput(scheduled=scheduled, new_seqs=new_seqs, cached_seqs=cached_seqs,
+                               finished_seq_ids=finished,
+                               preempted=[seq.seq_id for seq in preempted],
+                               blocks_to_copy=blocks_to_copy, rejected=rejected, deferred=deferred,
+                               num_prompt_tokens=num_prompt_tokens)
 
     def update(self, output: SchedulerOutput, model_output: ModelOutput) -> None:
         """Advance each scheduled sequence past its chunk; append sampled tokens; fork children."""
         sampled = dict(zip(model_output.seq_ids, model_output.token_ids))
         for item in output.scheduled:
-            seq = item.seq
-            if seq.status is not SequenceStatus.RUNNING:
+            seq = self._live.get(item.seq_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # finished (aborted) since schedule()
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
@@ -271,9 +311,24 @@ class Scheduler:
         num_blocks = self.block_manager.num_in_flight_blocks(seq, len(cached), num_target_tokens - 1)
         return num_blocks if num_blocks >= threshold else 0
 
-    def _chunk(self, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
+    def _chunk(self, seq: Sequence, num_new_tokens: int) -> ScheduledChunk:
         samples = seq.num_computed_tokens + num_new_tokens == seq.num_tokens and seq.pooling is None
-        return ScheduledSequence(seq=seq, num_new_tokens=num_new_tokens, samples=samples)
+        return ScheduledChunk(seq.seq_id, num_new_tokens, samples)
+
+    @staticmethod
+    def _num_prompt_tokens_in(seq: Sequence, num_new_tokens: int) -> int:
+        start = seq.num_computed_tokens
+        return max(0, min(start + num_new_tokens, seq.num_prompt_tokens) - start)
+
+    def _new_data(self, seq: Sequence) -> NewSequenceData:
+        """Everything the runner keeps for ``seq``, which it holds from now until it finishes."""
+        self._in_runner.add(seq.seq_id)
+        return NewSequenceData(
+            seq_id=seq.seq_id, request_id=seq.request_id, index=seq.index,
+            prompt_token_ids=tuple(seq.prompt_token_ids),
+            output_token_ids=tuple(seq.output_token_ids), block_ids=tuple(seq.block_table),
+            num_computed_tokens=seq.num_computed_tokens, params=seq.params, seed=seq.seed,
+            stop_token_ids=seq.stop_token_ids, grammar=seq.grammar, pooling=seq.pooling)
 
     def _allocate_or_preempt(self, seq: Sequence, num_new_tokens: int,
                              blocks_to_copy: list[tuple[int, int]], preempted: list[Sequence]) -> bool:

@@ -12,10 +12,14 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from llmplatform.engine.pooling import PoolingParams
 from llmplatform.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from llmplatform.sampling.grammar_matcher import SequenceGrammar
+    from llmplatform.sampling.grammar_sandbox import RemoteGrammar
 
 _seq_counter = itertools.count()
 
@@ -48,8 +52,13 @@ class Sequence:
     # The request's cache_salt: seeds block_hashes[0], so only sequences with the same salt
     # share cached blocks (engine.prefix_cache). None: unsalted.
     cache_salt: str | None = None
-    # Set by the engine: the per-sequence random generator, output processor, etc.
-    state: Any = None
+    # How this output samples, beyond ``params`` (the model runner's, set by the engine): its own
+    # seed (derived from the request's: the n outputs of a seeded request differ, reproducibly),
+    # the token ids that end it (EOS + params.stop_token_ids) and its walk through its output
+    # grammar (structured outputs), if any.
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    grammar: SequenceGrammar | RemoteGrammar | None = None
     # A pooling sequence (engine.pooling): it computes its prompt for a pooled vector and never
     # samples; None for generation.
     pooling: PoolingParams | None = None

@@ -2,9 +2,9 @@
 
 A step that fails as a whole makes the engine rebuild itself in-process (fresh KV cache, the
 in-flight requests failed with an error saying to retry; :mod:`llmplatform.engine.async_engine`),
-within ``EngineConfig.restart``'s bound; :meth:`PagedLLM.wait_failed` returns when it cannot. The
-test-only fault injection (:mod:`llmplatform.engine.faults`) is read from the environment here,
-once, when no config gives one.
+within ``EngineConfig.restart``'s bound; :meth:`PagedLLM.wait_failed` returns when it cannot.
+``runner_factory`` is the engine's model-runner seam (``engine.model_runner.RunnerFactory``); the
+fault tests pass one that injects faults.
 
 Given a :class:`~llmplatform.llm.decoder_embedding.DecoderEmbedding`, it serves embeddings instead
 of generation (``--task embed``): each input is one pooling request of the engine
@@ -28,8 +28,8 @@ from typing import Any, AsyncIterator, Sequence
 
 from llmplatform.engine.async_engine import AsyncEngine
 from llmplatform.engine.config import EngineConfig
-from llmplatform.engine.faults import faults_from_env
 from llmplatform.engine.llm_engine import LLMEngine
+from llmplatform.engine.model_runner import ModelRunner, RunnerFactory
 from llmplatform.errors import EngineDeadError, InvalidRequestError, LLMPlatformError
 from llmplatform.kernels import attention_backend
 from llmplatform.llm.base import BackendInfo, GenerateRequest, LLMBackend, LoadStats, ModelFacts
@@ -49,15 +49,17 @@ class PagedLLM(LLMBackend):
     default_concurrency = 1024  # the engine queues and batches requests itself
     backend_name = "paged"
 
-    def __init__(self, config: EngineConfig, embedding: DecoderEmbedding | None = None) -> None:
-        """``embedding``: serve embeddings with this pipeline instead of generation."""
-        if config.faults is None and (faults := faults_from_env()) is not None:
-            config = dataclasses.replace(config, faults=faults)
+    def __init__(self, config: EngineConfig, embedding: DecoderEmbedding | None = None, *,
+                 runner_factory: RunnerFactory = ModelRunner.from_config) -> None:
+        """``embedding``: serve embeddings with this pipeline instead of generation.
+        ``runner_factory``: builds the engine's model runner (the default one unless a test
+        injects faults)."""
         # The engine is built (weights, KV cache, warm-up) on the thread that will run its steps.
         self._thread = torch_thread("engine-step")
         self._async: AsyncEngine | None = None  # from start(); owns the engine from then on
         try:
-            self._engine = self._thread.submit(LLMEngine, config).result()
+            self._engine = self._thread.submit(LLMEngine, config,
+                                               runner_factory=runner_factory).result()
         except BaseException:
             self._thread.shutdown(wait=True)
             raise
