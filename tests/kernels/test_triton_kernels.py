@@ -244,10 +244,10 @@ def test_public_ops_on_the_triton_backend_match_the_torch_backend(batch: str, tr
     slots = b.metadata.slot_mapping
     k_cache.view(-1, 2, 64)[slots] = 0
     v_cache.view(-1, 2, 64)[slots] = 0
-    triton = AttentionBackend.TRITON
-    store_kv_cache(b.key, b.value, k_cache, v_cache, slots, backend=triton)
+    store_kv_cache(b.key, b.value, k_cache, v_cache, slots, backend=AttentionBackend.TRITON)
     assert torch.equal(k_cache, b.k_cache) and torch.equal(v_cache, b.v_cache)
-    got = paged_attention(b.query, b.key, b.value, k_cache, v_cache, b.metadata, b.scale, backend=triton)
+    got = paged_attention(b.query, b.key, b.value, k_cache, v_cache, b.metadata, b.scale,
+                          backend=AttentionBackend.TRITON)
 
     expected = paged_attention(b.query, b.key, b.value, k_cache, v_cache, b.metadata, b.scale,
                                backend=AttentionBackend.TORCH)
