@@ -53,7 +53,5 @@ def model_ops(model_config: ModelConfig, device: torch.device, dtype: torch.dtyp
                    onednn=onednn_allowed())
     for fallback in ops.fallbacks:
         logger.warning("%s", fallback)
-    if ops.decode_path == "fused":
-        logger.info("decode path: fused (products of up to %d rows on the C kernel over the %s weights)",
-                    ops.small_rows, str(dtype).removeprefix("torch."))
+    logger.info("kernels: %s", ops.summary())
     return ops

@@ -88,10 +88,12 @@ class ModelOps:
     fallbacks: tuple[str, ...] = ()  # choices the settings allowed but this machine could not honour, why
 
     def summary(self) -> str:
+        """One line for the startup log."""
         parts = [f"attention {self.attention.value}", f"linear {self.linear.value}",
                  f"decode path {self.decode_path}"]
         if self.small_rows:
-            parts.append(f"<= {self.small_rows} rows on the C kernels")
+            parts.append(f"products of up to {self.small_rows} rows on the C kernel over the "
+                         f"{str(self.dtype).removeprefix('torch.')} weights")
         if self.quantized:
             parts.append("quantized rows on the C kernel" if self.quantized_rows else "quantized: dequantized")
         return ", ".join(parts)
