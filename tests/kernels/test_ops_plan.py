@@ -120,3 +120,16 @@ def test_blocks_route_rows_by_the_threshold_the_plan_fixed(rows, monkeypatch) ->
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
                                    rtol=1e-5, atol=1e-5)
         assert calls == expect
+
+
+def test_an_empty_call_never_reaches_a_kernel_the_plan_did_not_choose() -> None:
+    """Zero rows (a step with no sampling rows) on an eager plan: torch, not the C kernel."""
+    from llmplatform.models import layers
+
+    ops = resolve_ops("cpu", F32, kernels=NO_CC, decode_path="auto")
+    layer = layers.Linear(8, [4], bias=False, dtype=F32, device="cpu", ops=ops)
+    torch.nn.init.normal_(layer.weight)
+    layer.process_weights_after_loading()
+    assert layer(torch.empty(0, 8)).shape == (0, 4)
+    norm = layers.RMSNorm(8, 1e-5, dtype=F32, device="cpu", ops=ops)
+    assert norm.small_rows == -1 and layer.small_rows == -1

@@ -29,6 +29,12 @@ def reference_ops(dtype: torch.dtype, device: torch.device | str) -> ModelOps:
     return ModelOps(device_type=torch.device(device).type, dtype=dtype, compute_dtype=dtype)
 
 
+def kernel_rows(limit: int) -> int:
+    """The most rows a block sends to a C kernel for a plan's row ``limit``: -1 for 0, so that an
+    empty call (zero sampling rows, say) never reaches a kernel the plan did not choose."""
+    return limit if limit > 0 else -1
+
+
 def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -61,7 +67,7 @@ class Linear(nn.Module):
         self.weight = _empty_param(sum(self.output_sizes), in_features, dtype=dtype, device=device)
         self.bias = _empty_param(sum(self.output_sizes), dtype=dtype, device=device) if bias else None
         self.ops = ops
-        self.small_rows = ops.small_rows  # products of up to this many rows on the C kernel
+        self.small_rows = kernel_rows(ops.small_rows)  # products of up to this many rows on the C kernel
         self._prepack = prepack and ops.linear is LinearImpl.ONEDNN
         self._onednn_weight: torch.Tensor | None = None
         self._row_weight: torch.Tensor | None = None  # the weight as loaded, for the C kernel
@@ -69,7 +75,7 @@ class Linear(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """The forms of the loaded weight the plan multiplies with (once, at model build)."""
-        if self.small_rows:
+        if self.small_rows >= 0:
             self._row_weight = self.weight.detach().contiguous()
             self._row_bias = None if self.bias is None else self.bias.detach().float().contiguous()
         dtype = self.ops.compute_dtype
@@ -128,7 +134,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _empty_param(hidden_size, dtype=dtype, device=device)
         # calls of up to this many rows run as one C call (kernels.cpu_norm, the same roundings)
-        self.small_rows = ops.small_rows if ops.norm is RowImpl.C else 0
+        self.small_rows = kernel_rows(ops.small_rows if ops.norm is RowImpl.C else 0)
 
     def forward(
         self,

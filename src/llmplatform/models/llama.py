@@ -38,6 +38,7 @@ from llmplatform.models.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    kernel_rows,
     process_weights_after_loading,
     reference_ops,
     rope_max_position,
@@ -97,7 +98,7 @@ class LlamaAttention(nn.Module):
         self.backend = ops.attention
         # Decode-only steps of up to this many tokens run rotary, the K/V store and attention as
         # one fused call (kernels.fused_decode_attention); 0: never (the eager path).
-        self.fused_rows = ops.small_rows if ops.rotary is RowImpl.C else 0
+        self.fused_rows = kernel_rows(ops.small_rows if ops.rotary is RowImpl.C else 0)
 
     def forward(
         self,
@@ -142,7 +143,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = row_linear(shard, size, config.hidden_size, bias=bias, dtype=dtype, device=device,
                                     ops=ops)
         # steps of up to this many tokens: silu * up in one C call
-        self.small_rows = ops.small_rows if ops.activation is RowImpl.C else 0
+        self.small_rows = kernel_rows(ops.small_rows if ops.activation is RowImpl.C else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
@@ -300,8 +301,9 @@ class LlamaForCausalLM(nn.Module):
         return self._local_logits(hidden)
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab rows]
-        if hidden.shape[0] <= self.ops.quantized_rows and self.quantized_lm_head is not None:
-            return self.quantized_lm_head(hidden)
+        quantized = self.quantized_lm_head
+        if quantized is not None and hidden.shape[0] <= quantized.small_rows:
+            return quantized(hidden)
         head = self.lm_head if self.lm_head is not None else self._tied_lm_head
         return head(hidden)
 

@@ -41,7 +41,7 @@ from llmplatform.kernels import cpu_quant_linear
 from llmplatform.kernels.cpu_quant_linear import (FORMATS, dequantize_cpu, dequantize_reference,
                                                   quant_linear_cpu)
 from llmplatform.kernels.ops import ModelOps, RowImpl
-from llmplatform.models.layers import Linear
+from llmplatform.models.layers import Linear, kernel_rows
 
 logger = logging.getLogger("llmplatform.models")
 
@@ -75,7 +75,7 @@ class QuantizedLinear(Linear):
         self.weight = None
         self.bias = bias
         self.ops = ops
-        self.small_rows = ops.quantized_rows
+        self.small_rows = kernel_rows(ops.quantized_rows)
         self._onednn_weight = None
         self.weight_format = weight_format
         self.register_buffer("blocks", blocks.contiguous(), persistent=False)
@@ -207,7 +207,7 @@ def quantization_summary(model: nn.Module) -> str | None:
     total = sum(1 for m in model.modules() if isinstance(m, Linear))
     formats = sorted({m.weight_format for m in quantized})
     nbytes = sum(m.weight_bytes for m in quantized)
-    how = "decode steps on the C kernel" if all(m.small_rows for m in quantized) \
+    how = "decode steps on the C kernel" if all(m.small_rows > 0 for m in quantized) \
         else "every product dequantized: no fused decode path"
     return (f"projections kept quantized: {'+'.join(formats)} ({len(quantized)}/{total}, "
             f"{nbytes / 1e6:.1f} MB; {how})")
