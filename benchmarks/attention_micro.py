@@ -16,13 +16,12 @@ torch/cpu time ratio. Prefill rows run the same torch code on both.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import time
 
 import torch
 
-from llmplatform.kernels import BACKEND_ENV_VAR, AttentionMetadata, paged_attention, store_kv_cache
+from llmplatform.kernels import AttentionBackend, AttentionMetadata, paged_attention, store_kv_cache
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS, BLOCK_SIZE = 9, 3, 64, 30, 16
 
@@ -56,13 +55,13 @@ def make_step(lens: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
 def bench(name: str, lens: list[tuple[int, int]], dtype: torch.dtype, repeats: int, backends: list[str]) -> None:
     times = {}
     for backend in backends:
-        os.environ[BACKEND_ENV_VAR] = backend
-        times[backend] = bench_one(f"{name} [{backend}]", lens, dtype, repeats)
+        times[backend] = bench_one(f"{name} [{backend}]", lens, dtype, repeats, AttentionBackend(backend))
     if len(times) == 2 and "cpu" in times and "torch" in times:
         print(f"{'':<52} torch / cpu: {times['torch'] / times['cpu']:.2f}x")
 
 
-def bench_one(name: str, lens: list[tuple[int, int]], dtype: torch.dtype, repeats: int) -> float:
+def bench_one(name: str, lens: list[tuple[int, int]], dtype: torch.dtype, repeats: int,
+              backend: AttentionBackend) -> float:
     build, (query, key, value, caches) = make_step(lens, dtype)
     scale = HEAD_DIM**-0.5
 
@@ -70,7 +69,7 @@ def bench_one(name: str, lens: list[tuple[int, int]], dtype: torch.dtype, repeat
         metadata = build()
         start = time.perf_counter()
         for layer, (k_cache, v_cache) in enumerate(caches):
-            paged_attention(query, key, value, k_cache, v_cache, metadata, scale)
+            paged_attention(query, key, value, k_cache, v_cache, metadata, scale, backend=backend)
             if layer == 0:
                 first = time.perf_counter()
         end = time.perf_counter()
@@ -80,7 +79,8 @@ def bench_one(name: str, lens: list[tuple[int, int]], dtype: torch.dtype, repeat
     per_call, first_call = min(step() for _ in range(repeats))
     k_cache, v_cache = caches[0]
     metadata = build()
-    store = _time(lambda: store_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping), repeats * 5)
+    store = _time(lambda: store_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping,
+                                          backend=backend), repeats * 5)
     print(f"{name:<52} {per_call * 1e3:8.3f} ms/call   first call (+plan) {first_call * 1e3:7.3f} ms"
           f"   store_kv_cache {store * 1e3:6.3f} ms")
     return per_call

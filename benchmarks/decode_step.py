@@ -52,21 +52,17 @@ def streamed_weight_bytes(runner: Any) -> int:
     from llmplatform.models.layers import Linear
 
     model = runner.model
+    fused = runner.decode_path == "fused"
     total = 0
-    for module in model.modules():
+    heads = [model._tied_lm_head] if model.lm_head is None else []  # tied: its own Linear over the embedding
+    for module in [*model.modules(), *heads]:
         if not isinstance(module, Linear):
             continue
-        if runner.decode_path == "fused":
-            weight = module._row_kernel[0]
+        if fused:
+            weight = module._row_weight
         else:
             weight = module.weight if module.weight is not None else module._onednn_weight
         total += weight.numel() * weight.element_size()
-    if model.lm_head is None:  # tied: the product reads the embedding (or its compute-dtype copy)
-        if runner.decode_path == "fused":
-            head = model._row_kernel_lm_head[0]
-        else:
-            head = model._tied_lm_head if model._tied_lm_head is not None else model.lm_head_weight
-        total += head.numel() * head.element_size()
     return total
 
 

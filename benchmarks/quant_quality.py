@@ -94,7 +94,7 @@ def projection_bytes(model: Any) -> int:
         if isinstance(module, QuantizedLinear):
             total += module.weight_bytes
         elif isinstance(module, Linear):
-            weight = module._row_kernel[0] if module._row_kernel is not None else module.weight
+            weight = module._row_weight if module._row_weight is not None else module.weight
             total += weight.numel() * weight.element_size()
     if model.lm_head is not None or model.quantized_lm_head is not None:
         return total  # counted above

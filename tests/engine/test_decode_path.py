@@ -1,5 +1,6 @@
-"""The decode-path seam (engine/decode_path.py): which path a config gets, the loud fallback, and
-that the fused path really runs decode steps on the C kernels (parity: tests/engine/test_engine.py)."""
+"""The decode-path seam (engine/decode_path.py): which plan a config gets, the loud fallback, and
+that the fused path really runs decode steps on the C kernels (parity: tests/engine/test_engine.py;
+the full table of plans: tests/kernels/test_ops_plan.py)."""
 
 from __future__ import annotations
 
@@ -7,37 +8,33 @@ import logging
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from llmplatform.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from llmplatform.engine.decode_path import apply_decode_path
+from llmplatform.engine.decode_path import model_ops
 from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.kernels import cpu_linear
 from llmplatform.kernels.cbuild import KernelUnavailableError
+from llmplatform.kernels.ops import SMALL_ROWS, AttentionBackend, RowImpl
 from llmplatform.models import llama
-from llmplatform.models.llama import LlamaForCausalLM
 from llmplatform.sampling.params import SamplingParams
+from tests.kernels.conftest import require_cpu_kernel
+
+CPU = torch.device("cpu")
 
 
-def small_model() -> LlamaForCausalLM:
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=100, max_position_embeddings=64)
-    return LlamaForCausalLM(config, dtype=torch.float32)
+def config(path: str = "auto", **kwargs) -> ModelConfig:
+    return ModelConfig("m", ("m",), decode_path=path, **kwargs)
 
 
-def test_eager_leaves_the_model_alone() -> None:
-    model = small_model()
-    assert apply_decode_path("eager", model, torch.device("cpu")) == "eager"
-    assert model.model.layers[0].self_attn.fused_max_rows == 0
-    assert model.model.layers[0].self_attn.qkv_proj._row_kernel is None
+def test_eager_runs_no_row_kernel() -> None:
+    ops = model_ops(config("eager"), CPU, torch.float32, torch.float32)
+    assert (ops.decode_path, ops.small_rows, ops.norm, ops.rotary) == ("eager", 0, RowImpl.TORCH, RowImpl.TORCH)
 
 
 def test_auto_is_fused_on_cpu_when_the_kernels_build() -> None:
-    if not cpu_linear.available():
-        pytest.skip("no C compiler here")
-    model = small_model()
-    assert apply_decode_path("auto", model, torch.device("cpu")) == "fused"
-    assert model.model.layers[1].mlp.down_proj._row_kernel is not None
+    require_cpu_kernel()
+    ops = model_ops(config("auto"), CPU, torch.bfloat16, torch.float32)
+    assert (ops.decode_path, ops.small_rows, ops.rotary, ops.fallbacks) == ("fused", SMALL_ROWS, RowImpl.C, ())
 
 
 def test_without_the_kernels_auto_falls_back_loudly_and_fused_refuses(monkeypatch, caplog) -> None:
@@ -46,23 +43,38 @@ def test_without_the_kernels_auto_falls_back_loudly_and_fused_refuses(monkeypatc
 
     monkeypatch.setattr(cpu_linear, "kernel", unavailable)
     with caplog.at_level(logging.WARNING, logger="llmplatform.engine"):
-        assert apply_decode_path("auto", small_model(), torch.device("cpu")) == "eager"
-    assert any("eager" in r.getMessage() and "no C compiler" in r.getMessage() for r in caplog.records)
+        ops = model_ops(config("auto"), CPU, torch.float32, torch.float32)
+    assert ops.decode_path == "eager" and ops.small_rows == 0
+    assert len(ops.fallbacks) == 1 and "no C compiler" in ops.fallbacks[0]  # the plan records why
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sum("eager" in w and "no C compiler" in w for w in warnings) == 1  # said once
     with pytest.raises(KernelUnavailableError):
-        apply_decode_path("fused", small_model(), torch.device("cpu"))
+        model_ops(config("fused"), CPU, torch.float32, torch.float32)
 
 
-def test_fused_is_cpu_only_and_unknown_paths_are_refused() -> None:
+def test_fused_is_cpu_only_and_unknown_settings_are_refused(monkeypatch) -> None:
     with pytest.raises(ValueError, match="CPU only"):
-        apply_decode_path("fused", small_model(), torch.device("cuda"))
-    assert apply_decode_path("auto", small_model(), torch.device("cuda")) == "eager"
+        model_ops(config("fused"), torch.device("cuda"), torch.float32, torch.float32)
+    assert model_ops(config("auto"), torch.device("cuda"), torch.float32, torch.float32).decode_path == "eager"
     with pytest.raises(ValueError, match="decode_path"):
-        ModelConfig("m", ("m",), decode_path="compiled")
+        config("compiled")
+    with pytest.raises(ValueError, match="LLMPLATFORM_ATTENTION_BACKEND"):
+        config(attention_backend="cuda")
+
+
+def test_the_attention_variable_is_read_when_the_config_is_made(monkeypatch) -> None:
+    monkeypatch.setenv("LLMPLATFORM_ATTENTION_BACKEND", " Torch ")
+    made = config("eager")
+    monkeypatch.setenv("LLMPLATFORM_ATTENTION_BACKEND", "triton")  # later changes do not reach it
+    assert made.attention_backend == "torch"
+    assert model_ops(made, CPU, torch.float32, torch.float32).attention is AttentionBackend.TORCH
+    monkeypatch.setenv("LLMPLATFORM_ATTENTION_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="bogus"):
+        config("eager")
 
 
 def test_fused_decode_steps_run_on_the_kernels(tiny_model_dir, monkeypatch) -> None:
-    if not cpu_linear.available():
-        pytest.skip("no C compiler here")
+    require_cpu_kernel()
     fused_calls = []
     real = llama.fused_decode_attention
 
@@ -72,9 +84,11 @@ def test_fused_decode_steps_run_on_the_kernels(tiny_model_dir, monkeypatch) -> N
         return out
 
     monkeypatch.setattr(llama, "fused_decode_attention", counting)
+    monkeypatch.delenv("LLMPLATFORM_ATTENTION_BACKEND", raising=False)
     engine = LLMEngine(EngineConfig(
         model=ModelConfig(str(tiny_model_dir), ("m",), device="cpu", dtype="bfloat16", decode_path="fused"),
         cache=CacheConfig(num_blocks=32), scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=128)))
+    assert engine.runner.ops.decode_path == "fused" and engine.runner.ops.rotary is RowImpl.C
     for i in range(3):
         engine.add_request(str(i), list(range(10 + i, 40)), SamplingParams(temperature=0, max_tokens=5,
                                                                            ignore_eos=True))

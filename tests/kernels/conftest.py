@@ -34,15 +34,32 @@ KERNELS = {
 HAS_CUDA = torch.cuda.is_available()
 
 
-def require_cpu_kernel() -> None:
-    """For tests of the CPU decode C kernel: skip where there is no C compiler at all
-    (scripts/setup.sh installs one when it can); a compiler that fails to build it is a failure."""
-    from llmplatform.kernels import cpu_decode
+def has_c_compiler() -> bool:
+    return bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
 
-    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no C compiler: the CPU decode kernel cannot be built here")
-    if not cpu_decode.available():
-        pytest.fail("the CPU decode kernel does not build here")
+
+def require_cpu_kernel(*kernels: object) -> None:
+    """For tests of the CPU C kernels (``kernels``: ``cbuild.LazyFunction``s or loaders such as
+    ``cpu_decode.kernel``; none: every one): skip where there is no C compiler at all
+    (scripts/setup.sh installs one when it can); a compiler that fails to build one is a failure,
+    with the compiler's message."""
+    from llmplatform.kernels import cpu_activation, cpu_decode, cpu_linear, cpu_norm, cpu_quant_linear, cpu_rotary
+    from llmplatform.kernels.cbuild import KernelUnavailableError
+
+    if not has_c_compiler():
+        pytest.skip("no C compiler: the CPU kernels cannot be built here")
+    for kernel in kernels or (cpu_decode.kernel, cpu_linear.kernel, cpu_norm.kernel, cpu_activation.kernel,
+                              cpu_rotary.kernel, cpu_quant_linear.kernel, cpu_quant_linear.dequantize_kernel):
+        try:
+            kernel()  # type: ignore[operator]
+        except KernelUnavailableError as exc:
+            pytest.fail(f"a CPU kernel does not build here although a compiler exists: {exc}")
+
+
+@pytest.fixture
+def cpu_kernels() -> None:
+    """Every CPU C kernel built (see ``require_cpu_kernel``)."""
+    require_cpu_kernel()
 
 
 def _env_interprets() -> bool:

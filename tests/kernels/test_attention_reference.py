@@ -11,18 +11,21 @@ import random
 import pytest
 import torch
 
-from llmplatform.kernels import BACKEND_ENV_VAR, AttentionMetadata, paged_attention, store_kv_cache
+from llmplatform.kernels import AttentionBackend, AttentionMetadata, paged_attention, store_kv_cache
 from llmplatform.kernels.attention import _get_plan
 from tests.kernels.conftest import require_cpu_kernel
 
 HEAD_DIM = 32
 
 
+BACKEND = {"now": AttentionBackend.TORCH}  # the backend of the running test (the fixture below)
+
+
 @pytest.fixture(autouse=True, params=["cpu", "torch"])
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "cpu":
         require_cpu_kernel()
-    monkeypatch.setenv(BACKEND_ENV_VAR, request.param)
+    monkeypatch.setitem(BACKEND, "now", AttentionBackend(request.param))
     return request.param
 
 
@@ -82,8 +85,8 @@ def run_case(
     query = torch.randn(key.shape[0], num_heads, HEAD_DIM, generator=gen).to(dtype)
     scale = HEAD_DIM**-0.5
 
-    store_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
-    out = paged_attention(query, key, value, k_cache, v_cache, metadata, scale)
+    store_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping, backend=BACKEND["now"])
+    out = paged_attention(query, key, value, k_cache, v_cache, metadata, scale, backend=BACKEND["now"])
     assert out.shape == query.shape and out.dtype == dtype
 
     starts = metadata.query_start_loc_cpu
@@ -175,7 +178,7 @@ def test_store_kv_cache_writes_exactly_the_slots() -> None:
     slots = torch.tensor([13, 2, 23, 4], dtype=torch.int64)
     key = torch.randn(4, 2, 8, generator=gen)
     value = torch.randn(4, 2, 8, generator=gen)
-    store_kv_cache(key, value, k_cache, v_cache, slots)
+    store_kv_cache(key, value, k_cache, v_cache, slots, backend=BACKEND["now"])
 
     flat_k, flat_v = k_cache.view(24, 2, 8), v_cache.view(24, 2, 8)
     torch.testing.assert_close(flat_k[slots], key, atol=0, rtol=0)
@@ -191,10 +194,10 @@ def test_store_kv_cache_rejects_mismatched_shapes() -> None:
     k_cache = torch.zeros(2, 4, 2, 8)
     with pytest.raises(ValueError):
         store_kv_cache(torch.zeros(3, 2, 8), torch.zeros(3, 2, 8), k_cache, k_cache.clone(),
-                       torch.zeros(2, dtype=torch.int64))
+                       torch.zeros(2, dtype=torch.int64), backend=BACKEND["now"])
     with pytest.raises(TypeError):
         store_kv_cache(torch.zeros(2, 2, 8, dtype=torch.bfloat16), torch.zeros(2, 2, 8, dtype=torch.bfloat16),
-                       k_cache, k_cache.clone(), torch.zeros(2, dtype=torch.int64))
+                       k_cache, k_cache.clone(), torch.zeros(2, dtype=torch.int64), backend=BACKEND["now"])
 
 
 def test_metadata_builder() -> None:

@@ -22,6 +22,7 @@ import llmplatform.kernels as kernels
 from llmplatform.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.kernels import BACKEND_ENV_VAR, cpu_decode
+from llmplatform.kernels.ops import plan_ops
 from llmplatform.sampling.params import SamplingParams
 from tests.engine.test_engine import run_to_completion
 from tests.kernels.conftest import require_cpu_kernel
@@ -154,19 +155,15 @@ def test_without_a_compiler_the_torch_path_serves(monkeypatch, tmp_path, caplog)
     monkeypatch.setattr(cpu_decode, "_error", None)
     monkeypatch.setenv("LLMPLATFORM_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/bin/false")
-    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
     with caplog.at_level(logging.WARNING, logger="llmplatform.kernels"):
         assert kernels.attention_backend(torch.device("cpu")) is kernels.AttentionBackend.TORCH
         assert kernels.attention_backend(torch.device("cpu")) is kernels.AttentionBackend.TORCH
     warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "/bin/false" in warnings[0].getMessage()  # once, with the reason
-    monkeypatch.setenv(BACKEND_ENV_VAR, "cpu")  # forced: an error, not a silent fallback
-    query, k_cache, v_cache, tables, seq_lens, _, _ = paged_case(
-        [5], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, dtype=torch.float32)
-    metadata = kernels.AttentionMetadata.build(context_lens=[4], query_lens=[1], block_tables=tables.tolist(),
-                                               block_size=8)
+    # forced: an error when the model's ops are chosen, not a silent fallback
     with pytest.raises(cpu_decode.KernelUnavailableError, match="/bin/false"):
-        kernels.paged_attention(query, query[:, :2], query[:, :2], k_cache, v_cache, metadata, 1.0)
+        plan_ops("cpu", torch.float32, attention="cpu")
+    assert plan_ops("cpu", torch.float32).attention is kernels.AttentionBackend.TORCH  # auto: torch
 
 
 def test_built_once_then_loaded_from_the_cache(monkeypatch, tmp_path) -> None:

@@ -11,7 +11,7 @@ from llmplatform.kernels import cpu_linear
 from llmplatform.models import layers
 from llmplatform.models.layers import Linear
 
-pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="the C kernel does not build here")
+pytestmark = pytest.mark.usefixtures("cpu_kernels")  # no compiler: skip; a failed build: fail
 
 
 def case(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype, seed: int = 0):
@@ -61,15 +61,18 @@ def test_rejects_what_it_does_not_handle() -> None:
 def test_a_linear_on_the_row_kernel_equals_the_eager_one_up_to_rounding(dtype, monkeypatch) -> None:
     """Up to ``max_rows`` rows go to the kernel (over the weight as loaded, even after an fp32
     compute copy is made); more rows keep the eager product."""
-    layer = Linear(48, [24, 8], bias=True, dtype=dtype, device="cpu")
+    from llmplatform.kernels.ops import ModelOps
+
+    fused = ModelOps(dtype=dtype, compute_dtype=torch.float32, small_rows=4)
+    layer = Linear(48, [24, 8], bias=True, dtype=dtype, device="cpu", ops=fused)
     g = torch.Generator().manual_seed(1)
     layer.weight.copy_(torch.randn(32, 48, generator=g))
     layer.bias.copy_(torch.randn(32, generator=g))
-    eager = Linear(48, [24, 8], bias=True, dtype=dtype, device="cpu")
+    eager = Linear(48, [24, 8], bias=True, dtype=dtype, device="cpu",
+                   ops=ModelOps(dtype=dtype, compute_dtype=torch.float32))
     eager.load_state_dict(layer.state_dict())
-    layer.use_row_kernel(max_rows=4)
-    layer.use_compute_dtype(torch.float32)
-    eager.use_compute_dtype(torch.float32)
+    layer.process_weights_after_loading()
+    eager.process_weights_after_loading()
     calls = []
     real = cpu_linear.small_linear_cpu
 
@@ -106,8 +109,11 @@ def test_rms_norm_kernel_equals_the_eager_module(dtype, rows, with_residual) -> 
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     else:  # one rounding step apart at most (the fp32 sum of squares in another order)
         assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-6).all()
-    norm.use_row_kernel(max_rows=8)
-    routed, _ = norm(x, residual)
+    from llmplatform.kernels.ops import ModelOps, RowImpl
+
+    routing = RMSNorm(96, 1e-5, dtype=dtype, device="cpu", ops=ModelOps(small_rows=8, norm=RowImpl.C))
+    routing.load_state_dict(norm.state_dict())
+    routed, _ = routing(x, residual)
     assert torch.equal(routed, got if rows <= 8 else want)
 
 
@@ -118,9 +124,6 @@ def test_fused_decode_attention_equals_the_separate_ops(dtype, monkeypatch) -> N
     from llmplatform import kernels
     from llmplatform.models.layers import RotaryEmbedding
 
-    if not kernels.cpu_decode.available():
-        pytest.skip("the decode-attention kernel does not build here")
-    monkeypatch.delenv(kernels.BACKEND_ENV_VAR, raising=False)
     H, Hkv, D, block_size = 4, 2, 32, 8
     g = torch.Generator().manual_seed(2)
     context_lens = [5, 17, 0]
@@ -137,8 +140,9 @@ def test_fused_decode_attention_equals_the_separate_ops(dtype, monkeypatch) -> N
 
     qk = rotary(qkv[:, : (H + Hkv) * D].view(3, H + Hkv, D), cos, sin)
     v = qkv[:, (H + Hkv) * D:].view(3, Hkv, D)
-    kernels.store_kv_cache(qk[:, H:], v, *caches, metadata.slot_mapping)
-    want = kernels.paged_attention(qk[:, :H], qk[:, H:], v, *caches, metadata, D**-0.5)
+    cpu = kernels.AttentionBackend.CPU
+    kernels.store_kv_cache(qk[:, H:], v, *caches, metadata.slot_mapping, backend=cpu)
+    want = kernels.paged_attention(qk[:, :H], qk[:, H:], v, *caches, metadata, D**-0.5, backend=cpu)
 
     got = kernels.fused_decode_attention(qkv, cos, sin, *fused_caches, metadata, H, D**-0.5)
     assert got is not None and got.dtype == torch.float32 and got.shape == (3, H, D)
@@ -148,8 +152,11 @@ def test_fused_decode_attention_equals_the_separate_ops(dtype, monkeypatch) -> N
     assert torch.equal(fused_caches[1], caches[1])  # v: copied
     torch.testing.assert_close(got.to(dtype), want, **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32
                                                        else {"rtol": 0, "atol": 0}))
-    monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "torch")  # another backend: the caller's ops
-    assert kernels.fused_decode_attention(qkv, cos, sin, *fused_caches, metadata, H, D**-0.5) is None
+    prefill = kernels.AttentionMetadata.build(context_lens=[5, 17, 0], query_lens=[1, 2, 1],
+                                              block_tables=tables, block_size=block_size)
+    wider = torch.randn(4, (H + 2 * Hkv) * D, generator=g).to(dtype)  # not decode-only: the caller's ops
+    assert kernels.fused_decode_attention(wider, *rotary.cos_sin(torch.tensor([5, 17, 18, 0]), dtype),
+                                          *fused_caches, prefill, H, D**-0.5) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

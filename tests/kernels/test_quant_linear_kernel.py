@@ -14,10 +14,11 @@ from gguf.quants import dequantize, quantize
 from llmplatform.kernels import cpu_quant_linear
 from llmplatform.kernels.cpu_quant_linear import (dequantize_cpu, dequantize_reference, quant_linear_cpu,
                                                   quant_linear_reference)
+from llmplatform.kernels.ops import ModelOps, RowImpl
 from llmplatform.models.layers import Linear
 from llmplatform.models.quantized import QuantizedLinear
 
-needs_kernel = pytest.mark.skipif(not cpu_quant_linear.available(), reason="the C kernel does not build here")
+needs_kernel = pytest.mark.usefixtures("cpu_kernels")  # no compiler: skip; a failed build: fail
 QTYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_1": GGMLQuantizationType.Q4_1}
 
 
@@ -83,31 +84,43 @@ def test_rejects_what_it_does_not_handle() -> None:
         quant_linear_cpu(x, blocks, "q8_0", torch.zeros(8, dtype=torch.bfloat16))
 
 
-def quantized_linear(fmt: str, bias: bool) -> tuple[QuantizedLinear, torch.Tensor]:
+def quantized_linear(fmt: str, bias: bool, ops: ModelOps) -> tuple[QuantizedLinear, torch.Tensor]:
     """A fused two-shard projection [24 + 21, 96] and the weight its blocks hold (float64)."""
     _, blocks, held, b = case(1, 45, 96, fmt, seed=1)
-    dense = Linear(96, [24, 21], bias=bias, dtype=torch.bfloat16, device="cpu")
+    dense = Linear(96, [24, 21], bias=bias, dtype=torch.bfloat16, device="cpu", ops=ops)
     dense.weight.data.copy_(held)
     if bias:
         dense.bias.data.copy_(b)
     return QuantizedLinear.replacing(dense, blocks, fmt), held
 
 
+EAGER = ModelOps(dtype=torch.bfloat16, compute_dtype=torch.float32, quantized=True)
+FUSED = ModelOps(dtype=torch.bfloat16, compute_dtype=torch.float32, quantized=True, small_rows=16,
+                 quantized_rows=16, dequantize=RowImpl.C)
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
 @pytest.mark.parametrize("m", [1, 3, 8, 64])
-def test_quantized_linear_on_both_paths(fmt, m) -> None:
-    layer, held = quantized_linear(fmt, bias=True)
+def test_quantized_linear_dequantizes_on_the_eager_plan(fmt, m) -> None:
+    layer, held = quantized_linear(fmt, bias=True, ops=EAGER)
     assert layer.weight is None and layer.in_features == 96 and layer.weight_bytes == blocks_bytes(fmt, 45, 96)
+    assert layer.small_rows == -1  # never the kernel, not even for an empty call
     x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
     expected = F.linear(x.double(), held, layer.bias.double())
-    layer.use_compute_dtype(torch.float32)
     torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)  # dequantized, F.linear
-    if cpu_quant_linear.available():
-        layer.use_row_kernel(16)
-        assert layer.kernel_max_rows == 16
-        got = layer(x, out_dtype=torch.float32)  # the kernel up to 16 rows, F.linear above
-        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
-        assert layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("m", [1, 3, 8, 64])
+def test_quantized_linear_on_the_fused_plan(fmt, m) -> None:
+    layer, held = quantized_linear(fmt, bias=True, ops=FUSED)
+    assert layer.small_rows == 16
+    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
+    expected = F.linear(x.double(), held, layer.bias.double())
+    got = layer(x, out_dtype=torch.float32)  # the kernel up to 16 rows, the C dequantizer and F.linear above
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
 
 
 def blocks_bytes(fmt: str, n: int, k: int) -> int:

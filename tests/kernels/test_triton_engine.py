@@ -77,8 +77,10 @@ def test_greedy_output_on_triton_equals_torch(tiny_model_dir, triton_device: tor
     assert calls["store_kv_cache_triton"] == calls["paged_decode_attention_triton"] + calls[
         "paged_prefill_attention_triton"]
 
+    assert engine.runner.ops.attention is kernels.AttentionBackend.TRITON
     monkeypatch.setenv(BACKEND_ENV_VAR, "torch")
-    assert kernels.attention_backend(triton_device) is kernels.AttentionBackend.TORCH
-    on_torch = greedy_tokens(make_engine(tiny_model_dir, triton_device), prompts)
+    on_torch_engine = make_engine(tiny_model_dir, triton_device)
+    assert on_torch_engine.runner.ops.attention is kernels.AttentionBackend.TORCH
+    on_torch = greedy_tokens(on_torch_engine, prompts)
     assert on_triton == on_torch
     assert all(len(tokens) == NEW_TOKENS for tokens in on_triton)

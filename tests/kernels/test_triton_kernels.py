@@ -32,7 +32,6 @@ import torch
 import triton  # noqa: E402,F401  (the test extra installs it: a broken install must fail, not skip)
 
 from llmplatform.kernels import (  # noqa: E402
-    BACKEND_ENV_VAR,
     AttentionBackend,
     AttentionMetadata,
     attention_backend,
@@ -245,34 +244,37 @@ def test_public_ops_on_the_triton_backend_match_the_torch_backend(batch: str, tr
     slots = b.metadata.slot_mapping
     k_cache.view(-1, 2, 64)[slots] = 0
     v_cache.view(-1, 2, 64)[slots] = 0
-    assert attention_backend(triton_device) is AttentionBackend.TRITON
-    store_kv_cache(b.key, b.value, k_cache, v_cache, slots)
+    store_kv_cache(b.key, b.value, k_cache, v_cache, slots, backend=AttentionBackend.TRITON)
     assert torch.equal(k_cache, b.k_cache) and torch.equal(v_cache, b.v_cache)
-    got = paged_attention(b.query, b.key, b.value, k_cache, v_cache, b.metadata, b.scale)
+    got = paged_attention(b.query, b.key, b.value, k_cache, v_cache, b.metadata, b.scale,
+                          backend=AttentionBackend.TRITON)
 
-    monkeypatch.setenv(BACKEND_ENV_VAR, "torch")
-    assert attention_backend(triton_device) is AttentionBackend.TORCH
-    expected = paged_attention(b.query, b.key, b.value, k_cache, v_cache, b.metadata, b.scale)
+    expected = paged_attention(b.query, b.key, b.value, k_cache, v_cache, b.metadata, b.scale,
+                               backend=AttentionBackend.TORCH)
     assert_close(got, expected)
     assert_close(got, paged_attention_torch(b.query, b.key, b.value, k_cache, v_cache, b.metadata, b.scale))
 
 
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
+    """The default per device, and the forced ones, as a model's ops plan resolves them (the
+    environment variable is read into the engine's config: tests/engine/test_decode_path.py)."""
     from llmplatform.kernels import cpu_decode
+    from llmplatform.kernels.ops import plan_ops
+    from tests.kernels.conftest import has_c_compiler, require_cpu_kernel
 
-    expected_cpu = AttentionBackend.CPU if cpu_decode.available() else AttentionBackend.TORCH
+    if has_c_compiler():
+        require_cpu_kernel(cpu_decode.kernel)  # where a compiler exists the kernel must build
+    expected_cpu = AttentionBackend.CPU if has_c_compiler() else AttentionBackend.TORCH
     assert attention_backend(torch.device("cpu")) is expected_cpu  # the C kernel where it builds
     assert attention_backend(torch.device("cuda")) is AttentionBackend.TRITON  # triton is installed here
-    monkeypatch.setenv(BACKEND_ENV_VAR, "cpu")
-    assert attention_backend(torch.device("cpu")) is AttentionBackend.CPU
-    monkeypatch.setenv(BACKEND_ENV_VAR, "torch")
-    assert attention_backend(torch.device("cuda")) is AttentionBackend.TORCH
-    monkeypatch.setenv(BACKEND_ENV_VAR, " Triton ")
-    assert attention_backend(torch.device("cpu")) is AttentionBackend.TRITON
-    monkeypatch.setenv(BACKEND_ENV_VAR, "cuda")
-    with pytest.raises(ValueError, match="expected 'triton', 'cpu' or 'torch'"):
-        attention_backend(torch.device("cpu"))
+    assert plan_ops("cpu", torch.float32).attention is expected_cpu
+    assert plan_ops("cuda", torch.float32).attention is AttentionBackend.TRITON
+    if has_c_compiler():
+        assert plan_ops("cpu", torch.float32, attention="cpu").attention is AttentionBackend.CPU
+    assert plan_ops("cuda", torch.float32, attention="torch").attention is AttentionBackend.TORCH
+    assert plan_ops("cpu", torch.float32, attention=" Triton ").attention is AttentionBackend.TRITON
+    with pytest.raises(ValueError, match="expected one of auto, triton, cpu, torch"):
+        plan_ops("cpu", torch.float32, attention="cuda")
 
 
 def test_compiled_kernels_refuse_cpu_tensors_with_a_clear_message(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import transformers
 
 from llmplatform.engine.config import ModelConfig
+from llmplatform.kernels.ops import ModelOps
 from llmplatform.models.layers import Linear
 from llmplatform.models.llama import LlamaForCausalLM
 from llmplatform.models.loader import load_model
@@ -56,14 +57,15 @@ def test_the_probe_answers_for_this_machine() -> None:
 
 def test_linear_in_float32_equals_the_bf16_product_up_to_rounding() -> None:
     gen = torch.Generator().manual_seed(0)
-    linear = Linear(96, [32, 48], bias=True, dtype=torch.bfloat16, device="cpu")
+    linear = Linear(96, [32, 48], bias=True, dtype=torch.bfloat16, device="cpu",
+                    ops=ModelOps(dtype=torch.bfloat16, compute_dtype=torch.float32))
     with torch.no_grad():
         linear.weight.copy_(torch.randn(80, 96, generator=gen))
         linear.bias.copy_(torch.randn(80, generator=gen))
     x = torch.randn(7, 96, generator=gen).to(torch.bfloat16)
     native = linear(x)
     bf16_weight = linear.weight.detach().clone()
-    linear.use_compute_dtype(torch.float32)
+    linear.process_weights_after_loading()
     assert linear.weight.dtype == torch.float32 and linear.bias.dtype == torch.float32
     assert torch.equal(linear.weight.to(torch.bfloat16), bf16_weight)  # widening is exact
     assert not linear.weight.requires_grad
@@ -93,8 +95,7 @@ def test_a_bf16_model_with_float32_products(tiny_tied: tuple[Any, Path]) -> None
     prompt = [random.Random(1).randrange(VOCAB) for _ in range(23)]
     reference = hf_logits(hf_model, prompt)  # float32 HF
     native = load_model(path, dtype=torch.bfloat16)
-    widened = load_model(path, dtype=torch.bfloat16)
-    widened.use_compute_dtype(torch.float32)
+    widened = load_model(path, dtype=torch.bfloat16, ops=ModelOps(dtype=torch.bfloat16, compute_dtype=torch.float32))
 
     # Projections hold fp32 weights; the embedding lookup, norms and the KV cache stay bf16, and
     # the tied output projection gets its own fp32 copy of the embedding.
@@ -103,8 +104,8 @@ def test_a_bf16_model_with_float32_products(tiny_tied: tuple[Any, Path]) -> None
     assert widened.model.embed_tokens.weight.dtype == torch.bfloat16
     assert widened.model.norm.weight.dtype == torch.bfloat16
     assert all(k.dtype == torch.bfloat16 for k, _ in widened.allocate_kv_caches(2, 4))
-    assert widened._tied_lm_head is not None and widened._tied_lm_head.dtype == torch.float32
-    assert torch.equal(widened._tied_lm_head.to(torch.bfloat16), widened.model.embed_tokens.weight)
+    head = widened._tied_lm_head.weight
+    assert head.dtype == torch.float32 and torch.equal(head.to(torch.bfloat16), widened.model.embed_tokens.weight)
 
     ours = _prompt_logits(widened, prompt)
     bf16 = _prompt_logits(native, prompt)
@@ -140,7 +141,7 @@ def test_the_engine_reports_and_uses_the_compute_dtype(tiny_model_dir: Path) -> 
     assert same.engine.runner.compute_dtype == torch.bfloat16
     assert same.engine.runner.model.model.layers[0].mlp.down_proj.weight_dtype == torch.bfloat16
     # bf16 projections are prepacked only where the CPU has bf16 instructions.
-    from llmplatform.models.layers import onednn_weight_dtypes
+    from llmplatform.kernels.onednn_linear import onednn_weight_dtypes
 
     assert same.engine.runner.onednn_linears == (4 * 2 if torch.bfloat16 in onednn_weight_dtypes() else 0)
     out = same.generate(["Hello there"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))

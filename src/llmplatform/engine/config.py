@@ -5,7 +5,8 @@ Each component receives only its own section (the scheduler never sees the cache
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from llmplatform.errors import InvalidRequestError
 
@@ -93,6 +94,14 @@ DECODE_PATHS = ("auto", "eager", "fused")
 """Choices for how the native engine runs the few rows of a decode step (``--decode-path``):
 see ``engine.decode_path``."""
 
+ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
+ATTENTION_BACKEND_ENV_VAR = "LLMPLATFORM_ATTENTION_BACKEND"
+"""Forces an attention backend (``kernels``); read once, when a ``ModelConfig`` is made."""
+
+
+def attention_backend_from_env() -> str:
+    return os.environ.get(ATTENTION_BACKEND_ENV_VAR, "").strip().lower() or "auto"
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -101,7 +110,8 @@ class ModelConfig:
     ``decode_path`` how small-row steps run (``auto``, ``eager`` or ``fused``: see
     ``engine.decode_path``); ``quantized_gguf`` the GGUF file ``model_path`` was converted from,
     whose projections then stay in their block formats (``--quantization gguf``:
-    ``models.quantized``), or None for dense weights."""
+    ``models.quantized``), or None for dense weights; ``attention_backend`` the attention
+    kernels (``auto``, or one forced: ``LLMPLATFORM_ATTENTION_BACKEND``, read here)."""
 
     model_path: str
     model_names: tuple[str, ...]
@@ -110,6 +120,7 @@ class ModelConfig:
     compute_dtype: str = "auto"
     decode_path: str = "auto"
     quantized_gguf: str | None = None
+    attention_backend: str = field(default_factory=attention_backend_from_env)
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -118,6 +129,9 @@ class ModelConfig:
         if self.decode_path not in DECODE_PATHS:
             raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, "
                              f"got {self.decode_path!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention backend ({ATTENTION_BACKEND_ENV_VAR}) must be one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
 
 
 DEFAULT_RANK_TIMEOUT_S = 60.0

@@ -91,6 +91,7 @@ class ModelRunner:
             self.close()
             raise
         self.model = prepared.model
+        self.ops = prepared.ops  # the kernels the model runs (kernels.ops), chosen before it was built
         self.decode_path = prepared.decode_path
         self.compute_dtype = prepared.compute_dtype
         self.onednn_linears = prepared.onednn_linears

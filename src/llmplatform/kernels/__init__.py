@@ -1,29 +1,27 @@
 """Attention and KV-cache ops: the one dispatch point between the model and its kernels.
 
-Models call ``store_kv_cache`` and ``paged_attention`` from here and nothing else. Each op checks
-its arguments once, then runs one of three backends, chosen here and nowhere else:
+Models call ``store_kv_cache`` and ``paged_attention`` from here and nothing else, with the
+backend their ``ModelOps`` names (``kernels.ops``: chosen once, when the model is built). Each op
+checks its arguments once, then runs that backend:
 
 - ``triton``: the Triton kernels (``triton_store_kv``, ``triton_decode_attention``,
-  ``triton_prefill_attention``), the default for CUDA tensors when Triton is installed;
+  ``triton_prefill_attention``), the default for CUDA when Triton is installed;
 - ``cpu``: the torch path with the decode rows done by a C kernel that reads the paged cache in
   place (``cpu_decode``, built on first use with the system C compiler), the default for CPU
-  tensors when that kernel builds here;
+  where that kernel builds;
 - ``torch``: the torch reference (``cache_ops``, ``attention``), the default everywhere else.
 
-``LLMPLATFORM_ATTENTION_BACKEND=triton|cpu|torch`` forces one. It is read on every call, so a test
-can flip it with ``monkeypatch.setenv``. Forcing ``triton`` for CPU tensors only works under the
-Triton interpreter (``TRITON_INTERPRET=1``, which Triton reads when the kernel modules are
-imported); the launchers say so if it is missing.
+``LLMPLATFORM_ATTENTION_BACKEND=triton|cpu|torch`` (``BACKEND_ENV_VAR``) forces one; the engine's
+config reads it (``engine.config.ModelConfig.attention_backend``), never these ops. Forcing
+``triton`` for CPU tensors only works under the Triton interpreter (``TRITON_INTERPRET=1``, which
+Triton reads when the kernel modules are imported); the launchers say so if it is missing.
 
 Triton is imported lazily: ``import llmplatform.kernels`` works without it.
 """
 
 from __future__ import annotations
 
-import enum
-import importlib.util
 import os
-from functools import cache
 
 import torch
 
@@ -31,6 +29,7 @@ from llmplatform.kernels import cpu_decode, cpu_rotary
 from llmplatform.kernels.attention import check_paged_attention_args, paged_attention_torch
 from llmplatform.kernels.cache_ops import check_store_kv_cache_args, store_kv_cache_torch
 from llmplatform.kernels.metadata import AttentionMetadata
+from llmplatform.kernels.ops import AttentionBackend, triton_installed
 
 BACKEND_ENV_VAR = "LLMPLATFORM_ATTENTION_BACKEND"
 
@@ -41,26 +40,11 @@ BACKEND_ENV_VAR = "LLMPLATFORM_ATTENTION_BACKEND"
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 
-class AttentionBackend(enum.Enum):
-    TRITON = "triton"
-    CPU = "cpu"
-    TORCH = "torch"
-
-
-@cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def attention_backend(device: torch.device) -> AttentionBackend:
-    """The backend for tensors on ``device``: the environment variable if set, else by device."""
-    forced = os.environ.get(BACKEND_ENV_VAR, "").strip().lower()
-    if forced:
-        try:
-            return AttentionBackend(forced)
-        except ValueError:
-            raise ValueError(f"{BACKEND_ENV_VAR}={forced!r}: expected 'triton', 'cpu' or 'torch'") from None
-    if device.type == "cuda" and _triton_installed():
+    """The default backend for tensors on ``device`` (what ``ops.resolve_ops`` picks for
+    ``auto``): Triton for CUDA where installed, the C decode kernel for CPU where it builds,
+    else torch."""
+    if device.type == "cuda" and triton_installed():
         return AttentionBackend.TRITON
     if device.type == "cpu" and cpu_decode.available():
         return AttentionBackend.CPU
@@ -73,10 +57,12 @@ def store_kv_cache(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64 flat slots
+    *,
+    backend: AttentionBackend,
 ) -> None:
     """Write each token's K/V into ``slot = block_id * block_size + offset`` of the caches."""
     check_store_kv_cache_args(key, value, k_cache, v_cache, slot_mapping)
-    if attention_backend(key.device) is AttentionBackend.TRITON:
+    if backend is AttentionBackend.TRITON:
         from llmplatform.kernels.triton_store_kv import store_kv_cache_triton
 
         store_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
@@ -92,15 +78,16 @@ def paged_attention(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     metadata: AttentionMetadata,
     scale: float,
+    *,
+    backend: AttentionBackend,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of the new tokens over cached prefix + themselves (K/V already stored)."""
     check_paged_attention_args(query, key, value, k_cache, v_cache, metadata)
-    backend = attention_backend(query.device)
     if backend is AttentionBackend.TRITON:
         return paged_attention_triton(query, key, value, k_cache, v_cache, metadata, scale)
     if backend is AttentionBackend.CPU:
         if query.device.type != "cpu":
-            raise ValueError(f"{BACKEND_ENV_VAR}=cpu: tensors are on {query.device}, not the CPU")
+            raise ValueError(f"attention backend cpu: tensors are on {query.device}, not the CPU")
         decode_kernel = cpu_decode.paged_decode_attention_cpu if cpu_decode.supports(query, k_cache) else None
         return paged_attention_torch(query, key, value, k_cache, v_cache, metadata, scale, decode_kernel)
     return paged_attention_torch(query, key, value, k_cache, v_cache, metadata, scale)
@@ -118,12 +105,12 @@ def fused_decode_attention(
 ) -> torch.Tensor | None:  # [num_tokens, num_heads, head_dim] float32, or None
     """A decode-only CPU step's rotary, K/V store and attention as two C calls (``cpu_rotary``,
     then ``cpu_decode`` over the fp32 query it wrote): the fused decode path's per-layer attention.
-    None when it does not apply here (not decode-only, not the ``cpu`` backend, a layout or dtype
+    None when it does not apply to this step (not decode-only, a layout or dtype
     the kernels do not take): the caller then runs the separate ops (``store_kv_cache``,
-    ``paged_attention``), which give the same result."""
-    if not metadata.is_decode_only or qkv.device.type != "cpu" \
-            or attention_backend(qkv.device) is not AttentionBackend.CPU \
-            or not cpu_rotary.supports(qkv, cos, k_cache, metadata.slot_mapping) or not cpu_rotary.available():
+    ``paged_attention`` with the ``cpu`` backend), which give the same result. Only a model
+    whose ops run the ``cpu`` backend calls it (``ModelOps.rotary``); what is checked here is the
+    step's shape and the tensors' layout."""
+    if not metadata.is_decode_only or not cpu_rotary.supports(qkv, cos, k_cache, metadata.slot_mapping):
         return None
     if metadata.num_tokens != qkv.shape[0] or not cpu_decode.supports_heads(num_heads, k_cache):
         return None

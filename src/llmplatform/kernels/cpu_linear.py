@@ -6,8 +6,8 @@ copy that a CPU without bf16 matrix instructions multiplies in (``torch_utils.re
 reads 4 bytes a weight, and a bf16 product there widens the weight in memory on every call. The
 C kernel streams the bf16 weight itself (2 bytes a weight), widens it in registers and
 accumulates in fp32: the same arithmetic, half the bytes. fp32 weights work as well (the float32
-parity tests run this path). The engine routes rows through it only when its decode path says so
-(``engine.config.DECODE_PATHS``); the eager path never calls it.
+parity tests run this path). A projection routes rows through it only when its model's ops plan
+says so (``kernels.ops.ModelOps.small_rows``: the fused decode path); the eager path never calls it.
 
 ctypes releases the GIL for the call; the parallel loop runs on the calling thread's OpenMP team.
 """

@@ -31,7 +31,6 @@ from llmplatform.engine.config import EngineConfig
 from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.engine.model_runner import ModelRunner, RunnerFactory
 from llmplatform.errors import EngineDeadError, InvalidRequestError, LLMPlatformError
-from llmplatform.kernels import attention_backend
 from llmplatform.llm.base import BackendInfo, GenerateRequest, LLMBackend, LoadStats, ModelFacts
 from llmplatform.llm.decoder_embedding import DecoderEmbedding
 from llmplatform.llm.embedding import EmbeddingFacts, EmbeddingResult, ModelTask, check_lengths
@@ -170,7 +169,7 @@ class PagedLLM(LLMBackend):
         return BackendInfo(backend=self.backend_name, dtype=dtype,
                            device=str(self.engine.runner.device), num_kv_blocks=layout.num_blocks,
                            kv_block_size=layout.block_size,
-                           attention=attention_backend(self.engine.runner.device).value,
+                           attention=self.engine.runner.ops.attention.value,
                            tensor_parallel_size=layout.tensor_parallel_size,
                            num_kv_heads_per_rank=layout.num_kv_heads_per_rank,
                            weights=quantization_summary(runner.model))

@@ -1,5 +1,8 @@
 """Building blocks of the Llama family: linear layers that load fused, RMSNorm, rotary embedding.
 
+Each block takes its model's ``ModelOps`` (``kernels.ops``, resolved once at build) and runs the
+kernels it names; a block built without one runs the torch reference.
+
 Parameters are created empty (the loader fills them) and never require grad: these modules serve
 inference only, so no autograd graph is ever recorded, whatever mode the caller runs in.
 """
@@ -16,6 +19,20 @@ from torch import nn
 
 from llmplatform.kernels.cpu_linear import small_linear_cpu
 from llmplatform.kernels.cpu_norm import rms_norm_cpu
+from llmplatform.kernels import onednn_linear
+from llmplatform.kernels.ops import LinearImpl, ModelOps, RowImpl
+
+
+def reference_ops(dtype: torch.dtype, device: torch.device | str) -> ModelOps:
+    """The ops of a block built without a plan: torch everywhere, products in ``dtype`` (tests and
+    tools that build single blocks; a model always passes its plan)."""
+    return ModelOps(device_type=torch.device(device).type, dtype=dtype, compute_dtype=dtype)
+
+
+def kernel_rows(limit: int) -> int:
+    """The most rows a block sends to a C kernel for a plan's row ``limit``: -1 for 0, so that an
+    empty call (zero sampling rows, say) never reaches a kernel the plan did not choose."""
+    return limit if limit > 0 else -1
 
 
 def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -25,7 +42,13 @@ def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) ->
 class Linear(nn.Module):
     """y = x W^T (+ b). With several ``output_sizes`` it is a fused projection: the checkpoint's
     separate matrices (q/k/v, gate/up) are stacked along the output dim, shard i at rows
-    ``sum(output_sizes[:i]) ..``; one matmul replaces several, which matters on CPU."""
+    ``sum(output_sizes[:i]) ..``; one matmul replaces several, which matters on CPU.
+
+    How it multiplies is its model's plan (``ops``): products of up to ``ops.small_rows`` rows on
+    the C kernel (``kernels.cpu_linear``) over the weight as loaded, larger ones on ``ops.linear``
+    over the weight in ``ops.compute_dtype`` (oneDNN's prepacked copy unless ``prepack`` is False:
+    the LM head, whose vocabulary-sized product gains nothing). ``process_weights_after_loading``
+    makes those forms of the weight once, after the loader filled it."""
 
     def __init__(
         self,
@@ -35,150 +58,61 @@ class Linear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device | str,
+        ops: ModelOps | None = None,
+        prepack: bool = True,
     ) -> None:
         super().__init__()
+        ops = ops or reference_ops(dtype, device)
         self.output_sizes = list(output_sizes)
         self.weight = _empty_param(sum(self.output_sizes), in_features, dtype=dtype, device=device)
         self.bias = _empty_param(sum(self.output_sizes), dtype=dtype, device=device) if bias else None
-        self._onednn_weight: torch.Tensor | None = None  # see use_onednn_weights
-        # see use_row_kernel: (weight as loaded, bias in fp32 or None, most rows it serves)
-        self._row_kernel: tuple[torch.Tensor, torch.Tensor | None, int] | None = None
+        self.ops = ops
+        self.small_rows = kernel_rows(ops.small_rows)  # products of up to this many rows on the C kernel
+        self._prepack = prepack and ops.linear is LinearImpl.ONEDNN
+        self._onednn_weight: torch.Tensor | None = None
+        self._row_weight: torch.Tensor | None = None  # the weight as loaded, for the C kernel
+        self._row_bias: torch.Tensor | None = None  # fp32
 
-    def use_compute_dtype(self, dtype: torch.dtype) -> None:
-        """Hold the weight (and bias) in ``dtype`` and multiply in it; inputs are converted to it
-        and results back to the input's dtype (see ``torch_utils.resolve_compute_dtype``)."""
-        if self.weight.dtype != dtype:
+    def process_weights_after_loading(self) -> None:
+        """The forms of the loaded weight the plan multiplies with (once, at model build)."""
+        if self.small_rows >= 0:
+            self._row_weight = self.weight.detach().contiguous()
+            self._row_bias = None if self.bias is None else self.bias.detach().float().contiguous()
+        dtype = self.ops.compute_dtype
+        if self.weight.dtype != dtype:  # see torch_utils.resolve_compute_dtype
             self.weight = nn.Parameter(self.weight.detach().to(dtype), requires_grad=False)
             if self.bias is not None:
                 self.bias = nn.Parameter(self.bias.detach().to(dtype), requires_grad=False)
+        if self._prepack:  # the packed copy replaces the plain one (no extra memory)
+            self._onednn_weight = onednn_linear.prepack(self.weight)
+            self.weight = None
 
     @property
     def weight_dtype(self) -> torch.dtype:
-        """The dtype products run in (the weight's, plain or prepacked)."""
+        """The dtype products of many rows run in (the weight's, plain or prepacked)."""
         return (self.weight if self._onednn_weight is None else self._onednn_weight).dtype
-
-    def use_onednn_weight(self) -> None:
-        """Replace the CPU weight by oneDNN's prepacked copy (same size and dtype): see
-        ``use_onednn_weights``. ``weight`` is None afterwards."""
-        self._onednn_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-        self.weight = None
-
-    def use_row_kernel(self, max_rows: int) -> None:
-        """Products of up to ``max_rows`` input rows run on the C kernel
-        (``kernels.cpu_linear``) over the weight as it is now (call before ``use_compute_dtype``:
-        a bf16 weight is then kept beside its fp32 copy and streams half the bytes); more rows
-        keep the other path. The fused decode path's switch (``engine.decode_path``)."""
-        bias = None if self.bias is None else self.bias.detach().float().contiguous()
-        self._row_kernel = (self.weight.detach().contiguous(), bias, max_rows)
 
     def forward(self, x: torch.Tensor,  # [T, in]
                 out_dtype: torch.dtype | None = None,  # default: x's
                 ) -> torch.Tensor:  # [T, sum(output_sizes)]
-        if self._row_kernel is not None and x.shape[0] <= self._row_kernel[2]:
-            weight, bias, _ = self._row_kernel
-            return small_linear_cpu(x, weight, bias, out_dtype)
-        if out_dtype is not None and out_dtype != x.dtype:
-            return Linear.forward(self, x).to(out_dtype)  # not a subclass's (it may all-reduce)
+        if x.shape[0] <= self.small_rows:
+            return small_linear_cpu(x, self._row_weight, self._row_bias, out_dtype)
+        y = self._product(x)
+        return y if out_dtype is None or out_dtype == y.dtype else y.to(out_dtype)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out] in x's dtype
         if self._onednn_weight is not None:
-            dtype = self._onednn_weight.dtype
-            rows = x.shape[0]
-            padded = onednn_rows(rows)
-            xw = x.to(dtype)
-            if padded != rows:
-                xw = F.pad(xw, (0, 0, 0, padded - rows))
-            y = torch.ops.mkldnn._linear_pointwise(xw.contiguous(), self._onednn_weight,
-                                                   self.bias, "none", [], "")[:rows]
-            return y if x.dtype == dtype else y.to(x.dtype)
+            return onednn_linear.onednn_linear(x, self._onednn_weight, self.bias)
         if x.dtype == self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
 
 
-ONEDNN_LINEARS_ENV_VAR = "LLMPLATFORM_ONEDNN_LINEARS"
-
-_EXACT_ROWS = 16
-
-
-def onednn_rows(rows: int) -> int:
-    """How many rows a oneDNN product over ``rows`` input rows is computed with (zero rows
-    appended, the extra outputs dropped).
-
-    oneDNN builds and caches a kernel for every input shape it sees, about 0.6 MiB each on this
-    CPU whatever the weight's size, and a server sees a new row count (tokens in a step) nearly
-    every step: unbounded, the worker's memory grew by ~40 MiB per 200 requests (the soak test)
-    until the 1,024-entry cache filled. Up to 16 rows are exact (decode batches; padding would
-    be free there anyway, the product reads the weights once); above, a row count is rounded up
-    to 8 steps per power of two, so at most 1/8 more rows are computed and a worker uses at most
-    16 + 8 per doubling of its largest step (about 100 shapes per projection).
-    """
-    if rows <= _EXACT_ROWS:
-        return rows
-    step = 1 << (rows.bit_length() - 4)
-    return -(-rows // step) * step
-
-
-def onednn_weight_dtypes() -> tuple[torch.dtype, ...]:
-    """The weight dtypes whose CPU projections ``use_onednn_weights`` prepacks: float32, and
-    bfloat16 on CPUs with bf16 matrix instructions (elsewhere oneDNN emulates bf16 and the engine
-    multiplies in float32 anyway: ``torch_utils.resolve_compute_dtype``)."""
-    from llmplatform.utils.torch_utils import cpu_has_native_low_precision_matmul
-
-    if cpu_has_native_low_precision_matmul(torch.bfloat16):
-        return (torch.float32, torch.bfloat16)
-    return (torch.float32,)
-
-
-def use_onednn_weights(model: nn.Module) -> int:
-    """Run every CPU projection of ``model`` (the LM head excepted) whose weight is in
-    ``onednn_weight_dtypes()`` on oneDNN with its weight prepacked once; returns how many were
-    switched (0: none, and why is logged).
-
-    ``F.linear`` re-lays-out the weight on every call (float32: MKL's sgemm; bf16: oneDNN's
-    matmul over a plain weight); with the few rows of a decode step that costs as much as the
-    product. oneDNN's linear over a weight reordered once (``torch.ops.mkldnn._reorder_linear_weight``,
-    no extra memory: the packed copy replaces the plain one) made the engine 4-6% faster at 32
-    concurrent requests in float32 on a 2-core AVX-512 Xeon, and SmolLM2's 30 layers of bf16
-    projections 1.6x faster for a 32-row decode step on a 2-core AVX512-BF16 EPYC (27 -> 17 ms,
-    the same bits). Results agree with ``F.linear`` to the dtype's rounding (another summation
-    order); the first projection of each dtype is checked before any of that dtype is switched.
-    ``LLMPLATFORM_ONEDNN_LINEARS=0`` keeps ``F.linear``.
-    """
-    import logging
-    import os
-
-    log = logging.getLogger("llmplatform.models")
-    if os.environ.get(ONEDNN_LINEARS_ENV_VAR, "").strip().lower() in ("0", "false", "off", "no"):
-        return 0
-    if not torch.backends.mkldnn.is_available():
-        return 0
-    switched = 0
-    for dtype in onednn_weight_dtypes():
-        linears = [m for name, m in model.named_modules() if isinstance(m, Linear) and name != "lm_head"
-                   and m.weight is not None and m.weight.device.type == "cpu" and m.weight.dtype == dtype]
-        if not linears:
-            continue
-        probe = linears[0]
-        original = probe.weight
-        x = torch.randn(5, original.shape[1], generator=torch.Generator().manual_seed(0)).to(dtype)
-        expected = F.linear(x, original, probe.bias).float()
-        # float32: summation order only; bf16: plus the output's rounding (8 bits of mantissa).
-        rtol, atol = (1e-4, 1e-5) if dtype == torch.float32 else (1e-2, 1e-2 * expected.abs().max().item())
-        try:
-            probe.use_onednn_weight()
-            got = probe(x).float()
-            if not torch.allclose(got, expected, rtol=rtol, atol=atol):
-                raise RuntimeError(f"differs from F.linear by {(got - expected).abs().max().item():.2e}")
-        except Exception as exc:  # a torch without oneDNN's packed linear, or one that misbehaves
-            probe.weight, probe._onednn_weight = original, None
-            log.warning("oneDNN linears unavailable for %s weights (%s): their projections use F.linear",
-                        str(dtype).removeprefix("torch."), exc)
-            continue
-        for layer in linears[1:]:
-            layer.use_onednn_weight()
-        log.info("%s projections run on oneDNN with prepacked weights (%d)",
-                 str(dtype).removeprefix("torch."), len(linears))
-        switched += len(linears)
-    return switched
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Every projection of ``model`` makes the weight forms its plan uses (the loader's last step)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.process_weights_after_loading()
 
 
 class Embedding(nn.Module):
@@ -193,23 +127,21 @@ class Embedding(nn.Module):
 class RMSNorm(nn.Module):
     """RMSNorm with an optional fused residual add (the pre-norm residual stream)."""
 
-    def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype, device: torch.device | str,
+                 ops: ModelOps | None = None) -> None:
         super().__init__()
+        ops = ops or reference_ops(dtype, device)
         self.eps = eps
         self.weight = _empty_param(hidden_size, dtype=dtype, device=device)
-        self._row_kernel_max_rows = 0  # see use_row_kernel
-
-    def use_row_kernel(self, max_rows: int) -> None:
-        """Calls with up to ``max_rows`` rows run as one C call (``kernels.cpu_norm``, the same
-        roundings); the fused decode path's switch (``engine.decode_path``)."""
-        self._row_kernel_max_rows = max_rows
+        # calls of up to this many rows run as one C call (kernels.cpu_norm, the same roundings)
+        self.small_rows = kernel_rows(ops.small_rows if ops.norm is RowImpl.C else 0)
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
         residual: torch.Tensor | None = None,  # [T, hidden]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed [T, hidden], new residual [T, hidden])
-        if x.shape[0] <= self._row_kernel_max_rows:
+        if x.shape[0] <= self.small_rows:
             return rms_norm_cpu(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual  # [T, hidden], in the model dtype like the reference implementation

@@ -17,6 +17,10 @@ one rank's shard: H/N query heads, Hkv/N key/value heads (and their KV cache), I
 V/N vocabulary rows; ``o_proj``, ``down_proj`` and the embedding all-reduce, and
 ``compute_logits`` gathers the logits on rank 0. Counts below (``num_heads``, ``num_kv_heads``)
 are this rank's.
+
+Every block takes the model's ``ModelOps`` (``kernels.ops``), resolved once before the model is
+built, and runs the kernels it names; a new family composes these blocks (or its own, taking the
+same plan) and gives its model class ``process_weights_after_loading``.
 """
 
 from __future__ import annotations
@@ -29,11 +33,14 @@ from torch import nn
 
 from llmplatform.kernels import AttentionMetadata, fused_decode_attention, paged_attention, store_kv_cache
 from llmplatform.kernels.cpu_activation import silu_mul_cpu
-from llmplatform.kernels.cpu_linear import small_linear_cpu
+from llmplatform.kernels.ops import ModelOps, RowImpl
 from llmplatform.models.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    kernel_rows,
+    process_weights_after_loading,
+    reference_ops,
     rope_max_position,
     rope_parameters,
 )
@@ -70,8 +77,9 @@ def _attention_biases(config: Any) -> tuple[bool, bool]:
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str,
-                 shard: ShardGroup | None = None) -> None:
+                 shard: ShardGroup | None = None, ops: ModelOps | None = None) -> None:
         super().__init__()
+        ops = ops or reference_ops(dtype, device)
         num_ranks = 1 if shard is None else shard.size
         self.num_heads = config.num_attention_heads // num_ranks
         self.num_kv_heads = num_kv_heads_of(config) // num_ranks
@@ -82,12 +90,15 @@ class LlamaAttention(nn.Module):
         q_size = config.num_attention_heads * self.head_dim
         kv_size = num_kv_heads_of(config) * self.head_dim
         self.qkv_proj = column_linear(
-            shard, config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias, dtype=dtype, device=device
+            shard, config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias, dtype=dtype, device=device,
+            ops=ops,
         )
-        self.o_proj = row_linear(shard, q_size, config.hidden_size, bias=o_bias, dtype=dtype, device=device)
+        self.o_proj = row_linear(shard, q_size, config.hidden_size, bias=o_bias, dtype=dtype, device=device,
+                                 ops=ops)
+        self.backend = ops.attention
         # Decode-only steps of up to this many tokens run rotary, the K/V store and attention as
         # one fused call (kernels.fused_decode_attention); 0: never (the eager path).
-        self.fused_max_rows = 0
+        self.fused_rows = kernel_rows(ops.small_rows if ops.rotary is RowImpl.C else 0)
 
     def forward(
         self,
@@ -102,7 +113,7 @@ class LlamaAttention(nn.Module):
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, (H + 2 * Hkv) * D]
         k_cache, v_cache = kv_cache  # [num_blocks, block_size, Hkv, D] each
-        if num_tokens <= self.fused_max_rows:
+        if num_tokens <= self.fused_rows:
             fused = fused_decode_attention(qkv, cos, sin, k_cache, v_cache, attn_metadata, H, self.scale)
             if fused is not None:  # [T, H, D] fp32
                 return self.o_proj(fused.view(num_tokens, H * D), out_dtype=x.dtype)  # [T, hidden]
@@ -111,28 +122,32 @@ class LlamaAttention(nn.Module):
         q = qk[:, :H]  # [T, H, D]
         k = qk[:, H:]  # [T, Hkv, D]
         v = qkv[:, (H + Hkv) * D :].view(num_tokens, Hkv, D)  # [T, Hkv, D]
-        store_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
-        out = paged_attention(q, k, v, k_cache, v_cache, attn_metadata, self.scale)  # [T, H, D]
+        store_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping, backend=self.backend)
+        out = paged_attention(q, k, v, k_cache, v_cache, attn_metadata, self.scale,
+                              backend=self.backend)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, H * D))  # [T, hidden]
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str,
-                 shard: ShardGroup | None = None) -> None:
+                 shard: ShardGroup | None = None, ops: ModelOps | None = None) -> None:
         super().__init__()
+        ops = ops or reference_ops(dtype, device)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
         bias = bool(getattr(config, "mlp_bias", False))
         size = config.intermediate_size
         self.intermediate_size = size // (1 if shard is None else shard.size)  # this rank's columns
         self.gate_up_proj = column_linear(shard, config.hidden_size, [size, size], bias=bias,
-                                          dtype=dtype, device=device)
-        self.down_proj = row_linear(shard, size, config.hidden_size, bias=bias, dtype=dtype, device=device)
-        self.fused_max_rows = 0  # steps of up to this many tokens: silu * up in one C call
+                                          dtype=dtype, device=device, ops=ops)
+        self.down_proj = row_linear(shard, size, config.hidden_size, bias=bias, dtype=dtype, device=device,
+                                    ops=ops)
+        # steps of up to this many tokens: silu * up in one C call
+        self.small_rows = kernel_rows(ops.small_rows if ops.activation is RowImpl.C else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        if x.shape[0] <= self.fused_max_rows:
+        if x.shape[0] <= self.small_rows:
             return self.down_proj(silu_mul_cpu(gate_up))  # [T, hidden]
         act = F.silu(gate_up[:, : self.intermediate_size])  # [T, intermediate]
         act.mul_(gate_up[:, self.intermediate_size :])  # [T, intermediate] silu(gate) * up
@@ -141,13 +156,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str,
-                 shard: ShardGroup | None = None) -> None:
+                 shard: ShardGroup | None = None, ops: ModelOps | None = None) -> None:
         super().__init__()
         eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.self_attn = LlamaAttention(config, dtype=dtype, device=device, shard=shard)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.mlp = LlamaMLP(config, dtype=dtype, device=device, shard=shard)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device, ops=ops)
+        self.self_attn = LlamaAttention(config, dtype=dtype, device=device, shard=shard, ops=ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device, ops=ops)
+        self.mlp = LlamaMLP(config, dtype=dtype, device=device, shard=shard, ops=ops)
 
     def forward(
         self,
@@ -168,16 +183,16 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(
         self, config: Any, *, dtype: torch.dtype, device: torch.device | str, max_position: int,
-        shard: ShardGroup | None = None,
+        shard: ShardGroup | None = None, ops: ModelOps | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = vocab_embedding(shard, config.vocab_size, config.hidden_size, dtype=dtype,
                                             device=device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype=dtype, device=device, shard=shard)
+            LlamaDecoderLayer(config, dtype=dtype, device=device, shard=shard, ops=ops)
             for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device, ops=ops)
         self.rotary_emb = RotaryEmbedding(
             head_dim_of(config), rope_parameters(config), max_position=max_position,
             trained_max_position=config.max_position_embeddings, device=device,
@@ -203,9 +218,11 @@ class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM over a paged KV cache.
 
     Parameters are created empty; ``models.loader.load_weights`` fills them from a checkpoint
-    (or use ``models.loader.load_model``). ``max_model_len`` bounds the rotary table (default:
+    (or use ``models.loader.load_model``), then ``process_weights_after_loading`` makes the
+    weight forms the plan multiplies with. ``max_model_len`` bounds the rotary table (default:
     what the config supports). ``shard``: build this rank's shard of a tensor-parallel model
-    (``models.parallel``; None or one rank: the whole model).
+    (``models.parallel``; None or one rank: the whole model). ``ops``: the kernels to run
+    (``kernels.ops.resolve_ops``; None: the torch reference).
     """
 
     def __init__(
@@ -216,8 +233,11 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device | str = "cpu",
         max_model_len: int | None = None,
         shard: ShardGroup | None = None,
+        ops: ModelOps | None = None,
     ) -> None:
         super().__init__()
+        ops = ops or reference_ops(dtype, device)
+        self.ops = ops
         if shard is not None and shard.size == 1:
             shard = None
         if shard is not None:
@@ -233,45 +253,31 @@ class LlamaForCausalLM(nn.Module):
         if max_model_len is not None:
             max_position = min(max_position, max_model_len)
         self.max_position = max_position
-        self.model = LlamaModel(config, dtype=dtype, device=device, max_position=max_position, shard=shard)
+        self.model = LlamaModel(config, dtype=dtype, device=device, max_position=max_position, shard=shard,
+                                ops=ops)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (
             None if self.tie_word_embeddings
-            else lm_head_linear(shard, config.hidden_size, config.vocab_size, dtype=dtype, device=device)
+            else lm_head_linear(shard, config.hidden_size, config.vocab_size, dtype=dtype, device=device, ops=ops)
         )
-        self.compute_dtype = dtype
-        # With tied embeddings and a compute dtype other than ``dtype``: the output projection's
-        # own copy in the compute dtype (the embedding lookup keeps the original).
-        self._tied_lm_head: torch.Tensor | None = None
-        # With the fused decode path: the output projection as loaded, for up to this many rows.
-        self._row_kernel_lm_head: tuple[torch.Tensor, int] | None = None
         # --quantization gguf (models.quantized): the output projection kept in GGUF blocks, for
-        # the rows its kernel takes; more rows use the dense one.
+        # the rows its kernel takes (``ops.quantized_rows``); more rows use the dense one.
         self.quantized_lm_head: Linear | None = None
 
-    def use_row_kernels(self, max_rows: int) -> None:
-        """Projections (the LM head included) and norms of up to ``max_rows`` rows run on the C
-        kernels, the projections over the weights as loaded (``Linear.use_row_kernel``,
-        ``RMSNorm.use_row_kernel``); call before ``use_compute_dtype``."""
-        for module in self.modules():
-            if isinstance(module, (Linear, RMSNorm)):
-                module.use_row_kernel(max_rows)
-            elif isinstance(module, (LlamaAttention, LlamaMLP)):
-                module.fused_max_rows = max_rows
-        self._row_kernel_lm_head = (self.lm_head_weight.detach().contiguous(), max_rows)
-
-    def use_compute_dtype(self, dtype: torch.dtype) -> None:
-        """Multiply matrices in ``dtype`` (after the weights are loaded): every projection keeps
-        its weight in ``dtype`` (see ``torch_utils.resolve_compute_dtype``); norms, rotary, the
-        KV cache and the activations between layers stay in the model dtype."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.use_compute_dtype(dtype)
-        if self.lm_head is None and dtype != self.dtype:
-            self._tied_lm_head = self.model.embed_tokens.weight.detach().to(dtype)
-        else:
-            self._tied_lm_head = None
-        self.compute_dtype = dtype
+    def process_weights_after_loading(self) -> None:
+        """Once, after the weights (and any quantized projections) are in: each projection makes
+        the weight forms its plan multiplies with (``Linear.process_weights_after_loading``), and
+        with tied embeddings the output projection becomes a ``Linear`` over the embedding matrix
+        (its own copy only where the plan needs another dtype or layout)."""
+        process_weights_after_loading(self)
+        if self.lm_head is None:
+            head = Linear(self.config.hidden_size, [self.lm_head_weight.shape[0]], bias=False,
+                          dtype=self.dtype, device="meta", ops=self.ops, prepack=False)
+            head.weight = self.model.embed_tokens.weight
+            head.process_weights_after_loading()
+            # Not a submodule: the model's parameters, state dict and projection count stay the
+            # checkpoint's (the weight is the embedding's).
+            self.__dict__["_tied_lm_head"] = head
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden] (sharded: this rank's rows)
@@ -295,16 +301,11 @@ class LlamaForCausalLM(nn.Module):
         return self._local_logits(hidden)
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab rows]
-        if self.quantized_lm_head is not None and hidden.shape[0] <= self.quantized_lm_head.kernel_max_rows:
-            return self.quantized_lm_head(hidden)
-        if self._row_kernel_lm_head is not None and hidden.shape[0] <= self._row_kernel_lm_head[1]:
-            return small_linear_cpu(hidden, self._row_kernel_lm_head[0])
-        if self.lm_head is not None:
-            return self.lm_head(hidden)
-        weight = self._tied_lm_head if self._tied_lm_head is not None else self.lm_head_weight
-        if weight.dtype == hidden.dtype:
-            return F.linear(hidden, weight)
-        return F.linear(hidden.to(weight.dtype), weight).to(hidden.dtype)
+        quantized = self.quantized_lm_head
+        if quantized is not None and hidden.shape[0] <= quantized.small_rows:
+            return quantized(hidden)
+        head = self.lm_head if self.lm_head is not None else self._tied_lm_head
+        return head(hidden)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of each layer's k_cache and v_cache."""

@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from llmplatform.kernels.ops import ModelOps, plan_ops
 from llmplatform.models.layers import Linear
 from llmplatform.models.parallel import ShardGroup
 from llmplatform.models.registry import get_model_class, is_headless
@@ -48,11 +49,13 @@ def load_model(
     max_model_len: int | None = None,
     shard: ShardGroup | None = None,
     quantized_gguf: str | Path | None = None,
+    ops: ModelOps | None = None,
 ) -> nn.Module:
-    """Build the registered model class for ``model_dir``'s config.json and load its weights
-    (``shard``: only this rank's shard of them; ``quantized_gguf``: the GGUF ``model_dir`` was
-    converted from, whose projection blocks then replace the dense projections:
-    ``models.quantized``)."""
+    """Build the registered model class for ``model_dir``'s config.json with the kernels ``ops``
+    names (``kernels.ops``; None: the eager path on what builds here, as ``plan_ops`` resolves it)
+    and load its weights (``shard``: only this rank's shard of them; ``quantized_gguf``: the GGUF
+    ``model_dir`` was converted from, whose projection blocks then replace the dense projections:
+    ``models.quantized``). The model comes back finished: nothing changes its kernels later."""
     from transformers import AutoConfig
 
     if quantized_gguf is not None and shard is not None and shard.size > 1:
@@ -62,15 +65,20 @@ def load_model(
     headless = is_headless(config)
     if headless:
         config.tie_word_embeddings = True  # no head stored: the embeddings stand in (unused)
+    if ops is None:
+        ops = plan_ops(torch.device(device).type, dtype, quantized=quantized_gguf is not None, onednn=False)
+    if ops.quantized != (quantized_gguf is not None):
+        raise ValueError(f"the ops plan says quantized={ops.quantized}, the model {quantized_gguf=}")
     if shard is not None and shard.size > 1:
-        model = model_class(config, dtype=dtype, device=device, max_model_len=max_model_len, shard=shard)
+        model = model_class(config, dtype=dtype, device=device, max_model_len=max_model_len, shard=shard, ops=ops)
     else:
-        model = model_class(config, dtype=dtype, device=device, max_model_len=max_model_len)
+        model = model_class(config, dtype=dtype, device=device, max_model_len=max_model_len, ops=ops)
     load_weights(model, model_dir, headless=headless)
     if quantized_gguf is not None:
         from llmplatform.models.quantized import keep_gguf_quantized
 
         keep_gguf_quantized(model, quantized_gguf)
+    model.process_weights_after_loading()
     return model.eval()
 
 

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from llmplatform.kernels.ops import ModelOps
 from llmplatform.models.layers import Embedding, Linear
 
 
@@ -110,9 +111,10 @@ class ColumnParallelLinear(Linear):
     side by side, the layout the attention code expects of the unsplit projection."""
 
     def __init__(self, in_features: int, full_output_sizes: Sequence[int], group: ShardGroup, *,
-                 bias: bool, dtype: torch.dtype, device: torch.device | str) -> None:
+                 bias: bool, dtype: torch.dtype, device: torch.device | str,
+                 ops: ModelOps | None = None) -> None:
         local = [group.split(size, "projection rows") for size in full_output_sizes]
-        super().__init__(in_features, local, bias=bias, dtype=dtype, device=device)
+        super().__init__(in_features, local, bias=bias, dtype=dtype, device=device, ops=ops)
         self.group = group
 
     def checkpoint_slice(self, kind: str, shard: int, lazy: Any) -> torch.Tensor:
@@ -126,9 +128,9 @@ class RowParallelLinear(Linear):
     MLP slice): partial products, summed over the ranks."""
 
     def __init__(self, full_in_features: int, out_features: int, group: ShardGroup, *, bias: bool,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, ops: ModelOps | None = None) -> None:
         super().__init__(group.split(full_in_features, "projection columns"), [out_features],
-                         bias=bias, dtype=dtype, device=device)
+                         bias=bias, dtype=dtype, device=device, ops=ops)
         self.group = group
         self.in_features = full_in_features // group.size
 
@@ -178,9 +180,9 @@ class VocabParallelLMHead(Linear):
     the slices on rank 0 (``gather_logits``)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, group: ShardGroup, *,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, ops: ModelOps | None = None) -> None:
         super().__init__(hidden_size, [group.vocab_range(vocab_size)[2]], bias=False, dtype=dtype,
-                         device=device)
+                         device=device, ops=ops, prepack=False)
         self.vocab_size, self.group = vocab_size, group
 
     def checkpoint_slice(self, kind: str, shard: int, lazy: Any) -> torch.Tensor:
@@ -201,17 +203,18 @@ def gather_logits(group: ShardGroup, local: torch.Tensor,  # [N, V / ranks] (pad
 
 
 def column_linear(group: ShardGroup | None, in_features: int, output_sizes: Sequence[int], *,
-                  bias: bool, dtype: torch.dtype, device: torch.device | str) -> Linear:
+                  bias: bool, dtype: torch.dtype, device: torch.device | str,
+                  ops: ModelOps | None = None) -> Linear:
     if group is None or group.size == 1:
-        return Linear(in_features, output_sizes, bias=bias, dtype=dtype, device=device)
-    return ColumnParallelLinear(in_features, output_sizes, group, bias=bias, dtype=dtype, device=device)
+        return Linear(in_features, output_sizes, bias=bias, dtype=dtype, device=device, ops=ops)
+    return ColumnParallelLinear(in_features, output_sizes, group, bias=bias, dtype=dtype, device=device, ops=ops)
 
 
 def row_linear(group: ShardGroup | None, in_features: int, out_features: int, *, bias: bool,
-               dtype: torch.dtype, device: torch.device | str) -> Linear:
+               dtype: torch.dtype, device: torch.device | str, ops: ModelOps | None = None) -> Linear:
     if group is None or group.size == 1:
-        return Linear(in_features, [out_features], bias=bias, dtype=dtype, device=device)
-    return RowParallelLinear(in_features, out_features, group, bias=bias, dtype=dtype, device=device)
+        return Linear(in_features, [out_features], bias=bias, dtype=dtype, device=device, ops=ops)
+    return RowParallelLinear(in_features, out_features, group, bias=bias, dtype=dtype, device=device, ops=ops)
 
 
 def vocab_embedding(group: ShardGroup | None, vocab_size: int, dim: int, *, dtype: torch.dtype,
@@ -222,7 +225,8 @@ def vocab_embedding(group: ShardGroup | None, vocab_size: int, dim: int, *, dtyp
 
 
 def lm_head_linear(group: ShardGroup | None, hidden_size: int, vocab_size: int, *,
-                   dtype: torch.dtype, device: torch.device | str) -> Linear:
+                   dtype: torch.dtype, device: torch.device | str, ops: ModelOps | None = None) -> Linear:
+    """The output projection (never prepacked: see ``Linear``)."""
     if group is None or group.size == 1:
-        return Linear(hidden_size, [vocab_size], bias=False, dtype=dtype, device=device)
-    return VocabParallelLMHead(hidden_size, vocab_size, group, dtype=dtype, device=device)
+        return Linear(hidden_size, [vocab_size], bias=False, dtype=dtype, device=device, ops=ops, prepack=False)
+    return VocabParallelLMHead(hidden_size, vocab_size, group, dtype=dtype, device=device, ops=ops)

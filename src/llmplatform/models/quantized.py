@@ -11,11 +11,12 @@ norms, the embedding lookup and the dense output projection (for larger row coun
 logprobs) stay as loaded. A projection whose tensors are in another format (a k-quant, say)
 stays dense, with a warning saying how many did.
 
-``QuantizedLinear`` runs products of up to the fused decode path's row count on the C kernel
-(``kernels.cpu_quant_linear``: each block read once, fp32 sums) and larger ones (prefill chunks)
-by dequantizing the weight to the compute dtype for the call and multiplying with ``F.linear``.
-Without the fused path (``--decode-path eager``, or no C compiler) every product takes the
-second way: right, but a decode step then dequantizes every weight.
+``QuantizedLinear`` runs products of up to the plan's ``quantized_rows`` (``kernels.ops``: the
+fused decode path's row count) on the C kernel (``kernels.cpu_quant_linear``: each block read
+once, fp32 sums) and larger ones (prefill chunks) by dequantizing the weight to the compute dtype
+for the call and multiplying with ``F.linear``. Without the fused path (``--decode-path eager``,
+or no C compiler) every product takes the second way: right, but a decode step then dequantizes
+every weight.
 
 Layout facts the loading relies on: a GGUF tensor of shape ``[n, k]`` (ggml lists it as
 ``(k, n)``) is ``n`` rows of ``k / 32`` blocks; llama.cpp's converter stores a Llama's q and k
@@ -39,7 +40,8 @@ from torch import nn
 from llmplatform.kernels import cpu_quant_linear
 from llmplatform.kernels.cpu_quant_linear import (FORMATS, dequantize_cpu, dequantize_reference,
                                                   quant_linear_cpu)
-from llmplatform.models.layers import Linear
+from llmplatform.kernels.ops import ModelOps, RowImpl
+from llmplatform.models.layers import Linear, kernel_rows
 
 logger = logging.getLogger("llmplatform.models")
 
@@ -62,27 +64,30 @@ _TENSOR_NAME = re.compile(r"blk\.(\d+)\.(" + "|".join(_PROJECTIONS) + r")\.weigh
 
 class QuantizedLinear(Linear):
     """A ``Linear`` whose weight is GGUF blocks (``blocks``: uint8 ``[n, k / 32 * block_bytes]``
-    in ``weight_format``); ``weight`` is None. The bias, if any, stays dense."""
+    in ``weight_format``); ``weight`` is None. The bias, if any, stays dense. Products of up to
+    ``ops.quantized_rows`` rows run on the C kernel over the blocks, larger ones dequantize the
+    weight (``ops.dequantize``) to ``ops.compute_dtype`` for the call."""
 
     def __init__(self, blocks: torch.Tensor, weight_format: str, output_sizes: list[int],
-                 bias: nn.Parameter | None, compute_dtype: torch.dtype) -> None:
+                 bias: nn.Parameter | None, ops: ModelOps) -> None:
         nn.Module.__init__(self)  # not Linear's: no dense weight is allocated
         self.output_sizes = list(output_sizes)
         self.weight = None
         self.bias = bias
+        self.ops = ops
+        self.small_rows = kernel_rows(ops.quantized_rows)
         self._onednn_weight = None
-        self._row_kernel = None
         self.weight_format = weight_format
         self.register_buffer("blocks", blocks.contiguous(), persistent=False)
         self.in_features = cpu_quant_linear.in_features(blocks, weight_format)
-        self.compute_dtype = compute_dtype
-        self.kernel_max_rows = 0  # products of up to this many rows on the C kernel (0: none)
+        self.compute_dtype = ops.compute_dtype
+        self._dequantize = dequantize_cpu if ops.dequantize is RowImpl.C else dequantize_reference
         self._bias32 = None if bias is None else bias.detach().float().contiguous()
 
     @classmethod
     def replacing(cls, dense: Linear, blocks: torch.Tensor, weight_format: str) -> QuantizedLinear:
-        """The quantized twin of ``dense`` (its shards, bias and compute dtype)."""
-        return cls(blocks, weight_format, dense.output_sizes, dense.bias, dense.weight_dtype)
+        """The quantized twin of ``dense`` (its shards, bias and plan)."""
+        return cls(blocks, weight_format, dense.output_sizes, dense.bias, dense.ops)
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -92,28 +97,16 @@ class QuantizedLinear(Linear):
     def weight_bytes(self) -> int:
         return self.blocks.numel()
 
-    def use_compute_dtype(self, dtype: torch.dtype) -> None:
-        """Products of many rows dequantize to ``dtype`` and multiply in it."""
-        self.compute_dtype = dtype
-
-    def use_onednn_weight(self) -> None:
-        raise TypeError("a quantized projection has no dense weight to prepack")
-
-    def use_row_kernel(self, max_rows: int) -> None:
-        """Products of up to ``max_rows`` rows run on the C kernel over the blocks (the fused decode
-        path's switch); without the kernel every product dequantizes (logged once by the kernel)."""
-        self.kernel_max_rows = max_rows if cpu_quant_linear.available() else 0
+    def process_weights_after_loading(self) -> None:
+        """Nothing to make: the blocks are multiplied as read."""
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # [n, k]
-        if self.blocks.device.type == "cpu" and dtype in cpu_quant_linear.SUPPORTED_DTYPES \
-                and cpu_quant_linear.dequantize_kernel.available():
-            return dequantize_cpu(self.blocks, self.weight_format, dtype)
-        return dequantize_reference(self.blocks, self.weight_format, dtype)
+        return self._dequantize(self.blocks, self.weight_format, dtype)
 
     def forward(self, x: torch.Tensor,  # [T, k]
                 out_dtype: torch.dtype | None = None,  # default: x's
                 ) -> torch.Tensor:  # [T, n]
-        if x.shape[0] <= self.kernel_max_rows:
+        if x.shape[0] <= self.small_rows:
             return quant_linear_cpu(x, self.blocks, self.weight_format, self._bias32, out_dtype)
         dtype = self.compute_dtype
         bias = None if self.bias is None else self.bias.to(dtype)
@@ -198,7 +191,7 @@ def _quantized_lm_head(model: nn.Module, reader: Any, gguf_path: str | Path) -> 
         return None
     dense = model.lm_head_weight
     blocks = torch.from_numpy(np.array(tensor.data))  # [vocab, hidden / 32 * block_bytes] uint8
-    head = QuantizedLinear(blocks, tensor.tensor_type.name.lower(), [dense.shape[0]], None, dense.dtype)
+    head = QuantizedLinear(blocks, tensor.tensor_type.name.lower(), [dense.shape[0]], None, model.ops)
     if blocks.shape[0] != dense.shape[0] or head.in_features != dense.shape[1]:
         raise ValueError(f"{gguf_path}: {name} is {blocks.shape[0]} x {head.in_features}, the model's "
                          f"output projection {dense.shape[0]} x {dense.shape[1]}")
@@ -214,7 +207,7 @@ def quantization_summary(model: nn.Module) -> str | None:
     total = sum(1 for m in model.modules() if isinstance(m, Linear))
     formats = sorted({m.weight_format for m in quantized})
     nbytes = sum(m.weight_bytes for m in quantized)
-    how = "decode steps on the C kernel" if all(m.kernel_max_rows for m in quantized) \
+    how = "decode steps on the C kernel" if all(m.small_rows > 0 for m in quantized) \
         else "every product dequantized: no fused decode path"
     return (f"projections kept quantized: {'+'.join(formats)} ({len(quantized)}/{total}, "
             f"{nbytes / 1e6:.1f} MB; {how})")

@@ -54,9 +54,9 @@ ENV_PREFIX = "LLMPLATFORM_"
 RESERVED_ENV_VARS = frozenset(
     {
         "LLMPLATFORM_CACHE",  # converted models, compiled kernels (utils/cache_folder.py)
-        "LLMPLATFORM_ATTENTION_BACKEND",  # forces triton or torch kernels (kernels/__init__.py)
+        "LLMPLATFORM_ATTENTION_BACKEND",  # forces triton, cpu or torch kernels (engine/config.py)
         "LLMPLATFORM_PROGRESS",  # forces progress bars on or off (utils/logs.py)
-        "LLMPLATFORM_ONEDNN_LINEARS",  # 0: float32 CPU projections stay on F.linear (models/layers.py)
+        "LLMPLATFORM_ONEDNN_LINEARS",  # 0: float32 CPU projections stay on F.linear (engine/decode_path.py)
     }
 )
 """Variables with a meaning of their own: a setting that would map to one gets no variable."""

@@ -1,0 +1,230 @@
+"""Which kernels a model runs, decided once when it is built: ``ModelOps``.
+
+Every module of a model takes the one ``ModelOps`` of its model in its constructor and calls the
+ops it names; nothing reads the environment or looks at a tensor's device to pick a kernel while
+a step runs, and nothing switches a built model to other kernels. The only choice left to a call
+is the one the plan fixes a number for: products, norms, activations and the decode attention of
+up to ``small_rows`` rows run on the C kernels, larger calls (prefill chunks) on the plan's
+``linear`` (the same idea as vLLM's ``CustomOp``, whose forward is bound once per platform, and
+its attention backend selector, which picks one backend per model from device, dtype and what is
+installed).
+
+``resolve_ops`` is a pure function of the settings and of ``KernelAvailability`` (what builds on
+this machine, probed by ``probe_kernels``), so a table of cases tests it without a compiler
+(tests/kernels/test_ops_plan.py). A fallback the settings allow (``--decode-path auto`` without
+a C kernel) is recorded in ``ModelOps.fallbacks`` with its reason; the caller logs it once.
+
+A new model family composes blocks that take a ``ModelOps``; a new kernel is a field here, a
+line in ``resolve_ops`` and a row in the table test.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from llmplatform.kernels.cbuild import KernelUnavailableError
+
+SMALL_ROWS = 16
+"""Most rows a call of the fused decode path runs on the C kernels (measured: at 32 rows oneDNN's
+blocked GEMM over the fp32 copy wins; at 1-16 the kernel streams fewer bytes for the same
+arithmetic: ``benchmarks/decode_step.py``)."""
+
+DECODE_PATHS = ("auto", "eager", "fused")
+ATTENTION_CHOICES = ("auto", "triton", "cpu", "torch")
+
+
+class AttentionBackend(enum.Enum):
+    TRITON = "triton"  # the Triton kernels (CUDA; CPU under TRITON_INTERPRET=1)
+    CPU = "cpu"  # torch, with decode rows on the C kernel over the paged cache
+    TORCH = "torch"  # the torch reference
+
+
+class LinearImpl(enum.Enum):
+    """How a dense projection multiplies the rows it does not leave to the C kernel."""
+    TORCH = "torch"  # F.linear over the weight in the compute dtype
+    ONEDNN = "onednn"  # oneDNN over the weight prepacked once (CPU; the LM head excepted)
+
+
+class RowImpl(enum.Enum):
+    """Who runs a norm, an activation or the rotary + K/V store + decode attention of up to
+    ``small_rows`` rows (more rows always run on torch)."""
+    TORCH = "torch"
+    C = "c"  # one C call (kernels.cpu_norm, cpu_activation, cpu_rotary + cpu_decode)
+
+
+@dataclass(frozen=True)
+class KernelAvailability:
+    """What can run on this machine: None where a kernel builds, else why it does not."""
+    triton: bool = False
+    cpu_attention: str | None = "not probed"  # kernels.cpu_decode
+    row_kernels: str | None = "not probed"  # cpu_linear, cpu_norm, cpu_activation, cpu_rotary, cpu_decode
+    quant_kernel: str | None = "not probed"  # cpu_quant_linear's product
+    dequantize_kernel: str | None = "not probed"  # cpu_quant_linear's dequantization
+    onednn_dtypes: tuple[torch.dtype, ...] = ()  # dtypes whose prepacked oneDNN product passed its check
+
+
+@dataclass(frozen=True)
+class ModelOps:
+    """The kernels one model runs (see the module docstring). ``decode_path`` is the path taken
+    (``eager`` or ``fused``); ``small_rows`` 0 means no call runs on the row kernels."""
+    device_type: str = "cpu"
+    dtype: torch.dtype = torch.float32  # weights as loaded, activations, KV cache
+    compute_dtype: torch.dtype = torch.float32  # matrix products
+    attention: AttentionBackend = AttentionBackend.TORCH
+    linear: LinearImpl = LinearImpl.TORCH
+    small_rows: int = 0
+    norm: RowImpl = RowImpl.TORCH
+    activation: RowImpl = RowImpl.TORCH
+    rotary: RowImpl = RowImpl.TORCH  # with the K/V store and decode attention (kernels.fused_decode_attention)
+    quantized: bool = False  # projections kept in GGUF blocks (models.quantized)
+    quantized_rows: int = 0  # quantized products of up to this many rows on the C kernel; more dequantize
+    dequantize: RowImpl = RowImpl.TORCH  # who dequantizes a quantized weight for the larger products
+    decode_path: str = "eager"
+    fallbacks: tuple[str, ...] = ()  # choices the settings allowed but this machine could not honour, why
+
+    def summary(self) -> str:
+        """One line for the startup log."""
+        parts = [f"attention {self.attention.value}", f"linear {self.linear.value}",
+                 f"decode path {self.decode_path}"]
+        if self.small_rows:
+            parts.append(f"products of up to {self.small_rows} rows on the C kernel over the "
+                         f"{str(self.dtype).removeprefix('torch.')} weights")
+        if self.quantized:
+            parts.append("quantized rows on the C kernel" if self.quantized_rows else "quantized: dequantized")
+        return ", ".join(parts)
+
+
+def resolve_ops(
+    device_type: str,
+    dtype: torch.dtype,
+    compute_dtype: torch.dtype | None = None,
+    *,
+    kernels: KernelAvailability,
+    decode_path: str = "eager",
+    attention: str = "auto",
+    quantized: bool = False,
+    onednn: bool = True,
+) -> ModelOps:
+    """The ops for a model on ``device_type`` with these settings, given what builds here.
+
+    ``decode_path``: ``eager`` (torch everywhere), ``fused`` (small rows on the C kernels; an
+    error where they cannot run) or ``auto`` (fused on CPU where the kernels build, else eager,
+    the reason recorded in ``fallbacks``). ``attention``: ``auto`` (Triton for CUDA where
+    installed, the C decode kernel for CPU where it builds, else torch) or a forced backend (an
+    error where it cannot run: forcing ``triton`` for CPU tensors works only under Triton's
+    interpreter). ``onednn``: whether CPU projections may use oneDNN's prepacked weights."""
+    compute_dtype = compute_dtype or dtype
+    if decode_path not in DECODE_PATHS:
+        raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, got {decode_path!r}")
+    fallbacks: list[str] = []
+    backend = _attention(device_type, attention, kernels)
+    fused = False
+    if decode_path == "fused" and device_type != "cpu":
+        raise ValueError(f"--decode-path fused runs on the CPU only, not {device_type}")
+    if decode_path != "eager" and device_type == "cpu":
+        if kernels.row_kernels is None:
+            fused = True
+        elif decode_path == "fused":
+            raise KernelUnavailableError(kernels.row_kernels)
+        else:
+            fallbacks.append(f"decode path: eager (the fused path's C kernel is unavailable: "
+                             f"{kernels.row_kernels})")
+    small_rows = SMALL_ROWS if fused else 0
+    row = RowImpl.C if fused else RowImpl.TORCH
+    linear = LinearImpl.TORCH
+    if device_type == "cpu" and onednn and compute_dtype in kernels.onednn_dtypes:
+        linear = LinearImpl.ONEDNN
+    quantized_rows, dequantize = 0, RowImpl.TORCH
+    if quantized:
+        if device_type != "cpu":
+            raise ValueError(f"--quantization gguf runs on the CPU only, not {device_type}")
+        if fused and kernels.quant_kernel is None:
+            quantized_rows = small_rows
+        elif fused:
+            fallbacks.append(f"quantized projections: every product dequantizes (the C kernel is "
+                             f"unavailable: {kernels.quant_kernel})")
+        if kernels.dequantize_kernel is None and compute_dtype in (torch.bfloat16, torch.float32):
+            dequantize = RowImpl.C
+    return ModelOps(
+        device_type=device_type, dtype=dtype, compute_dtype=compute_dtype, attention=backend,
+        linear=linear, small_rows=small_rows, norm=row, activation=row,
+        # the fused attention writes the cache the CPU backend reads; another backend keeps its own ops
+        rotary=row if backend is AttentionBackend.CPU else RowImpl.TORCH,
+        quantized=quantized, quantized_rows=quantized_rows, dequantize=dequantize,
+        decode_path="fused" if fused else "eager", fallbacks=tuple(fallbacks))
+
+
+def _attention(device_type: str, forced: str, kernels: KernelAvailability) -> AttentionBackend:
+    choice = forced.strip().lower() or "auto"
+    if choice not in ATTENTION_CHOICES:
+        raise ValueError(f"attention backend {forced!r}: expected one of {', '.join(ATTENTION_CHOICES)}")
+    if choice == "auto":
+        if device_type == "cuda" and kernels.triton:
+            return AttentionBackend.TRITON
+        if device_type == "cpu" and kernels.cpu_attention is None:
+            return AttentionBackend.CPU
+        return AttentionBackend.TORCH
+    backend = AttentionBackend(choice)
+    if backend is AttentionBackend.CPU:
+        if device_type != "cpu":
+            raise ValueError(f"attention backend cpu: the model is on {device_type}, not the CPU")
+        if kernels.cpu_attention is not None:
+            raise KernelUnavailableError(kernels.cpu_attention)
+    if backend is AttentionBackend.TRITON and not kernels.triton:
+        raise ValueError("attention backend triton: Triton is not installed")
+    return backend
+
+
+@cache
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _reason(*kernels: object) -> str | None:
+    """None when every one of ``kernels`` (``cbuild.LazyFunction``s) builds, else the first reason."""
+    for kernel in kernels:
+        try:
+            kernel()  # type: ignore[operator]
+        except KernelUnavailableError as exc:
+            return str(exc)
+    return None
+
+
+def probe_kernels(device_type: str, *, row_kernels: bool = True, quantized: bool = False,
+                  onednn: bool = True) -> KernelAvailability:
+    """What builds here for a model on ``device_type`` (builds the C kernels it asks about, once
+    per machine: ``cbuild``). ``row_kernels``/``quantized``/``onednn``: whether to probe those
+    (a plan that cannot use them need not build them)."""
+    from llmplatform.kernels import (cpu_activation, cpu_decode, cpu_linear, cpu_norm, cpu_quant_linear,
+                                     cpu_rotary, onednn_linear)
+
+    if device_type != "cpu":
+        return KernelAvailability(triton=triton_installed(), cpu_attention="not a CPU model",
+                                  row_kernels="not a CPU model", quant_kernel="not a CPU model",
+                                  dequantize_kernel="not a CPU model")
+    decode = cpu_decode.kernel  # cpu_decode keeps its own lazy loader (its log lines name the torch path)
+    return KernelAvailability(
+        triton=triton_installed(),
+        cpu_attention=_reason(decode),
+        row_kernels=_reason(cpu_linear.kernel, cpu_norm.kernel, cpu_activation.kernel, cpu_rotary.kernel,
+                            decode) if row_kernels else "not probed",
+        quant_kernel=_reason(cpu_quant_linear.kernel) if quantized else "not probed",
+        dequantize_kernel=_reason(cpu_quant_linear.dequantize_kernel) if quantized else "not probed",
+        onednn_dtypes=onednn_linear.working_dtypes() if onednn else (),
+    )
+
+
+def plan_ops(device_type: str, dtype: torch.dtype, compute_dtype: torch.dtype | None = None, *,
+             decode_path: str = "eager", attention: str = "auto", quantized: bool = False,
+             onednn: bool = True) -> ModelOps:
+    """``resolve_ops`` over what ``probe_kernels`` finds here (the kernels a plan could use are
+    built first, once per machine)."""
+    kernels = probe_kernels(device_type, row_kernels=decode_path != "eager", quantized=quantized,
+                            onednn=onednn)
+    return resolve_ops(device_type, dtype, compute_dtype, kernels=kernels, decode_path=decode_path,
+                       attention=attention, quantized=quantized, onednn=onednn)
