@@ -52,6 +52,11 @@ async def measure(urls: dict[str, str], pids: dict[str, int], levels: list[int],
     return results
 
 
+def ratio(row: dict[str, float], ours: dict[str, float], key: str) -> str:
+    # A short run can see no 10 ms tick of server CPU at all.
+    return f"{row[key] / ours[key]:.2f}x" if ours[key] else "n/a"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--concurrency", default="1,32")
@@ -78,9 +83,9 @@ def main() -> None:
         ours = by_protocol["ours"]
         for name, row in by_protocol.items():
             ratios = "" if name == "ours" else (
-                f"   / ours: server CPU {row['cpu_ms_per_request'] / ours['cpu_ms_per_request']:.2f}x, "
-                f"client CPU {row['client_cpu_ms_per_request'] / ours['client_cpu_ms_per_request']:.2f}x, "
-                f"wall {row['wall_ms_per_request'] / ours['wall_ms_per_request']:.2f}x")
+                f"   / ours: server CPU {ratio(row, ours, 'cpu_ms_per_request')}, "
+                f"client CPU {ratio(row, ours, 'client_cpu_ms_per_request')}, "
+                f"wall {ratio(row, ours, 'wall_ms_per_request')}")
             print(f"{level:>11} {name:>10} {row['cpu_ms_per_request']:17.3f} "
                   f"{row['client_cpu_ms_per_request']:10.3f} {row['wall_ms_per_request']:11.3f}{ratios}")
     print("RESULT_JSON " + json.dumps({"chunks": args.chunks, "results": results}))

@@ -12,8 +12,6 @@ from llmplatform.openai_api.tools.calls import parse_tools
 from llmplatform.openai_api.tools.parsers import HermesToolParser
 from llmplatform.templates import CHATML_HERMES_TOOLS, read_template
 
-pytestmark = pytest.mark.slow  # the real default model's tokenizer and template
-
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
