@@ -199,9 +199,9 @@ def compile_times(tokenizer_dir: str) -> dict[str, float]:
     """Cold (fresh compiler, nothing cached) and cached compile times, in ms."""
     from transformers import AutoTokenizer
 
+    from llmplatform.openai_api.tools.calls import parse_tool_choice, parse_tools, tool_call_spec
     from llmplatform.sampling.grammar import GrammarCompiler
     from llmplatform.sampling.structured_output import StructuredOutputSpec
-    from llmplatform.sampling.tool_calls import parse_tool_choice, parse_tools, tool_call_spec
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tools = parse_tools(TOOLS)

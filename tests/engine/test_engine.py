@@ -241,6 +241,7 @@ def test_offline_api(tiny_model_dir, tiny_reference):
     assert text.prompt == "Hello there" and text.outputs[0].finish_reason is not None
 
 
+@pytest.mark.slow
 def test_greedy_parity_with_hf_on_the_default_model(default_model_dir):
     """SmolLM2-135M in float32: 16 prompts of varied lengths, normally and under preemption."""
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)

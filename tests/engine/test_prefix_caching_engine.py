@@ -164,6 +164,7 @@ def test_prompt_logprobs_are_the_same_with_a_cached_prompt(tiny_model_dir, token
     assert [(r.token_id, r.logprob) for r in records] == [(r.token_id, r.logprob) for r in reference]
 
 
+@pytest.mark.slow
 def test_greedy_identical_on_the_default_model(default_model_dir):
     """SmolLM2-135M, float32: a few prompts sharing a prefix, cache off (the reference) and on,
     with a budget of 16 (chunked prefill) and 512."""

@@ -10,6 +10,8 @@ from llmplatform.llm.paged import PagedLLM
 from llmplatform.llm.build import BackendConfig, build_backend
 from tests.integration.cluster import running_cluster
 
+pytestmark = pytest.mark.slow  # the real default model, served
+
 
 @pytest.fixture(scope="module")
 def two_model_cluster(tiny_model_dir):

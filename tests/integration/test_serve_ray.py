@@ -13,13 +13,11 @@ import signal
 import httpx
 import openai
 import psutil
-import pytest
+import ray  # noqa: F401  (in the test extra: a missing or broken install fails here, never skips)
 
 from tests.integration.test_serve_cli import start_serve, wait_for_line
 from tests.polling import wait_until
 from tests.processes import free_ports
-
-pytest.importorskip("ray", reason="serve --ray needs the ray extra")
 
 
 def worker_pid(port: int) -> int | None:

@@ -16,9 +16,8 @@ from llmplatform.errors import InvalidRequestError
 from llmplatform.sampling.grammar import (
     GrammarCompiler, allocate_bitmask, apply_bitmask, fill_bitmasks,
 )
-from llmplatform.sampling.structured_output import (
-    StructuredOutputKind, StructuredOutputSpec, spec_from_request,
-)
+from llmplatform.openai_api.response_format import spec_from_request
+from llmplatform.sampling.structured_output import StructuredOutputKind, StructuredOutputSpec
 from tests.unit.grammar_helpers import greedy_random_decode, make_compiler, text_of
 
 # Every string, array and number bounded, so random logits finish in a few hundred tokens.

@@ -173,6 +173,7 @@ def test_default_model_resolves_and_loads(default_model_dir: Path, no_conversion
     assert generation["eos_token_id"] == tokenizer.convert_tokens_to_ids("<|im_end|>")
 
 
+@pytest.mark.slow
 def test_default_model_answers_paris(default_model_dir: Path) -> None:
     """End-to-end check of the conversion: dequantized weights still know things."""
     from transformers import AutoModelForCausalLM

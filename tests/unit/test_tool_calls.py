@@ -13,14 +13,14 @@ from openai.lib.streaming.chat._completions import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
 from llmplatform.errors import InvalidRequestError
-from llmplatform.sampling.structured_output import StructuredOutputKind
-from llmplatform.sampling.tool_calls import (
+from llmplatform.openai_api.tools.calls import (
     TOOL_CALL_FORMATS, ToolChoice, parse_tool_choice, parse_tools, tool_call_spec,
 )
-from llmplatform.sampling.tool_parsers import (
+from llmplatform.openai_api.tools.parsers import (
     ContentDelta, HermesToolParser, Llama3JsonToolParser, ParsedOutput, ToolCall, ToolCallDelta,
     accumulate, new_call_id,
 )
+from llmplatform.sampling.structured_output import StructuredOutputKind
 from tests.unit.grammar_helpers import greedy_random_decode, make_compiler, text_of
 
 

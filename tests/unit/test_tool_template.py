@@ -8,11 +8,9 @@ import json
 import pytest
 
 from llmplatform.llm.resolve import load_tokenizer
-from llmplatform.sampling.tool_calls import parse_tools
-from llmplatform.sampling.tool_parsers import HermesToolParser
+from llmplatform.openai_api.tools.calls import parse_tools
+from llmplatform.openai_api.tools.parsers import HermesToolParser
 from llmplatform.templates import CHATML_HERMES_TOOLS, read_template
-
-pytestmark = pytest.mark.slow  # the real default model's tokenizer and template
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -112,7 +110,7 @@ def test_rendered_calls_are_what_the_tool_grammar_forces(tokenizer, template, de
     import xgrammar as xgr
 
     from llmplatform.sampling.grammar import GrammarCompiler
-    from llmplatform.sampling.tool_calls import ToolChoice, tool_call_spec
+    from llmplatform.openai_api.tools.calls import ToolChoice, tool_call_spec
 
     tools = parse_tools(TOOLS)
     messages = [{"role": "user", "content": "Weather?"},

@@ -123,7 +123,7 @@ class LLMBackend(abc.ABC):
     backend_name: str = "custom"
     # The chat template that replaces the tokenizer's own (--chat-template, or the shipped
     # tool-capable one for the default model; llm.tool_support), and the tool-call syntax the
-    # template teaches (a key of sampling.tool_calls.TOOL_CALL_FORMATS); None: the model's own
+    # template teaches (one of protocol.tool_calls.TOOL_CALL_SYNTAXES); None: the model's own
     # template, and no tool calling.
     chat_template: str | None = None
     tool_call_parser: str | None = None

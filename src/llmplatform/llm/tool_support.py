@@ -3,7 +3,8 @@
 Tool calling needs two things that must agree: a chat template that shows the model the tools
 (``apply_chat_template(..., tools=...)``) and the calls in its history, and the syntax the model
 writes calls in, which names the parser that reads them and the grammar that forces them
-(:data:`~llmplatform.sampling.tool_calls.TOOL_CALL_FORMATS`). :func:`resolve_tool_support`
+(:data:`~llmplatform.protocol.tool_calls.TOOL_CALL_SYNTAXES`; the gateway holds the parsers and
+grammars for them). :func:`resolve_tool_support`
 decides both once, at startup, from the worker's flags and the model's own template:
 
 - ``--chat-template FILE`` replaces the model's template; ``--tool-call-parser NAME`` names the
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmplatform.sampling.tool_calls import TOOL_CALL_FORMATS
+from llmplatform.protocol.tool_calls import TOOL_CALL_SYNTAXES
 from llmplatform.templates import CHATML_HERMES_TOOLS, read_template
 
 logger = logging.getLogger("llmplatform.worker")
@@ -42,7 +43,7 @@ class ToolSupport:
     chat_template: str | None
     """The template to render with instead of the tokenizer's own; None: the model's own."""
     tool_call_parser: str | None
-    """A key of TOOL_CALL_FORMATS; None: this model serves no tool calls."""
+    """One of TOOL_CALL_SYNTAXES; None: this model serves no tool calls."""
     reason: str
     """Why, for the startup log."""
 
@@ -50,9 +51,9 @@ class ToolSupport:
 def check_tool_flags(chat_template_file: str | None, tool_call_parser: str | None) -> str | None:
     """The flags checked before a model loads: ValueError for an unknown parser name or an
     unreadable template file. Returns the template's text (None without a file)."""
-    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_FORMATS:
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_SYNTAXES:
         raise ValueError(f"unknown --tool-call-parser {tool_call_parser!r}; choose from "
-                         f"{', '.join(TOOL_CALL_FORMATS)}")
+                         f"{', '.join(TOOL_CALL_SYNTAXES)}")
     if chat_template_file is None:
         return None
     try:

@@ -44,7 +44,7 @@ from llmplatform.protocol.openai import (
     ResponseToolCall,
     Usage,
 )
-from llmplatform.sampling.tool_parsers import ContentDelta, ToolParser, accumulate
+from llmplatform.openai_api.tools.parsers import ContentDelta, ToolParser, accumulate
 from llmplatform.protocol.worker import WorkerChunk
 from llmplatform.utils.json_body import parse_json_body
 from llmplatform.utils.request_id import worker_request_id_prefix

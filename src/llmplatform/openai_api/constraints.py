@@ -10,7 +10,7 @@ for ``tool_choice`` ``"required"`` / a named function, the grammar that forces c
 model's own tool-call syntax.
 
 Tool calls are read out of the generated text here, at the gateway, by the model's parser
-(:mod:`llmplatform.sampling.tool_parsers`), not at the worker: the gateway already turns the
+(:mod:`llmplatform.openai_api.tools.parsers`), not at the worker: the gateway already turns the
 worker's text into OpenAI's shapes (choices, deltas, logprobs), so the worker protocol stays
 FastChat's text stream and the parser sees each choice's text exactly once, streamed or not.
 """
@@ -23,12 +23,13 @@ from typing import Any
 
 from llmplatform.errors import InvalidRequestError
 from llmplatform.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
-from llmplatform.sampling.structured_output import StructuredOutputSpec, spec_from_request
-from llmplatform.sampling.tool_calls import (
+from llmplatform.openai_api.response_format import spec_from_request
+from llmplatform.openai_api.tools.calls import (
     FunctionTool, ToolCallFormat, ToolChoice, parse_tool_choice, parse_tools, tool_call_format,
     tool_call_spec,
 )
-from llmplatform.sampling.tool_parsers import ToolParser
+from llmplatform.openai_api.tools.parsers import ToolParser
+from llmplatform.sampling.structured_output import StructuredOutputSpec
 
 
 @dataclass(frozen=True)

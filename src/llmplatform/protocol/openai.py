@@ -131,7 +131,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # request-supplied Jinja template would run client code in the worker's template engine.
     chat_template: Any = None
     chat_template_kwargs: Any = None
-    # Function tools, validated by openai_api.constraints (sampling.tool_calls).
+    # Function tools, validated by openai_api.constraints (openai_api.tools).
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None

@@ -5,6 +5,6 @@ neither, nor the models and kernels): sampling parameters (:mod:`.params`), the 
 with its grammar masks (:mod:`.sampler`), output processing: incremental detokenization, stop
 strings, partial UTF-8 (:mod:`.output_processor`), the chunk types a generation yields
 (:mod:`.outputs`), context-length arithmetic (:mod:`.context_length`), structured-output specs and
-their grammars (:mod:`.structured_output`, :mod:`.grammar`), tool-call formats and parsers
-(:mod:`.tool_calls`, :mod:`.tool_parsers`).
+their grammars (:mod:`.structured_output`, :mod:`.grammar`). Tool-call formats and parsers are the
+gateway's alone (``openai_api.tools``).
 """

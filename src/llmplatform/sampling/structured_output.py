@@ -1,8 +1,9 @@
 """What a request asks its output to look like: one validated, hashable spec per request.
 
 A :class:`StructuredOutputSpec` is built once, at the edge, from whichever request field carried
-the constraint (OpenAI's ``response_format``, vLLM's ``guided_*`` extras and ``structured_outputs``
-object, or tool calling via :mod:`.tool_calls`), travels to the worker in the params dict
+the constraint (the gateway's ``openai_api.response_format`` for OpenAI's ``response_format`` and
+vLLM's ``guided_*`` extras and ``structured_outputs`` object; ``openai_api.tools`` for tool
+calling), travels to the worker in the params dict
 (:meth:`~StructuredOutputSpec.to_wire`), and is the grammar cache's key there. Its ``source`` is
 canonical text (a JSON schema is re-serialised compactly, *keeping key order*: xgrammar emits
 properties in schema order), so two requests with the same constraint share one compiled grammar.
@@ -38,9 +39,6 @@ _SCHEMA_VALUED = ("additionalProperties", "items", "contains", "propertyNames",
                   "unevaluatedProperties", "additionalItems")
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-# vLLM ``structured_outputs`` members that only loosen or tune generation; honoured by design.
-_STRUCTURED_OUTPUTS_HINTS = frozenset({"disable_fallback", "disable_any_whitespace",
-                                       "disable_additional_properties", "whitespace_pattern"})
 
 
 class StructuredOutputKind(enum.Enum):
@@ -114,7 +112,8 @@ class StructuredOutputSpec:
 
     @classmethod
     def structural_tag(cls, tag: Any, *, param: str = "tools") -> StructuredOutputSpec:
-        """An xgrammar structural tag (dict or JSON text); built by :mod:`.tool_calls`."""
+        """An xgrammar structural tag (dict or JSON text); the gateway builds one to force tool
+        calls (``openai_api.tools.calls``)."""
         tag = _schema_object(tag, param)
         return cls(StructuredOutputKind.STRUCTURAL_TAG, _compact_json(tag, param), param=param)
 
@@ -163,89 +162,6 @@ class StructuredOutputSpec:
         if kind is StructuredOutputKind.GRAMMAR:
             return cls.grammar(source, param=param)
         return cls.structural_tag(source, param=param)
-
-
-# -------------------------------------------------------------------- request fields -> one spec
-
-def spec_from_response_format(response_format: Any) -> StructuredOutputSpec | None:
-    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object``, ``json_schema``."""
-    param = "response_format"
-    if response_format is None:
-        return None
-    if not isinstance(response_format, Mapping):
-        raise InvalidRequestError("response_format must be an object", param=param)
-    kind = response_format.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return StructuredOutputSpec.json_object(param=param)
-    if kind == "json_schema":
-        body = response_format.get("json_schema")
-        if not isinstance(body, Mapping) or body.get("schema") is None:
-            raise InvalidRequestError(
-                "response_format of type json_schema needs json_schema.schema", param=param)
-        strict = body.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise InvalidRequestError("response_format.json_schema.strict must be a boolean",
-                                      param=param)
-        return StructuredOutputSpec.json_schema(body["schema"], strict=strict, param=param)
-    raise InvalidRequestError(
-        f"response_format.type {kind!r} is not one of 'text', 'json_object', 'json_schema'",
-        param=param)
-
-
-def spec_from_request(*, response_format: Any = None, guided_json: Any = None,
-                      guided_regex: Any = None, guided_choice: Any = None,
-                      guided_grammar: Any = None, structured_outputs: Any = None
-                      ) -> StructuredOutputSpec | None:
-    """The one constraint a request asks for, from OpenAI's and vLLM's fields; two at once is a
-    400 naming the second (there is no sensible intersection of, say, a schema and a regex)."""
-    found: list[StructuredOutputSpec] = []
-    if (spec := spec_from_response_format(response_format)) is not None:
-        found.append(spec)
-    if guided_json is not None:
-        found.append(StructuredOutputSpec.json_schema(guided_json, param="guided_json"))
-    if guided_regex is not None:
-        found.append(StructuredOutputSpec.regex(guided_regex, param="guided_regex"))
-    if guided_choice is not None:
-        found.append(StructuredOutputSpec.choice(guided_choice, param="guided_choice"))
-    if guided_grammar is not None:
-        found.append(StructuredOutputSpec.grammar(guided_grammar, param="guided_grammar"))
-    if structured_outputs is not None:
-        found.extend(_specs_from_structured_outputs(structured_outputs))
-    if len(found) > 1:
-        raise InvalidRequestError(
-            f"only one output constraint may be given; got {found[0].param} and "
-            f"{found[1].param}", param=found[1].param)
-    return found[0] if found else None
-
-
-def _specs_from_structured_outputs(body: Any) -> list[StructuredOutputSpec]:
-    """vLLM's newer ``structured_outputs`` object: json | regex | choice | grammar | json_object."""
-    name = "structured_outputs"
-    if not isinstance(body, Mapping):
-        raise InvalidRequestError(f"{name} must be an object", param=name)
-    specs = []
-    for key, value in body.items():
-        if value is None or key in _STRUCTURED_OUTPUTS_HINTS:
-            continue
-        param = f"{name}.{key}"
-        if key == "json":
-            specs.append(StructuredOutputSpec.json_schema(value, param=param))
-        elif key == "regex":
-            specs.append(StructuredOutputSpec.regex(value, param=param))
-        elif key == "choice":
-            specs.append(StructuredOutputSpec.choice(value, param=param))
-        elif key == "grammar":
-            specs.append(StructuredOutputSpec.grammar(value, param=param))
-        elif key == "json_object":
-            if value is not True and value is not False:
-                raise InvalidRequestError(f"{param} must be a boolean", param=param)
-            if value:
-                specs.append(StructuredOutputSpec.json_object(param=param))
-        else:
-            raise InvalidRequestError(f"{param} is not supported", param=param)
-    return specs
 
 
 # -------------------------------------------------------------------- JSON schema checks
@@ -321,5 +237,4 @@ def _compact_json(value: Any, param: str) -> str:
 
 __all__ = [
     "MAX_SOURCE_CHARS", "StructuredOutputKind", "StructuredOutputSpec", "check_json_schema",
-    "spec_from_request", "spec_from_response_format",
 ]

@@ -5,8 +5,9 @@ The gateway validates ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` once
 function, :func:`tool_call_spec` builds the structured-output spec (an xgrammar structural tag)
 that makes the model write exactly the model's tool-call syntax, with arguments valid for that
 tool's JSON schema; ``"auto"`` constrains nothing and the output is parsed afterwards
-(:mod:`.tool_parsers`). One :class:`ToolCallFormat` per ``--tool-call-parser`` name ties the two
-together, so that what the grammar forces is what the parser reads and what the chat template
+(:mod:`.parsers`). One :class:`ToolCallFormat` per syntax a worker can announce
+(:data:`~llmplatform.protocol.tool_calls.TOOL_CALL_SYNTAXES`, its ``--tool-call-parser``) ties the
+two together, so that what the grammar forces is what the parser reads and what the chat template
 shows the model in its history.
 """
 
@@ -18,12 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 from llmplatform.errors import InvalidRequestError
-from llmplatform.sampling.structured_output import (
-    StructuredOutputSpec, check_json_schema,
-)
-from llmplatform.sampling.tool_parsers import (
+from llmplatform.openai_api.tools.parsers import (
     HermesToolParser, Llama3JsonToolParser, ToolParser,
 )
+from llmplatform.protocol.tool_calls import TOOL_CALL_SYNTAXES
+from llmplatform.sampling.structured_output import StructuredOutputSpec, check_json_schema
 
 # OpenAI's rule for function names; it also keeps names safe to splice into a grammar literal.
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -79,6 +79,7 @@ TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
     "llama3_json": ToolCallFormat("llama3_json", '{"name": "', '", "parameters": ', "}", "; ",
                                   Llama3JsonToolParser),
 }
+assert tuple(TOOL_CALL_FORMATS) == TOOL_CALL_SYNTAXES, "one format per syntax a worker announces"
 
 
 def tool_call_format(name: str) -> ToolCallFormat:
