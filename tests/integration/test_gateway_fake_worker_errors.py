@@ -169,7 +169,7 @@ def test_unexpected_error_is_a_500_envelope(http: httpx.Client, cluster: Cluster
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(cluster.gateway_app.state.worker_client, "prepare_completion", broken)
+    monkeypatch.setattr(cluster.gateway_app.state.worker_client, "model_details", broken)
     response = http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert _assert_error(response, 500)["type"] == "internal_error"
     monkeypatch.undo()

@@ -38,6 +38,7 @@ from starlette.requests import Request
 from llmplatform.errors import ContextLengthExceededError, LLMPlatformError
 from llmplatform.openai_api.errors import ClientDisconnected, UpstreamError
 from llmplatform.openai_api.failover import with_failover
+from llmplatform.openai_api.fastchat_peer import CumulativeFrames
 from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.openai_api.worker_wire import ACCEPTED, Accepted, may_try_another_worker
 from llmplatform.openai_api.deltas import FinalChunk
@@ -59,7 +60,7 @@ class ChoiceStreams:
         self._client = client
         self._address = address
         # Delta frames (only what is new in each chunk) from a worker of ours; a stock worker
-        # ignores the field and sends cumulative chunks, which the consumers take as well.
+        # ignores the field and sends cumulative chunks, made deltas as they arrive (_read).
         self._params = ([{**p, "stream_deltas": True} for p in params] if client.stream_deltas
                         else list(params))
         self._queue: asyncio.Queue[Event] = asyncio.Queue(maxsize=_QUEUE_SLOTS_PER_CHOICE * len(params))
@@ -175,6 +176,7 @@ class ChoiceStreams:
         """One choice's events: its chunks, then `_END`; or, in their place, the error that
         ended it. Only cancellation (or closing this generator) escapes as an exception."""
         last: WorkerChunk | None = None
+        cumulative: CumulativeFrames | None = None  # a stock worker's frames, made deltas
         try:
             chunks = self._client.generate_stream(self._address, self._params[index])
             async with contextlib.aclosing(chunks):
@@ -187,6 +189,10 @@ class ChoiceStreams:
                         # it at once), so the connection goes back to the pool instead of being
                         # closed half-read and dialled again by the next request.
                         continue
+                    raw = chunk
+                    if not chunk.delta:
+                        cumulative = cumulative or CumulativeFrames()
+                        chunk = cumulative.delta(chunk)
                     last = chunk
                     if chunk.finish_reason is not None:
                         self._finished[index] = True
@@ -196,10 +202,12 @@ class ChoiceStreams:
             if last.finish_reason is None:
                 # A worker that ends without a reason: the text it sent is all there is.
                 self._finished[index] = True
-                end: dict[str, Any] = {"finish_reason": "stop"}
-                if last.delta:  # an empty last delta: its text has been passed on already
-                    end.update(text="", logprobs=None if last.logprobs is None else ChunkLogprobs())
-                yield index, last.model_copy(update=end)
+                if cumulative is not None:  # what it held back, now final
+                    yield index, cumulative.delta(raw.model_copy(update={"finish_reason": "stop"}))
+                else:  # an empty last delta: its text has been passed on already
+                    yield index, last.model_copy(update={
+                        "finish_reason": "stop", "text": "",
+                        "logprobs": None if last.logprobs is None else ChunkLogprobs()})
             yield index, _END
         except LLMPlatformError as exc:
             self._finished[index] = True  # the worker is done with it (or unreachable)
