@@ -5,8 +5,8 @@ are ignored (a newer peer may send more), known ones are strict about their JSON
 is not a number: a client mistake is refused naming the field, never coerced or a 500). Ranges
 are checked when the params become ``SamplingParams``, and what depends on the model (token ids
 against the vocabulary, the context) when the backend admits the request
-(``LLMBackend.check_request``), before the worker answers. Stream chunks are :class:`WorkerChunk` objects, each
-serialised as JSON followed by one NUL byte. ``text`` is cumulative (all text so far), not a delta,
+(``LLMBackend.check_request``), before the worker answers. Stream chunks are
+:class:`WorkerChunk` objects, each serialised as JSON followed by one NUL byte. ``text`` is cumulative (all text so far), not a delta,
 unless the request asked for delta frames (``stream_deltas``, our addition) and the chunk says it
 is one (``delta``).
 """
