@@ -25,7 +25,6 @@ answer) and the stream ends with an :class:`UpstreamError` (502).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -80,7 +79,6 @@ class WorkerClient:
         self._worker_timeout = httpx.Timeout(settings.worker_timeout, connect=settings.connect_timeout)
         self._controller = ControllerClient(http, settings)
         self._details = WorkerDetails(self._post_json)
-        self._background: set[asyncio.Task[None]] = set()
         self._streams: WorkerStreamClient | None = None  # generation streams and embeddings calls
 
     # ---- plumbing ----------------------------------------------------------------------------
@@ -276,19 +274,6 @@ class WorkerClient:
         if self._routes is not None:
             self._routes.request_ended(address)
 
-    def abort_soon(self, address: str, request_id: str) -> None:
-        """Best-effort `POST /worker_abort` in the background (a stock worker lacks the route)."""
-        task = asyncio.get_running_loop().create_task(self._abort(address, request_id))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _abort(self, address: str, request_id: str) -> None:
-        url = f"{address}/worker_abort"
-        try:
-            await self._http.post(url, json={"request_id": request_id}, timeout=self._settings.abort_timeout)
-        except httpx.HTTPError as exc:
-            logger.debug("abort of %s at %s failed: %s", request_id, url, exc)
-
     @property
     def max_worker_attempts(self) -> int:
         return self._settings.max_worker_attempts
@@ -308,10 +293,7 @@ class WorkerClient:
         return self._streams
 
     async def aclose(self) -> None:
-        """Let pending aborts finish (bounded), then close the worker streams' pool (the app
-        closes its httpx client)."""
-        if self._background:
-            await asyncio.wait(set(self._background), timeout=self._settings.abort_timeout)
+        """Close the worker streams' pool (the app closes its httpx client)."""
         if self._streams is not None:
             await self._streams.aclose()
             self._streams = None
