@@ -1,4 +1,5 @@
-"""``/worker_abort`` is the stream closing, on a real worker with the paged engine: it reaches a
+"""A request on a real worker with the paged engine: checked once, at admission (the engine's
+own check runs once per request), and ``/worker_abort`` is the stream closing: it reaches a
 request wherever it is (waiting for a concurrency slot, or generating), ends its stream with a
 last frame that says ``abort``, and the request's slot, id and KV blocks all come back."""
 
@@ -21,11 +22,16 @@ PROMPT = "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(scope="module")
-def worker_url(tiny_model_dir) -> Iterator[str]:
-    llm = PagedLLM(EngineConfig(
+def paged(tiny_model_dir) -> PagedLLM:
+    return PagedLLM(EngineConfig(
         model=ModelConfig(str(tiny_model_dir), ("tiny",), device="cpu", dtype="float32"),
         cache=CacheConfig(block_size=16, num_blocks=64),
         scheduler=SchedulerConfig(max_model_len=512)))
+
+
+@pytest.fixture(scope="module")
+def worker_url(paged: PagedLLM) -> Iterator[str]:
+    llm = paged
     # One slot: a second request waits for it in the worker.
     app = create_app(llm, WorkerSettings(register=False, limit_worker_concurrency=1))
     with serve_in_thread(app) as url:
@@ -90,3 +96,20 @@ def test_an_abort_ends_a_non_streamed_generation_with_its_last_chunk(worker_url)
     (answer,) = objects
     assert answer["finish_reason"] == "abort" and answer["usage"]["completion_tokens"] < 480
     assert status(worker_url)["num_accepted"] == 0
+
+
+def test_a_request_is_checked_once(worker_url, paged, monkeypatch):
+    engine = paged.engine
+    calls: list[int] = []
+    validate = engine.validate
+
+    def counted(prompt_token_ids, params):
+        calls.append(len(prompt_token_ids))
+        return validate(prompt_token_ids, params)
+
+    monkeypatch.setattr(engine, "validate", counted)
+    for index, route in enumerate(("/worker_generate_stream", "/worker_generate")):
+        thread, objects = generate_in_thread(worker_url, f"once-{index}", route=route)
+        thread.join(timeout=60)
+        assert objects[-1]["finish_reason"] == "length"
+    assert len(calls) == 2, "the engine's check ran once per request, at admission"
