@@ -165,8 +165,8 @@ def test_n_outputs_share_the_prompt_blocks(tiny_model_dir, tokenizer):
 
 def test_too_long_request_is_refused_before_anything_is_allocated(tiny_model_dir):
     engine = make_engine(tiny_model_dir, max_model_len=64)
-    with pytest.raises(ContextLengthExceededError):
-        engine.add_request("r", list(range(10, 60)), greedy(30))
+    with pytest.raises(ContextLengthExceededError):  # the engine's admission check
+        engine.validate(list(range(10, 60)), greedy(30))
     assert not engine.has_unfinished()
 
 

@@ -149,12 +149,14 @@ def test_pooling_requests_batch_in_one_step_and_free_their_blocks_at_once(engine
 def test_pooling_requests_are_validated_and_aborted(engine) -> None:
     from llmplatform.errors import ContextLengthExceededError, InvalidRequestError
 
+    # The engine's admission check (the paged backend's embed runs it before queueing).
     with pytest.raises(InvalidRequestError):
-        engine.add_pooling_request("e", [], LAST)
+        engine.validate_pooling([])
     with pytest.raises(InvalidRequestError):
-        engine.add_pooling_request("v", [VOCAB], LAST)
+        engine.validate_pooling([VOCAB])
     with pytest.raises(ContextLengthExceededError):
-        engine.add_pooling_request("l", [1] * 513, LAST)
+        engine.validate_pooling([1] * 513)
+    engine.validate_pooling([1] * 512)
     engine.add_pooling_request("a", [1] * 512, MEAN)  # the whole context is allowed
     (seq,) = engine.scheduler.get_request_seqs("a")
     (update,) = engine.abort("a")

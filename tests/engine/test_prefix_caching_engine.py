@@ -217,7 +217,7 @@ async def test_a_reset_while_requests_stream_runs_between_steps(tiny_model_dir, 
         async def generate(request_id: str, reset_after: int | None = None) -> list[int]:
             tokens: list[int] = []
             request = GenerateRequest(request_id, greedy(30), prompt_token_ids=tuple(prompt))
-            async for chunk in llm.generate(request):
+            async for chunk in llm.generate(llm.check_request(request)):
                 tokens.extend(chunk.token_ids)
                 if reset_after is not None and len(tokens) == reset_after:
                     assert await llm.reset_prefix_cache()

@@ -122,9 +122,9 @@ async def first_tokens(llm: PagedLLM, prompt: list[int], request_id: str) -> lis
     from llmplatform.llm.base import GenerateRequest
 
     tokens: list[int] = []
-    request = GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
+    request = GenerateRequest(request_id=request_id, prompt_token_ids=tuple(prompt),
                               params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    async for chunk in llm.generate(request):
+    async for chunk in llm.generate(llm.check_request(request)):
         tokens.extend(chunk.token_ids)
     return tokens
 

@@ -55,7 +55,7 @@ async def test_the_engine_is_built_and_stepped_on_one_thread(
             request = GenerateRequest(f"r{index}", SamplingParams(max_tokens=5, temperature=0.0,
                                                                    ignore_eos=True),
                                       prompt_token_ids=(1, 2, 3, 4))
-            chunks = [chunk async for chunk in llm.generate(request)]
+            chunks = [chunk async for chunk in llm.generate(llm.check_request(request))]
             assert chunks[-1].finish_reason is not None
     finally:
         await llm.shutdown()

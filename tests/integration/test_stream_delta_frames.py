@@ -14,6 +14,7 @@ import pytest
 from openai import OpenAI
 
 from llmplatform.openai_api.deltas import DeltaTracker, FinalChunk
+from llmplatform.openai_api.fastchat_peer import CumulativeFrames
 from llmplatform.protocol.worker import ChunkLogprobs, ChunkUsage, WorkerChunk
 from tests.integration.cluster import paged_tiny_llm, running_cluster
 
@@ -132,10 +133,10 @@ def test_tracker_gives_the_same_deltas_from_cumulative_and_delta_chunks():
         deltas.append(_chunk(new_text, new_tokens, new_offsets, delta=True, final=final))
 
     def run(chunks: list[WorkerChunk]) -> list[tuple[str, list[str], list[int]]]:
-        tracker = DeltaTracker()
+        tracker, frames = DeltaTracker(), CumulativeFrames()  # cumulative: through the adapter
         out = []
         for chunk in chunks:
-            d = tracker.take(chunk, want_logprobs=True)
+            d = tracker.take(chunk if chunk.delta else frames.delta(chunk), want_logprobs=True)
             out.append((d.text, d.logprobs.tokens, d.logprobs.text_offset))
         return out
 
@@ -151,7 +152,7 @@ def test_tracker_gives_the_same_deltas_from_cumulative_and_delta_chunks():
     result = final.result()
     assert not result.delta and result.finish_reason == "length" and result.text == text
     assert result.logprobs == cumulative[-1].logprobs
-    cumulative_final = FinalChunk()
+    cumulative_final, frames = FinalChunk(), CumulativeFrames()
     for chunk in cumulative:
-        cumulative_final.add(chunk)
+        cumulative_final.add(frames.delta(chunk))
     assert cumulative_final.result() == cumulative[-1]

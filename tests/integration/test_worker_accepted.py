@@ -1,10 +1,10 @@
 """The worker checks a request before it answers (``ACCEPTED_HEADER``), on real servers with real
 (tiny) weights, for both backends.
 
-A request the worker sizes itself (``openai_max_tokens``: it has the token ids) is checked whole
-before the answer begins: a refusal is then the whole answer (FastChat's error object, HTTP 200,
-no stream), and a stream that begins carries the header that tells a gateway so. A plain
-FastChat request (the backend tokenizes) keeps its refusals in the stream, without the header.
+Every request is checked whole before the answer begins (the worker tokenizes it and the backend
+admits it): a refusal is then the whole answer (FastChat's error object, HTTP 200, no stream),
+and a stream that begins carries the header that tells a gateway so; a plain FastChat request
+(no ``openai_max_tokens``) too, which a stock gateway reads as it always has.
 """
 
 from __future__ import annotations
@@ -63,10 +63,10 @@ def test_a_checked_request_is_accepted_in_the_answers_headers(worker_url):
     assert objects[-1]["finish_reason"] == "length" and objects[-1]["usage"]["completion_tokens"] == 4
 
 
-def test_a_plain_fastchat_request_is_not_marked(worker_url):
+def test_a_plain_fastchat_request_is_checked_and_marked_too(worker_url):
     response, objects = post(worker_url, {"model": "tiny", "prompt": PROMPT, "max_new_tokens": 2,
                                           "echo": False})
-    assert ACCEPTED_HEADER not in response.headers
+    assert response.headers.get(ACCEPTED_HEADER) == "1"
     assert objects[-1]["finish_reason"] is not None
 
 
@@ -92,10 +92,11 @@ def test_a_refused_request_gets_its_error_as_the_whole_answer(worker_url, params
     assert response.headers.get(ACCEPTED_HEADER) == "1" and objects[-1]["finish_reason"] is not None
 
 
-def test_an_empty_prompt_in_a_plain_request_is_refused_in_the_stream(worker_url):
-    """Without `openai_max_tokens` the backend tokenizes: its refusal is the stream's only chunk."""
+def test_an_empty_prompt_in_a_plain_request_is_refused_as_the_whole_answer(worker_url):
+    """Without `openai_max_tokens` too: FastChat's error object, HTTP 200, as a stock peer reads it."""
     response, objects = post(worker_url, {"model": "tiny", "prompt": "", "max_new_tokens": 4,
                                           "echo": False})
     assert ACCEPTED_HEADER not in response.headers
+    assert "content-length" in response.headers, "not a stream: one error object"
     assert len(objects) == 1 and objects[0]["error_code"] == ErrorCode.PARAM_OUT_OF_RANGE
     assert "empty" in objects[0]["text"]

@@ -13,7 +13,6 @@ from openai.types.chat import ChatCompletionChunk
 
 from llmplatform.openai_api.chat import _ChatStream, _Prepared
 from llmplatform.openai_api.constraints import request_constraints
-from llmplatform.openai_api.translate import PreparedPrompt
 from llmplatform.protocol.openai import ChatCompletionRequest
 from llmplatform.protocol.worker import ChunkUsage, WorkerChunk
 
@@ -25,7 +24,8 @@ TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city
 
 
 class _Streams:
-    """The worker's cumulative chunks for one choice, cut at the given positions."""
+    """The worker's delta chunks for one choice (what the main path reads), cut at the given
+    positions."""
 
     num_choices = 1
 
@@ -35,10 +35,10 @@ class _Streams:
 
     async def events(self):
         ends = [*self._cuts, len(TEXT)]
-        for i, end in enumerate(ends):
+        for i, (start, end) in enumerate(zip([0, *ends], ends)):
             final = i == len(ends) - 1
-            yield 0, WorkerChunk(text=TEXT[:end], usage=ChunkUsage(completion_tokens=i + 1),
-                                 finish_reason=self._reason if final else None)
+            yield 0, WorkerChunk(text=TEXT[start:end], usage=ChunkUsage(completion_tokens=i + 1),
+                                 finish_reason=self._reason if final else None, delta=True)
 
     def cancel(self) -> None:
         pass
@@ -50,7 +50,7 @@ def _stream(tool_choice: Any = "auto") -> _ChatStream:
          "tool_choice": tool_choice})
     constraint = request_constraints(body).for_worker(
         "m", frozenset({"structured_output", "tools"}), "hermes")
-    prepared = _Prepared(PreparedPrompt(None, 3, None), constraint)
+    prepared = _Prepared(3, constraint)
     return _ChatStream(body, "chatcmpl-1", prepared=lambda: prepared)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from llmplatform.errors import ContextLengthExceededError, InvalidRequestError
-from llmplatform.llm.base import FinishReason, GenerateChunk, GenerateRequest
+from llmplatform.llm.base import AdmittedRequest, FinishReason, GenerateChunk, GenerateRequest
 from llmplatform.llm.hf import HFTransformersLLM
 from llmplatform.sampling.params import SamplingParams
 
@@ -62,11 +63,23 @@ _request_counter = 0
 
 def request(prompt: str | None = None, prompt_token_ids: list[int] | None = None,
             request_id: str | None = None, **params: Any) -> GenerateRequest:
+    """A request as the worker parses it; the prompt text is tokenized by :func:`generate`."""
     global _request_counter
     _request_counter += 1
     return GenerateRequest(request_id=request_id or f"req-{_request_counter}",
                            params=SamplingParams(**params), prompt=prompt,
-                           prompt_token_ids=tuple(prompt_token_ids) if prompt_token_ids else None)
+                           prompt_token_ids=tuple(prompt_token_ids or ()))
+
+
+def admit(llm: HFTransformersLLM, req: GenerateRequest) -> AdmittedRequest:
+    """What the worker does before it answers: tokenize, then the backend's admission."""
+    if req.prompt is not None and not req.prompt_token_ids:
+        req = replace(req, prompt_token_ids=tuple(llm.encode_sync(req.prompt)))
+    return llm.check_request(req)
+
+
+def generate(llm: HFTransformersLLM, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+    return llm.generate(admit(llm, req))
 
 
 async def collect(stream: AsyncIterator[GenerateChunk]) -> list[GenerateChunk]:
@@ -132,7 +145,7 @@ def test_model_without_chat_template_is_a_client_error(llm: HFTransformersLLM,
 async def test_greedy_matches_transformers_generate(llm: HFTransformersLLM, hf_model: Any,
                                                     prompt: str) -> None:
     prompt_ids = llm.tokenizer.encode(prompt)
-    chunks = await collect(llm.generate(request(prompt, temperature=0.0, max_tokens=20,
+    chunks = await collect(generate(llm, request(prompt, temperature=0.0, max_tokens=20,
                                                 ignore_eos=True)))
     assert_well_formed(chunks)
     assert chunks[-1].finish_reason is FinishReason.LENGTH
@@ -146,15 +159,15 @@ async def test_greedy_matches_transformers_generate(llm: HFTransformersLLM, hf_m
 
 async def test_prompt_token_ids_and_text_prompts_agree(llm: HFTransformersLLM) -> None:
     prompt = PROMPTS[0]
-    by_text = await collect(llm.generate(request(prompt, temperature=0.0, max_tokens=8, ignore_eos=True)))
-    by_ids = await collect(llm.generate(request(prompt_token_ids=llm.encode_sync(prompt),
+    by_text = await collect(generate(llm, request(prompt, temperature=0.0, max_tokens=8, ignore_eos=True)))
+    by_ids = await collect(generate(llm, request(prompt_token_ids=llm.encode_sync(prompt),
                                                 temperature=0.0, max_tokens=8, ignore_eos=True)))
     assert token_ids(by_text) == token_ids(by_ids)
 
 
 async def test_streamed_text_is_the_full_decode_and_usage_counts(llm: HFTransformersLLM) -> None:
     for prompt in PROMPTS:
-        chunks = await collect(llm.generate(request(prompt, temperature=1.0, seed=7, max_tokens=40,
+        chunks = await collect(generate(llm, request(prompt, temperature=1.0, seed=7, max_tokens=40,
                                                     ignore_eos=True)))
         assert_well_formed(chunks)
         ids = token_ids(chunks)
@@ -170,10 +183,10 @@ async def test_streamed_text_is_the_full_decode_and_usage_counts(llm: HFTransfor
 
 async def test_eos_and_stop_strings_end_the_stream(llm: HFTransformersLLM) -> None:
     prompt = PROMPTS[1]
-    free = await collect(llm.generate(request(prompt, temperature=0.0, max_tokens=20, ignore_eos=True)))
+    free = await collect(generate(llm, request(prompt, temperature=0.0, max_tokens=20, ignore_eos=True)))
     ids = token_ids(free)
     # Make the 5th greedy token a stop token id: the stream ends there, without its text.
-    stopped = await collect(llm.generate(request(prompt, temperature=0.0, max_tokens=20,
+    stopped = await collect(generate(llm, request(prompt, temperature=0.0, max_tokens=20,
                                                  stop_token_ids=(ids[4],))))
     assert stopped[-1].finish_reason is FinishReason.STOP
     assert token_ids(stopped) == ids[:ids.index(ids[4]) + 1]
@@ -181,7 +194,7 @@ async def test_eos_and_stop_strings_end_the_stream(llm: HFTransformersLLM) -> No
     full_text = "".join(c.text for c in free)
     stop = full_text[len(full_text) // 2:len(full_text) // 2 + 3]
     assert stop.strip() and full_text.index(stop) > 0
-    cut = await collect(llm.generate(request(prompt, temperature=0.0, max_tokens=20, stop=stop)))
+    cut = await collect(generate(llm, request(prompt, temperature=0.0, max_tokens=20, stop=stop)))
     assert cut[-1].finish_reason is FinishReason.STOP
     assert "".join(c.text for c in cut) == full_text[:full_text.index(stop)]
 
@@ -195,10 +208,10 @@ async def test_seed_reproduces_and_different_seeds_differ(llm: HFTransformersLLM
         return request(PROMPTS[2], temperature=1.0, top_p=0.95, seed=seed, max_tokens=24,
                        ignore_eos=True)
 
-    first = token_ids(await collect(llm.generate(sampled(1234))))
-    assert first == token_ids(await collect(llm.generate(sampled(1234))))
-    assert first != token_ids(await collect(llm.generate(sampled(4321))))
-    greedy = token_ids(await collect(llm.generate(request(PROMPTS[2], temperature=0.0, max_tokens=24,
+    first = token_ids(await collect(generate(llm, sampled(1234))))
+    assert first == token_ids(await collect(generate(llm, sampled(1234))))
+    assert first != token_ids(await collect(generate(llm, sampled(4321))))
+    greedy = token_ids(await collect(generate(llm, request(PROMPTS[2], temperature=0.0, max_tokens=24,
                                                           ignore_eos=True))))
     assert first != greedy  # really sampled
 
@@ -207,53 +220,33 @@ async def test_seed_reproduces_and_different_seeds_differ(llm: HFTransformersLLM
 # Abort, early close, concurrency
 
 
-async def test_abort_mid_stream_finishes_with_abort_promptly(llm: HFTransformersLLM) -> None:
-    req = request(PROMPTS[0], temperature=0.0, max_tokens=400, ignore_eos=True)
-    chunks = []
-    async for chunk in llm.generate(req):
-        chunks.append(chunk)
-        if len(chunks) == 3:
-            assert llm.load().num_running == 1
-            assert await llm.abort(req.request_id) is True
-    assert len(chunks) == 4  # the very next chunk is the last
-    last = chunks[-1]
-    assert last.finish_reason is FinishReason.ABORT
-    assert last.token_ids == ()
-    assert last.usage.completion_tokens == 3
-    assert_well_formed(chunks)
-    assert llm.load().num_running == 0
-    assert await llm.abort(req.request_id) is False  # no longer running
-
-
-async def test_abort_from_another_task(llm: HFTransformersLLM) -> None:
+async def test_cancelling_the_consumer_stops_the_request_promptly(llm: HFTransformersLLM) -> None:
+    """An abort is the stream closing: here, the task that reads it is cancelled while it waits
+    for a forward pass (what the worker does for /worker_abort and a hang-up)."""
     req = request(PROMPTS[1], temperature=0.0, max_tokens=400, ignore_eos=True)
     first_chunk = asyncio.Event()
+    chunks: list[GenerateChunk] = []
 
-    async def consume() -> list[GenerateChunk]:
-        chunks = []
-        async for chunk in llm.generate(req):
+    async def consume() -> None:
+        async for chunk in generate(llm, req):
             chunks.append(chunk)
             first_chunk.set()
-        return chunks
 
     task = asyncio.create_task(consume())
     await asyncio.wait_for(first_chunk.wait(), timeout=10)
+    assert llm.load().num_running == 1
     started = time.monotonic()
-    assert await llm.abort(req.request_id) is True
-    chunks = await asyncio.wait_for(task, timeout=10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
     assert time.monotonic() - started < 2.0
-    assert chunks[-1].finish_reason is FinishReason.ABORT
     assert len(chunks) < 50  # stopped within a step or two, not at max_tokens
     assert llm.load().num_running == 0
 
 
-async def test_abort_of_unknown_request_is_false(llm: HFTransformersLLM) -> None:
-    assert await llm.abort("no-such-request") is False
-
-
 async def test_closing_the_stream_early_frees_the_request(llm: HFTransformersLLM) -> None:
     req = request(PROMPTS[3], temperature=0.0, max_tokens=400, ignore_eos=True)
-    stream = llm.generate(req)
+    stream = generate(llm, req)
     received = 0
     async for _ in stream:
         received += 1
@@ -262,7 +255,6 @@ async def test_closing_the_stream_early_frees_the_request(llm: HFTransformersLLM
             break
     await stream.aclose()
     assert llm.load().num_running == 0
-    assert await llm.abort(req.request_id) is False
 
 
 async def test_concurrent_generations_match_their_solo_runs(llm: HFTransformersLLM) -> None:
@@ -271,8 +263,8 @@ async def test_concurrent_generations_match_their_solo_runs(llm: HFTransformersL
         reqs.append(request(PROMPTS[3], temperature=0.8, seed=5, max_tokens=12, ignore_eos=True))
         return reqs
 
-    solo = [token_ids(await collect(llm.generate(r))) for r in requests()]
-    results = await asyncio.gather(*(collect(llm.generate(r)) for r in requests()))
+    solo = [token_ids(await collect(generate(llm, r))) for r in requests()]
+    results = await asyncio.gather(*(collect(generate(llm, r)) for r in requests()))
     for chunks, expected in zip(results, solo):
         assert_well_formed(chunks)
         assert token_ids(chunks) == expected
@@ -283,11 +275,10 @@ async def test_concurrent_generations_match_their_solo_runs(llm: HFTransformersL
 # Context length, prompt logprobs
 
 
-async def test_prompt_plus_max_tokens_beyond_context_raises_before_any_chunk(llm: HFTransformersLLM) -> None:
+async def test_prompt_plus_max_tokens_beyond_context_is_refused_at_admission(llm: HFTransformersLLM) -> None:
     prompt_ids = llm.encode_sync(PROMPTS[0])
-    stream = llm.generate(request(PROMPTS[0], max_tokens=CONTEXT_LENGTH - len(prompt_ids) + 1))
     with pytest.raises(ContextLengthExceededError) as excinfo:
-        await stream.__anext__()
+        admit(llm, request(PROMPTS[0], max_tokens=CONTEXT_LENGTH - len(prompt_ids) + 1))
     assert excinfo.value.param == "max_tokens"
     assert excinfo.value.http_status == 400
     assert str(CONTEXT_LENGTH) in excinfo.value.message
@@ -295,10 +286,10 @@ async def test_prompt_plus_max_tokens_beyond_context_raises_before_any_chunk(llm
 
     long_ids = [19556] * (CONTEXT_LENGTH + 5)
     with pytest.raises(ContextLengthExceededError):
-        await collect(llm.generate(request(prompt_token_ids=long_ids, max_tokens=1)))
+        admit(llm, request(prompt_token_ids=long_ids, max_tokens=1))
 
     # Exactly at the limit is fine.
-    stream = llm.generate(request(PROMPTS[0], max_tokens=CONTEXT_LENGTH - len(prompt_ids)))
+    stream = generate(llm, request(PROMPTS[0], max_tokens=CONTEXT_LENGTH - len(prompt_ids)))
     first = await stream.__anext__()
     assert len(first.token_ids) == 1
     await stream.aclose()
@@ -308,7 +299,7 @@ async def test_prompt_plus_max_tokens_beyond_context_raises_before_any_chunk(llm
 async def test_prompt_logprobs_one_record_per_prompt_token(llm: HFTransformersLLM, hf_model: Any) -> None:
     prompt = PROMPTS[1]
     prompt_ids = llm.encode_sync(prompt)
-    chunks = await collect(llm.generate(request(prompt, temperature=0.0, max_tokens=3, ignore_eos=True,
+    chunks = await collect(generate(llm, request(prompt, temperature=0.0, max_tokens=3, ignore_eos=True,
                                                 prompt_logprobs=2, logprobs=1)))
     records = chunks[0].prompt_logprobs
     assert records is not None

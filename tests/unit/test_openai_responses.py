@@ -23,6 +23,7 @@ from llmplatform.openai_api.deltas import (
     finish_reason,
     sum_usage,
 )
+from llmplatform.openai_api.fastchat_peer import CumulativeFrames
 from llmplatform.openai_api.errors import AuthenticationError, UpstreamError, error_from_http, error_payload
 from llmplatform.openai_api.worker_wire import NulFrameDecoder, parse_chunk
 from llmplatform.protocol.worker import ChunkLogprobs, ChunkUsage, WorkerChunk
@@ -31,8 +32,21 @@ from llmplatform.protocol.worker import ChunkLogprobs, ChunkUsage, WorkerChunk
 # ---- deltas --------------------------------------------------------------------------------------
 
 
+class _Cumulative:
+    """A stock worker's cumulative frames as the main path takes them: made deltas by the
+    FastChat-peer adapter, then passed on by a choice's tracker."""
+
+    def __init__(self) -> None:
+        self.frames = CumulativeFrames()
+        self.tracker = DeltaTracker()
+
+    def advance(self, text: str, logprobs: ChunkLogprobs | None, *, final: bool):
+        chunk = WorkerChunk(text=text, logprobs=logprobs, finish_reason="stop" if final else None)
+        return self.tracker.take(self.frames.delta(chunk), want_logprobs=True)
+
+
 def test_deltas_from_cumulative_text() -> None:
-    tracker = DeltaTracker()
+    tracker = _Cumulative()
     assert tracker.advance("Hel", None, final=False).text == "Hel"
     assert tracker.advance("Hello", None, final=False).text == "lo"
     assert tracker.advance("Hello", None, final=False).text == ""
@@ -40,7 +54,7 @@ def test_deltas_from_cumulative_text() -> None:
 
 
 def test_replacement_char_held_back() -> None:
-    tracker = DeltaTracker()
+    tracker = _Cumulative()
     assert tracker.advance("caf\ufffd", None, final=False).text == "caf"
     assert tracker.advance("caf\ufffd\ufffd", None, final=False).text == ""
     assert tracker.advance("café", None, final=False).text == "é"
@@ -58,7 +72,7 @@ def _lp(tokens: list[str], offsets: list[int]) -> ChunkLogprobs:
 
 
 def test_logprob_slicing_follows_text() -> None:
-    tracker = DeltaTracker()
+    tracker = _Cumulative()
     d1 = tracker.advance("ab", _lp(["a", "b"], [0, 1]), final=False)
     assert d1.text == "ab" and d1.logprobs.tokens == ["a", "b"]
     # The third token is half a character: held back with its text.

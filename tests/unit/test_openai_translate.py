@@ -8,10 +8,10 @@ import json
 import pytest
 
 from llmplatform.errors import ContextLengthExceededError, InvalidRequestError
+from llmplatform.openai_api import fastchat_peer
 from llmplatform.utils.json_body import param_path, parse_json_body
 from llmplatform.openai_api.constraints import request_constraints
 from llmplatform.openai_api.translate import (
-    PreparedPrompt,
     chat_messages,
     check_chat_request,
     check_unsupported,
@@ -20,10 +20,10 @@ from llmplatform.openai_api.translate import (
     merge_stops,
     params_dict,
     worker_params,
-    resolve_max_new_tokens,
 )
 from llmplatform.protocol.openai import ChatCompletionRequest, CompletionRequest
-from llmplatform.protocol.worker import WorkerParams
+from llmplatform.protocol.worker import OpenAIMaxTokens, WorkerParams
+from llmplatform.sampling.context_length import resolve_max_new_tokens
 
 
 def chat(**fields: object) -> ChatCompletionRequest:
@@ -36,7 +36,7 @@ def completion(**fields: object) -> CompletionRequest:
     return parse_json_body(CompletionRequest, json.dumps(body).encode())
 
 
-PREPARED = PreparedPrompt("PROMPT", prompt_tokens=10, context_length=100)
+BUDGET = OpenAIMaxTokens(requested=5)
 
 
 # ---- parsing -------------------------------------------------------------------------------------
@@ -86,7 +86,7 @@ def test_completion_logprobs_range() -> None:
 
 def test_nulls_mean_defaults_and_unknown_fields_are_ignored() -> None:
     req = chat(temperature=None, top_p=None, n=None, stop=None, stream=None, user="u", tools=None)
-    params = worker_params(req, PREPARED, max_new_tokens=5, request_id="r", choice_index=0)
+    params = worker_params(req, prompt="PROMPT", budget=BUDGET, request_id="r", choice_index=0)
     assert params.temperature == 1.0 and params.top_p == 1.0 and params.stop is None
 
 
@@ -190,14 +190,17 @@ def test_chat_worker_params() -> None:
         min_tokens=2,
         stop_token_ids=[9],
     )
-    prepared = PreparedPrompt("P", 3, 50, stop=("<|im_end|>", "END"), stop_token_ids=(7,))
-    params = worker_params(req, prepared, max_new_tokens=7, request_id="chatcmpl-x-1", choice_index=1)
+    messages = [{"role": "user", "content": "Hi"}]
+    budget = OpenAIMaxTokens(requested=7, param="messages")
+    params = worker_params(req, messages=messages, budget=budget, request_id="chatcmpl-x-1",
+                           choice_index=1)
     wire = params_dict(params)
     assert wire["echo"] is False
-    assert wire["prompt"] == "P"
+    assert wire["messages"] == messages and "prompt" not in wire
+    assert wire["openai_max_tokens"] == {"requested": 7, "param": "messages"}
     assert wire["max_new_tokens"] == 7
-    assert wire["stop"] == ["END", "<|im_end|>"]
-    assert wire["stop_token_ids"] == [9, 7]
+    assert wire["stop"] == ["END"]
+    assert wire["stop_token_ids"] == [9]
     assert wire["seed"] == 43
     assert wire["logprobs"] == 3
     assert wire["top_k"] == 5
@@ -205,37 +208,42 @@ def test_chat_worker_params() -> None:
     assert wire["ignore_eos"] is True and wire["min_tokens"] == 2
     assert wire["request_id"] == "chatcmpl-x-1"
     assert "prompt_logprobs" not in wire
+    # A stock worker gets FastChat's form: the prompt rendered and sized, the template's stops.
+    stock = fastchat_peer._stock(wire, "P", 6, ("<|im_end|>", "END"), (7,))
+    assert stock["prompt"] == "P" and stock["max_new_tokens"] == 6
+    assert "messages" not in stock and "openai_max_tokens" not in stock
+    assert stock["stop"] == ["END", "<|im_end|>"] and stock["stop_token_ids"] == [9, 7]
     # The wire dict is what a worker parses: it round-trips.
     assert WorkerParams.model_validate(wire) == params
 
 
 def test_chat_params_defaults_and_logprobs_zero() -> None:
-    wire = params_dict(worker_params(chat(logprobs=True), PREPARED, max_new_tokens=5, request_id="r", choice_index=0))
+    wire = params_dict(worker_params(chat(logprobs=True), prompt="PROMPT", budget=BUDGET, request_id="r", choice_index=0))
     assert wire["logprobs"] == 0
     assert wire["temperature"] == 1.0 and wire["top_k"] == -1 and "seed" not in wire
-    wire = params_dict(worker_params(chat(), PREPARED, max_new_tokens=5, request_id="r", choice_index=0))
+    wire = params_dict(worker_params(chat(), prompt="PROMPT", budget=BUDGET, request_id="r", choice_index=0))
     assert "logprobs" not in wire and wire["echo"] is False
 
 
 def test_completion_params_echo_and_logprobs() -> None:
     wire = params_dict(
-        worker_params(completion(echo=True, logprobs=2), PREPARED, max_new_tokens=4, request_id="r", choice_index=0)
+        worker_params(completion(echo=True, logprobs=2), prompt="PROMPT", budget=BUDGET, request_id="r", choice_index=0)
     )
     assert wire["echo"] is True and wire["logprobs"] == 2 and wire["prompt_logprobs"] == 2
-    wire = params_dict(worker_params(completion(logprobs=2), PREPARED, max_new_tokens=4, request_id="r", choice_index=0))
+    wire = params_dict(worker_params(completion(logprobs=2), prompt="PROMPT", budget=BUDGET, request_id="r", choice_index=0))
     assert wire["echo"] is False and wire["logprobs"] == 2 and "prompt_logprobs" not in wire
 
 
 def test_logit_bias_is_forwarded_as_the_worker_reads_it() -> None:
     req = chat(logit_bias={"15": -100, "2": 100, "7": 0.5})
-    params = worker_params(req, PREPARED, max_new_tokens=5, request_id="r", choice_index=0)
+    params = worker_params(req, prompt="PROMPT", budget=BUDGET, request_id="r", choice_index=0)
     wire = params_dict(params)
     assert wire["logit_bias"] == {"15": -100.0, "2": 100.0, "7": 0.5}
     assert WorkerParams.model_validate(json.loads(json.dumps(wire))) == params
     for empty in (chat(), chat(logit_bias={}), chat(logit_bias=None)):
-        wire = params_dict(worker_params(empty, PREPARED, max_new_tokens=5, request_id="r", choice_index=0))
+        wire = params_dict(worker_params(empty, prompt="PROMPT", budget=BUDGET, request_id="r", choice_index=0))
         assert "logit_bias" not in wire
-    wire = params_dict(worker_params(completion(logit_bias={"3": 1}), PREPARED, max_new_tokens=4,
+    wire = params_dict(worker_params(completion(logit_bias={"3": 1}), prompt="PROMPT", budget=BUDGET,
                                          request_id="r", choice_index=0))
     assert wire["logit_bias"] == {"3": 1.0}
 
@@ -293,11 +301,11 @@ def test_a_clients_cache_salt_needs_a_worker_that_announced_it() -> None:
 
 def test_seeds_stay_in_the_workers_range_for_every_choice() -> None:
     top = 2**64 - 1
-    seeds = [params_dict(worker_params(chat(seed=top), PREPARED, max_new_tokens=5, request_id="r",
+    seeds = [params_dict(worker_params(chat(seed=top), prompt="PROMPT", budget=BUDGET, request_id="r",
                                      choice_index=i))["seed"] for i in range(3)]
     assert seeds == [top, 0, 1]  # seed + i modulo 2**64, as generators use it
     low = -(2**63)
-    assert params_dict(worker_params(chat(seed=low), PREPARED, max_new_tokens=5, request_id="r",
+    assert params_dict(worker_params(chat(seed=low), prompt="PROMPT", budget=BUDGET, request_id="r",
                                    choice_index=2))["seed"] == low + 2
 
 

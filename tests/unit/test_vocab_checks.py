@@ -1,6 +1,6 @@
-"""Token ids against the model's vocabulary in each backend's own checks (the engine's
-``validate``, which the offline API and the async engine run before queueing; the hf backend's
-``check_request``): refused naming the field before anything is allocated or computed, and the
+"""Token ids against the model's vocabulary in each backend's admission (the engine's
+``validate``, which the offline API and the paged backend's ``check_request`` run before
+queueing; the hf backend's ``check_request``): refused naming the field before anything is allocated or computed, and the
 engine keeps serving. The vocabulary is the logits' width, which may be wider than the tokenizer.
 """
 
@@ -79,7 +79,7 @@ OUT_OF_VOCAB = [
 def test_engine_refuses_ids_outside_the_vocabulary(engine: LLMEngine, prompt: list[int],
                                                    params: SamplingParams, field: str) -> None:
     with pytest.raises(InvalidRequestError) as info:
-        engine.add_request("bad", prompt, params)
+        engine.validate(prompt, params)
     assert info.value.param == field and str(VOCAB) in info.value.message
     assert not engine.has_unfinished()  # nothing was queued
     free = engine.block_manager.num_free_blocks
@@ -101,17 +101,16 @@ def test_hf_backend_refuses_before_any_forward_pass(tiny_model_dir: Path) -> Non
     assert llm.facts.vocab_size == VOCAB
     for prompt, params, field in OUT_OF_VOCAB:
         with pytest.raises(InvalidRequestError) as info:
-            llm.check_request(prompt, params)
+            llm.check_request(GenerateRequest("bad", params, tuple(prompt)))
         assert info.value.param == field
 
     async def generate(prompt: list[int], params: SamplingParams) -> list[int]:
         tokens: list[int] = []
-        async for chunk in llm.generate(GenerateRequest("r", params, prompt_token_ids=tuple(prompt))):
+        admitted = llm.check_request(GenerateRequest("r", params, tuple(prompt)))
+        async for chunk in llm.generate(admitted):
             tokens.extend(chunk.token_ids)
         return tokens
 
-    with pytest.raises(InvalidRequestError):
-        asyncio.run(generate([5, 60000], SamplingParams(max_tokens=2)))
     assert llm.is_healthy()
     assert len(asyncio.run(generate([5, 6], SamplingParams(max_tokens=2, ignore_eos=True)))) == 2
 
@@ -129,8 +128,9 @@ def test_the_vocabulary_is_the_logits_width_not_the_tokenizers(padded_model_dir:
     params = SamplingParams(max_tokens=2, min_tokens=1, temperature=0, stop_token_ids=(beyond_tokenizer,),
                             logit_bias={beyond_tokenizer - 1: 100})
     assert run(engine, "pad", [1, beyond_tokenizer], params) == [beyond_tokenizer - 1] * 2
-    hf.check_request([1, beyond_tokenizer], params)
-    for checker in (lambda p, s: engine.validate(p, s), hf.check_request):
+    hf.check_request(GenerateRequest("pad", params, (1, beyond_tokenizer)))
+    for checker in (lambda p, s: engine.validate(p, s),
+                    lambda p, s: hf.check_request(GenerateRequest("bad", s, tuple(p)))):
         with pytest.raises(InvalidRequestError) as info:
             checker([1, PADDED_VOCAB], SamplingParams())
         assert str(PADDED_VOCAB) in info.value.message

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from llmplatform.llm.base import GenerateChunk, GenerateRequest, LLMBackend
+from llmplatform.llm.base import AdmittedRequest, GenerateChunk, LLMBackend
 from llmplatform.llm.hf import HFTransformersLLM
 from llmplatform.llm.build import BackendConfig, build_backend
 from llmplatform.webui.settings import WebUISettings
@@ -67,9 +67,9 @@ class Stack:
 def record_generations(llm: LLMBackend, stack: Stack) -> None:
     """Wrap `llm.generate` on the instance so tests can see whether a request ran to its end or
     was closed early (the abort path). The model still does all the work."""
-    inner: Callable[[GenerateRequest], AsyncIterator[GenerateChunk]] = llm.generate
+    inner: Callable[[AdmittedRequest], AsyncIterator[GenerateChunk]] = llm.generate
 
-    async def generate(request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+    async def generate(request: AdmittedRequest) -> AsyncIterator[GenerateChunk]:
         record = GenerationRecord(request.request_id)
         stack.records.append(record)
         stream = inner(request)

@@ -133,13 +133,15 @@ class AsyncEngine:
                        params: SamplingParams, grammar: Any = None, *,
                        cache_salt: str | None = None) -> AsyncIterator[SequenceUpdate]:
         """Yields the request's updates (for all n outputs) until each has finished. Closing the
-        iterator early aborts the request and frees its blocks before the next step.
+        iterator early (or cancelling its consumer) is how a request is aborted: its blocks are
+        freed before the next step.
         ``grammar``: the request's compiled output constraint, ``cache_salt`` its prefix-cache
-        salt (``LLMEngine.add_request``)."""
+        salt (``LLMEngine.add_request``).
+
+        The request has been admitted (``LLMEngine.validate`` passed, its id is not running):
+        the caller's admission is the one place that checks it."""
         self.check_serving()
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already running")
-        self.engine.validate(prompt_token_ids, params)  # raises before anything is queued
+        assert request_id not in self._streams, f"request id {request_id!r} admitted twice"
         stream = _Stream(asyncio.Queue(), params.n)
         self._streams[request_id] = stream
         self._pending_adds.append((request_id, prompt_token_ids, params, grammar, cache_salt))
@@ -161,11 +163,10 @@ class AsyncEngine:
         """Runs the prompt for its pooled vector (``LLMEngine.add_pooling_request``) and returns
         the final update, whose ``pooled`` is the vector; an update with an error instead when
         the engine failed the request. Cancelling the call aborts the request and frees its
-        blocks before the next step."""
+        blocks before the next step. Admitted already (``LLMEngine.validate_pooling``, a
+        unique id), like :meth:`generate`'s requests."""
         self.check_serving()
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already running")
-        self.engine.validate_pooling(prompt_token_ids)  # raises before anything is queued
+        assert request_id not in self._streams, f"request id {request_id!r} admitted twice"
         stream = _Stream(asyncio.Queue(), 1)
         self._streams[request_id] = stream
         self._pending_adds.append((request_id, prompt_token_ids, pooling, None, None))
@@ -179,12 +180,6 @@ class AsyncEngine:
         finally:
             if self._streams.pop(request_id, None) is not None and stream.num_unfinished:
                 self._abort_soon(request_id)
-
-    async def abort(self, request_id: str) -> bool:
-        if request_id not in self._streams:
-            return False
-        self._abort_soon(request_id)
-        return True
 
     async def call_between_steps(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs ``fn(engine)`` between two steps (e.g. a prefix-cache reset) and returns its
@@ -223,7 +218,8 @@ class AsyncEngine:
                         continue
                     self.engine.add_request(request_id, prompt_token_ids, params, grammar,
                                             cache_salt=cache_salt)
-                except Exception as exc:  # validated already; anything here is a bad request too
+                except Exception as exc:  # admitted already: a bug, but this request's alone
+                    logger.exception("adding the request failed")
                     self._streams[request_id].queue.put_nowait(exc)
                     continue
                 logger.debug("queued: %d prompt tokens, max_tokens=%d, n=%d",

@@ -156,7 +156,9 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises for a request that can never be served (before anything is allocated), every
-        token id it carries checked against the model's vocabulary (the logits' width)."""
+        token id it carries checked against the model's vocabulary (the logits' width). This is
+        the engine's admission check, run once by whoever admits the request (the backend's
+        ``check_request``, ``offline.LLM``); :meth:`add_request` then trusts it."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         vocab_size = int(self.runner.model.vocab_size)  # the logits' width
@@ -187,8 +189,9 @@ class LLMEngine:
 
     def add_pooling_request(self, request_id: str, prompt_token_ids: list[int],
                             pooling: PoolingParams) -> Sequence:
-        """Queues a prompt to be run for its pooled final hidden states (:mod:`.pooling`)."""
-        self.validate_pooling(prompt_token_ids)
+        """Queues a prompt to be run for its pooled final hidden states (:mod:`.pooling`).
+        Admitted already (:meth:`validate_pooling`)."""
+        assert prompt_token_ids and len(prompt_token_ids) <= self.max_model_len
         seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                        params=_POOLING_SAMPLING, pooling=pooling)
         self._outputs[seq.seq_id] = OutputState(seq, processor=None)
@@ -202,8 +205,12 @@ class LLMEngine:
         docstring); returns their sequences, output ``i`` at index ``i``. ``grammar``: the output
         constraint, compiled already (compiling is no step's work); each output walks it with a
         matcher of its own. ``cache_salt``: only sequences with the same salt share prefix-cache
-        blocks (engine.prefix_cache)."""
-        self.validate(prompt_token_ids, params)
+        blocks (engine.prefix_cache).
+
+        The request has been admitted (:meth:`validate`, a unique id): only the invariants the
+        scheduler relies on are asserted here."""
+        assert prompt_token_ids, "an admitted prompt is not empty"
+        assert len(prompt_token_ids) + params.max_tokens <= self.max_model_len, "admitted: it fits"
         seqs = []
         stop_token_ids = tuple(self.eos_token_ids) + params.stop_token_ids
         for index in range(params.n):

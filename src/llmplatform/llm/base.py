@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 from llmplatform.errors import InvalidRequestError
@@ -34,22 +34,43 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One generation: a rendered prompt (text or token ids) and how to sample it."""
+    """One generation as the worker parsed it from the wire: a tokenized prompt and how to
+    sample it, not yet admitted (:meth:`LLMBackend.check_request` turns it into an
+    :class:`AdmittedRequest`, or refuses it). ``params.n`` outputs are asked for."""
 
     request_id: str
     params: SamplingParams
+    prompt_token_ids: tuple[int, ...]
     prompt: str | None = None
-    prompt_token_ids: tuple[int, ...] | None = None
-    # The output's constraint (structured outputs, forced tool calls), compiled at admission
-    # (:meth:`LLMBackend.compile_grammar`): the backend never compiles on its step path.
-    grammar: CompiledGrammar | None = None
+    """The rendered prompt's text, when the request had one (echo, logs); the ids are what runs."""
     # Only requests with the same salt may share prefix-cache blocks (engine.prefix_cache); a
     # backend without a prefix cache shares nothing between requests and has nothing to do.
     cache_salt: str | None = None
 
-    def __post_init__(self) -> None:
-        if self.prompt is None and self.prompt_token_ids is None:
-            raise InvalidRequestError("a prompt or prompt token ids are required", param="prompt")
+
+@dataclass(frozen=True)
+class AdmittedRequest:
+    """A generation its backend has checked (:meth:`LLMBackend.check_request` makes them, and
+    nothing else should): everything a request can be refused for has been refused, so
+    :meth:`LLMBackend.generate` and the engine below it trust it (asserts only). Its id is
+    unique among the backend's running requests (the worker's admission reserves it)."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: tuple[int, ...]
+    cache_salt: str | None = None
+    # The output's constraint (structured outputs, forced tool calls), compiled at admission
+    # (:meth:`LLMBackend.compile_grammar`): the backend never compiles on its step path.
+    grammar: CompiledGrammar | None = None
+
+    @classmethod
+    def of(cls, request: GenerateRequest) -> AdmittedRequest:
+        """For a backend's ``check_request``, once its checks have passed."""
+        return cls(request.request_id, request.params, request.prompt_token_ids,
+                   request.cache_salt)
+
+    def with_grammar(self, grammar: CompiledGrammar | None) -> AdmittedRequest:
+        return replace(self, grammar=grammar)
 
 
 @dataclass(frozen=True)
@@ -178,22 +199,21 @@ class LLMBackend(abc.ABC):
         return BackendInfo(backend=self.backend_name, dtype="unknown", device="unknown")
 
     @abc.abstractmethod
-    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """Stream the request's output. Closing the iterator aborts the request.
-
-        Raises :class:`InvalidRequestError` (before the first chunk) for a request that can never
-        be served, e.g. one whose prompt plus ``max_tokens`` exceeds the context length.
-        """
-
-    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise what :meth:`generate` would raise for this request before its first chunk (an
-        empty prompt, no room in the context, an unsupported ``n``), without starting anything.
-        The worker calls it before answering, so that once its answer has begun only a failure
-        of the backend itself can end the request without output. The base checks nothing."""
+    def check_request(self, request: GenerateRequest) -> AdmittedRequest:
+        """Every check the request can fail here (the model serves generation, the prompt is
+        not empty, each token id is in the vocabulary, prompt plus ``max_tokens`` fits the
+        context, ``n`` is supported), as typed errors naming the field, before anything starts;
+        the request admitted otherwise. The worker calls it once, before it answers, so that
+        once its answer has begun only a failure of the backend itself can end it early."""
 
     @abc.abstractmethod
-    async def abort(self, request_id: str) -> bool:
-        """Stop a request and free its resources. Returns False if it was not running."""
+    def generate(self, request: AdmittedRequest) -> AsyncIterator[GenerateChunk]:
+        """Stream the request's output. Closing the iterator (or cancelling the task that
+        iterates it) aborts the request and frees its resources: there is no other abort.
+
+        Raises only for the backend's state (dead, restarting), never for the request: that
+        was :meth:`check_request`'s job.
+        """
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix, so that the next request computes its whole

@@ -34,13 +34,12 @@ import numpy as np
 import torch
 
 from llmplatform.errors import InvalidRequestError
-from llmplatform.llm.base import (BackendInfo, GenerateRequest, LLMBackend, LoadStats,
+from llmplatform.llm.base import (AdmittedRequest, BackendInfo, GenerateRequest, LLMBackend, LoadStats,
                                   ModelFacts)
 from llmplatform.llm.embed_batcher import BatchingConfig, EmbedBatcher
 from llmplatform.llm.embedding import EmbeddingFacts, EmbeddingResult, ModelTask, check_lengths
 from llmplatform.llm.encoder_config import EncoderPipeline, read_pipeline
 from llmplatform.sampling.outputs import GenerateChunk
-from llmplatform.sampling.params import SamplingParams
 from llmplatform.utils.torch_utils import resolve_device, torch_thread
 
 logger = logging.getLogger("llmplatform.encoder")
@@ -141,19 +140,16 @@ class EncoderEmbeddingLLM(LLMBackend):
             f"model {self.model_names[0]!r} is an embedding model: it serves /v1/embeddings, not "
             "chat or completions", param="model")
 
-    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def check_request(self, request: GenerateRequest) -> AdmittedRequest:
         raise self._not_generation()
 
     def apply_chat_template_sync(self, messages: Sequence[dict[str, Any]],
                                  add_generation_prompt: bool = True, **kwargs: Any) -> str:
         raise self._not_generation()
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: AdmittedRequest) -> AsyncIterator[GenerateChunk]:
         raise self._not_generation()
         yield  # an async generator, as the interface's callers expect  # pragma: no cover
-
-    async def abort(self, request_id: str) -> bool:
-        return False  # embeddings are not aborted one by one: a request's batch finishes
 
     # ---- the forward pass (torch thread) -------------------------------------------------------
 

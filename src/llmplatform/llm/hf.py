@@ -1,7 +1,8 @@
 """The plain HF-transformers backend: one ``AutoModelForCausalLM``, one KV cache per request.
 
 Each request runs its own decode loop; every forward pass runs on a worker thread (never on the
-event loop), one step at a time, so an abort or a client disconnect stops it within one token.
+event loop), one step at a time, so closing its stream (a client disconnect, an abort) stops it
+within one token.
 Concurrency is bounded by the thread pool (``max_concurrency``); the model worker queues the rest.
 """
 
@@ -12,15 +13,16 @@ import inspect
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator
 
 import torch
 
 from llmplatform.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError
-from llmplatform.llm.base import BackendInfo, GenerateRequest, LLMBackend, LoadStats, ModelFacts
+from llmplatform.llm.base import (AdmittedRequest, BackendInfo, GenerateRequest, LLMBackend,
+                                  LoadStats, ModelFacts)
 from llmplatform.sampling.output_processor import OutputProcessor, eos_token_ids_of, token_text
-from llmplatform.sampling.outputs import FinishReason, GenerateChunk, TokenLogprob
-from llmplatform.sampling.params import SamplingParams, check_prompt_token_ids
+from llmplatform.sampling.outputs import GenerateChunk, TokenLogprob
+from llmplatform.sampling.params import check_prompt_token_ids
 from llmplatform.sampling.grammar_sandbox import GrammarSandbox
 from llmplatform.sampling.sampler import Sampler, SamplingRow, advance_grammars, make_generator
 from llmplatform.utils.torch_utils import resolve_device, resolve_dtype
@@ -63,8 +65,6 @@ class HFTransformersLLM(LLMBackend):
         self._executor = ThreadPoolExecutor(max_workers=max_concurrency,
                                             thread_name_prefix="hf-forward")
         self._max_concurrency = max_concurrency
-        self._aborted: set[str] = set()
-        self._active: set[str] = set()
         self._num_running = 0
         self._lock = threading.Lock()
         self._dead: str | None = None
@@ -95,19 +95,13 @@ class HFTransformersLLM(LLMBackend):
     async def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def abort(self, request_id: str) -> bool:
-        if request_id in self._active:
-            self._aborted.add(request_id)
-            return True
-        return False
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: AdmittedRequest) -> AsyncIterator[GenerateChunk]:
+        """Closing the stream (or cancelling its consumer) stops the decode loop at its next
+        ``await``; the forward pass already running on a thread finishes, unread."""
         if self._dead is not None:
             raise EngineDeadError(f"the backend has failed: {self._dead}")
         params = request.params
-        prompt_ids = (list(request.prompt_token_ids) if request.prompt_token_ids is not None
-                      else await self.encode(request.prompt or ""))
-        self.check_request(prompt_ids, params)
+        prompt_ids = list(request.prompt_token_ids)
         stop_token_ids = tuple(self.facts.eos_token_ids) + params.stop_token_ids
         grammar = None
         if request.grammar is not None:
@@ -125,17 +119,12 @@ class HFTransformersLLM(LLMBackend):
                           generator=make_generator(params.seed, self.device),
                           stop_token_ids=stop_token_ids, grammar=grammar)
         loop = asyncio.get_running_loop()
-        request_id = request.request_id
-        self._active.add(request_id)
         self._num_running += 1
         state: dict[str, Any] = {"cache": None}
         try:
             next_input = prompt_ids
             first = True
             while True:
-                if request_id in self._aborted:
-                    yield processor.finish(FinishReason.ABORT)
-                    return
                 token_id, record, prompt_records = await loop.run_in_executor(
                     self._executor, self._step, state, next_input, row,
                     first and params.prompt_logprobs is not None)
@@ -148,12 +137,11 @@ class HFTransformersLLM(LLMBackend):
                     return
                 next_input = [token_id]
         finally:
-            self._active.discard(request_id)
-            self._aborted.discard(request_id)
             self._num_running -= 1
             state.clear()  # drop the KV cache now, not when the generator is collected
 
-    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def check_request(self, request: GenerateRequest) -> AdmittedRequest:
+        prompt_token_ids, params = request.prompt_token_ids, request.params
         if params.n != 1:
             raise InvalidRequestError("this backend generates one sequence per request (n=1)",
                                       param="n")
@@ -162,6 +150,7 @@ class HFTransformersLLM(LLMBackend):
         check_prompt_token_ids(prompt_token_ids, self.facts.vocab_size)
         params.check_vocab(self.facts.vocab_size)
         self._check_fits(len(prompt_token_ids), params.max_tokens)
+        return AdmittedRequest.of(request)
 
     def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         if num_prompt_tokens + max_tokens > self.context_length:

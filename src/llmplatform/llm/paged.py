@@ -31,9 +31,10 @@ from llmplatform.engine.config import EngineConfig
 from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.engine.model_runner import ModelRunner, RunnerFactory
 from llmplatform.errors import EngineDeadError, InvalidRequestError, LLMPlatformError
-from llmplatform.llm.base import BackendInfo, GenerateRequest, LLMBackend, LoadStats, ModelFacts
+from llmplatform.llm.base import (AdmittedRequest, BackendInfo, GenerateRequest, LLMBackend,
+                                  LoadStats, ModelFacts)
 from llmplatform.llm.decoder_embedding import DecoderEmbedding
-from llmplatform.llm.embedding import EmbeddingFacts, EmbeddingResult, ModelTask, check_lengths
+from llmplatform.llm.embedding import EmbeddingFacts, EmbeddingResult, ModelTask
 from llmplatform.models.quantized import quantization_summary
 from llmplatform.sampling.outputs import GenerateChunk
 from llmplatform.sampling.params import SamplingParams
@@ -174,31 +175,27 @@ class PagedLLM(LLMBackend):
                            num_kv_heads_per_rank=layout.num_kv_heads_per_rank,
                            weights=quantization_summary(runner.model))
 
-    async def abort(self, request_id: str) -> bool:
-        return self._async is not None and await self._async.abort(request_id)
-
     async def reset_prefix_cache(self) -> bool:
         if self._async is None:
             return self.engine.reset_prefix_cache()
         # Between two steps, like admissions and aborts: never during a step's lookups.
         return await self._async.call_between_steps(lambda engine: engine.reset_prefix_cache())
 
-    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def check_request(self, request: GenerateRequest) -> AdmittedRequest:
         self._check_generates()
-        _one_output(params)
-        self.engine.validate(list(prompt_token_ids), params)  # what add_request checks first
+        _one_output(request.params)
+        # The engine's own limits: the vocabulary, the context, --max-num-seqs.
+        self.engine.validate(list(request.prompt_token_ids), request.params)
+        return AdmittedRequest.of(request)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, request: AdmittedRequest) -> AsyncIterator[GenerateChunk]:
         if self._async is None:
             await self.start()
         assert self._async is not None
-        self._check_generates()
-        _one_output(request.params)
-        self._async.check_serving()
-        prompt_ids = (list(request.prompt_token_ids) if request.prompt_token_ids is not None
-                      else await self.encode(request.prompt or ""))
-        updates = self._async.generate(request.request_id, prompt_ids, request.params,
-                                       request.grammar, cache_salt=request.cache_salt)
+        self._async.check_serving()  # the engine's state now, not the request's
+        updates = self._async.generate(request.request_id, list(request.prompt_token_ids),
+                                       request.params, request.grammar,
+                                       cache_salt=request.cache_salt)
         try:
             async for update in updates:
                 yield update.chunk
@@ -229,8 +226,10 @@ class PagedLLM(LLMBackend):
             await self.start()
         assert self._async is not None
         self._async.check_serving()
-        check_lengths(token_id_lists, self._facts.context_length)
-        prefix = request_id or f"embed-{uuid.uuid4().hex}"
+        for ids in token_id_lists:  # the engine's limits (empty, vocabulary, length), once
+            self.engine.validate_pooling(list(ids))
+        # Unique in the engine whatever the client named its request (its id stays in the name).
+        prefix = f"{request_id or 'embed'}-{uuid.uuid4().hex}"
         updates = await asyncio.gather(*(
             self._async.pool(f"{prefix}-{index}", list(ids), self.embedding.pooling)
             for index, ids in enumerate(token_id_lists)))

@@ -11,6 +11,10 @@ Counting is exact and leak-free by construction: a :class:`Ticket` is taken sync
 the route (no await between the check and the count, so concurrent arrivals cannot all slip
 under the limit) and released exactly once, by the generation's own ``finally`` or, if the
 response never started, by the response object.
+
+The ticket also holds the request's id (:meth:`Ticket.reserve_id`, the one place ids are
+checked for uniqueness) and its :class:`Generation`, which is how ``/worker_abort`` finds the
+request: an abort closes the request's stream, exactly as a client that hangs up does.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from collections.abc import AsyncIterator, Mapping
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from llmplatform.errors import EngineDeadError, EngineOverloadedError, ErrorCode, LLMPlatformError
-from llmplatform.llm.base import LLMBackend
+from llmplatform.errors import (EngineDeadError, EngineOverloadedError, ErrorCode,
+                                InvalidRequestError, LLMPlatformError)
+from llmplatform.llm.base import GenerateChunk, LLMBackend
 
 
 class WorkerDrainingError(LLMPlatformError):
@@ -59,6 +64,8 @@ class WorkerState:
         self.num_in_slot = 0
         """Holding a concurrency slot (handed to the backend)."""
         self.draining = False
+        self.generations: dict[str, Generation] = {}
+        """Accepted requests by id (ids are unique among them), for /worker_abort."""
 
     def num_queued(self, backend_waiting: int) -> int:
         """Requests accepted but not generating yet: waiting for a slot or in the backend's queue."""
@@ -96,12 +103,71 @@ class Ticket:
     def __init__(self, state: WorkerState) -> None:
         self._state = state
         self._held = True
+        self.generation: Generation | None = None
         state.num_accepted += 1
+
+    def reserve_id(self, request_id: str) -> Generation:
+        """Claims ``request_id`` for this request until the ticket is released; refused when a
+        request the worker holds has it (ids name requests for /worker_abort, in logs and in the
+        engine: the backends rely on their being unique)."""
+        assert self._held and self.generation is None
+        if request_id in self._state.generations:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use by a running "
+                                      "request", param="request_id")
+        self.generation = self._state.generations[request_id] = Generation(request_id)
+        return self.generation
 
     def release(self) -> None:
         if self._held:
             self._held = False
             self._state.num_accepted -= 1
+            if self.generation is not None:
+                del self._state.generations[self.generation.request_id]
+
+
+class Generation:
+    """An accepted request's stream, as an abort reaches it.
+
+    There is one way to abort a request: its stream closes, and the backend's generator frees
+    what the request held in its ``finally``. A client hanging up closes it from outside;
+    :meth:`abort` (``/worker_abort``) makes the consumer end the stream itself: at once when the
+    consumer is waiting for the backend's next chunk (its task is cancelled, and the cancellation
+    is taken back once it has closed the backend's generator), else before it asks for the next.
+    """
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.aborted = False
+        self._waiting: asyncio.Task | None = None  # the consumer, while it awaits the backend
+        self._cancelled = False  # _waiting was cancelled by abort()
+
+    def abort(self) -> None:
+        if self.aborted:
+            return
+        self.aborted = True
+        if self._waiting is not None:
+            self._cancelled = True
+            self._waiting.cancel()
+
+    async def next_chunk(self, chunks: AsyncIterator[GenerateChunk]) -> GenerateChunk | None:
+        """The backend's next chunk; None once it has no more, or the request was aborted (the
+        backend's generator then is closed)."""
+        if self.aborted:
+            return None
+        task = self._waiting = asyncio.current_task()
+        assert task is not None
+        try:
+            return await anext(chunks)
+        except StopAsyncIteration:
+            return None
+        except asyncio.CancelledError:
+            # Our own cancellation is taken back; anyone else's (a disconnect, a shutdown) goes on.
+            if not self._cancelled or task.uncancel() > 0:
+                raise
+            return None
+        finally:
+            self._waiting = None
+            self._cancelled = False
 
 
 def refusal_response(exc: LLMPlatformError) -> JSONResponse:

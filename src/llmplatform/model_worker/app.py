@@ -4,7 +4,7 @@ The same app serves every backend. The params dict is parsed once here into type
 checked whole before the worker answers (:mod:`.requests`): a refusal is the whole answer, a
 FastChat error object with HTTP 200, and errors after that travel inside the stream the same way.
 A closed connection aborts the request down to the backend (its generator is closed in
-``finally``).
+``finally``); ``/worker_abort`` takes the same path (:class:`~.admission.Generation`).
 
 Refusals happen before any work, with an HTTP status (:mod:`.admission`): 429 + Retry-After when
 the queue is full, 503 when the engine is dead or the worker is draining. Draining (:func:`drain`,
@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from llmplatform.errors import ErrorCode, LLMPlatformError
-from llmplatform.llm.base import LLMBackend
+from llmplatform.llm.base import FinishReason, GenerateChunk, LLMBackend, Usage
 from llmplatform.llm.embedding import ModelTask
 from llmplatform.metrics.common import add_metrics_route
 from llmplatform.metrics.worker import WorkerLoad, WorkerMetrics
@@ -41,8 +41,7 @@ from llmplatform.model_worker.embeddings import add_embedding_route, embedding_d
 from llmplatform.model_worker.failure import FailureHandler, watch_backend
 from llmplatform.model_worker.framing import frames_for
 from llmplatform.model_worker.registration import ControllerLink
-from llmplatform.model_worker.requests import (Accepted, accept, model_details_of,
-                                              check_model, id_in_use)
+from llmplatform.model_worker.requests import Accepted, accept, check_model, model_details_of
 from llmplatform.protocol.worker import (ACCEPTED_HEADER, AbortRequest, ApplyChatTemplateRequest,
                                          ApplyChatTemplateResponse, CountTokenRequest,
                                          ModelDetailsRequest, WorkerParams, error_chunk)
@@ -127,7 +126,6 @@ def create_app(llm: LLMBackend, settings: WorkerSettings, *,
     app.state.controller_link = None
     app.state.prefix_cache_resets = 0  # successful /reset_prefix_cache calls
     app.state.backend_failure = None  # why the backend failed for good (.failure)
-    app.state.generation_ids = set()  # ids of generations in progress (duplicates are refused)
     app.state.metrics = WorkerMetrics(llm.model_names[0], lambda: WorkerLoad(
         llm.load(), app.state.worker.num_accepted))
     add_metrics_route(app, app.state.metrics.registry)
@@ -206,30 +204,26 @@ async def _generate_chunks(app: FastAPI, accepted: Accepted, ticket: Ticket, *,
                            streamed: bool) -> AsyncIterator[bytes]:
     """The worker's stream: JSON objects each followed by NUL; errors in-band. Delta frames when
     `streamed` and the peer asked for them (:func:`frames_for`), FastChat's cumulative ones
-    otherwise."""
+    otherwise. An abort (:class:`Generation`) ends it with a last frame whose finish_reason is
+    ``abort``; a hang-up closes it from outside. Either way the backend's generator is closed in
+    ``finally``, which frees the request there."""
     llm: LLMBackend = app.state.llm
     state: WorkerState = app.state.worker
     request, params, observer = accepted.request, accepted.params, accepted.observer
-    request_id = request.request_id
-    running_ids: set[str] = app.state.generation_ids
-    owns_id = False
+    generation = ticket.generation
+    assert generation is not None, "accept() reserved the request's id"
     try:
-        if request_id in running_ids:  # taken by another request since the check
-            exc = id_in_use(request_id)
-            logger.info("refused: %s", exc.message)
-            yield error_chunk(exc.message, exc.error_code, exc.param)
-            return
-        running_ids.add(request_id)
-        owns_id = True
-        logger.debug("received: max_new_tokens=%s temperature=%s", params.max_new_tokens,
-                     params.temperature)
+        logger.debug("received: max_new_tokens=%s temperature=%s", request.params.max_tokens,
+                     request.params.temperature)
         async with state.slot():
             observer.started()
-            stream = frames_for(params, request.prompt or "", streamed=streamed)
+            stream = frames_for(params, accepted.prompt, streamed=streamed)
             generator = llm.generate(request)
+            usage = Usage(len(request.prompt_token_ids), 0)
             try:
                 first = True
-                async for chunk in generator:
+                while (chunk := await generation.next_chunk(generator)) is not None:
+                    usage = chunk.usage
                     observer.on_chunk(chunk)
                     out = stream.update(chunk)
                     if chunk.finish_reason is not None and chunk.error:
@@ -238,7 +232,13 @@ async def _generate_chunks(app: FastAPI, accepted: Accepted, ticket: Ticket, *,
                         return
                     if first or chunk.text or chunk.finish_reason is not None or chunk.logprobs:
                         yield out.encode()
+                    if chunk.finish_reason is not None:
+                        return
                     first = False
+                if generation.aborted:
+                    logger.debug("aborted by /worker_abort")
+                    yield stream.update(GenerateChunk(request.request_id, "", (), usage,
+                                                      FinishReason.ABORT)).encode()
             except LLMPlatformError as exc:
                 observer.failed()
                 logger.info("failed: %s", exc.message)
@@ -249,16 +249,14 @@ async def _generate_chunks(app: FastAPI, accepted: Accepted, ticket: Ticket, *,
                 yield error_chunk(f"internal error: {type(exc).__name__}: {exc}",
                                   ErrorCode.INTERNAL_ERROR)
             finally:
-                # Runs on normal end, on error and when the client disconnects (cancellation):
-                # closing the backend's generator aborts the request and frees its resources.
+                # Runs on normal end, on error, on abort and when the client disconnects
+                # (cancellation): closing the backend's generator frees the request there.
                 await generator.aclose()
     finally:
         ticket.release()
-        if owns_id:
-            running_ids.discard(request_id)
         # Scoped here: after a disconnect this runs from whoever closed the stream.
         if observer.close() is not None:
-            with request_context(request_id):
+            with request_context(request.request_id):
                 logger.info("finished: %s", observer.describe())
 
 
@@ -280,8 +278,7 @@ async def _generate(app: FastAPI, request: Request, *, refuse: Callable[[bytes],
     except LLMPlatformError as exc:
         return refusal_response(exc)
     try:
-        accepted = await accept(llm, params, running_ids=app.state.generation_ids,
-                                metrics=app.state.metrics)
+        accepted = await accept(llm, params, ticket, metrics=app.state.metrics)
     except LLMPlatformError as exc:
         ticket.release()
         return refuse(error_chunk(exc.message, exc.error_code, exc.param))
@@ -292,10 +289,10 @@ async def _generate(app: FastAPI, request: Request, *, refuse: Callable[[bytes],
 
 
 async def _streamed(app: FastAPI, accepted: Accepted, ticket: Ticket) -> Response:
-    """The chunks as they come (the response releases the ticket when it ends)."""
-    headers = {ACCEPTED_HEADER: "1"} if accepted.checked else None
+    """The chunks as they come (the response releases the ticket when it ends). The request is
+    checked whole: the header tells a gateway of ours so (a stock one ignores it)."""
     return TicketedStreamingResponse(_generate_chunks(app, accepted, ticket, streamed=True), ticket,
-                                     headers=headers)
+                                     headers={ACCEPTED_HEADER: "1"})
 
 
 async def _whole(app: FastAPI, accepted: Accepted, ticket: Ticket) -> Response:
@@ -378,11 +375,17 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.post("/worker_abort")
     async def worker_abort(request: Request) -> Response:
+        """For FastChat peers and operators: the request's stream closes as if its client had
+        hung up (:class:`Generation`), after a last frame that says ``abort``. Ours close the
+        stream itself."""
         try:
             body = await _json_body(request, AbortRequest)
         except LLMPlatformError as exc:
             return _error_response(exc)
-        return JSONResponse({"aborted": await llm.abort(body.request_id)})
+        generation = app.state.worker.generations.get(body.request_id)
+        if generation is not None:
+            generation.abort()
+        return JSONResponse({"aborted": generation is not None})
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict[str, Any]:

@@ -1,14 +1,16 @@
-"""Checking a generation request before the worker answers it.
+"""Checking a generation request before the worker answers it: the one place a request is
+parsed and checked.
 
 A request is accepted (:func:`accept`) only once everything it can fail before generating has
-been checked: the model, its request id, its prompt rendered and counted (``openai_max_tokens``),
-its sampling params, every token id they carry against the model's vocabulary (the worker is
-where the vocabulary is known, whoever sent the request), its output constraint compiled
-(``structured_output``: the request waits here while its grammar compiles, off the event loop,
-and no other request's steps wait for it), and the backend's own checks
-(:meth:`LLMBackend.check_request`). The worker then answers a refusal as the whole response and an
-accepted request with a stream whose first chunk is output
-(:data:`~llmplatform.protocol.worker.ACCEPTED_HEADER`).
+been checked, in this order: the model, its request id (reserved for it until it ends:
+:class:`~.admission.Ticket`), its prompt rendered and tokenized (one thread hop; sized here with
+``openai_max_tokens``), its sampling params, then the backend's admission
+(:meth:`LLMBackend.check_request`: the vocabulary, the context, what the engine can run), and last
+its output constraint compiled (``structured_output``: the request waits here while its grammar
+compiles, off the event loop, and no other request's steps wait for it). What comes out is an
+:class:`~llmplatform.llm.base.AdmittedRequest`, which the backend and the engine trust. The
+worker then answers a refusal as the whole response and an accepted request with a stream whose
+first chunk is output (:data:`~llmplatform.protocol.worker.ACCEPTED_HEADER`).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmplatform.errors import InvalidRequestError, LLMPlatformError, ModelNotFoundError
-from llmplatform.llm.base import GenerateRequest, LLMBackend
+from llmplatform.llm.base import AdmittedRequest, GenerateRequest, LLMBackend
 from llmplatform.metrics.worker import RequestObserver, WorkerMetrics
+from llmplatform.model_worker.admission import Ticket
 from llmplatform.protocol.worker import WorkerParams
 from llmplatform.sampling.context_length import resolve_max_new_tokens
 from llmplatform.sampling.params import SamplingParams
@@ -59,26 +62,20 @@ def check_model(llm: LLMBackend, model: str | None) -> None:
                                  param="model")
 
 
-def id_in_use(request_id: str) -> InvalidRequestError:
-    # Ids name requests for /worker_abort and inside the engine: they must be unique.
-    return InvalidRequestError(f"request id {request_id!r} is already in use by a running request",
-                               param="request_id")
-
-
-async def render_prompt(llm: LLMBackend, params: WorkerParams) -> tuple[str, list[int] | None, int]:
-    """The prompt text, its token ids when the worker must count them here (``openai_max_tokens``;
-    otherwise the backend tokenizes), and ``max_new_tokens``. One thread hop for the template and
-    the tokenizer together: both take a while on long conversations."""
+async def render_prompt(llm: LLMBackend, params: WorkerParams) -> tuple[str, list[int], int]:
+    """The prompt text, its token ids and ``max_new_tokens`` (sized here with
+    ``openai_max_tokens``). One thread hop for the template and the tokenizer together: both take
+    a while on long conversations."""
     budget = params.openai_max_tokens
 
-    def render() -> tuple[str, list[int] | None]:
+    def render() -> tuple[str, list[int]]:
         if params.prompt is not None:
             text = params.prompt
         elif params.tools:
             text = llm.apply_chat_template_sync(params.messages or [], tools=params.tools)
         else:
             text = llm.apply_chat_template_sync(params.messages or [])
-        return text, (llm.encode_sync(text) if budget is not None else None)
+        return text, llm.encode_sync(text)
 
     if params.tools is not None:
         if llm.tool_call_parser is None:
@@ -89,10 +86,8 @@ async def render_prompt(llm: LLMBackend, params: WorkerParams) -> tuple[str, lis
         if params.messages is None:
             raise InvalidRequestError("tools need chat messages, not a prompt", param="tools")
 
-    if params.prompt is not None and budget is None:
-        return params.prompt, None, params.max_new_tokens
     text, ids = await asyncio.to_thread(render)
-    if budget is None or ids is None:
+    if budget is None:
         return text, ids, params.max_new_tokens
     max_new_tokens = resolve_max_new_tokens(budget.requested, prompt_tokens=len(ids),
                                             context_length=llm.context_length,
@@ -123,10 +118,9 @@ def sampling_params_from(params: WorkerParams, max_new_tokens: int | None = None
 
 
 async def compile_constraint(llm: LLMBackend, params: WorkerParams) -> Any:
-    """The request's compiled output grammar (None without ``structured_output``); a spec that
-    is malformed, does not compile or compiles too slowly is a 400 naming the client's field."""
-    if params.structured_output is None:
-        return None
+    """The request's compiled output grammar (``structured_output`` set); a spec that is
+    malformed, does not compile or compiles too slowly is a 400 naming the client's field."""
+    assert params.structured_output is not None
     from llmplatform.sampling.structured_output import StructuredOutputSpec
 
     return await llm.compile_grammar(StructuredOutputSpec.from_wire(params.structured_output),
@@ -137,18 +131,18 @@ async def compile_constraint(llm: LLMBackend, params: WorkerParams) -> Any:
 class Accepted:
     """A request the worker has checked and will generate."""
 
-    request: GenerateRequest
+    request: AdmittedRequest
     params: WorkerParams
+    prompt: str
+    """The rendered prompt (what ``echo`` prepends)."""
     observer: RequestObserver
-    checked: bool
-    """The backend's own checks passed too (the worker had the token ids): the stream's first
-    chunk is output, not a refusal (``ACCEPTED_HEADER``)."""
 
 
-async def accept(llm: LLMBackend, params: WorkerParams, *, running_ids: set[str],
+async def accept(llm: LLMBackend, params: WorkerParams, ticket: Ticket, *,
                  metrics: WorkerMetrics) -> Accepted:
     """Every check a request can fail before generating (LLMPlatformError), done before the
-    worker answers. Starts the request's timing (its arrival) and its logging context."""
+    worker answers; the request's id is reserved on `ticket` until the ticket is released.
+    Starts the request's timing (its arrival) and its logging context."""
     request_id = params.request_id or uuid.uuid4().hex
     # Every line logged about this request carries its id (the engine's too). Set, not scoped:
     # the context is this request's own (the response's stream runs in a copy of it).
@@ -156,18 +150,14 @@ async def accept(llm: LLMBackend, params: WorkerParams, *, running_ids: set[str]
     observer = metrics.observe_request()
     try:
         check_model(llm, params.model)
-        if request_id in running_ids:
-            raise id_in_use(request_id)
+        ticket.reserve_id(request_id)
         prompt, prompt_ids, max_new_tokens = await render_prompt(llm, params)
-        sampling = sampling_params_from(params, max_new_tokens)
-        sampling.check_vocab(llm.facts.vocab_size)
-        if prompt_ids is not None:
-            llm.check_request(prompt_ids, sampling)
-        grammar = await compile_constraint(llm, params)
+        admitted = llm.check_request(GenerateRequest(
+            request_id=request_id, params=sampling_params_from(params, max_new_tokens),
+            prompt_token_ids=tuple(prompt_ids), prompt=prompt, cache_salt=params.cache_salt))
+        if params.structured_output is not None:
+            admitted = admitted.with_grammar(await compile_constraint(llm, params))
     except LLMPlatformError as exc:
         logger.info("refused: %s", exc.message)  # never handed over: the observer counts nothing
         raise
-    request = GenerateRequest(request_id=request_id, params=sampling, prompt=prompt,
-                              prompt_token_ids=tuple(prompt_ids) if prompt_ids is not None else None,
-                              grammar=grammar, cache_salt=params.cache_salt)
-    return Accepted(request, params, observer, checked=prompt_ids is not None)
+    return Accepted(admitted, params, prompt, observer)

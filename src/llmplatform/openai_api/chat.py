@@ -17,12 +17,12 @@ from llmplatform.openai_api.deltas import (
     sum_usage,
 )
 from llmplatform.openai_api.constraints import WorkerConstraint, request_constraints
+from llmplatform.openai_api.fastchat_peer import for_peer
 from llmplatform.openai_api.generation import answer, route_request, tenants, worker_client
 from llmplatform.openai_api.worker_routing import chat_routing_text
 from llmplatform.openai_api.sse import sse_event
 from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_choices
 from llmplatform.openai_api.translate import (
-    PreparedPrompt,
     chat_messages,
     check_chat_request,
     check_limits,
@@ -31,7 +31,6 @@ from llmplatform.openai_api.translate import (
     new_id,
     params_dict,
     worker_params,
-    max_new_tokens_for,
 )
 from llmplatform.protocol.openai import (
     ChatCompletionChoice,
@@ -45,7 +44,7 @@ from llmplatform.protocol.openai import (
     Usage,
 )
 from llmplatform.openai_api.tools.parsers import ContentDelta, ToolParser, accumulate
-from llmplatform.protocol.worker import WorkerChunk
+from llmplatform.protocol.worker import OpenAIMaxTokens, WorkerChunk
 from llmplatform.utils.json_body import parse_json_body
 from llmplatform.utils.request_id import worker_request_id_prefix
 
@@ -69,20 +68,20 @@ async def create_chat_completion(request: Request) -> Response:
         cache_salt = tenants(request).for_worker(salt, details.extensions, body.model, address)
         constraint = constraints.for_worker(body.model, details.extensions, details.tool_call_parser)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        prepared = await client.prepare_chat(address, body.model, messages, requested=requested)
-        max_new_tokens = max_new_tokens_for(prepared, requested, default=None, prompt_param="messages")
+        budget = OpenAIMaxTokens(requested=requested, default=None, param="messages")
         params = [
             params_dict(
                 worker_params(
-                    body, prepared, max_new_tokens=max_new_tokens, request_id=f"{trace_id}-{i}", choice_index=i,
+                    body, messages=messages, budget=budget, request_id=f"{trace_id}-{i}", choice_index=i,
                     constraint=constraint, cache_salt=cache_salt,
                     tenant=tenant,
                 )
             )
             for i in range(body.n or 1)
         ]
+        params, prompt_tokens = await for_peer(client, address, body.model, params)
         streams = await start_choices(client, address, params, prompt_param="messages", early=bool(body.stream))
-        return _Prepared(prepared, constraint), streams
+        return _Prepared(prompt_tokens, constraint), streams
 
     response_id = new_id("chatcmpl")
     # body.tools is the client's JSON as sent (checked later, in start_on): routing only hashes it.
@@ -93,7 +92,8 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 class _Prepared(NamedTuple):
-    prompt: PreparedPrompt
+    prompt_tokens: int
+    """Counted by the gateway for a stock worker (0: the worker reports it)."""
     constraint: WorkerConstraint
 
 
@@ -114,7 +114,7 @@ class _ChatStream:
 
     @property
     def prompt_tokens(self) -> int:
-        return self._prepared().prompt.prompt_tokens
+        return self._prepared().prompt_tokens
 
     def _new_parser(self) -> ToolParser | None:
         return self._prepared().constraint.new_parser()

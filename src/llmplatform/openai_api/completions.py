@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -17,12 +18,12 @@ from llmplatform.openai_api.deltas import (
     sum_usage,
 )
 from llmplatform.openai_api.constraints import request_constraints
+from llmplatform.openai_api.fastchat_peer import for_peer
 from llmplatform.openai_api.generation import answer, route_request, tenants, worker_client
 from llmplatform.openai_api.sse import sse_event
 from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_choices
 from llmplatform.openai_api.translate import (
     DEFAULT_COMPLETION_MAX_TOKENS,
-    PreparedPrompt,
     check_limits,
     check_unsupported,
     check_worker_extensions,
@@ -30,7 +31,6 @@ from llmplatform.openai_api.translate import (
     new_id,
     params_dict,
     worker_params,
-    max_new_tokens_for,
 )
 from llmplatform.protocol.openai import (
     CompletionChoice,
@@ -39,7 +39,7 @@ from llmplatform.protocol.openai import (
     CompletionResponse,
     Usage,
 )
-from llmplatform.protocol.worker import WorkerChunk
+from llmplatform.protocol.worker import OpenAIMaxTokens, WorkerChunk
 from llmplatform.utils.json_body import parse_json_body
 from llmplatform.utils.request_id import worker_request_id_prefix
 
@@ -56,33 +56,31 @@ async def create_completion(request: Request) -> Response:
     salt = tenants(request).cache_salt(request, body.cache_salt)
     tenant = tenants(request).worker_tenant(request)
 
-    async def start_on(address: str) -> tuple[list[PreparedPrompt], ChoiceStreams]:
+    async def start_on(address: str) -> tuple[list[int], ChoiceStreams]:
+        """Starts the choices at `address`; returns each prompt's token count as the gateway
+        counted it (0: the worker reports it) with the streams."""
         await check_generates(client, address, body.model)
         announced = (await client.model_details(address, body.model)).extensions
         check_worker_extensions(body, announced)
         cache_salt = tenants(request).for_worker(salt, announced, body.model, address)
         constraint = constraints.for_worker(body.model, announced, None)
+        budget = OpenAIMaxTokens(requested=body.max_tokens, default=DEFAULT_COMPLETION_MAX_TOKENS,
+                                 param="prompt")
 
-        def prepare(prompt: str) -> Awaitable[PreparedPrompt]:
-            return client.prepare_completion(address, body.model, prompt, requested=body.max_tokens,
-                                             default=DEFAULT_COMPLETION_MAX_TOKENS)
+        def prepare(p: int) -> Awaitable[tuple[list[dict[str, Any]], int]]:
+            # Choices are numbered prompt by prompt, as OpenAI does: index = p * n + i.
+            choices = [params_dict(worker_params(
+                body, prompt=prompts[p], budget=budget, request_id=f"{trace_id}-{p * n + i}", choice_index=i,
+                constraint=constraint, cache_salt=cache_salt, tenant=tenant,
+            )) for i in range(n)]
+            return for_peer(client, address, body.model, choices)
 
         # One prompt (nearly every request) is awaited as is: gather would wrap it in a task.
-        prepared = [await prepare(prompts[0])] if len(prompts) == 1 else await asyncio.gather(*map(prepare, prompts))
-        params = []
-        for p, prompt in enumerate(prepared):
-            max_new_tokens = max_new_tokens_for(prompt, body.max_tokens, default=DEFAULT_COMPLETION_MAX_TOKENS,
-                                                prompt_param="prompt")
-            for i in range(n):
-                # Choices are numbered prompt by prompt, as OpenAI does: index = p * n + i.
-                choice_params = worker_params(
-                    body, prompt, max_new_tokens=max_new_tokens, request_id=f"{trace_id}-{p * n + i}", choice_index=i,
-                    constraint=constraint, cache_salt=cache_salt,
-                    tenant=tenant,
-                )
-                params.append(params_dict(choice_params))
+        prepared = ([await prepare(0)] if len(prompts) == 1
+                    else await asyncio.gather(*map(prepare, range(len(prompts)))))
+        params = [choice for choices, _ in prepared for choice in choices]
         streams = await start_choices(client, address, params, prompt_param="prompt", early=bool(body.stream))
-        return list(prepared), streams
+        return [prompt_tokens for _, prompt_tokens in prepared], streams
 
     response_id = new_id("cmpl")
     route = route_request(request, prompts[0], body.user, salt)  # a batch: by its first prompt
@@ -95,19 +93,19 @@ class _CompletionStream:
     """Builds the chunks and the full response of one text completion."""
 
     def __init__(self, body: CompletionRequest, response_id: str, *, n: int,
-                 prepared: Callable[[], list[PreparedPrompt]]) -> None:
+                 prepared: Callable[[], list[int]]) -> None:
         self.body = body
         self.response_id = response_id
         self.created = int(time.time())
         self.n = n
-        self._prepared = prepared  # those of the worker that answered (failover may change it)
+        self._prepared = prepared  # prompt token counts at the worker that answered (failover may change it)
         self.want_logprobs = body.logprobs is not None
         self.num_top_logprobs = body.logprobs or 0
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     @property
     def prompt_tokens(self) -> list[int]:
-        return [p.prompt_tokens for p in self._prepared()]
+        return self._prepared()
 
     def response(self, final_chunks: list[WorkerChunk]) -> CompletionResponse:
         choices = [
@@ -136,7 +134,7 @@ class _CompletionStream:
         )
         return sse_event(chunk, exclude=None if self.include_usage else {"usage"})
 
-    async def events(self, streams: RequestStreams[list[PreparedPrompt]]) -> AsyncGenerator[bytes, None]:
+    async def events(self, streams: RequestStreams[list[int]]) -> AsyncGenerator[bytes, None]:
         trackers = [DeltaTracker() for _ in range(streams.num_choices)]
         final_chunks: list[WorkerChunk | None] = [None] * streams.num_choices
         async for index, chunk in streams.events():

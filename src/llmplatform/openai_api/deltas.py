@@ -1,11 +1,10 @@
 """Worker chunks -> OpenAI deltas, and FastChat logprobs -> OpenAI's shapes (pure).
 
-A stock worker's `text` and `logprobs` are cumulative: every chunk carries everything so far. Ours
-sends delta frames when asked (`stream_deltas`; each chunk marked `delta`): only what is new. One
-:class:`DeltaTracker` per choice takes either, chunk by chunk: it slices a cumulative chunk past
-what has been sent, and passes a delta chunk on. :class:`FinalChunk` rebuilds a choice's whole
-result from either (the last cumulative chunk, or every delta joined once at the end), so a long
-stream costs the gateway the same per token throughout when the worker sends deltas.
+The chunks are delta frames (each carries only the text and logprob entries that are new): our
+workers send them, and a stock worker's cumulative frames are made into them on the way in
+(:mod:`.fastchat_peer`). One :class:`DeltaTracker` per choice passes each on; :class:`FinalChunk`
+rebuilds a choice's whole result (every delta joined once, at the end), so a long stream costs
+the gateway the same per token throughout.
 
 Half a UTF-8 character decodes to U+FFFD at the end of the text; it is held back until a later
 chunk completes it (or the stream ends), and the logprob entries of tokens that start inside the
@@ -28,7 +27,6 @@ from llmplatform.protocol.worker import ChunkLogprobs, WorkerChunk
 
 REPLACEMENT_CHAR = "\ufffd"
 
-
 @dataclass
 class Delta:
     text: str
@@ -41,25 +39,21 @@ class Delta:
 
 
 class DeltaTracker:
-    """What one choice has sent so far; turns each chunk, cumulative or delta, into a delta."""
+    """What one choice has sent so far; turns each delta chunk into what the client gets."""
 
     def __init__(self) -> None:
         self.num_chars_sent = 0
         self.num_tokens_sent = 0
-        # Delta chunks: what arrived but waits (a split UTF-8 character and its tokens' entries).
+        # What arrived but waits (a split UTF-8 character and its tokens' entries).
         self._held_text = ""
         self._held_logprobs: ChunkLogprobs | None = None
 
     def take(self, chunk: WorkerChunk, *, want_logprobs: bool) -> Delta:
         """The delta `chunk` adds (its logprobs only when `want_logprobs`)."""
+        assert chunk.delta, "cumulative frames are made deltas on the way in (fastchat_peer)"
         logprobs = chunk.logprobs if want_logprobs else None
         final = chunk.finish_reason is not None
-        if chunk.delta:
-            return self._advance_delta(chunk.text, logprobs, final=final)
-        return self.advance(chunk.text, logprobs, final=final)
-
-    def _advance_delta(self, text: str, logprobs: ChunkLogprobs | None, *, final: bool) -> Delta:
-        pending = self._held_text + text if self._held_text else text
+        pending = self._held_text + chunk.text if self._held_text else chunk.text
         ready = len(pending) if final else len(pending.rstrip(REPLACEMENT_CHAR))
         delta_text, self._held_text = pending[:ready], pending[ready:]
         self.num_chars_sent += ready  # text_offset counts in the whole text, as this does
@@ -70,7 +64,7 @@ class DeltaTracker:
             self._held_logprobs = None
         num_ready = len(logprobs.tokens)
         if not final and len(logprobs.text_offset) == num_ready:
-            num_ready = 0  # as for cumulative chunks: tokens starting in the held-back tail wait
+            num_ready = 0  # tokens starting in the held-back tail wait
             while num_ready < len(logprobs.tokens) and logprobs.text_offset[num_ready] < self.num_chars_sent:
                 num_ready += 1
         if num_ready < len(logprobs.tokens):
@@ -78,23 +72,6 @@ class DeltaTracker:
             logprobs = slice_logprobs(logprobs, 0, num_ready)
         self.num_tokens_sent += num_ready
         return Delta(delta_text, logprobs)
-
-    def advance(self, text: str, logprobs: ChunkLogprobs | None, *, final: bool) -> Delta:
-        """A cumulative chunk's delta (everything past what was sent)."""
-        end = len(text) if final else len(text.rstrip(REPLACEMENT_CHAR))
-        delta_text = text[self.num_chars_sent : end] if end > self.num_chars_sent else ""
-        self.num_chars_sent = max(self.num_chars_sent, end)
-        if logprobs is None:
-            return Delta(delta_text, None)
-        num_ready = len(logprobs.tokens)
-        if not final and len(logprobs.text_offset) == num_ready:
-            # Tokens that start inside the held-back tail wait for it.
-            num_ready = self.num_tokens_sent
-            while num_ready < len(logprobs.tokens) and logprobs.text_offset[num_ready] < end:
-                num_ready += 1
-        lo, hi = self.num_tokens_sent, max(self.num_tokens_sent, num_ready)
-        self.num_tokens_sent = hi
-        return Delta(delta_text, slice_logprobs(logprobs, lo, hi))
 
 
 def slice_logprobs(logprobs: ChunkLogprobs, lo: int, hi: int) -> ChunkLogprobs:
@@ -118,8 +95,8 @@ def join_logprobs(parts: Sequence[ChunkLogprobs]) -> ChunkLogprobs:
 
 
 class FinalChunk:
-    """One choice's whole result, from its chunks as they come: a cumulative chunk replaces what
-    was there, a delta chunk is kept to be joined once, when :meth:`result` is asked for."""
+    """One choice's whole result, from its delta chunks as they come: kept, and joined once,
+    when :meth:`result` is asked for."""
 
     def __init__(self) -> None:
         self._last: WorkerChunk | None = None
@@ -127,12 +104,10 @@ class FinalChunk:
         self._logprobs: list[ChunkLogprobs] = []
 
     def add(self, chunk: WorkerChunk) -> None:
-        if not chunk.delta:
-            self._texts, self._logprobs = [], []
-        else:
-            self._texts.append(chunk.text)
-            if chunk.logprobs is not None:
-                self._logprobs.append(chunk.logprobs)
+        assert chunk.delta, "cumulative frames are made deltas on the way in (fastchat_peer)"
+        self._texts.append(chunk.text)
+        if chunk.logprobs is not None:
+            self._logprobs.append(chunk.logprobs)
         self._last = chunk
 
     @property
@@ -142,8 +117,8 @@ class FinalChunk:
     def result(self) -> WorkerChunk | None:
         """The cumulative chunk the choice's chunks add up to (its last one's usage and reason)."""
         last = self._last
-        if last is None or not last.delta:
-            return last
+        if last is None:
+            return None
         logprobs = join_logprobs(self._logprobs) if last.logprobs is not None or self._logprobs else None
         return last.model_copy(update={"text": "".join(self._texts), "logprobs": logprobs, "delta": False})
 

@@ -128,8 +128,6 @@ class GatewaySettings:
     """Seconds allowed for one controller call."""
     connect_timeout: float = 5.0
     """Seconds allowed to open a connection to the controller or a worker."""
-    abort_timeout: float = 5.0
-    """Seconds allowed for the best-effort `/worker_abort` call after a client disconnect."""
     max_worker_attempts: int = 3
     """Workers one request may be tried on: when a worker cannot take it before generating
     anything (unreachable, died, dead engine, draining, 429), the next is asked for, up to this
@@ -186,7 +184,7 @@ class GatewaySettings:
         object.__setattr__(self, "prefix_cache_isolation", PrefixCacheIsolation(self.prefix_cache_isolation))
         object.__setattr__(self, "allowed_worker_networks",
                            parse_networks(str(n) for n in self.allowed_worker_networks))
-        for name in ("worker_timeout", "controller_timeout", "connect_timeout", "abort_timeout",
+        for name in ("worker_timeout", "controller_timeout", "connect_timeout",
                      "worker_refresh_interval"):
             value = getattr(self, name)
             if not value > 0:

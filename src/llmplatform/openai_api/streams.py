@@ -11,8 +11,8 @@ Lifecycle::
 
 With several choices, each is pumped by its own task into one bounded queue (backpressure reaches
 the worker's TCP connection when the client reads slowly). Cancelling a pump closes its HTTP
-stream, which aborts the request on the worker; `/worker_abort` is also sent, best effort, for
-every choice that had not finished. One choice (nearly every request) needs no merging: its
+stream, which aborts the request on the worker (the one way a request is aborted: the worker's
+`/worker_abort` route is for FastChat peers). One choice (nearly every request) needs no merging: its
 stream is read in the caller's task, with no pump task or queue between the worker's chunk and
 the client (one task switch less on the way to the first token); closing it (`aclose`) closes
 the HTTP stream the same way.
@@ -38,6 +38,7 @@ from starlette.requests import Request
 from llmplatform.errors import ContextLengthExceededError, LLMPlatformError
 from llmplatform.openai_api.errors import ClientDisconnected, UpstreamError
 from llmplatform.openai_api.failover import with_failover
+from llmplatform.openai_api.fastchat_peer import CumulativeFrames
 from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.openai_api.worker_wire import ACCEPTED, Accepted, may_try_another_worker
 from llmplatform.openai_api.deltas import FinalChunk
@@ -59,12 +60,11 @@ class ChoiceStreams:
         self._client = client
         self._address = address
         # Delta frames (only what is new in each chunk) from a worker of ours; a stock worker
-        # ignores the field and sends cumulative chunks, which the consumers take as well.
+        # ignores the field and sends cumulative chunks, made deltas as they arrive (_read).
         self._params = ([{**p, "stream_deltas": True} for p in params] if client.stream_deltas
                         else list(params))
         self._queue: asyncio.Queue[Event] = asyncio.Queue(maxsize=_QUEUE_SLOTS_PER_CHOICE * len(params))
         self._tasks: list[asyncio.Task[None]] = []
-        self._finished = [False] * len(params)
         self._buffered: list[Event] = []
         self._closed = False
         # One choice: its events, read by whoever iterates (no pump task, no queue).
@@ -145,16 +145,13 @@ class ChoiceStreams:
                 yield index, payload
 
     def cancel(self) -> None:
-        """Stop every pump now and abort unfinished choices (no await: safe in a finally)."""
+        """Stop every pump now (no await: safe in a finally); a cancelled pump closes its HTTP
+        stream, which aborts its choice on the worker."""
         if self._closed:
             return
         self._closed = True
         for task in self._tasks:
             task.cancel()
-        for index, finished in enumerate(self._finished):
-            request_id = self._params[index].get("request_id")
-            if not finished and request_id:
-                self._client.abort_soon(self._address, str(request_id))
 
     async def aclose(self) -> None:
         self.cancel()
@@ -175,6 +172,7 @@ class ChoiceStreams:
         """One choice's events: its chunks, then `_END`; or, in their place, the error that
         ended it. Only cancellation (or closing this generator) escapes as an exception."""
         last: WorkerChunk | None = None
+        cumulative: CumulativeFrames | None = None  # a stock worker's frames, made deltas
         try:
             chunks = self._client.generate_stream(self._address, self._params[index])
             async with contextlib.aclosing(chunks):
@@ -187,26 +185,27 @@ class ChoiceStreams:
                         # it at once), so the connection goes back to the pool instead of being
                         # closed half-read and dialled again by the next request.
                         continue
+                    raw = chunk
+                    if not chunk.delta:
+                        cumulative = cumulative or CumulativeFrames()
+                        chunk = cumulative.delta(chunk)
                     last = chunk
-                    if chunk.finish_reason is not None:
-                        self._finished[index] = True
                     yield index, chunk
             if last is None:
                 raise UpstreamError("The worker closed the stream without sending anything.")
             if last.finish_reason is None:
                 # A worker that ends without a reason: the text it sent is all there is.
-                self._finished[index] = True
-                end: dict[str, Any] = {"finish_reason": "stop"}
-                if last.delta:  # an empty last delta: its text has been passed on already
-                    end.update(text="", logprobs=None if last.logprobs is None else ChunkLogprobs())
-                yield index, last.model_copy(update=end)
+                if cumulative is not None:  # what it held back, now final
+                    yield index, cumulative.delta(raw.model_copy(update={"finish_reason": "stop"}))
+                else:  # an empty last delta: its text has been passed on already
+                    yield index, last.model_copy(update={
+                        "finish_reason": "stop", "text": "",
+                        "logprobs": None if last.logprobs is None else ChunkLogprobs()})
             yield index, _END
         except LLMPlatformError as exc:
-            self._finished[index] = True  # the worker is done with it (or unreachable)
             yield index, exc
         except Exception as exc:  # a bug here must reach the client as a 500, not hang it
             logger.exception("worker stream %d failed unexpectedly", index)
-            self._finished[index] = True
             yield index, LLMPlatformError(f"internal error: {type(exc).__name__}")
 
 

@@ -3,8 +3,8 @@
 The route handlers call these in order: check the request's own consistency
 (:func:`chat_messages`, :func:`check_chat_request`, :func:`completion_prompts`), then, once a
 worker is chosen, whether it understands every field the request needs
-(:func:`check_worker_extensions`), then, once the prompt's token count and the model's context are
-known, :func:`resolve_max_new_tokens`, then one params object per choice (:func:`worker_params`).
+(:func:`check_worker_extensions`), then one params object per choice (:func:`worker_params`):
+the worker sizes the completion (``openai_max_tokens``), or fastchat_peer.py does for a stock one.
 
 Token ids (``stop_token_ids``, ``logit_bias`` keys) are checked here only for their shape: the
 worker, which knows the model's vocabulary, checks their range and refuses naming the field.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from llmplatform.errors import InvalidRequestError
@@ -22,7 +21,6 @@ from llmplatform.openai_api.constraints import WorkerConstraint
 from llmplatform.openai_api.settings import RequestLimits
 from llmplatform.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 from llmplatform.protocol.worker import OpenAIMaxTokens, WorkerParams
-from llmplatform.sampling.context_length import resolve_max_new_tokens
 from llmplatform.sampling.params import MAX_LOGIT_BIAS_ENTRIES, MAX_SEED
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -30,23 +28,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 _ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
                  "tool": "tool"}
-
-
-@dataclass(frozen=True)
-class PreparedPrompt:
-    """A rendered prompt with the facts needed to size the completion, or, for a worker that
-    renders and sizes requests itself (our workers), the messages and the sizing rule to send."""
-
-    prompt: str | None
-    prompt_tokens: int
-    """0 when the worker counts (it reports the count in every chunk's usage)."""
-    context_length: int | None
-    stop: tuple[str, ...] = ()
-    """Stop strings the model's template adds (stock FastChat workers only)."""
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    messages: list[dict[str, Any]] | None = None
-    budget: OpenAIMaxTokens | None = None
-    """Set when the worker sizes the completion (``openai_max_tokens``)."""
 
 
 def new_id(prefix: str) -> str:
@@ -257,21 +238,6 @@ def check_limits(
             )
 
 
-# ---- sizing ----------------------------------------------------------------------------------------
-
-
-def max_new_tokens_for(prepared: PreparedPrompt, requested: int | None, *, default: int | None,
-                       prompt_param: str) -> int:
-    """`max_new_tokens` for the params dict. A worker that sizes requests itself (``budget``)
-    ignores it; the value sent is only what a reader of the params would expect."""
-    if prepared.budget is not None:
-        return requested or default or 256
-    assert prepared.context_length is not None
-    return resolve_max_new_tokens(requested, prompt_tokens=prepared.prompt_tokens,
-                                  context_length=prepared.context_length, default=default,
-                                  prompt_param=prompt_param)
-
-
 # ---- params --------------------------------------------------------------------------------------
 
 
@@ -287,23 +253,26 @@ def merge_stops(requested: str | list[str] | None, extra: Iterable[str] = ()) ->
 
 def worker_params(
     request: ChatCompletionRequest | CompletionRequest,
-    prepared: PreparedPrompt,
     *,
-    max_new_tokens: int,
+    prompt: str | None = None,
+    messages: list[dict[str, Any]] | None = None,
+    budget: OpenAIMaxTokens,
     request_id: str,
     choice_index: int,
     constraint: WorkerConstraint | None = None,
     cache_salt: str | None = None,
     tenant: str | None = None,
 ) -> WorkerParams:
-    """The worker params of one choice of a chat or a text completion request."""
+    """The worker params of one choice of a chat (``messages``) or a text completion (``prompt``)
+    request, as a worker of ours takes them: it renders, counts and sizes the prompt itself
+    (``budget``); fastchat_peer.py rewrites them for a stock worker."""
     top_k = request.top_k if request.top_k not in (None, 0) else -1
-    stop_token_ids = list(dict.fromkeys([*(request.stop_token_ids or []), *prepared.stop_token_ids]))
+    stop_token_ids = list(dict.fromkeys(request.stop_token_ids or []))
     return WorkerParams(
         model=request.model,
-        prompt=prepared.prompt,
-        messages=prepared.messages,
-        openai_max_tokens=prepared.budget,
+        prompt=prompt,
+        messages=messages,
+        openai_max_tokens=budget,
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=top_k,
@@ -311,8 +280,9 @@ def worker_params(
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
         repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
-        max_new_tokens=max_new_tokens,
-        stop=merge_stops(request.stop, prepared.stop),
+        # Ignored by a worker that sizes the request (budget); only what a reader would expect.
+        max_new_tokens=budget.requested or budget.default or 256,
+        stop=merge_stops(request.stop),
         stop_token_ids=stop_token_ids or None,
         ignore_eos=bool(request.ignore_eos),
         min_tokens=request.min_tokens or 0,

@@ -7,10 +7,9 @@ own (worker_stream.py).
 Every failure comes out typed (``worker_wire.py``: the frames and the errors): an unreachable
 peer is 503, a silent one 504, a worker's FastChat error code keeps its meaning.
 
-Chat prompts: our workers render them (`/worker_apply_chat_template`); a stock FastChat worker
-answers 404 there, and then the gateway renders FastChat's conversation template itself, as
-FastChat's own gateway does (`/worker_get_conv_template`, `/count_token`, `/model_details`; what
-is learnt once per worker is kept in worker_details.py).
+Prompts: our workers render, count and size them; for a stock FastChat worker the gateway does
+it (fastchat_peer.py, with this client's `/worker_apply_chat_template`, `/worker_get_conv_template`,
+`/count_token`, `/model_details`; what is learnt once per worker is kept in worker_details.py).
 
 Which worker: with `--routing local` the gateway's router answers (llmplatform.routing, kept
 read by worker_routing.py) and the controller is asked only for what it cannot answer; with
@@ -26,7 +25,6 @@ answer) and the stream ends with an :class:`UpstreamError` (502).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -35,12 +33,11 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from llmplatform.conversation import render_chat_prompt
+from llmplatform.conversation import ConvTemplate
 from llmplatform.openai_api.controller_client import ControllerClient
 from llmplatform.openai_api.errors import UpstreamError, error_from_http
 from llmplatform.openai_api.worker_routing import RouteRequest, RouteSource
 from llmplatform.openai_api.settings import GatewaySettings
-from llmplatform.openai_api.translate import PreparedPrompt
 from llmplatform.openai_api.worker_details import ModelDetails, WorkerDetails
 from llmplatform.openai_api.worker_stream import WorkerStreamClient
 from llmplatform.openai_api.worker_wire import (
@@ -54,7 +51,7 @@ from llmplatform.openai_api.worker_wire import (
     worker_http_error,
 )
 from llmplatform.protocol.controller import ListWorkersResponse
-from llmplatform.protocol.worker import ACCEPTED_HEADER, ApplyChatTemplateResponse, OpenAIMaxTokens, WorkerChunk
+from llmplatform.protocol.worker import ACCEPTED_HEADER, ApplyChatTemplateResponse, WorkerChunk
 from llmplatform.routing.cache_aware import NO_HINT
 from llmplatform.routing.policies import DispatchMethod
 from llmplatform.routing.router import Router
@@ -64,9 +61,6 @@ logger = logging.getLogger("llmplatform.openai_api")
 
 MAX_WORKER_CONNECTIONS = 1024
 """Connections to workers at once: every streamed choice holds one for its whole life."""
-
-_SINGLE_CALL = frozenset({"messages", "openai_max_tokens"})
-"""Params additions that let the gateway send a request in one call (see prepare_chat)."""
 
 
 class WorkerClient:
@@ -88,7 +82,6 @@ class WorkerClient:
         self._worker_timeout = httpx.Timeout(settings.worker_timeout, connect=settings.connect_timeout)
         self._controller = ControllerClient(http, settings)
         self._details = WorkerDetails(self._post_json)
-        self._background: set[asyncio.Task[None]] = set()
         self._streams: WorkerStreamClient | None = None  # generation streams and embeddings calls
 
     # ---- plumbing ----------------------------------------------------------------------------
@@ -190,50 +183,27 @@ class WorkerClient:
 
     # ---- prompts -----------------------------------------------------------------------------
 
-    async def prepare_chat(
-        self, address: str, model: str, messages: Sequence[Mapping[str, str]], *, requested: int | None
-    ) -> PreparedPrompt:
-        """What to send for a chat request. A worker of ours renders, counts and sizes it itself
-        (one round trip: the generate call); a stock one needs the render and the count first."""
-        budget = OpenAIMaxTokens(requested=requested, default=None, param="messages")
-        if _SINGLE_CALL <= (await self.model_details(address, model)).extensions:
-            return PreparedPrompt(None, 0, None, messages=[dict(m) for m in messages], budget=budget)
+    async def apply_chat_template(self, address: str, model: str, messages: Sequence[Mapping[str, Any]]
+                                  ) -> tuple[str, int, int] | None:
+        """``/worker_apply_chat_template`` (ours): the prompt, its token count and the context
+        length; None from a stock FastChat worker, which lacks the route (fastchat_peer.py)."""
         url = f"{address}/worker_apply_chat_template"
         payload = {"model": model, "messages": list(messages), "add_generation_prompt": True}
         response = await self._post(url, payload)
-        if response.status_code == 200:
-            try:
-                rendered = ApplyChatTemplateResponse.model_validate_json(response.content)
-            except ValidationError:
-                raise UpstreamError(f"The worker at {url} answered with a malformed body.") from None
-            return PreparedPrompt(rendered.prompt, rendered.prompt_tokens, rendered.context_length)
-        if response.status_code != 404 or has_error_code(response.content):
+        if response.status_code == 404 and not has_error_code(response.content):
+            return None
+        if response.status_code != 200:
             raise worker_http_error(response.status_code, response.headers, response.content,
                                     f"The worker at {url}")
-        # A stock FastChat worker: render its conversation template here.
-        conv = await self._details.conv_template(address, model)
-        prompt = render_chat_prompt(conv, messages)
-        prompt_tokens, context_length = await asyncio.gather(
-            self.count_tokens(address, model, prompt), self.context_length(address, model)
-        )
-        return PreparedPrompt(
-            prompt,
-            prompt_tokens,
-            context_length,
-            stop=tuple(conv.stop_strings),
-            stop_token_ids=conv.stop_token_ids,
-        )
+        try:
+            rendered = ApplyChatTemplateResponse.model_validate_json(response.content)
+        except ValidationError:
+            raise UpstreamError(f"The worker at {url} answered with a malformed body.") from None
+        return rendered.prompt, rendered.prompt_tokens, rendered.context_length
 
-    async def prepare_completion(
-        self, address: str, model: str, prompt: str, *, requested: int | None, default: int
-    ) -> PreparedPrompt:
-        if _SINGLE_CALL <= (await self.model_details(address, model)).extensions:
-            budget = OpenAIMaxTokens(requested=requested, default=default, param="prompt")
-            return PreparedPrompt(prompt, 0, None, budget=budget)
-        prompt_tokens, context_length = await asyncio.gather(
-            self.count_tokens(address, model, prompt), self.context_length(address, model)
-        )
-        return PreparedPrompt(prompt, prompt_tokens, context_length)
+    async def conv_template(self, address: str, model: str) -> ConvTemplate:
+        """A stock worker's FastChat conversation template (kept per worker and model)."""
+        return await self._details.conv_template(address, model)
 
     async def count_tokens(self, address: str, model: str, prompt: str) -> int:
         url = f"{address}/count_token"
@@ -309,19 +279,6 @@ class WorkerClient:
         if self._routes is not None:
             self._routes.request_ended(address)
 
-    def abort_soon(self, address: str, request_id: str) -> None:
-        """Best-effort `POST /worker_abort` in the background (a stock worker lacks the route)."""
-        task = asyncio.get_running_loop().create_task(self._abort(address, request_id))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _abort(self, address: str, request_id: str) -> None:
-        url = f"{address}/worker_abort"
-        try:
-            await self._http.post(url, json={"request_id": request_id}, timeout=self._settings.abort_timeout)
-        except httpx.HTTPError as exc:
-            logger.debug("abort of %s at %s failed: %s", request_id, url, exc)
-
     @property
     def max_worker_attempts(self) -> int:
         return self._settings.max_worker_attempts
@@ -341,10 +298,7 @@ class WorkerClient:
         return self._streams
 
     async def aclose(self) -> None:
-        """Let pending aborts finish (bounded), then close the worker streams' pool (the app
-        closes its httpx client)."""
-        if self._background:
-            await asyncio.wait(set(self._background), timeout=self._settings.abort_timeout)
+        """Close the worker streams' pool (the app closes its httpx client)."""
         if self._streams is not None:
             await self._streams.aclose()
             self._streams = None

@@ -3,9 +3,10 @@
 The params dict is parsed once, at the worker's edge, into :class:`WorkerParams`; unknown fields
 are ignored (a newer peer may send more), known ones are strict about their JSON types (a string
 is not a number: a client mistake is refused naming the field, never coerced or a 500). Ranges
-and what depends on the model (token ids against the vocabulary) are checked when the params
-become ``SamplingParams``. Stream chunks are :class:`WorkerChunk` objects, each
-serialised as JSON followed by one NUL byte. ``text`` is cumulative (all text so far), not a delta,
+are checked when the params become ``SamplingParams``, and what depends on the model (token ids
+against the vocabulary, the context) when the backend admits the request
+(``LLMBackend.check_request``), before the worker answers. Stream chunks are
+:class:`WorkerChunk` objects, each serialised as JSON followed by one NUL byte. ``text`` is cumulative (all text so far), not a delta,
 unless the request asked for delta frames (``stream_deltas``, our addition) and the chunk says it
 is one (``delta``).
 """
@@ -36,8 +37,8 @@ ACCEPTED_HEADER = "x-llmplatform-accepted"
 (model, prompt, context room, sampling) before answering, so the stream's first chunk is output,
 not a refusal; only a failure of the worker itself can still end it without output. A gateway
 may answer its client as soon as it sees it (headers during the prefill, not with the first
-token). Stock workers never send it: their refusals come as the first chunk, and so may ours
-for params checked only by the backend (a prompt the worker did not tokenize itself)."""
+token). Our workers send it on every stream; stock workers never do: their refusals come as the
+first chunk."""
 
 
 class OpenAIMaxTokens(BaseModel):
