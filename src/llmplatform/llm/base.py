@@ -148,6 +148,9 @@ class LLMBackend(abc.ABC):
     # template, and no tool calling.
     chat_template: str | None = None
     tool_call_parser: str | None = None
+    # Whether one request may ask for ``n`` > 1 outputs (computed from one prefill); a backend
+    # without it refuses them, and a gateway sends such a worker one request per output.
+    parallel_sampling: bool = False
     # Structured outputs' limits (the worker's --grammar-* flags); None: GrammarConfig's defaults.
     grammar_config: GrammarConfig | None = None
     _grammar_compiler: GrammarCompiler | None = None
@@ -208,7 +211,8 @@ class LLMBackend(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, request: AdmittedRequest) -> AsyncIterator[GenerateChunk]:
-        """Stream the request's output. Closing the iterator (or cancelling the task that
+        """Stream the request's output: the chunks of its ``n`` outputs (``GenerateChunk.index``)
+        interleaved, each output ending with a chunk whose ``finish_reason`` is set. Closing the iterator (or cancelling the task that
         iterates it) aborts the request and frees its resources: there is no other abort.
 
         Raises only for the backend's state (dead, restarting), never for the request: that

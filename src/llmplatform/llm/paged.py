@@ -37,7 +37,6 @@ from llmplatform.llm.decoder_embedding import DecoderEmbedding
 from llmplatform.llm.embedding import EmbeddingFacts, EmbeddingResult, ModelTask
 from llmplatform.models.quantized import quantization_summary
 from llmplatform.sampling.outputs import GenerateChunk
-from llmplatform.sampling.params import SamplingParams
 from llmplatform.utils.torch_utils import torch_thread
 
 logger = logging.getLogger("llmplatform.paged")
@@ -48,6 +47,7 @@ class PagedLLM(LLMBackend):
 
     default_concurrency = 1024  # the engine queues and batches requests itself
     backend_name = "paged"
+    parallel_sampling = True  # n outputs fork one prompt's blocks (engine.llm_engine)
 
     def __init__(self, config: EngineConfig, embedding: DecoderEmbedding | None = None, *,
                  runner_factory: RunnerFactory = ModelRunner.from_config) -> None:
@@ -183,8 +183,7 @@ class PagedLLM(LLMBackend):
 
     def check_request(self, request: GenerateRequest) -> AdmittedRequest:
         self._check_generates()
-        _one_output(request.params)
-        # The engine's own limits: the vocabulary, the context, --max-num-seqs.
+        # The engine's own limits: the vocabulary, the context, n within --max-num-seqs.
         self.engine.validate(list(request.prompt_token_ids), request.params)
         return AdmittedRequest.of(request)
 
@@ -198,7 +197,9 @@ class PagedLLM(LLMBackend):
                                        cache_salt=request.cache_salt)
         try:
             async for update in updates:
-                yield update.chunk
+                # The engine's chunks name their request; which output is the update's.
+                yield update.chunk if not update.index else dataclasses.replace(update.chunk,
+                                                                                 index=update.index)
         finally:
             await updates.aclose()
 
@@ -244,11 +245,6 @@ class PagedLLM(LLMBackend):
         if self.embedding is not None and self.embedding.do_lower_case:
             texts = [text.lower() for text in texts]
         return super().embedding_token_ids_sync(texts, max_tokens)
-
-
-def _one_output(params: SamplingParams) -> None:
-    if params.n != 1:
-        raise InvalidRequestError("one output per request through this interface (n=1)", param="n")
 
 
 def _dtype_name(dtype: object) -> str:

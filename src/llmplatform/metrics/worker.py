@@ -166,7 +166,9 @@ class RequestObserver:
         self.arrival = clock()
         self._handed_over: float | None = None
         self._last_token_time: float | None = None
-        self._num_generated = 0
+        self._last_token_by_output: dict[int, float] = {}  # inter-token gaps are per output
+        self._num_generated = 0  # over all of the request's outputs
+        self._num_generated_by_output: dict[int, int] = {}  # chunk.usage counts per output
         self._num_chunks = 0
         self._failed = False
         self.finish_reason: str | None = None
@@ -192,20 +194,23 @@ class RequestObserver:
         if not self.prompt_tokens and chunk.usage.prompt_tokens:
             self.prompt_tokens = chunk.usage.prompt_tokens
             m.prompt_tokens.inc(self.prompt_tokens)
-        new_tokens = chunk.usage.completion_tokens - self._num_generated
+        new_tokens = chunk.usage.completion_tokens - self._num_generated_by_output.get(chunk.index, 0)
         if new_tokens > 0:
-            self._num_generated = chunk.usage.completion_tokens
+            self._num_generated_by_output[chunk.index] = chunk.usage.completion_tokens
+            self._num_generated += new_tokens
             m.generation_tokens.inc(new_tokens)
             if self._last_token_time is None:
                 self.first_token_latency = now - self.arrival
                 m.time_to_first_token.observe(self.first_token_latency)
-                new_tokens -= 1  # the first token has no predecessor
-            # Several tokens in one chunk share the gap since the previous chunk.
-            if new_tokens > 0 and self._last_token_time is not None:
-                gap = (now - self._last_token_time) / new_tokens
+            previous = self._last_token_by_output.get(chunk.index)
+            if previous is None:
+                new_tokens -= 1  # an output's first token has no predecessor
+            # Several tokens in one chunk share the gap since the output's previous chunk.
+            if new_tokens > 0 and previous is not None:
+                gap = (now - previous) / new_tokens
                 for _ in range(new_tokens):
                     m.inter_token_latency.observe(gap)
-            self._last_token_time = now
+            self._last_token_time = self._last_token_by_output[chunk.index] = now
         if chunk.finish_reason is not None:
             self.finish_reason = str(chunk.finish_reason)
 

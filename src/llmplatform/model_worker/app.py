@@ -217,28 +217,36 @@ async def _generate_chunks(app: FastAPI, accepted: Accepted, ticket: Ticket, *,
                      request.params.temperature)
         async with state.slot():
             observer.started()
-            stream = frames_for(params, accepted.prompt, streamed=streamed)
+            # One set of frames per output (n > 1: the outputs' chunks come interleaved).
+            streams = [frames_for(params, accepted.prompt, streamed=streamed)
+                       for _ in range(request.params.n)]
             generator = llm.generate(request)
-            usage = Usage(len(request.prompt_token_ids), 0)
+            usages = [Usage(len(request.prompt_token_ids), 0)] * request.params.n
+            unfinished = set(range(request.params.n))
+            sent: set[int] = set()
             try:
-                first = True
                 while (chunk := await generation.next_chunk(generator)) is not None:
-                    usage = chunk.usage
+                    index = chunk.index
+                    usages[index] = chunk.usage
                     observer.on_chunk(chunk)
-                    out = stream.update(chunk)
+                    out = streams[index].update(chunk)
                     if chunk.finish_reason is not None and chunk.error:
                         yield error_chunk(chunk.error,
                                           chunk.error_code or ErrorCode.INTERNAL_ERROR)
                         return
-                    if first or chunk.text or chunk.finish_reason is not None or chunk.logprobs:
+                    if index not in sent or chunk.text or chunk.finish_reason is not None or chunk.logprobs:
                         yield out.encode()
+                        sent.add(index)
                     if chunk.finish_reason is not None:
-                        return
-                    first = False
+                        unfinished.discard(index)
+                        if not unfinished:
+                            return
                 if generation.aborted:
                     logger.debug("aborted by /worker_abort")
-                    yield stream.update(GenerateChunk(request.request_id, "", (), usage,
-                                                      FinishReason.ABORT)).encode()
+                    for index in sorted(unfinished):
+                        yield streams[index].update(GenerateChunk(
+                            request.request_id, "", (), usages[index], FinishReason.ABORT,
+                            index=index)).encode()
             except LLMPlatformError as exc:
                 observer.failed()
                 logger.info("failed: %s", exc.message)
@@ -273,6 +281,10 @@ async def _generate(app: FastAPI, request: Request, *, refuse: Callable[[bytes],
         params = await _json_body(request, WorkerParams)
     except LLMPlatformError as exc:
         return refuse(error_chunk(exc.message, ErrorCode.VALIDATION_TYPE_ERROR, exc.param))
+    if (params.n or 1) > 1 and answer is _whole:
+        # One JSON answer holds one output (FastChat's shape): several are streamed.
+        return refuse(error_chunk("n > 1 is served by /worker_generate_stream only",
+                                  ErrorCode.PARAM_OUT_OF_RANGE, "n"))
     try:
         ticket = app.state.worker.admit(llm)
     except LLMPlatformError as exc:

@@ -60,7 +60,8 @@ class CumulativeFrames(_Frames):
         self._text += chunk.text
         return WorkerChunk(
             text=self._text, error_code=0, usage=self._usage(chunk), finish_reason=self._finish_reason(chunk),
-            logprobs=self._logprobs.model_copy(deep=True) if self._logprobs is not None else None)
+            logprobs=self._logprobs.model_copy(deep=True) if self._logprobs is not None else None,
+            index=chunk.index)
 
 
 class DeltaFrames(_Frames):
@@ -78,7 +79,8 @@ class DeltaFrames(_Frames):
             self._logprobs_of(chunk, logprobs)
         text, self._pending_echo = self._pending_echo + chunk.text, ""
         return WorkerChunk(text=text, error_code=0, usage=self._usage(chunk),
-                           finish_reason=self._finish_reason(chunk), logprobs=logprobs, delta=True)
+                           finish_reason=self._finish_reason(chunk), logprobs=logprobs, delta=True,
+                           index=chunk.index)
 
 
 def frames_for(params: WorkerParams, prompt: str, *, streamed: bool) -> CumulativeFrames | DeltaFrames:

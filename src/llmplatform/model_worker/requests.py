@@ -23,6 +23,7 @@ from typing import Any
 
 from llmplatform.errors import InvalidRequestError, LLMPlatformError, ModelNotFoundError
 from llmplatform.llm.base import AdmittedRequest, GenerateRequest, LLMBackend
+from llmplatform.llm.embedding import ModelTask
 from llmplatform.metrics.worker import RequestObserver, WorkerMetrics
 from llmplatform.model_worker.admission import Ticket
 from llmplatform.protocol.worker import WorkerParams
@@ -35,6 +36,7 @@ logger = logging.getLogger("llmplatform.worker")
 WORKER_PARAM_EXTENSIONS = ("messages", "openai_max_tokens", "logit_bias", "structured_output",
                            "stream_deltas", "cache_salt")
 """The params-dict additions this worker understands beyond FastChat's (``/model_details``).
+``n`` is listed by a worker whose backend samples several outputs of one prompt.
 ``stream_deltas`` (delta frames, :mod:`.framing`) needs no announcing: each frame says what it
 is, so a gateway may ask any worker; it is listed for operators and tests.
 A gateway sends a field that changes what must be generated (``logit_bias``,
@@ -50,6 +52,8 @@ def model_details_of(llm: LLMBackend) -> dict[str, Any]:
     the worker's stream stays FastChat's text chunks and any worker of ours serves tools."""
     params = list(WORKER_PARAM_EXTENSIONS)
     details: dict[str, Any] = {"context_length": llm.context_length, "params": params}
+    if llm.parallel_sampling and ModelTask.GENERATE in llm.facts.tasks:
+        params.append("n")  # one request, n outputs of one prefill
     if llm.tool_call_parser is not None:
         params.append("tools")
         details["tool_call_parser"] = llm.tool_call_parser
@@ -102,7 +106,7 @@ def sampling_params_from(params: WorkerParams, max_new_tokens: int | None = None
     if params.use_beam_search:
         raise InvalidRequestError("beam search is not supported", param="use_beam_search")
     if params.best_of is not None and params.best_of != 1:
-        # One sequence per request here (the gateway fans n out); never pick silently from one.
+        # Every output sampled is returned (n); never pick silently among them.
         raise InvalidRequestError("best_of other than 1 is not supported", param="best_of")
     stop = params.stop or ()
     return SamplingParams(
@@ -114,7 +118,7 @@ def sampling_params_from(params: WorkerParams, max_new_tokens: int | None = None
         stop=(stop,) if isinstance(stop, str) else tuple(stop),
         stop_token_ids=tuple(params.stop_token_ids or ()), ignore_eos=params.ignore_eos,
         logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
-        skip_special_tokens=params.skip_special_tokens, logit_bias=params.logit_bias)
+        skip_special_tokens=params.skip_special_tokens, logit_bias=params.logit_bias, n=params.n or 1)
 
 
 async def compile_constraint(llm: LLMBackend, params: WorkerParams) -> Any:

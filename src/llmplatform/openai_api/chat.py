@@ -28,6 +28,7 @@ from llmplatform.openai_api.translate import (
     check_limits,
     check_unsupported,
     check_worker_extensions,
+    choice_params,
     new_id,
     params_dict,
     worker_params,
@@ -69,16 +70,9 @@ async def create_chat_completion(request: Request) -> Response:
         constraint = constraints.for_worker(body.model, details.extensions, details.tool_call_parser)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         budget = OpenAIMaxTokens(requested=requested, default=None, param="messages")
-        params = [
-            params_dict(
-                worker_params(
-                    body, messages=messages, budget=budget, request_id=f"{trace_id}-{i}", choice_index=i,
-                    constraint=constraint, cache_salt=cache_salt,
-                    tenant=tenant,
-                )
-            )
-            for i in range(body.n or 1)
-        ]
+        params = choice_params(body.n or 1, details.extensions, lambda i: params_dict(worker_params(
+            body, messages=messages, budget=budget, request_id=f"{trace_id}-{i}", choice_index=i,
+            constraint=constraint, cache_salt=cache_salt, tenant=tenant)))
         params, prompt_tokens = await for_peer(client, address, body.model, params)
         streams = await start_choices(client, address, params, prompt_param="messages", early=bool(body.stream))
         return _Prepared(prompt_tokens, constraint), streams

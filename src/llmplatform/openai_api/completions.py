@@ -27,6 +27,7 @@ from llmplatform.openai_api.translate import (
     check_limits,
     check_unsupported,
     check_worker_extensions,
+    choice_params,
     completion_prompts,
     new_id,
     params_dict,
@@ -69,10 +70,9 @@ async def create_completion(request: Request) -> Response:
 
         def prepare(p: int) -> Awaitable[tuple[list[dict[str, Any]], int]]:
             # Choices are numbered prompt by prompt, as OpenAI does: index = p * n + i.
-            choices = [params_dict(worker_params(
+            choices = choice_params(n, announced, lambda i: params_dict(worker_params(
                 body, prompt=prompts[p], budget=budget, request_id=f"{trace_id}-{p * n + i}", choice_index=i,
-                constraint=constraint, cache_salt=cache_salt, tenant=tenant,
-            )) for i in range(n)]
+                constraint=constraint, cache_salt=cache_salt, tenant=tenant)))
             return for_peer(client, address, body.model, choices)
 
         # One prompt (nearly every request) is awaited as is: gather would wrap it in a task.

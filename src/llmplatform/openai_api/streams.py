@@ -55,6 +55,10 @@ Event = tuple[int, "WorkerChunk | Accepted | LLMPlatformError | None"]
 
 
 class ChoiceStreams:
+    """One worker stream per params dict; a stream whose params ask for ``n`` outputs (a worker
+    that lists ``n``) carries choices ``first .. first + n - 1``, its frames naming theirs by
+    ``index``. Choices are numbered in the order of `params`."""
+
     def __init__(self, client: WorkerClient, address: str, params: Sequence[dict[str, Any]]) -> None:
         assert params, "a request has at least one choice"
         self._client = client
@@ -63,7 +67,10 @@ class ChoiceStreams:
         # ignores the field and sends cumulative chunks, made deltas as they arrive (_read).
         self._params = ([{**p, "stream_deltas": True} for p in params] if client.stream_deltas
                         else list(params))
-        self._queue: asyncio.Queue[Event] = asyncio.Queue(maxsize=_QUEUE_SLOTS_PER_CHOICE * len(params))
+        self._num_outputs = [int(p.get("n", 1)) for p in self._params]
+        self._first_choice = [sum(self._num_outputs[:i]) for i in range(len(self._params))]
+        self._queue: asyncio.Queue[Event] = asyncio.Queue(
+            maxsize=_QUEUE_SLOTS_PER_CHOICE * sum(self._num_outputs))
         self._tasks: list[asyncio.Task[None]] = []
         self._buffered: list[Event] = []
         self._closed = False
@@ -73,7 +80,7 @@ class ChoiceStreams:
 
     @property
     def num_choices(self) -> int:
-        return len(self._params)
+        return sum(self._num_outputs)
 
     @property
     def address(self) -> str:
@@ -107,27 +114,29 @@ class ChoiceStreams:
             asyncio.create_task(self._pump(i), name=f"worker-stream-{self._params[i].get('request_id')}")
             for i in range(len(self._params))
         ]
-        waiting = set(range(len(self._params)))
+        waiting = set(range(len(self._params)))  # streams without a first event yet
         try:
             while waiting:
                 event = await self._queue.get()
                 index, payload = event
+                stream = self._stream_of(index)
                 if isinstance(payload, LLMPlatformError):
                     raise payload
                 if payload is ACCEPTED:
-                    if early and index in waiting:
+                    if early and stream in waiting:
                         self._accepted_early = True
-                        waiting.discard(index)
+                        waiting.discard(stream)
                     continue
                 self._buffered.append(event)
-                waiting.discard(index)
+                waiting.discard(stream)
         except BaseException:
             await self.aclose()
             raise
 
     async def events(self) -> AsyncIterator[tuple[int, WorkerChunk]]:
-        """Chunks of all choices as they arrive; a mid-stream error raises."""
-        num_open = len(self._params)
+        """Chunks of all choices as they arrive, with their choice index; a mid-stream error
+        raises."""
+        num_open = len(self._params)  # streams, each ending with one _END
         while num_open:
             if self._buffered:
                 index, payload = self._buffered.pop(0)
@@ -168,19 +177,27 @@ class ChoiceStreams:
             async for event in events:
                 await self._queue.put(event)
 
-    async def _read(self, index: int) -> AsyncGenerator[Event, None]:
-        """One choice's events: its chunks, then `_END`; or, in their place, the error that
-        ended it. Only cancellation (or closing this generator) escapes as an exception."""
-        last: WorkerChunk | None = None
-        cumulative: CumulativeFrames | None = None  # a stock worker's frames, made deltas
+    def _stream_of(self, choice: int) -> int:
+        return max(i for i, first in enumerate(self._first_choice) if first <= choice)
+
+    async def _read(self, stream: int) -> AsyncGenerator[Event, None]:
+        """One stream's events, each with its choice index: its chunks, then `_END`; or, in
+        their place, the error that ended it. Only cancellation (or closing this generator)
+        escapes as an exception."""
+        first_choice, num_outputs = self._first_choice[stream], self._num_outputs[stream]
+        last: dict[int, WorkerChunk] = {}  # by output index
+        raw: WorkerChunk | None = None
+        cumulative: CumulativeFrames | None = None  # a stock worker's frames (n = 1), made deltas
         try:
-            chunks = self._client.generate_stream(self._address, self._params[index])
+            chunks = self._client.generate_stream(self._address, self._params[stream])
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     if isinstance(chunk, Accepted):
-                        yield index, chunk
+                        yield first_choice, chunk
                         continue
-                    if last is not None and last.finish_reason is not None:
+                    if not 0 <= chunk.index < num_outputs:
+                        raise UpstreamError(f"The worker sent output {chunk.index} of {num_outputs}.")
+                    if len(last) == num_outputs and all(c.finish_reason is not None for c in last.values()):
                         # Past the final chunk: read on to the end of the body (the worker ends
                         # it at once), so the connection goes back to the pool instead of being
                         # closed half-read and dialled again by the next request.
@@ -189,24 +206,27 @@ class ChoiceStreams:
                     if not chunk.delta:
                         cumulative = cumulative or CumulativeFrames()
                         chunk = cumulative.delta(chunk)
-                    last = chunk
-                    yield index, chunk
-            if last is None:
+                    last[chunk.index] = chunk
+                    yield first_choice + chunk.index, chunk
+            if not last:
                 raise UpstreamError("The worker closed the stream without sending anything.")
-            if last.finish_reason is None:
-                # A worker that ends without a reason: the text it sent is all there is.
-                if cumulative is not None:  # what it held back, now final
-                    yield index, cumulative.delta(raw.model_copy(update={"finish_reason": "stop"}))
-                else:  # an empty last delta: its text has been passed on already
-                    yield index, last.model_copy(update={
-                        "finish_reason": "stop", "text": "",
-                        "logprobs": None if last.logprobs is None else ChunkLogprobs()})
-            yield index, _END
+            for index in range(num_outputs):
+                if index not in last:
+                    raise UpstreamError(f"The worker closed the stream without output {index}.")
+                if last[index].finish_reason is None:
+                    # A worker that ends without a reason: the text it sent is all there is.
+                    if cumulative is not None and raw is not None:  # what it held back, now final
+                        yield first_choice, cumulative.delta(raw.model_copy(update={"finish_reason": "stop"}))
+                    else:  # an empty last delta: its text has been passed on already
+                        yield first_choice + index, last[index].model_copy(update={
+                            "finish_reason": "stop", "text": "",
+                            "logprobs": None if last[index].logprobs is None else ChunkLogprobs()})
+            yield first_choice, _END
         except LLMPlatformError as exc:
-            yield index, exc
+            yield first_choice, exc
         except Exception as exc:  # a bug here must reach the client as a 500, not hang it
-            logger.exception("worker stream %d failed unexpectedly", index)
-            yield index, LLMPlatformError(f"internal error: {type(exc).__name__}")
+            logger.exception("worker stream %d failed unexpectedly", stream)
+            yield first_choice, LLMPlatformError(f"internal error: {type(exc).__name__}")
 
 
 async def start_choices(client: WorkerClient, address: str, params: Sequence[dict[str, Any]], *,

@@ -13,7 +13,7 @@ worker, which knows the model's vocabulary, checks their range and refuses namin
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from llmplatform.errors import InvalidRequestError
@@ -312,6 +312,16 @@ def _returned_extras(request: ChatCompletionRequest | CompletionRequest) -> dict
 
 def _wrap_seed(seed: int) -> int:
     return seed - 2**64 if seed > MAX_SEED else seed
+
+
+def choice_params(n: int, announced: frozenset[str],
+                  params_of: Callable[[int], dict[str, object]]) -> list[dict[str, object]]:
+    """The worker requests for one prompt's `n` choices, given `params_of(i)`, choice i's params:
+    one request for all n to a worker that lists ``n`` (it computes the prompt once and forks
+    its blocks), one per choice otherwise. Either way output i is seeded seed + i."""
+    if n > 1 and "n" in announced:
+        return [{**params_of(0), "n": n}]
+    return [params_of(i) for i in range(n)]
 
 
 def params_dict(params: WorkerParams) -> dict[str, object]:

@@ -115,6 +115,10 @@ class WorkerParams(BaseModel):
     the first block's hash, engine.prefix_cache), so one tenant's cached prefix is never a hit,
     and a timing oracle, for another. Sent only to a worker that lists it: a stock worker would
     drop it and share its cache anyway."""
+    n: int | None = Field(default=None, ge=1)
+    """Outputs to sample from the one prompt (OpenAI's ``n``): the worker computes the prompt once
+    and forks its KV blocks, and each frame carries its output's ``index``. Sent only to a worker
+    that lists ``n`` (a stock worker would sample one); streamed only."""
     stream_deltas: StrictBool = False
     """Stream delta frames: each chunk of ``/worker_generate_stream`` carries only the text and
     logprob entries that are new since the previous one (``WorkerChunk.delta`` set), so a long
@@ -172,6 +176,8 @@ class WorkerChunk(BaseModel):
     logprobs: ChunkLogprobs | None = None
     param: str | None = None
     """Our addition, on an error object only: the request field the error is about."""
+    index: int = 0
+    """Our addition: which of the request's ``n`` outputs this frame belongs to (sent when not 0)."""
     delta: bool = False
     """Our addition: ``text`` and ``logprobs`` hold only what is new since the previous chunk
     (``logprobs.text_offset`` still counts from the start of the whole text); ``usage`` and
@@ -182,6 +188,8 @@ class WorkerChunk(BaseModel):
         exclude = set()
         if self.param is None:
             exclude.add("param")
+        if not self.index:
+            exclude.add("index")
         if not self.delta:  # a cumulative chunk is exactly FastChat's
             exclude.add("delta")
         return self.model_dump_json(exclude_none=False, exclude=exclude or None).encode() + NUL

@@ -72,3 +72,5 @@ class GenerateChunk:
     # time.monotonic() at which the backend first scheduled the request (left its own waiting
     # queue), on the request's first chunk only; None when the backend does not report it.
     first_scheduled_time: float | None = None
+    # Which of the request's ``SamplingParams.n`` outputs this chunk belongs to.
+    index: int = 0

@@ -69,7 +69,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
-    # Parallel samples of one prompt (offline API / engine); the gateway fans ``n`` out itself.
+    # Parallel samples of one prompt: computed once, its KV blocks forked (engine.llm_engine).
     n: int = 1
 
     def __post_init__(self) -> None:
