@@ -4,9 +4,9 @@
 and through this: ``POST /v1/completions`` (streamed) turned into the worker's
 ``/worker_generate_stream`` and its chunks back into OpenAI server-sent events, with nothing else
 (no validation, limits, routing, metrics, logs, middlewares or error envelope). It runs on
-uvicorn with the same event loop, HTTP protocol (``llmplatform.utils.http_protocol``: one loop
-turn's writes sent together) and worker-stream client as the gateway
-(``llmplatform.openai_api.worker_stream``), so the difference between the two is the gateway's
+uvicorn with the same event loop, HTTP parser (httptools; the gateway's protocol adds only
+connection deadlines and a cap, ``llmplatform.utils.http_protocol``) and worker-stream client as
+the gateway (``llmplatform.openai_api.worker_stream``), so the difference between the two is the gateway's
 own work; what this one adds over the direct call is the cost of the extra hop itself (two more
 process hand-offs, an HTTP server and client in Python). Like the gateway, it sends the worker
 our ``openai_max_tokens`` and answers its client with headers as soon as the worker accepts the
@@ -29,7 +29,6 @@ import uvicorn
 from llmplatform.openai_api.worker_stream import WorkerStreamClient
 from llmplatform.protocol.worker import ACCEPTED_HEADER
 from llmplatform.utils.cluster_secret import secret_from_env, secret_headers
-from llmplatform.utils.http_protocol import CoalescingHttpToolsProtocol
 
 
 START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
@@ -101,7 +100,7 @@ def main() -> None:
     parser.add_argument("--worker", required=True, help="the worker's base URL")
     args = parser.parse_args()
     uvicorn.run(BareProxy(args.worker), host=args.host, port=args.port, log_level="warning",
-                http=CoalescingHttpToolsProtocol)
+                http="httptools")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ a free port, the CPU a process has used, and the interleaved rounds both benchma
 
 Run as a script it is the server:
 
-    python benchmarks/infra_common.py --port 8123 --http ours|coalescing|httptools|h11 --mode worker|sse --chunks 32
+    python benchmarks/infra_common.py --port 8123 --http ours|httptools|h11 --mode worker|sse --chunks 32
 
 ``--mode worker``: ``POST`` answers with the worker's stream (``/worker_generate_stream``: one
 NUL-terminated JSON chunk per token, delta frames, each its own body message and loop turn, as
@@ -131,7 +131,7 @@ async def interleaved(systems: dict[str, Callable[[], Awaitable[None]]], cpu_of:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--http", choices=("ours", "coalescing", "httptools", "h11"), default="httptools")
+    parser.add_argument("--http", choices=("ours", "httptools", "h11"), default="httptools")
     parser.add_argument("--mode", choices=("worker", "sse"), default="worker")
     parser.add_argument("--chunks", type=int, default=32)
     args = parser.parse_args()
@@ -141,9 +141,6 @@ def main() -> None:
     if args.http == "ours":
         from llmplatform.utils.http_protocol import ConnectionLimits, protocol_for
         http = protocol_for(ConnectionLimits())
-    elif args.http == "coalescing":  # the write coalescing alone, without the deadlines and the cap
-        from llmplatform.utils.http_protocol import CoalescingHttpToolsProtocol
-        http = CoalescingHttpToolsProtocol
     uvicorn.run(make_app(args.mode, args.chunks), host="127.0.0.1", port=args.port, http=http,
                 log_level="warning", access_log=False, lifespan="on")
 

@@ -1,15 +1,15 @@
-"""The services' uvicorn protocol (``utils/http_protocol.py``: one loop turn's writes sent
-together, plus the connection deadlines and cap) against plain uvicorn ``httptools`` and ``h11``,
-side by side in one run; ``coalescing`` is the write coalescing alone (no deadlines, no cap).
+"""The services' uvicorn protocol (``utils/http_protocol.py``: httptools with the connection
+deadlines and cap) against plain uvicorn ``httptools`` and ``h11``, side by side in one run: what
+the guards cost, and whether httptools still beats h11.
 
-Four stand-in servers (``infra_common.py --mode sse``: the gateway's streamed answer, headers and
+Three stand-in servers (``infra_common.py --mode sse``: the gateway's streamed answer, headers and
 first event in one loop turn, then one event per turn, ``--chunks`` events; no model behind it),
 one per protocol, each in its own process, all running for the whole benchmark; this process
 streams from them with the gateway's light client (so the client's own cost stays small and is the
 same for all). Per concurrency level, ``--rounds`` rounds of ``--requests`` requests per server,
 in a shuffled order each round; reported: the median over rounds of the server's CPU ms per
 request (``/proc``, 10 ms ticks; the service's cost, what limits its throughput on a small
-machine), the client's CPU ms per request (coalesced writes wake the reader less often) and wall
+machine), the client's CPU ms per request (fewer, larger writes would wake the reader less often) and wall
 ms per request (at concurrency 1, the latency a client sees), and each protocol / ours.
 
     python benchmarks/infra_http_protocol.py [--concurrency 1,32] [--requests 300] [--rounds 5]
@@ -25,7 +25,7 @@ import time
 from infra_common import cpu_seconds, interleaved, start_server
 from llmplatform.openai_api.worker_stream import WorkerStreamClient
 
-PROTOCOLS = ("ours", "coalescing", "httptools", "h11")
+PROTOCOLS = ("ours", "httptools", "h11")
 
 
 async def measure(urls: dict[str, str], pids: dict[str, int], levels: list[int], num_requests: int,

@@ -4,10 +4,10 @@ The fault tests need real faults in a real engine, in-process and in a worker su
 request whose sampling raises, one whose output processing raises, a step that fails as a whole,
 a rebuild that fails. :class:`Faults` names them; :meth:`Faults.runner_factory` is what an engine
 takes as ``runner_factory`` (``LLMEngine``, ``PagedLLM``): it builds a real
-:class:`~llmplatform.engine.model_runner.ModelRunner` that raises where the faults say.
-:func:`paged_backends_with` makes every ``PagedLLM`` built inside it take that factory (for code
-that builds the backend itself, like the worker: ``tests/faults/faulty_worker.py`` runs a worker
-subprocess under it). Production code knows nothing of any of this.
+:class:`~llmplatform.engine.model_runner.ModelRunner` that raises where the faults say. A
+served backend gets it through ``llm.build.build_backend(config, runner_factory=...)``, in-process
+or in a worker subprocess (``tests/faults/faulty_worker.py``). Production code knows nothing of
+any of this.
 
 Requests are picked by a marker string in their prompt, so a test chooses which request fails
 through any API:
@@ -22,22 +22,19 @@ through any API:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import pytest
 import torch
 
 from llmplatform.engine.config import EngineConfig
 from llmplatform.engine.isolation import IsolatingSampler
 from llmplatform.engine.model_runner import ModelRunner, RunnerFactory
 from llmplatform.engine.outputs import ModelOutput, SchedulerOutput
-from llmplatform.llm.paged import PagedLLM
 from llmplatform.sampling.outputs import TokenLogprob
 from llmplatform.sampling.sampler import Sampler, SamplingRow
 
@@ -146,12 +143,3 @@ class FaultyRunner(ModelRunner):
         if self.faults.fail_rebuild:
             raise InjectedFault("injected fault: the engine could not be rebuilt")
         super().reset_kv_cache()
-
-
-@contextlib.contextmanager
-def paged_backends_with(faults: Faults) -> Iterator[None]:
-    """Every ``PagedLLM`` built inside gets a runner with ``faults``."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(PagedLLM, "__init__", functools.partialmethod(
-            PagedLLM.__init__, runner_factory=faults.runner_factory()))
-        yield

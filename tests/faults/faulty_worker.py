@@ -6,16 +6,17 @@ only its engine's model runner is the faulty one.
 
 from __future__ import annotations
 
+import functools
 import sys
 
+from llmplatform.llm.build import build_backend
 from llmplatform.model_worker.__main__ import main
-from tests.faults.faulty_runner import Faults, paged_backends_with
+from tests.faults.faulty_runner import Faults
 
 
 def run(argv: list[str]) -> None:
     faults = Faults.from_json(argv[0]) or Faults()
-    with paged_backends_with(faults):
-        main(argv[1:])
+    main(argv[1:], build=functools.partial(build_backend, runner_factory=faults.runner_factory()))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from llmplatform.utils.server import serve_in_thread
-from tests.faults.faulty_runner import Faults, paged_backends_with
+from tests.faults.faulty_runner import Faults
 from tests.faults.harness import (MODEL, controller_app, gateway_app, idle, serve_worker,
                                   worker_app, worker_status)
 from tests.integration.cluster import paged_tiny_llm, wait_for_models
@@ -33,9 +33,8 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
-    with paged_backends_with(Faults(sampling_marker=SAMPLING_MARK,
-                                    processing_marker=PROCESSING_MARK)):
-        llm = paged_tiny_llm(tiny_model_dir)
+    faults = Faults(sampling_marker=SAMPLING_MARK, processing_marker=PROCESSING_MARK)
+    llm = paged_tiny_llm(tiny_model_dir, runner_factory=faults.runner_factory())
     with serve_in_thread(controller_app()) as controller_url, \
             serve_in_thread(gateway_app(controller_url)) as gateway_url, \
             serve_worker(worker_app(llm, controller_url)) as worker_url:

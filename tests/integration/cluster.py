@@ -13,6 +13,7 @@ import openai
 
 from llmplatform.controller import ControllerConfig
 from llmplatform.controller import create_app as create_controller_app
+from llmplatform.engine.model_runner import RunnerFactory
 from llmplatform.llm.base import LLMBackend
 from llmplatform.model_worker.app import WorkerSettings
 from llmplatform.model_worker.app import create_app as create_worker_app
@@ -23,12 +24,14 @@ from llmplatform.utils.server import serve_in_thread
 from tests.polling import DEFAULT_TIMEOUT_S, wait_until
 
 
-def paged_tiny_llm(model_dir: Path, **overrides: Any) -> LLMBackend:
-    """The tiny test model on the paged backend (float32, CPU, a 64 MiB KV pool), named "tiny"."""
+def paged_tiny_llm(model_dir: Path, *, runner_factory: RunnerFactory | None = None,
+                   **overrides: Any) -> LLMBackend:
+    """The tiny test model on the paged backend (float32, CPU, a 64 MiB KV pool), named "tiny";
+    `runner_factory` as `build_backend` takes it (the fault tests')."""
     config: dict[str, Any] = dict(model_path=str(model_dir), model_names=("tiny",), backend="paged",
                                   device="cpu", dtype="float32", kv_cache_memory="64MiB")
     config.update(overrides)
-    return build_backend(BackendConfig(**config))
+    return build_backend(BackendConfig(**config), runner_factory=runner_factory)
 
 
 @dataclass

@@ -37,7 +37,7 @@ def test_worker_stream_benchmark_runs_both_clients():
 def test_http_protocol_benchmark_runs_every_protocol():
     result = run_script("infra_http_protocol", "--concurrency", "2", "--requests", "8", "--rounds", "1",
                         "--chunks", "3")
-    assert set(result["results"]["2"]) == {"ours", "coalescing", "httptools", "h11"}
+    assert set(result["results"]["2"]) == {"ours", "httptools", "h11"}
 
 
 def test_cbuild_benchmark_builds_and_opens_a_kernel(tmp_path):

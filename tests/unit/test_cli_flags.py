@@ -14,6 +14,7 @@ from llmplatform.llm.build import BackendConfig
 from llmplatform.llm.resolve import EMBEDDING_MODEL_NAME
 from llmplatform.model_worker.settings import WorkerServiceSettings
 from llmplatform.offline import LLM
+from llmplatform.protocol.tool_calls import TOOL_CALL_SYNTAXES
 from llmplatform.serve import launcher
 from llmplatform.utils.settings import ServiceSettings
 
@@ -99,6 +100,16 @@ def test_the_flags_reach_the_backend_config():
     assert settings.backend_config == BackendConfig(
         max_num_seqs=7, kv_cache_memory="1GiB", enable_prefix_caching=False, model_names=("a", "b"),
         max_concurrency=3, grammar_compile_timeout=2.0)
+
+
+def test_tool_call_parser_takes_exactly_the_syntaxes_the_gateway_knows():
+    """--tool-call-parser's choices are protocol.tool_calls.TOOL_CALL_SYNTAXES: a new syntax is
+    one edit there."""
+    for syntax in TOOL_CALL_SYNTAXES:
+        settings = WorkerServiceSettings.parse(["--tool-call-parser", syntax])
+        assert settings.backend_config.tool_call_parser == syntax
+    with pytest.raises(SystemExit):
+        WorkerServiceSettings.parse(["--tool-call-parser", "mistral"])
 
 
 def test_offline_keywords_are_the_worker_flags():

@@ -1,90 +1,20 @@
-"""The services' uvicorn protocol: one loop turn's writes leave in one send, and nothing is held
-past the turn (``llmplatform.utils.http_protocol``)."""
+"""The services' uvicorn protocol (``llmplatform.utils.http_protocol``): answers leave as they are
+written, and slow and greedy clients are cut off within the bounds of a ``ConnectionLimits``."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 import threading
+import time
 
 import pytest
 
-from llmplatform.utils.http_protocol import _TurnBuffer
+from llmplatform.utils.http_protocol import ConnectionLimits
 from llmplatform.utils.server import serve_in_thread
-
-
-class _RecordingTransport:
-    def __init__(self) -> None:
-        self.sent: list[bytes] = []
-        self.closed = False
-        self.aborted = False
-
-    def write(self, data: bytes) -> None:
-        assert not self.closed
-        self.sent.append(bytes(data))
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def close(self) -> None:
-        self.closed = True
-
-    def abort(self) -> None:
-        self.aborted = self.closed = True
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def get_extra_info(self, name: str, default: object = None) -> object:
-        return {"peername": ("127.0.0.1", 1)}.get(name, default)
-
-
-async def _next_turn() -> None:
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
-
-
-async def test_writes_of_one_turn_leave_together_in_order() -> None:
-    real = _RecordingTransport()
-    buffered = _TurnBuffer(real, asyncio.get_running_loop())  # type: ignore[arg-type]
-    buffered.write(b"HTTP/1.1 200 OK\r\n\r\n")
-    buffered.write(bytearray(b"a"))
-    buffered.write(b"")
-    buffered.writelines([b"b", memoryview(b"c")])
-    assert real.sent == []  # held until the turn ends
-    assert buffered.get_write_buffer_size() == 22
-    await _next_turn()
-    assert real.sent == [b"HTTP/1.1 200 OK\r\n\r\nabc"]
-    buffered.write(b"next")
-    await _next_turn()
-    assert real.sent[1:] == [b"next"]
-
-
-async def test_close_sends_what_is_held_first_and_abort_drops_it() -> None:
-    real = _RecordingTransport()
-    buffered = _TurnBuffer(real, asyncio.get_running_loop())  # type: ignore[arg-type]
-    buffered.write(b"last words")
-    buffered.close()
-    assert real.sent == [b"last words"] and real.closed
-    await _next_turn()  # the scheduled flush finds nothing to send
-    assert real.sent == [b"last words"]
-
-    other = _RecordingTransport()
-    buffered = _TurnBuffer(other, asyncio.get_running_loop())  # type: ignore[arg-type]
-    buffered.write(b"never")
-    buffered.abort()
-    await _next_turn()
-    assert other.sent == [] and other.aborted
-
-
-async def test_writes_after_the_peer_left_are_dropped() -> None:
-    real = _RecordingTransport()
-    buffered = _TurnBuffer(real, asyncio.get_running_loop())  # type: ignore[arg-type]
-    buffered.write(b"late")
-    real.closed = True  # uvicorn noticed the disconnect in the meantime
-    await _next_turn()
-    assert real.sent == []
-    assert buffered.get_extra_info("peername") == ("127.0.0.1", 1)  # the rest is delegated
+from llmplatform.utils.service_settings import ServerSettings
+from tests.polling import wait_until
+from tests.security.raw_http import connect, read_response, wait_closed_by_server
 
 
 def test_headers_are_not_held_until_the_body() -> None:
@@ -140,13 +70,6 @@ def test_bodies_arrive_whole_through_a_real_server(size: int) -> None:
 
 
 # ---- slow and greedy clients (ConnectionLimits) -----------------------------------------------------
-
-import time  # noqa: E402
-
-from llmplatform.utils.http_protocol import ConnectionLimits  # noqa: E402
-from llmplatform.utils.service_settings import ServerSettings  # noqa: E402
-from tests.polling import wait_until  # noqa: E402
-from tests.security.raw_http import connect, read_response, wait_closed_by_server  # noqa: E402
 
 
 def test_connection_limits_are_checked_and_zero_turns_one_off() -> None:

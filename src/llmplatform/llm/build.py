@@ -29,6 +29,7 @@ from llmplatform.llm.decoder_embedding import NORMALIZE_CHOICES, POOLING_CHOICES
 from llmplatform.llm.resolve import QUANTIZATIONS
 
 if TYPE_CHECKING:
+    from llmplatform.engine.model_runner import RunnerFactory
     from llmplatform.sampling.grammar import GrammarConfig
 
 __all__ = ["BACKENDS", "COMPUTE_DTYPES", "DECODE_PATHS", "NORMALIZE_CHOICES", "POOLING_CHOICES",
@@ -84,14 +85,21 @@ class BackendConfig:
     grammar_compile_timeout: float = 10.0
 
 
-def build_backend(config: BackendConfig) -> LLMBackend:
+def build_backend(config: BackendConfig, *,
+                  runner_factory: RunnerFactory | None = None) -> LLMBackend:
     """Resolves the model (local dir, hub id, .gguf, or the embedded default), loads it, and
-    sets its chat template and tool-call syntax."""
+    sets its chat template and tool-call syntax.
+
+    ``runner_factory``: builds the paged engine's model runner instead of the default
+    (``engine.model_runner.RunnerFactory``); the fault tests pass one that injects faults. Only
+    with ``backend="paged"``, the one backend that has a runner."""
     from llmplatform.llm.tool_support import check_tool_flags, configure_tool_support
 
+    if runner_factory is not None and config.backend != "paged":
+        raise ValueError(f"a runner_factory needs backend='paged', not {config.backend!r}")
     template = check_tool_flags(config.chat_template, config.tool_call_parser)  # before loading
     grammar_config = _grammar_config(config)  # before loading: a bad size fails at once
-    llm = _load(config)
+    llm = _load(config, runner_factory)
     llm.grammar_config = grammar_config
     configure_tool_support(llm, chat_template=template, template_source=config.chat_template,
                            tool_call_parser=config.tool_call_parser)
@@ -108,7 +116,7 @@ def _grammar_config(config: BackendConfig) -> GrammarConfig:
                          token_budget_s=config.grammar_token_budget_ms / 1000)
 
 
-def _load(config: BackendConfig) -> LLMBackend:
+def _load(config: BackendConfig, runner_factory: RunnerFactory | None) -> LLMBackend:
     from llmplatform.llm.resolve import quantized_gguf, resolve_model
 
     if config.task not in TASKS:
@@ -157,7 +165,8 @@ def _load(config: BackendConfig) -> LLMBackend:
         raise ValueError(f"--tensor-parallel-size runs on the paged backend, not {backend}")
     if backend == "paged":
         return _build_paged(config, str(resolved.path), names, embed=task == "embed",
-                            quantized_gguf=None if gguf is None else str(gguf))
+                            quantized_gguf=None if gguf is None else str(gguf),
+                            runner_factory=runner_factory)
     if gguf is not None:
         raise ValueError(f"--quantization gguf runs on the paged backend, not {backend}")
     if task == "embed":
@@ -237,8 +246,10 @@ def encoder_batch_tokens(device: str) -> int:
     return GPU_ENCODER_BATCH_TOKENS if resolve_device(device).type == "cuda" else CPU_ENCODER_BATCH_TOKENS
 
 
-def _build_paged(config: BackendConfig, path: str, names: tuple[str, ...], *,
-                 embed: bool = False, quantized_gguf: str | None = None) -> LLMBackend:
+def _build_paged(config: BackendConfig, path: str, names: tuple[str, ...], *, embed: bool = False,
+                 quantized_gguf: str | None = None,
+                 runner_factory: RunnerFactory | None = None) -> LLMBackend:
+    from llmplatform.engine.model_runner import ModelRunner
     from llmplatform.llm.paged import PagedLLM
 
     engine_config = _engine_config(config, path, names, quantized_gguf=quantized_gguf)
@@ -247,7 +258,8 @@ def _build_paged(config: BackendConfig, path: str, names: tuple[str, ...], *,
         from llmplatform.llm.decoder_embedding import decoder_embedding
 
         embedding = decoder_embedding(path, config.pooling, config.embed_normalize)
-    return PagedLLM(engine_config, embedding)
+    return PagedLLM(engine_config, embedding,
+                    runner_factory=runner_factory or ModelRunner.from_config)
 
 
 def paged_engine_config(config: BackendConfig, *, num_blocks: int | None = None) -> EngineConfig:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from llmplatform.llm.build import build_backend
+from llmplatform.llm.build import BackendConfig, build_backend
 from llmplatform.model_worker.settings import WorkerServiceSettings
 from llmplatform.utils.logs import configure_logging, log_summary
 from llmplatform.utils.startup import listen_url
@@ -36,13 +36,16 @@ def _exit_after_backend_failure(reason: str) -> None:
     os._exit(BACKEND_FAILURE_EXIT_STATUS)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None, *,
+         build: Callable[[BackendConfig], LLMBackend] = build_backend) -> None:
+    """``build``: turns the backend settings into the backend (the fault tests' worker passes
+    `build_backend` with a fault-injecting ``runner_factory``)."""
     settings = WorkerServiceSettings.parse(argv)
     configure_logging(settings.log_level, settings.log_format)
     from llmplatform.model_worker.app import WorkerSettings, create_app, drain
 
     try:
-        llm = build_backend(settings.backend_config)
+        llm = build(settings.backend_config)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"error: {exc}") from exc
     worker = settings.section(

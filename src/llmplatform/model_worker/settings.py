@@ -24,6 +24,7 @@ from llmplatform.llm.build import (
     TASKS,
     BackendConfig,
 )
+from llmplatform.protocol.tool_calls import TOOL_CALL_SYNTAXES
 from llmplatform.utils.cluster_secret import SECRET_HEADER
 from llmplatform.utils.request_guard import RequestGuardConfig
 from llmplatform.utils.server import DEFAULT_SHUTDOWN_TIMEOUT_S
@@ -37,6 +38,7 @@ Normalize = Literal[NORMALIZE_CHOICES]  # type: ignore[valid-type]
 ComputeDtype = Literal[COMPUTE_DTYPES]  # type: ignore[valid-type]
 DecodePath = Literal[DECODE_PATHS]  # type: ignore[valid-type]
 Quantization = Literal[QUANTIZATIONS]  # type: ignore[valid-type]
+ToolCallSyntax = Literal[TOOL_CALL_SYNTAXES]  # type: ignore[valid-type]
 _DEFAULT = BackendConfig()
 _ENGINE = "native engine (--backend paged)"
 _EMBED = "embedding models (--task embed; --backend encoder or paged)"
@@ -97,7 +99,7 @@ class WorkerServiceSettings(ServerSettings):
         _DEFAULT.chat_template, "a Jinja chat template replacing the model's own (e.g. one that "
         "handles tools); default: the model's own, or for SmolLM2-Instruct (the default model) the "
         "shipped ChatML template with Hermes tools", metavar='FILE')
-    tool_call_parser: Literal['hermes', 'llama3_json'] | None = option(
+    tool_call_parser: ToolCallSyntax | None = option(
         _DEFAULT.tool_call_parser, "the syntax the model writes tool calls in (read from its "
         "output; forced for tool_choice required/named). Default: read from the chat template "
         "(<tool_call>: hermes); without one the model serves no tools")

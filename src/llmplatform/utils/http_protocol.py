@@ -1,17 +1,8 @@
-"""uvicorn's httptools protocol, with the writes of one event-loop turn sent together.
-
-uvicorn writes a response's status line and headers to the socket as soon as the app sends
-``http.response.start``, and each body message as it comes: a streamed answer whose headers
-and first event are sent back to back leaves in two ``send`` calls, and on loopback each one
-wakes the reader (a process hand-off, the expensive part on a small machine). Here the
-transport's writes are held until the end of the current loop turn and leave as one: nothing
-waits longer than the rest of the turn (no timer, no size threshold), and data never changes
-order. ``close()`` sends what is held first; ``abort()`` drops it, as the real one drops its
-buffer.
+"""uvicorn's httptools protocol, guarded against slow and greedy clients.
 
 The services' protocol (:func:`protocol_for`, passed as uvicorn's ``http`` by
-:mod:`llmplatform.utils.server`) also holds the line against slow and greedy clients, within the
-bounds of one :class:`ConnectionLimits`:
+:mod:`llmplatform.utils.server`) is uvicorn's own ``HttpToolsProtocol`` with what uvicorn lacks,
+within the bounds of one :class:`ConnectionLimits`:
 
 - **Slow heads and bodies** (slowloris): a request's head must be complete within
   ``head_timeout_s`` of the connection opening (or, on a kept-alive connection, of the request's
@@ -34,6 +25,10 @@ bounds of one :class:`ConnectionLimits`:
   only once a request's head has arrived, so idle or slow connections past the cap still hold
   their descriptors until a deadline ends them, and it counts the connection asking (a cap of
   N serves N-1).
+
+Writes go to the transport as uvicorn makes them. Holding one loop turn's writes to send them
+together (the headers with the first event) was tried and measured: no gain over plain httptools
+(``benchmarks/infra_http_protocol.py``, docs/performance.md "Hand-written infrastructure").
 """
 
 from __future__ import annotations
@@ -66,58 +61,6 @@ _OVER_CAPACITY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain
                   b"Service Unavailable: too many open connections")
 
 
-class _TurnBuffer:
-    """A transport whose writes leave at the end of the loop turn they were made in."""
-
-    __slots__ = ("_transport", "_loop", "_held", "_scheduled")
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._held: list[bytes] = []
-        self._scheduled = False
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        if not data:
-            return
-        self._held.append(bytes(data))
-        if not self._scheduled:
-            self._scheduled = True
-            self._loop.call_soon(self.flush)
-
-    def writelines(self, lines: Any) -> None:
-        for data in lines:
-            self.write(data)
-
-    def flush(self) -> None:
-        self._scheduled = False
-        if not self._held:
-            return
-        held = self._held
-        self._held = []
-        if not self._transport.is_closing():
-            self._transport.write(held[0] if len(held) == 1 else b"".join(held))
-
-    def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + sum(map(len, self._held))
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def abort(self) -> None:
-        self._held = []
-        self._transport.abort()
-
-    def __getattr__(self, name: str) -> Any:  # everything else is the real transport's
-        return getattr(self._transport, name)
-
-
-class CoalescingHttpToolsProtocol(HttpToolsProtocol):
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(_TurnBuffer(transport, self.loop))  # type: ignore[arg-type]
-
-
 @dataclass(frozen=True)
 class ConnectionLimits:
     """Per-service bounds on what one connection may hold (see the module doc)."""
@@ -148,8 +91,8 @@ class ConnectionLimits:
                 raise ValueError(f"{name} must be > 0 seconds or None, got {value!r}")
 
 
-class GuardedHttpToolsProtocol(CoalescingHttpToolsProtocol):
-    """The coalescing protocol with the deadlines and the cap of ``limits`` (module doc)."""
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the deadlines and the cap of ``limits`` (module doc)."""
 
     limits: ClassVar[ConnectionLimits] = ConnectionLimits()
     _last_refusal_log: ClassVar[float] = 0.0
