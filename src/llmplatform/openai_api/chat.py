@@ -9,7 +9,6 @@ from typing import Any, NamedTuple
 from fastapi import Request
 from fastapi.responses import Response
 
-from llmplatform.openai_api.embeddings import check_generates
 from llmplatform.openai_api.deltas import (
     DeltaTracker,
     chat_logprobs,
@@ -63,8 +62,8 @@ async def create_chat_completion(request: Request) -> Response:
     tenant = tenants(request).worker_tenant(request)
 
     async def start_on(address: str) -> tuple[_Prepared, ChoiceStreams]:
-        await check_generates(client, address, body.model)
         details = await client.model_details(address, body.model)
+        details.check_generates(body.model)
         check_worker_extensions(body, details.extensions)
         cache_salt = tenants(request).for_worker(salt, details.extensions, body.model, address)
         constraint = constraints.for_worker(body.model, details.extensions, details.tool_call_parser)

@@ -10,7 +10,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from llmplatform.openai_api.embeddings import check_generates
 from llmplatform.openai_api.deltas import (
     DeltaTracker,
     completion_logprobs,
@@ -60,8 +59,9 @@ async def create_completion(request: Request) -> Response:
     async def start_on(address: str) -> tuple[list[int], ChoiceStreams]:
         """Starts the choices at `address`; returns each prompt's token count as the gateway
         counted it (0: the worker reports it) with the streams."""
-        await check_generates(client, address, body.model)
-        announced = (await client.model_details(address, body.model)).extensions
+        details = await client.model_details(address, body.model)
+        details.check_generates(body.model)
+        announced = details.extensions
         check_worker_extensions(body, announced)
         cache_salt = tenants(request).for_worker(salt, announced, body.model, address)
         constraint = constraints.for_worker(body.model, announced, None)

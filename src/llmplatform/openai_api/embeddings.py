@@ -149,17 +149,6 @@ def _encoded(vector: np.ndarray | str | Sequence[float], encoding_format: str | 
     return list(vector)
 
 
-async def check_generates(client: WorkerClient, address: str, model: str) -> None:
-    """Refuses chat and completions for a model whose worker (ours) says it serves no generation
-    (``tasks`` in its ``/model_details``: an embedding model), before anything is sent for it; the
-    worker refuses too. A stock FastChat worker announces no tasks and is taken at its word."""
-    tasks = (await client.model_details(address, model)).raw.get("tasks")
-    if isinstance(tasks, list) and "generate" not in tasks:
-        raise InvalidRequestError(
-            f"model {model!r} is an embedding model: it serves /v1/embeddings, not chat or "
-            "completions (GET /v1/models lists what each model serves)", param="model")
-
-
 async def model_tasks(client: WorkerClient) -> dict[str, list[str]]:
     """What each model serves, from the controller's worker listing (ours): the union over its
     workers that report it. Empty from a stock controller (no listing): nothing is claimed."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from llmplatform.conversation import ConvTemplate
+from llmplatform.errors import InvalidRequestError
 from llmplatform.openai_api.errors import UpstreamError
 
 MAX_ENTRIES = 1024
@@ -45,6 +46,16 @@ class ModelDetails:
             tool_call_parser=parser if isinstance(parser, str) else None,
             raw=data,
         )
+
+    def check_generates(self, model: str) -> None:
+        """Refuses chat and completions for a model whose worker (ours) says it serves no
+        generation (``tasks``: an embedding model), before anything is sent for it; the worker
+        refuses too. A stock FastChat worker announces no tasks and is taken at its word."""
+        tasks = self.raw.get("tasks")
+        if isinstance(tasks, list) and "generate" not in tasks:
+            raise InvalidRequestError(
+                f"model {model!r} is an embedding model: it serves /v1/embeddings, not chat or "
+                "completions (GET /v1/models lists what each model serves)", param="model")
 
 
 K = TypeVar("K")
