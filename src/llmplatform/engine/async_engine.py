@@ -24,7 +24,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
 
 from llmplatform.engine.config import RestartConfig
 from llmplatform.engine.llm_engine import LLMEngine, SequenceUpdate
@@ -33,6 +33,9 @@ from llmplatform.errors import EngineDeadError, EngineRestartingError
 from llmplatform.sampling.params import SamplingParams
 from llmplatform.utils.logs import request_context
 from llmplatform.utils.torch_utils import torch_thread
+
+if TYPE_CHECKING:
+    from llmplatform.sampling.grammar import CompiledGrammar
 
 logger = logging.getLogger("llmplatform.engine")
 
@@ -78,8 +81,8 @@ class AsyncEngine:
         self.engine = engine
         self._streams: dict[str, _Stream] = {}
         # (request id, prompt, sampling params and grammar | pooling params and None, cache salt)
-        self._pending_adds: list[tuple[str, list[int], SamplingParams | PoolingParams, Any,
-                                       str | None]] = []
+        self._pending_adds: list[tuple[str, list[int], SamplingParams | PoolingParams,
+                                       CompiledGrammar | None, str | None]] = []
         self._pending_aborts: list[str] = []
         self._pending_calls: list[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = []
         self._wakeup = asyncio.Event()
@@ -130,7 +133,7 @@ class AsyncEngine:
     # ---- requests ----------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, grammar: Any = None, *,
+                       params: SamplingParams, grammar: CompiledGrammar | None = None, *,
                        cache_salt: str | None = None) -> AsyncIterator[SequenceUpdate]:
         """Yields the request's updates (for all n outputs) until each has finished. Closing the
         iterator early (or cancelling its consumer) is how a request is aborted: its blocks are
