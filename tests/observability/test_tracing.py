@@ -104,13 +104,16 @@ def test_errors_carry_the_id_too(cluster, logs, body, status):
     assert _ids(logs, "llmplatform.openai_api.access", "POST /v1/completions") == ["err-42"]
 
 
-def test_each_choice_gets_its_own_worker_request_id(client, logs):
-    client.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=2,
-                              extra_headers={"X-Request-Id": "multi"})
-    _wait_for_log(logs, "llmplatform.worker", "finished", count=2)
-    ids = sorted(_ids(logs, "llmplatform.worker", "finished"))
+def test_n_choices_are_one_worker_request_with_the_clients_id(client, logs):
+    # The paged worker lists `n`: both choices are one worker request (one prefill), named
+    # after the client's id and the first choice it carries.
+    reply = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=2,
+                                      extra_headers={"X-Request-Id": "multi"})
+    assert [c.index for c in reply.choices] == [0, 1]
+    _wait_for_log(logs, "llmplatform.worker", "finished", count=1)
+    ids = _ids(logs, "llmplatform.worker", "finished")
     prefix = ids[0].rsplit("-", 1)[0]
-    assert prefix.startswith("multi-") and ids == [f"{prefix}-0", f"{prefix}-1"]
+    assert prefix.startswith("multi-") and ids == [f"{prefix}-0"]
 
 
 def test_a_reused_client_id_never_collides(client):
