@@ -1,7 +1,7 @@
 """Stock FastChat workers, behind one adapter: the gateway's main path speaks only to ours.
 
-The main path has one mode. It sends every worker one request per choice with the prompt as
-the client gave it (chat ``messages``, or a completion's ``prompt``) and the sizing rule
+The main path has one mode. It sends every worker one request per choice (per prompt, for all
+its choices, to a worker that lists ``n``) with the prompt as the client gave it (chat ``messages``, or a completion's ``prompt``) and the sizing rule
 (``openai_max_tokens``), and reads delta frames (``WorkerChunk.delta``: only what is new). A
 worker of ours renders, counts and sizes the prompt itself and sends delta frames when asked.
 
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 SINGLE_CALL = frozenset({"messages", "openai_max_tokens"})
 """The params additions that let a worker take the main path's request as it is."""
+
 
 async def for_peer(client: WorkerClient, address: str, model: str,
                    params: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
