@@ -124,7 +124,7 @@ class StepRecorder:
 
 def run_ours(path: str, requests: list[Request], warmup: list[Request], args: argparse.Namespace) -> Result:
     from llmplatform import LLM, SamplingParams
-    from llmplatform.engine.llm_engine import StepStats
+    from llmplatform.engine.outputs import StepStats
 
     def params(reqs: list[Request]) -> list[Any]:
         return [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]

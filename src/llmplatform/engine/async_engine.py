@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
 
 from llmplatform.engine.config import RestartConfig
-from llmplatform.engine.llm_engine import LLMEngine, SequenceUpdate
+from llmplatform.engine.llm_engine import LLMEngine
+from llmplatform.engine.outputs import SequenceUpdate
 from llmplatform.engine.pooling import PoolingParams
 from llmplatform.errors import EngineDeadError, EngineRestartingError
 from llmplatform.sampling.params import SamplingParams

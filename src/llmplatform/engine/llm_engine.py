@@ -34,7 +34,7 @@ from llmplatform.engine.block_manager import BlockManager
 from llmplatform.engine.config import EngineConfig
 from llmplatform.engine.isolation import pinned_fault
 from llmplatform.engine.model_runner import ModelRunner, RunnerFactory
-from llmplatform.engine.outputs import Failure, ModelOutput, SchedulerOutput
+from llmplatform.engine.outputs import Failure, ModelOutput, SchedulerOutput, SequenceUpdate, StepStats
 from llmplatform.engine.pooling import PoolingParams
 from llmplatform.engine.prefix_cache import PrefixCacheStats
 from llmplatform.engine.scheduler import Scheduler
@@ -52,15 +52,6 @@ if TYPE_CHECKING:
     from llmplatform.sampling.grammar import CompiledGrammar
 
 logger = logging.getLogger("llmplatform.engine")
-
-
-@dataclass(frozen=True)
-class SequenceUpdate:
-    request_id: str
-    index: int  # which of the request's n outputs
-    chunk: GenerateChunk
-    # A pooling sequence's vector ([hidden] float32), on its final update.
-    pooled: np.ndarray | None = None
 
 
 @dataclass
@@ -83,24 +74,6 @@ class OutputState:
     @property
     def index(self) -> int:
         return self.seq.index
-
-
-@dataclass
-class StepStats:
-    num_steps: int = 0
-    num_preemptions: int = 0
-    # Sum over steps of (tokens stored / token slots allocated) and how many steps were counted.
-    kv_efficiency_sum: float = 0.0
-    num_batched_tokens: int = 0
-    # Pooling sequences finished (vector made), and the most finished by one step (batching).
-    num_pooled_seqs: int = 0
-    max_pooled_per_step: int = 0
-    # Waiting sequences deferred because another one was computing their prefix's next blocks
-    # (each counted once per wait; engine.scheduler, "Prefixes in flight").
-    num_deferred_for_prefix: int = 0
-    # Prompt tokens computed (prefill work: a prompt shared by n outputs counts once; cached
-    # prefixes and recomputed outputs not at all, a preempted prompt again).
-    num_computed_prompt_tokens: int = 0
 
 
 class LLMEngine:

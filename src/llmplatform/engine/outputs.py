@@ -1,6 +1,6 @@
 """The typed records that cross the engine's internal boundaries (contracts only, no logic).
 
-    scheduler --SchedulerOutput--> model runner --ModelOutput--> engine update
+    scheduler --SchedulerOutput--> model runner --ModelOutput--> engine update --SequenceUpdate--> caller
 
 No live :class:`~llmplatform.engine.sequence.Sequence` crosses them: the scheduler owns its
 sequences, and tells the runner about each by id. The first time the runner is to compute a
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from llmplatform.engine.pooling import PoolingParams
 from llmplatform.errors import ErrorCode
-from llmplatform.sampling.outputs import TokenLogprob
+from llmplatform.sampling.outputs import GenerateChunk, TokenLogprob
 from llmplatform.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -129,3 +129,30 @@ class ModelOutput:
     # Pooling sequences whose prompt this step finished: seq id -> their vector ([hidden]
     # float32; engine.pooling).
     pooled: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SequenceUpdate:
+    request_id: str
+    index: int  # which of the request's n outputs
+    chunk: GenerateChunk
+    # A pooling sequence's vector ([hidden] float32), on its final update.
+    pooled: np.ndarray | None = None
+
+
+@dataclass
+class StepStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    # Sum over steps of (tokens stored / token slots allocated) and how many steps were counted.
+    kv_efficiency_sum: float = 0.0
+    num_batched_tokens: int = 0
+    # Pooling sequences finished (vector made), and the most finished by one step (batching).
+    num_pooled_seqs: int = 0
+    max_pooled_per_step: int = 0
+    # Waiting sequences deferred because another one was computing their prefix's next blocks
+    # (each counted once per wait; engine.scheduler, "Prefixes in flight").
+    num_deferred_for_prefix: int = 0
+    # Prompt tokens computed (prefill work: a prompt shared by n outputs counts once; cached
+    # prefixes and recomputed outputs not at all, a preempted prompt again).
+    num_computed_prompt_tokens: int = 0
