@@ -13,6 +13,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from llmplatform.kernels import AttentionMetadata
 from llmplatform.llm.build import BackendConfig, build_backend
 from llmplatform.models.loader import load_model
 from llmplatform.models.qwen3 import Qwen3ForCausalLM
@@ -21,7 +22,7 @@ from tests.engine.test_engine import (assert_all_blocks_free, greedy, hf_greedy,
                                       varied_prompts)
 from tests.engine.test_tensor_parallel import engine_config, forward_logits
 from tests.integration.cluster import running_cluster
-from tests.unit.test_llama_model import build_tiny, check_prefill_and_decode
+from tests.unit.test_llama_model import BLOCK_SIZE, build_tiny, check_prefill_and_decode
 
 NEW_TOKENS = 32
 
@@ -67,6 +68,19 @@ def test_logits_match_hf_at_prefill_and_decode(tmp_path: Path) -> None:
     assert isinstance(model, Qwen3ForCausalLM) and model.head_dim == 32
     assert model.model.layers[0].self_attn.q_norm is not None
     check_prefill_and_decode(hf_model, model)
+
+
+def test_a_bare_qwen3_model_checkpoint_gives_hf_hidden_states(tmp_path: Path) -> None:
+    """``Qwen3Model`` (no LM head, names without ``model.``: an embedding model's decoder)."""
+    hf_model = build_tiny(tmp_path, transformers.Qwen3Config, transformers.Qwen3Model, head_dim=32)
+    model = load_model(tmp_path, dtype=torch.float32)
+    tokens = list(range(3, 40, 2))  # 19 tokens: five blocks of 4
+    metadata = AttentionMetadata.build(context_lens=[0], query_lens=[len(tokens)], block_tables=[[4, 0, 2, 1, 3]],
+                                       block_size=BLOCK_SIZE)
+    with torch.inference_mode():
+        ours = model(torch.tensor(tokens), torch.arange(len(tokens)), model.allocate_kv_caches(5, BLOCK_SIZE), metadata)
+        reference = hf_model(torch.tensor([tokens])).last_hidden_state[0]
+    torch.testing.assert_close(ours, reference, atol=1e-4 * reference.abs().max().item(), rtol=0)
 
 
 @pytest.mark.parametrize("decode_path", ["eager", "fused"])
