@@ -69,24 +69,54 @@ def default_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), default_model_dir, LlamaConfig, LlamaForCausalLM,
+                      TINY_LLAMA)
+
+
+# tiny_qwen3_dir: a tiny random Qwen3 (per-head q/k norms, head_dim 32 != hidden 64 / 4 heads) with
+#   the same tokenizer, built like tiny_model_dir.
+TINY_QWEN3 = {**TINY_LLAMA, "head_dim": 32}
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    def randomize_norms(model) -> None:
+        # HF initializes norm weights to ones; random ones make a missing or misplaced q/k norm show.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.uniform_(0.5, 1.5)
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen3"), default_model_dir, Qwen3Config, Qwen3ForCausalLM,
+                      TINY_QWEN3, adjust=randomize_norms)
+
+
+def _save_tiny(out_dir: Path, default_model_dir: Path, config_class, model_class, sizes: dict,
+               adjust=None) -> Path:
+    import torch
+    from transformers import GenerationConfig
 
     from llmplatform.llm.resolve import load_tokenizer
 
-    out_dir = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = load_tokenizer(default_model_dir)
     eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
-    config = LlamaConfig(
-        **TINY_LLAMA,
+    config = config_class(
+        **sizes,
         vocab_size=len(tokenizer),  # 49152 for SmolLM2
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = model_class(config).to(torch.float32)
+    if adjust is not None:
+        adjust(model)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=eos_token_id,
@@ -100,7 +130,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
     # The default model's limit is 8192; the tiny model's positions stop at 512.
     tokenizer_config_path = out_dir / "tokenizer_config.json"
     tokenizer_config = json.loads(tokenizer_config_path.read_text())
-    tokenizer_config["model_max_length"] = TINY_LLAMA["max_position_embeddings"]
+    tokenizer_config["model_max_length"] = sizes["max_position_embeddings"]
     tokenizer_config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     return out_dir
 

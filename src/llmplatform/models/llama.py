@@ -1,4 +1,4 @@
-"""The Llama family (Llama 1-3, Mistral, Qwen2) over a paged KV cache.
+"""The Llama family (Llama 1-3, Mistral, Qwen2) over a paged KV cache, and the blocks Qwen3 composes.
 
 Tokens of all sequences in a step are flattened into one batch without padding; attention
 metadata (``kernels.AttentionMetadata``) says which tokens belong to which sequence, where their
@@ -76,8 +76,12 @@ def _attention_biases(config: Any) -> tuple[bool, bool]:
 
 
 class LlamaAttention(nn.Module):
+    """Grouped-query attention over the paged cache. ``qk_norm``: an RMSNorm over each head of q
+    and of k (one ``head_dim`` weight each, shared by all heads) before rotary (Qwen3). ``head_dim``
+    is the config's, which may differ from hidden / heads."""
+
     def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str,
-                 shard: ShardGroup | None = None, ops: ModelOps | None = None) -> None:
+                 shard: ShardGroup | None = None, ops: ModelOps | None = None, qk_norm: bool = False) -> None:
         super().__init__()
         ops = ops or reference_ops(dtype, device)
         num_ranks = 1 if shard is None else shard.size
@@ -96,9 +100,17 @@ class LlamaAttention(nn.Module):
         self.o_proj = row_linear(shard, q_size, config.hidden_size, bias=o_bias, dtype=dtype, device=device,
                                  ops=ops)
         self.backend = ops.attention
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if qk_norm:
+            eps = config.rms_norm_eps
+            self.q_norm = RMSNorm(self.head_dim, eps, dtype=dtype, device=device, ops=ops)
+            self.k_norm = RMSNorm(self.head_dim, eps, dtype=dtype, device=device, ops=ops)
         # Decode-only steps of up to this many tokens run rotary, the K/V store and attention as
-        # one fused call (kernels.fused_decode_attention); 0: never (the eager path).
-        self.fused_rows = kernel_rows(ops.small_rows if ops.rotary is RowImpl.C else 0)
+        # one fused call (kernels.fused_decode_attention); never (-1) on the eager path, nor with
+        # q/k norms, which that call has no place for (they come before its rotary).
+        fused = ops.rotary is RowImpl.C and not qk_norm
+        self.fused_rows = kernel_rows(ops.small_rows if fused else 0)
 
     def forward(
         self,
@@ -117,8 +129,13 @@ class LlamaAttention(nn.Module):
             fused = fused_decode_attention(qkv, cos, sin, k_cache, v_cache, attn_metadata, H, self.scale)
             if fused is not None:  # [T, H, D] fp32
                 return self.o_proj(fused.view(num_tokens, H * D), out_dtype=x.dtype)  # [T, hidden]
-        # q and k sit next to each other in qkv: rotate both with one set of ops.
-        qk = rotary(qkv[:, : (H + Hkv) * D].view(num_tokens, H + Hkv, D), cos, sin)  # [T, H + Hkv, D]
+        qk = qkv[:, : (H + Hkv) * D].view(num_tokens, H + Hkv, D)  # [T, H + Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q_normed, _ = self.q_norm(qk[:, :H].reshape(num_tokens * H, D))  # [T * H, D]
+            k_normed, _ = self.k_norm(qk[:, H:].reshape(num_tokens * Hkv, D))  # [T * Hkv, D]
+            qk = torch.cat((q_normed.view(num_tokens, H, D), k_normed.view(num_tokens, Hkv, D)), dim=1)
+        # q and k sit next to each other: rotate both with one set of ops.
+        qk = rotary(qk, cos, sin)  # [T, H + Hkv, D]
         q = qk[:, :H]  # [T, H, D]
         k = qk[:, H:]  # [T, Hkv, D]
         v = qkv[:, (H + Hkv) * D :].view(num_tokens, Hkv, D)  # [T, Hkv, D]
@@ -156,11 +173,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str,
-                 shard: ShardGroup | None = None, ops: ModelOps | None = None) -> None:
+                 shard: ShardGroup | None = None, ops: ModelOps | None = None, qk_norm: bool = False) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device, ops=ops)
-        self.self_attn = LlamaAttention(config, dtype=dtype, device=device, shard=shard, ops=ops)
+        self.self_attn = LlamaAttention(config, dtype=dtype, device=device, shard=shard, ops=ops, qk_norm=qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device, ops=ops)
         self.mlp = LlamaMLP(config, dtype=dtype, device=device, shard=shard, ops=ops)
 
@@ -183,13 +200,13 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(
         self, config: Any, *, dtype: torch.dtype, device: torch.device | str, max_position: int,
-        shard: ShardGroup | None = None, ops: ModelOps | None = None,
+        shard: ShardGroup | None = None, ops: ModelOps | None = None, qk_norm: bool = False,
     ) -> None:
         super().__init__()
         self.embed_tokens = vocab_embedding(shard, config.vocab_size, config.hidden_size, dtype=dtype,
                                             device=device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype=dtype, device=device, shard=shard, ops=ops)
+            LlamaDecoderLayer(config, dtype=dtype, device=device, shard=shard, ops=ops, qk_norm=qk_norm)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device, ops=ops)
@@ -223,7 +240,12 @@ class LlamaForCausalLM(nn.Module):
     what the config supports). ``shard``: build this rank's shard of a tensor-parallel model
     (``models.parallel``; None or one rank: the whole model). ``ops``: the kernels to run
     (``kernels.ops.resolve_ops``; None: the torch reference).
+
+    A family that differs only in block options subclasses this and sets them (``models.qwen3``).
     """
+
+    qk_norm = False
+    """Per-head RMSNorm of q and k before rotary (``LlamaAttention``)."""
 
     def __init__(
         self,
@@ -254,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
             max_position = min(max_position, max_model_len)
         self.max_position = max_position
         self.model = LlamaModel(config, dtype=dtype, device=device, max_position=max_position, shard=shard,
-                                ops=ops)
+                                ops=ops, qk_norm=self.qk_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (
             None if self.tie_word_embeddings

@@ -14,18 +14,28 @@ from torch import nn
 
 from llmplatform.models.layers import SUPPORTED_ROPE_TYPES, rope_max_position, rope_parameters
 from llmplatform.models.llama import LlamaForCausalLM
+from llmplatform.models.qwen3 import Qwen3ForCausalLM
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
     # The bare networks, no LM head (decoder embedding models such as e5-mistral): they only
     # embed (the paged backend's --task embed); the loader ties the unused head to the embeddings.
     "LlamaModel": LlamaForCausalLM,
     "MistralModel": LlamaForCausalLM,
     "Qwen2Model": LlamaForCausalLM,
+    "Qwen3Model": Qwen3ForCausalLM,
 }
-_HEADLESS_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model")
+_HEADLESS_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
+
+# Architectures people serve that the native engine does not run yet, and what it lacks: the
+# worker's auto backend logs this and falls back to the hf backend.
+_NOT_YET: dict[str, str] = {
+    "Qwen3MoeForCausalLM": "mixture-of-experts",
+    "MixtralForCausalLM": "mixture-of-experts",
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -47,6 +57,9 @@ def unsupported_reason(config: Any) -> str | None:
     architectures = _field(config, "architectures") or []
     known = [name for name in architectures if name in _ARCHITECTURES]
     if not known:
+        lacking = sorted({_NOT_YET[name] for name in architectures if name in _NOT_YET})
+        if lacking:
+            return f"architectures {architectures} are not supported yet: {', '.join(lacking)}"
         return f"architectures {architectures} are not among {supported_architectures()}"
     if _field(config, "quantization_config") is not None:
         return "quantized checkpoints are not supported"
@@ -86,7 +99,7 @@ def sliding_window(config: Any) -> int | None:
     We always attend to the full context, which equals windowed attention while a sequence is
     no longer than the window: ``max_model_len`` caps sequences there.
     """
-    if _field(config, "model_type") == "qwen2" and not _field(config, "use_sliding_window", False):
+    if _field(config, "model_type") in ("qwen2", "qwen3") and not _field(config, "use_sliding_window", False):
         return None
     window = _field(config, "sliding_window")
     return window if isinstance(window, int) and window > 0 else None

@@ -1,0 +1,137 @@
+"""Qwen3 dense on the native engine against HF transformers, float32, on a tiny random checkpoint
+(per-head q/k norms with random weights; head_dim 32 while hidden / heads is 16): logits of one
+forward within 1e-4, 32 greedy tokens equal (also under preemption, chunked prefill and prefix-cache
+hits), two tensor-parallel ranks equal to one, and served through a worker and the gateway with
+`--backend auto` picking the native engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from llmplatform.kernels import AttentionMetadata
+from llmplatform.llm.build import BackendConfig, build_backend
+from llmplatform.models.loader import load_model
+from llmplatform.models.qwen3 import Qwen3ForCausalLM
+from llmplatform.models.registry import get_model_class, is_headless, unsupported_reason
+from tests.engine.test_engine import (assert_all_blocks_free, greedy, hf_greedy, make_engine, run_to_completion,
+                                      varied_prompts)
+from tests.engine.test_tensor_parallel import engine_config, forward_logits
+from tests.integration.cluster import running_cluster
+from tests.unit.test_llama_model import BLOCK_SIZE, build_tiny, check_prefill_and_decode
+
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_qwen3_dir):
+    return AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_qwen3(tiny_qwen3_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    """Eight varied prompts, four of them behind a shared prefix of several 16-token blocks."""
+    shared = tokenizer("a shared system prompt that many requests start with, long enough to fill "
+                       "several blocks of the cache, then a little more")["input_ids"]
+    return [shared + p for p in varied_prompts(tokenizer, n=4, seed=5)] + varied_prompts(tokenizer, n=4, seed=6)
+
+
+@pytest.fixture(scope="module")
+def reference(hf_qwen3, prompts) -> list[list[int]]:
+    return [hf_greedy(hf_qwen3, p, NEW_TOKENS) for p in prompts]
+
+
+def test_the_registry_builds_qwen3_and_says_why_not_for_moe(tiny_qwen3_dir):
+    config = transformers.AutoConfig.from_pretrained(tiny_qwen3_dir)
+    assert get_model_class(config) is Qwen3ForCausalLM
+    headless = transformers.Qwen3Config(architectures=["Qwen3Model"])
+    assert unsupported_reason(headless) is None and is_headless(headless)
+    moe = transformers.Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"])
+    assert unsupported_reason(moe) == "architectures ['Qwen3MoeForCausalLM'] are not supported yet: mixture-of-experts"
+
+
+def test_logits_match_hf_at_prefill_and_decode(tmp_path: Path) -> None:
+    """Random q/k norm weights and head_dim (32) != hidden / heads (16), no tied embeddings; each
+    logit within 1e-4 of the largest."""
+    hf_model = build_tiny(tmp_path, transformers.Qwen3Config, transformers.Qwen3ForCausalLM, head_dim=32,
+                          tie_word_embeddings=False)
+    model = load_model(tmp_path, dtype=torch.float32)
+    assert isinstance(model, Qwen3ForCausalLM) and model.head_dim == 32
+    assert model.model.layers[0].self_attn.q_norm is not None
+    check_prefill_and_decode(hf_model, model)
+
+
+def test_a_bare_qwen3_model_checkpoint_gives_hf_hidden_states(tmp_path: Path) -> None:
+    """``Qwen3Model`` (no LM head, names without ``model.``: an embedding model's decoder)."""
+    hf_model = build_tiny(tmp_path, transformers.Qwen3Config, transformers.Qwen3Model, head_dim=32)
+    model = load_model(tmp_path, dtype=torch.float32)
+    tokens = list(range(3, 40, 2))  # 19 tokens: five blocks of 4
+    metadata = AttentionMetadata.build(context_lens=[0], query_lens=[len(tokens)], block_tables=[[4, 0, 2, 1, 3]],
+                                       block_size=BLOCK_SIZE)
+    with torch.inference_mode():
+        ours = model(torch.tensor(tokens), torch.arange(len(tokens)), model.allocate_kv_caches(5, BLOCK_SIZE), metadata)
+        reference = hf_model(torch.tensor([tokens])).last_hidden_state[0]
+    torch.testing.assert_close(ours, reference, atol=1e-4 * reference.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("decode_path", ["eager", "fused"])
+def test_greedy_tokens_match_hf(tiny_qwen3_dir, prompts, reference, decode_path):
+    engine = make_engine(tiny_qwen3_dir, decode_path=decode_path)
+    got = run_to_completion(engine, prompts, [greedy(NEW_TOKENS)] * len(prompts))
+    for i, want in enumerate(reference):
+        assert got[str(i)] == want, f"prompt {i} differs"
+    assert_all_blocks_free(engine)
+
+
+def test_greedy_tokens_match_hf_under_preemption_chunking_and_prefix_hits(tiny_qwen3_dir, prompts, reference):
+    # 40 blocks x 4 tokens for 8 sequences of up to ~100 tokens: preemption must happen; a 32-token
+    # budget chunks the long prefills; the shared prefix's blocks are hit once the first is computed.
+    engine = make_engine(tiny_qwen3_dir, block_size=4, num_blocks=40, max_num_batched_tokens=32,
+                         max_model_len=128, decode_path="fused")
+    got = run_to_completion(engine, prompts, [greedy(NEW_TOKENS)] * len(prompts))
+    assert engine.stats.num_preemptions > 0
+    assert engine.prefix_cache_stats.num_hit_tokens > 0
+    for i, want in enumerate(reference):
+        assert got[str(i)] == want, f"prompt {i} differs after preemption/chunking/prefix hits"
+
+
+def test_two_tensor_parallel_ranks_compute_what_one_does(tiny_qwen3_dir, tokenizer, prompts):
+    from llmplatform.engine.llm_engine import LLMEngine
+
+    single = LLMEngine(engine_config(tiny_qwen3_dir, tp=1))
+    split = LLMEngine(engine_config(tiny_qwen3_dir, tp=2))
+    try:
+        prompt = tokenizer("the quick brown fox jumps over the lazy dog while the cat sleeps")["input_ids"]
+        torch.testing.assert_close(forward_logits(split, prompt), forward_logits(single, prompt), rtol=0, atol=1e-5)
+        params = [greedy(NEW_TOKENS)] * len(prompts)
+        want = run_to_completion(single, prompts, params)
+        got = run_to_completion(split, prompts, params)
+        assert split.stats.num_preemptions > 0 and split.prefix_cache_stats.num_hit_tokens > 0
+        assert got == want
+    finally:
+        split.runner.close()
+
+
+def test_served_through_a_worker_and_the_gateway_on_the_native_engine(tiny_qwen3_dir):
+    from llmplatform import LLM, SamplingParams
+
+    prompt = "the sea and the mountain"
+    offline = LLM(str(tiny_qwen3_dir), dtype="float32", device="cpu", kv_cache_memory="64MiB")
+    want = offline.generate(prompt, SamplingParams(max_tokens=16, temperature=0))[0].outputs[0].text
+    llm = build_backend(BackendConfig(model_path=str(tiny_qwen3_dir), model_names=("qwen3",), backend="auto",
+                                      device="cpu", dtype="float32", kv_cache_memory="64MiB"))
+    assert llm.backend_name == "paged"
+    with running_cluster() as cluster:
+        cluster.add_worker(llm)
+        completion = cluster.openai_client(timeout_s=60).completions.create(
+            model="qwen3", prompt=prompt, max_tokens=16, temperature=0)
+    assert completion.choices[0].text == want and want
