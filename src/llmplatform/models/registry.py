@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from llmplatform.models.layers import SUPPORTED_ROPE_TYPES, rope_max_position, rope_parameters
+from llmplatform.models.rope import SUPPORTED_ROPE_TYPES, rope_max_position, rope_parameters
 from llmplatform.models.llama import LlamaForCausalLM
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
