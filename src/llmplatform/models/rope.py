@@ -112,11 +112,11 @@ class RotaryEmbedding(nn.Module):
         if rope_type == "dynamic" and max_position > trained_max_position:
             factor = params["factor"]
             long_positions = positions[trained_max_position:]  # [P_long], sequences past the trained length
-            seq_lens = long_positions.double() + 1  # [P_long]
+            seq_lens = long_positions + 1  # [P_long]; float32 throughout, as the reference computes it
             scaled_bases = base * ((factor * seq_lens / trained_max_position) - (factor - 1)) ** (
                 rotary_dim / (rotary_dim - 2)
             )  # [P_long]
-            long_inv_freq = 1.0 / (scaled_bases.float()[:, None] ** _exponents(rotary_dim)[None, :])  # [P_long, R/2]
+            long_inv_freq = 1.0 / (scaled_bases[:, None] ** _exponents(rotary_dim)[None, :])  # [P_long, R/2]
             freqs[trained_max_position:] = long_positions[:, None] * long_inv_freq  # [P_long, R/2]
         if rope_type == "longrope":
             original = _original_max_position(params, trained_max_position)
