@@ -18,7 +18,14 @@ from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_
 from llmplatform.kernels.ops import KernelAvailability, RowImpl, resolve_ops
 from llmplatform.models.llama import LlamaForCausalLM
 from llmplatform.models.loader import load_model
-from llmplatform.models.rope import RotaryEmbedding, rope_frequencies, rope_parameters, rotary_dim_of
+from llmplatform.llm.resolve import context_length
+from llmplatform.models.rope import (
+    RotaryEmbedding,
+    rope_frequencies,
+    rope_max_position,
+    rope_parameters,
+    rotary_dim_of,
+)
 from tests.engine.test_engine import greedy, hf_greedy, make_engine, run_to_completion
 from tests.unit.test_llama_model import PagedRunner, assert_logits_close, hf_logits
 
@@ -135,6 +142,20 @@ def test_partial_rotary_equals_phi3(case: str) -> None:
         want, _ = phi3_apply_rotary(x, x, hf_cos, hf_sin)
         torch.testing.assert_close(got[t], want[0, :, 0], atol=1e-6, rtol=0)
     torch.testing.assert_close(got[..., ours.rotary_dim :], qk[..., ours.rotary_dim :], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("case, max_positions, want", [
+    ("yarn", 512, 512),  # the config states the extended length (128 * 4)
+    ("yarn", 128, 512),  # Qwen's style: the trained length, extended by the factor
+    ("linear", 512, 2048),
+    ("llama3", 512, 512),
+    ("longrope", 512, 512),
+    ("default", 512, 512),
+])
+def test_the_rotary_table_covers_the_context_length(case: str, max_positions: int, want: int) -> None:
+    """The table covers as many positions as the worker advertises (llm.resolve.context_length)."""
+    config = llama_config(ROPES[case], max_position_embeddings=max_positions)
+    assert rope_max_position(config) == context_length(config) == want
 
 
 def test_a_partial_rotary_model_never_runs_the_whole_head_c_rotary() -> None:

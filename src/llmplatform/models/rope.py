@@ -47,12 +47,18 @@ def rope_parameters(config: Any) -> dict[str, Any]:
 
 def rope_max_position(config: Any) -> int:
     """How many positions the rotary table must cover: the trained length, stretched by the
-    factor for the scalings whose config states the pre-scaling length (linear, dynamic)."""
+    factor for the scalings whose config states the pre-scaling length (linear, dynamic; yarn
+    unless ``max_position_embeddings`` already is ``original_max_position_embeddings * factor``,
+    as ``llm.resolve.context_length`` reads it). Llama 3 and LongRoPE configs state the extended
+    length."""
     base = config.max_position_embeddings
     params = rope_parameters(config)
     factor = params.get("factor") or 1.0
     if params["rope_type"] in ("linear", "dynamic") and factor > 1:
         return int(base * factor)
+    if params["rope_type"] == "yarn" and factor > 1:
+        original = params.get("original_max_position_embeddings")
+        return base if isinstance(original, int) and base >= original * factor else int(base * factor)
     return base
 
 
