@@ -18,6 +18,7 @@ from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_
 from llmplatform.kernels.ops import KernelAvailability, RowImpl, resolve_ops
 from llmplatform.models.llama import LlamaForCausalLM
 from llmplatform.models.loader import load_model
+from llmplatform.models.registry import unsupported_reason
 from llmplatform.llm.resolve import context_length
 from llmplatform.models.rope import (
     RotaryEmbedding,
@@ -163,7 +164,8 @@ def test_a_partial_rotary_model_never_runs_the_whole_head_c_rotary() -> None:
     refused at build, and the plan made knowing the model keeps its rotary on torch."""
     built = KernelAvailability(triton=False, cpu_attention=None, row_kernels=None, quant_kernel=None,
                                dequantize_kernel=None)
-    config = llama_config(ROPES["default"], partial_rotary_factor=0.5)
+    config = llama_config(ROPES["default"], partial_rotary_factor=0.5, architectures=["LlamaForCausalLM"])
+    assert "partial rotary" in unsupported_reason(config)  # HF's Llama ignores the factor: no reference
     fused_whole_head = resolve_ops("cpu", torch.float32, kernels=built, decode_path="fused")
     assert fused_whole_head.rotary is RowImpl.C
     with pytest.raises(ValueError, match="partial-rotary"):

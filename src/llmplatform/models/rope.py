@@ -89,9 +89,11 @@ class RotaryEmbedding(nn.Module):
     That equals HF's result for any sequence within the trained (original) length and for each
     token HF generates one at a time (HF also keeps its cached keys as computed). HF's prefill of a
     prompt longer than that length instead rotates every position with the long-sequence
-    frequencies. (vLLM's LongRoPE keeps both tables and moves a whole batch to the long one when
-    any position passes the original length, so the same key can differ by batch; per position
-    is a function of the position alone, whatever the batch, the chunking or a prefix-cache hit.)
+    frequencies. (vLLM's Phi-3 LongRoPE, ``Phi3LongRoPEScaledRotaryEmbedding``, keeps both tables
+    and moves a whole step's batch to the long one when any of its positions passes the original
+    length, so a key can be rotated differently depending on what it was batched with; per
+    position is a function of the position alone, whatever the batch, the chunking or a
+    prefix-cache hit, so the paged cache's blocks stay valid to share.)
     """
 
     def __init__(
