@@ -122,7 +122,7 @@ def test_fused_decode_attention_equals_the_separate_ops(dtype, monkeypatch) -> N
     """Rotary + K/V store + decode attention in two C calls against the eager ops on the same
     inputs: the same cache contents and the same attention output."""
     from llmplatform import kernels
-    from llmplatform.models.layers import RotaryEmbedding
+    from llmplatform.models.rope import RotaryEmbedding
 
     H, Hkv, D, block_size = 4, 2, 32, 8
     g = torch.Generator().manual_seed(2)

@@ -31,7 +31,7 @@ CUDA_NO_TRITON = KernelAvailability(triton=False, cpu_attention="not a CPU model
 
 T, C = RowImpl.TORCH, RowImpl.C
 A = AttentionBackend
-# (device, dtype, compute dtype, decode path, attention, kernels, quantized) ->
+# (device, dtype, compute dtype, decode path, attention, kernels, quantized[, partial rotary]) ->
 # (attention, linear, small rows, norm/activation, rotary, quantized rows, dequantize, path, fallbacks)
 CASES = [
     ("cpu", BF16, F32, "auto", "auto", BUILT, False, (A.CPU, LinearImpl.ONEDNN, SMALL_ROWS, C, C, 0, T, "fused", 0)),
@@ -54,13 +54,21 @@ CASES = [
     ("cuda", F32, F32, "eager", "torch", CUDA, False, (A.TORCH, LinearImpl.TORCH, 0, T, T, 0, T, "eager", 0)),
     ("cuda", BF16, BF16, "auto", "auto", CUDA_NO_TRITON, False, (A.TORCH, LinearImpl.TORCH, 0, T, T, 0, T,
                                                                  "eager", 0)),
+    # a model that rotates part of each head (Phi-3): the C rotary does whole heads, so its decode
+    # rows keep the torch rotary and attention; the other row kernels stay
+    ("cpu", BF16, F32, "auto", "auto", BUILT, False, (A.CPU, LinearImpl.ONEDNN, SMALL_ROWS, C, T, 0, T,
+                                                       "fused", 0), True),
+    ("cpu", F32, F32, "fused", "auto", BUILT, False, (A.CPU, LinearImpl.ONEDNN, SMALL_ROWS, C, T, 0, T,
+                                                       "fused", 0), True),
 ]
 
 
-@pytest.mark.parametrize("device, dtype, compute, path, attention, kernels, quantized, expected", CASES)
-def test_the_plan_for_each_case(device, dtype, compute, path, attention, kernels, quantized, expected) -> None:
+@pytest.mark.parametrize("device, dtype, compute, path, attention, kernels, quantized, expected, partial_rotary",
+                         [case if len(case) == 9 else (*case, False) for case in CASES])
+def test_the_plan_for_each_case(device, dtype, compute, path, attention, kernels, quantized, expected,
+                                partial_rotary) -> None:
     ops = resolve_ops(device, dtype, compute, kernels=kernels, decode_path=path, attention=attention,
-                      quantized=quantized)
+                      quantized=quantized, partial_rotary=partial_rotary)
     got = (ops.attention, ops.linear, ops.small_rows, ops.norm, ops.rotary, ops.quantized_rows, ops.dequantize,
            ops.decode_path, len(ops.fallbacks))
     assert got == expected

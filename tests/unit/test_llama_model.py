@@ -232,7 +232,11 @@ def test_registry() -> None:
             "rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "original_max_position_embeddings": 256,
         },
     )
-    assert "yarn" in (unsupported_reason(yarn) or "")
+    assert is_supported(yarn) and max_model_len(yarn) == 512
+    proportional = transformers.LlamaConfig(
+        **TINY, architectures=["LlamaForCausalLM"], rope_parameters={"rope_type": "proportional", "rope_theta": 1e4},
+    )
+    assert "proportional" in (unsupported_reason(proportional) or "")
     mistral = transformers.MistralConfig(**TINY, architectures=["MistralForCausalLM"], sliding_window=128)
     assert is_supported(mistral) and max_model_len(mistral) == 128
     qwen = transformers.Qwen2Config(**TINY, architectures=["Qwen2ForCausalLM"])

@@ -45,12 +45,13 @@ def onednn_allowed() -> bool:
 
 
 def model_ops(model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
-              compute_dtype: torch.dtype) -> ModelOps:
-    """The kernels a model of ``model_config`` runs on ``device``; a fallback is logged once, with
-    its reason (it is also in ``ModelOps.fallbacks``)."""
+              compute_dtype: torch.dtype, *, partial_rotary: bool = False) -> ModelOps:
+    """The kernels a model of ``model_config`` runs on ``device`` (``partial_rotary``: its
+    checkpoint rotates part of each head, ``models.rope.is_partial_rotary``); a fallback is logged
+    once, with its reason (it is also in ``ModelOps.fallbacks``)."""
     ops = plan_ops(device.type, dtype, compute_dtype, decode_path=model_config.decode_path,
                    attention=model_config.attention_backend, quantized=model_config.quantized_gguf is not None,
-                   onednn=onednn_allowed())
+                   onednn=onednn_allowed(), partial_rotary=partial_rotary)
     for fallback in ops.fallbacks:
         logger.warning("%s", fallback)
     logger.info("kernels: %s", ops.summary())

@@ -20,6 +20,7 @@ from llmplatform.kernels.ops import ModelOps
 from llmplatform.models.layers import Linear
 from llmplatform.models.loader import load_model
 from llmplatform.models.parallel import ShardGroup
+from llmplatform.models.rope import is_partial_rotary
 from llmplatform.utils.torch_utils import resolve_compute_dtype
 
 logger = logging.getLogger("llmplatform.engine")
@@ -56,7 +57,10 @@ def prepare_model(model_config: ModelConfig, device: torch.device, dtype: torch.
                     _name(dtype), "--compute-dtype float32" if model_config.compute_dtype
                     == "float32" else "this CPU has no bf16/fp16 matrix instructions; "
                     "--compute-dtype model keeps them in the model dtype")
-    ops = model_ops(model_config, device, dtype, compute_dtype)
+    from transformers import AutoConfig
+
+    partial_rotary = is_partial_rotary(AutoConfig.from_pretrained(model_config.model_path))
+    ops = model_ops(model_config, device, dtype, compute_dtype, partial_rotary=partial_rotary)
     model = load_model(model_config.model_path, dtype=dtype, device=device, max_model_len=max_model_len,
                        shard=shard, quantized_gguf=model_config.quantized_gguf, ops=ops)
     prepared = PreparedModel(model, ops)

@@ -26,7 +26,7 @@ def supports(qkv: torch.Tensor, cos: torch.Tensor, k_cache: torch.Tensor, slot_m
 def rotary_store_cpu(
     qkv: torch.Tensor,  # [T, (H + 2 Hkv) * D] contiguous
     cos: torch.Tensor,  # [T, 1, D] (or [T, D]) contiguous, qkv's dtype
-    sin: torch.Tensor,  # same, signed (see models.layers.RotaryEmbedding.cos_sin)
+    sin: torch.Tensor,  # same, signed (see models.rope.RotaryEmbedding.cos_sin)
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] contiguous
     v_cache: torch.Tensor,  # same
     slot_mapping: torch.Tensor,  # [T] int64

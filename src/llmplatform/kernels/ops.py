@@ -109,6 +109,7 @@ def resolve_ops(
     attention: str = "auto",
     quantized: bool = False,
     onednn: bool = True,
+    partial_rotary: bool = False,
 ) -> ModelOps:
     """The ops for a model on ``device_type`` with these settings, given what builds here.
 
@@ -117,7 +118,10 @@ def resolve_ops(
     the reason recorded in ``fallbacks``). ``attention``: ``auto`` (Triton for CUDA where
     installed, the C decode kernel for CPU where it builds, else torch) or a forced backend (an
     error where it cannot run: forcing ``triton`` for CPU tensors works only under Triton's
-    interpreter). ``onednn``: whether CPU projections may use oneDNN's prepacked weights."""
+    interpreter). ``onednn``: whether CPU projections may use oneDNN's prepacked weights.
+    ``partial_rotary``: the model rotates only part of each head (``models.rope``), which the C
+    rotary kernel (``kernels.cpu_rotary``: both halves of the whole head) cannot do; its decode
+    rows then keep the torch rotary and attention, like a model whose attention is not the CPU one."""
     compute_dtype = compute_dtype or dtype
     if decode_path not in DECODE_PATHS:
         raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, got {decode_path!r}")
@@ -154,7 +158,7 @@ def resolve_ops(
         device_type=device_type, dtype=dtype, compute_dtype=compute_dtype, attention=backend,
         linear=linear, small_rows=small_rows, norm=row, activation=row,
         # the fused attention writes the cache the CPU backend reads; another backend keeps its own ops
-        rotary=row if backend is AttentionBackend.CPU else RowImpl.TORCH,
+        rotary=row if backend is AttentionBackend.CPU and not partial_rotary else RowImpl.TORCH,
         quantized=quantized, quantized_rows=quantized_rows, dequantize=dequantize,
         decode_path="fused" if fused else "eager", fallbacks=tuple(fallbacks))
 
@@ -221,10 +225,10 @@ def probe_kernels(device_type: str, *, row_kernels: bool = True, quantized: bool
 
 def plan_ops(device_type: str, dtype: torch.dtype, compute_dtype: torch.dtype | None = None, *,
              decode_path: str = "eager", attention: str = "auto", quantized: bool = False,
-             onednn: bool = True) -> ModelOps:
+             onednn: bool = True, partial_rotary: bool = False) -> ModelOps:
     """``resolve_ops`` over what ``probe_kernels`` finds here (the kernels a plan could use are
     built first, once per machine)."""
     kernels = probe_kernels(device_type, row_kernels=decode_path != "eager", quantized=quantized,
                             onednn=onednn)
     return resolve_ops(device_type, dtype, compute_dtype, kernels=kernels, decode_path=decode_path,
-                       attention=attention, quantized=quantized, onednn=onednn)
+                       attention=attention, quantized=quantized, onednn=onednn, partial_rotary=partial_rotary)

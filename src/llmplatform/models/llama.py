@@ -37,12 +37,9 @@ from llmplatform.kernels.ops import ModelOps, RowImpl
 from llmplatform.models.layers import (
     Linear,
     RMSNorm,
-    RotaryEmbedding,
     kernel_rows,
     process_weights_after_loading,
     reference_ops,
-    rope_max_position,
-    rope_parameters,
 )
 from llmplatform.models.parallel import (
     ShardGroup,
@@ -53,6 +50,7 @@ from llmplatform.models.parallel import (
     row_linear,
     vocab_embedding,
 )
+from llmplatform.models.rope import RotaryEmbedding, rope_max_position, rope_parameters
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 """One layer's (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -214,6 +212,9 @@ class LlamaModel(nn.Module):
             head_dim_of(config), rope_parameters(config), max_position=max_position,
             trained_max_position=config.max_position_embeddings, device=device,
         )
+        if ops is not None and ops.rotary is RowImpl.C and self.rotary_emb.is_partial:
+            raise ValueError("the ops plan runs the whole-head C rotary kernel on a partial-rotary model "
+                             "(resolve_ops(partial_rotary=True) keeps its rotary on torch)")
 
     def forward(
         self,

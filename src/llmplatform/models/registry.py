@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from llmplatform.models.layers import SUPPORTED_ROPE_TYPES, rope_max_position, rope_parameters
+from llmplatform.models.rope import SUPPORTED_ROPE_TYPES, rope_max_position, rope_parameters
 from llmplatform.models.llama import LlamaForCausalLM
 from llmplatform.models.qwen3 import Qwen3ForCausalLM
 
@@ -69,7 +69,7 @@ def unsupported_reason(config: Any) -> str | None:
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
         return f"rope_type {params['rope_type']!r} is not supported (only {', '.join(SUPPORTED_ROPE_TYPES)})"
     if (params.get("partial_rotary_factor") or 1.0) != 1.0:
-        return "partial rotary embeddings are not supported"
+        return "partial rotary embeddings are not a Llama-family feature (transformers' Llama rotates whole heads)"
     if _field(config, "num_attention_heads") % (_field(config, "num_key_value_heads") or 1):
         return "num_attention_heads is not a multiple of num_key_value_heads"
     return None
