@@ -75,6 +75,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
                       TINY_LLAMA)
 
 
+def _randomize_norms(model) -> None:
+    import torch
+
+    # HF initializes norm weights to ones; random ones make a missing or misplaced norm show.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+
+
 # tiny_qwen3_dir: a tiny random Qwen3 (per-head q/k norms, head_dim 32 != hidden 64 / 4 heads) with
 #   the same tokenizer, built like tiny_model_dir.
 TINY_QWEN3 = {**TINY_LLAMA, "head_dim": 32}
@@ -82,18 +92,41 @@ TINY_QWEN3 = {**TINY_LLAMA, "head_dim": 32}
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    def randomize_norms(model) -> None:
-        # HF initializes norm weights to ones; random ones make a missing or misplaced q/k norm show.
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "norm" in name:
-                    param.uniform_(0.5, 1.5)
-
     return _save_tiny(tmp_path_factory.mktemp("tiny-qwen3"), default_model_dir, Qwen3Config, Qwen3ForCausalLM,
-                      TINY_QWEN3, adjust=randomize_norms)
+                      TINY_QWEN3, adjust=_randomize_norms)
+
+
+# tiny_phi3_dir: a tiny random Phi-3 shaped like Phi-4-mini (rotary over 0.75 of each 16-dim head,
+#   untied head, fused qkv_proj / gate_up_proj in the checkpoint); tiny_phi3_longrope_dir: the same
+#   with half-head rotary and LongRoPE whose original length (16) short prompts cross as they
+#   generate. Both with the default model's tokenizer, built like tiny_model_dir.
+PHI3_ORIGINAL_LENGTH = 16
+TINY_PHI3 = {**TINY_LLAMA, "tie_word_embeddings": False,
+             "rope_parameters": dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.75)}
+TINY_PHI3_LONGROPE = {
+    **TINY_PHI3, "original_max_position_embeddings": PHI3_ORIGINAL_LENGTH,
+    "rope_parameters": dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+                            original_max_position_embeddings=PHI3_ORIGINAL_LENGTH,
+                            short_factor=[1.0, 1.3, 2.1, 3.4], long_factor=[1.5, 4.0, 9.0, 22.0]),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-phi3"), default_model_dir, Phi3Config, Phi3ForCausalLM,
+                      TINY_PHI3, adjust=_randomize_norms)
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_longrope_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-phi3-longrope"), default_model_dir, Phi3Config,
+                      Phi3ForCausalLM, TINY_PHI3_LONGROPE, adjust=_randomize_norms)
 
 
 def _save_tiny(out_dir: Path, default_model_dir: Path, config_class, model_class, sizes: dict,

@@ -247,6 +247,10 @@ class LlamaForCausalLM(nn.Module):
 
     qk_norm = False
     """Per-head RMSNorm of q and k before rotary (``LlamaAttention``)."""
+    partial_rotary = False
+    """Whether the family honours a config's ``partial_rotary_factor`` (``models.rope``) as its
+    reference implementation does; transformers' Llama rotates whole heads whatever it says, so
+    the registry refuses such a config rather than compute something no reference computes."""
 
     def __init__(
         self,

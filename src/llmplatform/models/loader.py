@@ -2,7 +2,9 @@
 
 Checkpoint names map onto ours one to one, except the fused projections: ``q_proj``/``k_proj``/
 ``v_proj`` stack into ``qkv_proj`` and ``gate_proj``/``up_proj`` into ``gate_up_proj`` (shard i of
-a fused ``Linear`` starts at row ``sum(output_sizes[:i])``). With tied embeddings the output
+a fused ``Linear`` starts at row ``sum(output_sizes[:i])``). A checkpoint that stores them fused
+already (Phi-3's ``qkv_proj``, ``gate_up_proj``: the same stacking, whole-model sizes) fills every
+shard from its rows. With tied embeddings the output
 projection is the embedding matrix, so a stored ``lm_head.weight`` is only a fallback for a
 missing ``embed_tokens``. A bare decoder checkpoint (``MistralModel``: an embedding model with no
 LM head) names its weights without the ``model.`` prefix; it loads with tied embeddings standing in
@@ -105,6 +107,11 @@ def load_weights(model: nn.Module, model_dir: str | Path, *, headless: bool = Fa
         name, shard = _our_name(checkpoint_name)
         if name not in params:
             raise ValueError(f"checkpoint weight {checkpoint_name!r} has no place in {type(model).__name__}")
+        if checkpoint_name == name and _num_shards(model, name) > 1:  # stored fused: every shard
+            for shard, part in enumerate(_fused_parts(model, name, tensor, checkpoint_name)):
+                _copy_shard(model, params[name], name, shard, part, checkpoint_name)
+                missing.discard((name, shard))
+            continue
         _copy_shard(model, params[name], name, shard, tensor, checkpoint_name)
         missing.discard((name, shard))
 
@@ -128,6 +135,36 @@ def _our_name(checkpoint_name: str) -> tuple[str, int]:
 def _num_shards(model: nn.Module, param_name: str) -> int:
     module = model.get_submodule(param_name.rsplit(".", 1)[0])
     return len(module.output_sizes) if isinstance(module, Linear) else 1
+
+
+def _fused_parts(model: nn.Module, name: str, tensor: Any, source: str) -> list[Any]:
+    """A checkpoint tensor holding a fused projection's shards stacked along its rows (the whole
+    model's sizes), cut into one part per shard: a tensor's row views, or a lazy slice's row windows
+    that a tensor-parallel module slices further."""
+    module = model.get_submodule(name.rsplit(".", 1)[0])
+    group = getattr(module, "group", None)  # a column-parallel shard holds 1/N of each part's rows
+    full_sizes = [size * (1 if group is None else group.size) for size in module.output_sizes]
+    num_rows = tensor.shape[0] if isinstance(tensor, torch.Tensor) else tensor.get_shape()[0]
+    if num_rows != sum(full_sizes):
+        raise ValueError(f"{source}: {num_rows} rows, expected {' + '.join(map(str, full_sizes))}")
+    starts = [sum(full_sizes[:i]) for i in range(len(full_sizes))]
+    if isinstance(tensor, torch.Tensor):
+        return [tensor[start : start + rows] for start, rows in zip(starts, full_sizes)]
+    return [_RowWindow(tensor, start, rows) for start, rows in zip(starts, full_sizes)]
+
+
+class _RowWindow:
+    """Rows ``[start, start + num_rows)`` of a lazy safetensors slice, indexed like one: only the
+    rows finally asked for leave the file."""
+
+    def __init__(self, lazy: Any, start: int, num_rows: int) -> None:
+        self.lazy, self.start, self.num_rows = lazy, start, num_rows
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        rows, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+        start, stop, step = rows.indices(self.num_rows)
+        assert step == 1, "row windows are read in contiguous ranges"
+        return self.lazy[(slice(self.start + start, self.start + stop), *rest)]
 
 
 def _copy_shard(

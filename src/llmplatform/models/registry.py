@@ -14,6 +14,7 @@ from torch import nn
 
 from llmplatform.models.rope import SUPPORTED_ROPE_TYPES, rope_max_position, rope_parameters
 from llmplatform.models.llama import LlamaForCausalLM
+from llmplatform.models.phi3 import Phi3ForCausalLM
 from llmplatform.models.qwen3 import Qwen3ForCausalLM
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -21,6 +22,7 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,  # Phi-3, Phi-3.5-mini, Phi-4-mini
     # The bare networks, no LM head (decoder embedding models such as e5-mistral): they only
     # embed (the paged backend's --task embed); the loader ties the unused head to the embeddings.
     "LlamaModel": LlamaForCausalLM,
@@ -68,7 +70,7 @@ def unsupported_reason(config: Any) -> str | None:
     params = rope_parameters(config)
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
         return f"rope_type {params['rope_type']!r} is not supported (only {', '.join(SUPPORTED_ROPE_TYPES)})"
-    if (params.get("partial_rotary_factor") or 1.0) != 1.0:
+    if (params.get("partial_rotary_factor") or 1.0) != 1.0 and not _ARCHITECTURES[known[0]].partial_rotary:
         return "partial rotary embeddings are not a Llama-family feature (transformers' Llama rotates whole heads)"
     if _field(config, "num_attention_heads") % (_field(config, "num_key_value_heads") or 1):
         return "num_attention_heads is not a multiple of num_key_value_heads"
