@@ -36,9 +36,12 @@ class GrammarProcessDied(RuntimeError):
 
 
 class GrammarProcess:
-    """One child. Not thread-safe: one caller at a time (each owner holds its own)."""
+    """One child. Not thread-safe: one caller at a time (each owner holds its own), except
+    :meth:`kill`, which a pool's ``close`` may call while the caller kills it at a deadline."""
 
     def __init__(self, tokenizer_info_json: str, *, name: str = "grammar") -> None:
+        self._kill_lock = threading.Lock()
+        self._killed = False
         context = _mp_context()
         self._conn, child_conn = context.Pipe(duplex=True)
         self._process = context.Process(target=grammar_child.serve, args=(child_conn,),
@@ -101,8 +104,14 @@ class GrammarProcess:
         return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
     def kill(self) -> None:
-        """Stop it now, whatever it is doing (SIGKILL: xgrammar ignores nothing else sooner)."""
-        if self._process.is_alive():
-            self._process.kill()
-        self._process.join(timeout=5)
-        self._conn.close()
+        """Stop it now, whatever it is doing (SIGKILL: xgrammar ignores nothing else sooner).
+        Once: a second call, from another thread too, does nothing (closing the pipe twice
+        could close a descriptor the process has reused since)."""
+        with self._kill_lock:
+            if self._killed:
+                return
+            self._killed = True
+            if self._process.is_alive():
+                self._process.kill()
+            self._process.join(timeout=5)
+            self._conn.close()
