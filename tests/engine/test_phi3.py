@@ -15,15 +15,13 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llmplatform.llm.build import BackendConfig, build_backend
 from llmplatform.models.loader import load_model
 from llmplatform.models.phi3 import Phi3ForCausalLM
 from llmplatform.models.registry import get_model_class, unsupported_reason
 from tests.conftest import PHI3_ORIGINAL_LENGTH, TINY_PHI3
 from tests.engine.test_engine import (assert_all_blocks_free, greedy, hf_greedy, make_engine, run_to_completion,
                                       varied_prompts)
-from tests.engine.test_tensor_parallel import engine_config, forward_logits
-from tests.integration.cluster import running_cluster
+from tests.engine.family_checks import check_served_on_the_native_engine, check_tensor_parallel_equals_one_rank
 from tests.unit.test_llama_model import PagedRunner, assert_logits_close, build_tiny, check_prefill_and_decode, \
     hf_logits
 
@@ -124,35 +122,10 @@ def test_greedy_tokens_match_hf_under_preemption_chunking_and_prefix_hits(phi3):
 
 
 def test_two_tensor_parallel_ranks_compute_what_one_does(tiny_phi3_dir):
-    from llmplatform.engine.llm_engine import LLMEngine
-
     tokenizer = AutoTokenizer.from_pretrained(tiny_phi3_dir)
-    prompts = _prompts(tokenizer, longrope=False)
-    single = LLMEngine(engine_config(tiny_phi3_dir, tp=1))
-    split = LLMEngine(engine_config(tiny_phi3_dir, tp=2))
-    try:
-        prompt = tokenizer("the quick brown fox jumps over the lazy dog while the cat sleeps")["input_ids"]
-        torch.testing.assert_close(forward_logits(split, prompt), forward_logits(single, prompt), rtol=0, atol=1e-5)
-        params = [greedy(NEW_TOKENS)] * len(prompts)
-        want = run_to_completion(single, prompts, params)
-        got = run_to_completion(split, prompts, params)
-        assert split.stats.num_preemptions > 0 and split.prefix_cache_stats.num_hit_tokens > 0
-        assert got == want
-    finally:
-        split.runner.close()
+    check_tensor_parallel_equals_one_rank(tiny_phi3_dir, tokenizer, _prompts(tokenizer, longrope=False),
+                                          NEW_TOKENS)
 
 
 def test_served_through_a_worker_and_the_gateway_on_the_native_engine(tiny_phi3_dir):
-    from llmplatform import LLM, SamplingParams
-
-    prompt = "the sea and the mountain"
-    offline = LLM(str(tiny_phi3_dir), dtype="float32", device="cpu", kv_cache_memory="64MiB")
-    want = offline.generate(prompt, SamplingParams(max_tokens=16, temperature=0))[0].outputs[0].text
-    llm = build_backend(BackendConfig(model_path=str(tiny_phi3_dir), model_names=("phi3",), backend="auto",
-                                      device="cpu", dtype="float32", kv_cache_memory="64MiB"))
-    assert llm.backend_name == "paged"
-    with running_cluster() as cluster:
-        cluster.add_worker(llm)
-        completion = cluster.openai_client(timeout_s=60).completions.create(
-            model="phi3", prompt=prompt, max_tokens=16, temperature=0)
-    assert completion.choices[0].text == want and want
+    check_served_on_the_native_engine(tiny_phi3_dir, "phi3")

@@ -16,6 +16,7 @@ import torch
 
 from llmplatform.engine.outputs import CachedSequenceData, NewSequenceData, SchedulerOutput
 from llmplatform.engine.pooling import PoolingParams
+from llmplatform.engine.sequence import token_ids_in
 from llmplatform.sampling.params import SamplingParams
 from llmplatform.sampling.sampler import SamplingRow, make_generator
 
@@ -48,12 +49,7 @@ class RunnerSequence:
 
     def token_ids_in(self, start: int, end: int) -> list[int]:
         """Tokens at positions ``[start, end)`` (prompt and output alike)."""
-        n = len(self.prompt_token_ids)
-        if end <= n:
-            return self.prompt_token_ids[start:end]
-        if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+        return token_ids_in(self.prompt_token_ids, self.output_token_ids, start, end)
 
     def sampling_row(self) -> SamplingRow:
         grammar = self.grammar

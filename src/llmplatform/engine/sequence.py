@@ -81,12 +81,7 @@ class Sequence:
 
     def token_ids_in(self, start: int, end: int) -> list[int]:
         """Tokens at positions ``[start, end)`` (prompt and output alike)."""
-        n = len(self.prompt_token_ids)
-        if end <= n:
-            return self.prompt_token_ids[start:end]
-        if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+        return token_ids_in(self.prompt_token_ids, self.output_token_ids, start, end)
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
@@ -94,3 +89,14 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+def token_ids_in(prompt_token_ids: list[int], output_token_ids: list[int], start: int, end: int) -> list[int]:
+    """Tokens at positions ``[start, end)`` of a prompt followed by its output (the scheduler's
+    sequences and the runner's copies of them alike), without concatenating the two."""
+    n = len(prompt_token_ids)
+    if end <= n:
+        return prompt_token_ids[start:end]
+    if start >= n:
+        return output_token_ids[start - n:end - n]
+    return prompt_token_ids[start:] + output_token_ids[:end - n]
