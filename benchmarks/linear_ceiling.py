@@ -38,6 +38,8 @@ def linear_ceiling(model: Any, num_tokens: int, num_sampled: int, repeats: int,
     hidden = model.config.hidden_size
     inter = model.config.intermediate_size
     x_h = torch.randn(num_tokens, hidden, dtype=dtype)  # [T, hidden]
+    # o_proj's input is heads x head_dim, which is not hidden when the config sets head_dim (Qwen3)
+    x_o = torch.randn(num_tokens, layers[0].self_attn.o_proj.weight.shape[1], dtype=dtype)  # [T, H * D]
     x_i = torch.randn(num_tokens, inter, dtype=dtype)  # [T, intermediate]
     x_s = torch.randn(num_sampled, hidden, dtype=dtype)  # [S, hidden]
     lm_head = model.lm_head.weight.to(dtype)  # tied to the embedding
@@ -46,13 +48,13 @@ def linear_ceiling(model: Any, num_tokens: int, num_sampled: int, repeats: int,
 
     def forward_separate() -> None:
         for q, k, v, o, gate, up, down in separate:
-            F.linear(x_h, q); F.linear(x_h, k); F.linear(x_h, v); F.linear(x_h, o)  # noqa: E702
+            F.linear(x_h, q); F.linear(x_h, k); F.linear(x_h, v); F.linear(x_o, o)  # noqa: E702
             F.linear(x_h, gate); F.linear(x_h, up); F.linear(x_i, down)  # noqa: E702
         F.linear(x_s, lm_head)
 
     def forward_fused() -> None:
         for qkv, o, gate_up, down in fused:
-            F.linear(x_h, qkv); F.linear(x_h, o); F.linear(x_h, gate_up); F.linear(x_i, down)  # noqa: E702
+            F.linear(x_h, qkv); F.linear(x_o, o); F.linear(x_h, gate_up); F.linear(x_i, down)  # noqa: E702
         F.linear(x_s, lm_head)
 
     def timed(fn: Any) -> tuple[float, float]:
@@ -89,13 +91,14 @@ def schedule_ceiling(model: Any, steps: list[tuple[int, int]], repeats: int,
     def time_at(num_tokens: int, lm_only: bool) -> float:
         x_h = torch.randn(num_tokens, hidden, dtype=dtype)
         x_i = torch.randn(num_tokens, inter, dtype=dtype)
+        x_o = torch.randn(num_tokens, weights[0][3].shape[1], dtype=dtype)  # o_proj's input: heads x head_dim
 
         def fn() -> None:
             if lm_only:
                 F.linear(x_h, lm_head)
                 return
             for q, k, v, o, gate, up, down in weights:
-                F.linear(x_h, q); F.linear(x_h, k); F.linear(x_h, v); F.linear(x_h, o)  # noqa: E702
+                F.linear(x_h, q); F.linear(x_h, k); F.linear(x_h, v); F.linear(x_o, o)  # noqa: E702
                 F.linear(x_h, gate); F.linear(x_h, up); F.linear(x_i, down)  # noqa: E702
 
         fn()

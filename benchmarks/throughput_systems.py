@@ -138,7 +138,7 @@ def run_hf_cb(model: Any, requests: list[Request], warmup: list[Request], args: 
     # Enough pages for every request at once (no preemption), like our 4 GiB pool.
     num_blocks = sum(-(-(len(r.prompt_token_ids) + r.max_tokens) // page_size) for r in requests) + 8
     model.set_attn_implementation(args.cb_attn)
-    generation_config = GenerationConfig(do_sample=False, max_new_tokens=OUTPUT_LEN_RANGE[1], eos_token_id=-1,
+    generation_config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in requests), eos_token_id=-1,
                                          pad_token_id=model.generation_config.pad_token_id)
     cb_config = ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks,
                                          max_batch_tokens=args.max_num_batched_tokens,
