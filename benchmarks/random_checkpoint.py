@@ -11,10 +11,11 @@ config except where noted:
 - ``qwen3-0.6b``: Qwen3-0.6B's decoder exactly (28 layers, hidden 1024, 16 query / 8 key-value
   heads of 128, MLP 3072, tied embeddings), with the default tokenizer's vocabulary (49,152
   instead of 151,936: the tokenizer must be able to decode every id the model can emit), so the
-  embedding/LM head is 50M instead of 156M parameters.
+  embedding/LM head is 50M instead of 156M parameters (0.49B in all).
 - ``mixtral-small``: Mixtral's layer design (8 experts, top-2 softmax routing, SwiGLU experts,
   grouped-query attention 16 / 8 heads) at a size this machine holds: 12 layers, hidden 1024,
-  expert MLP 2048; 0.66B parameters in all, 0.21B active per token.
+  expert MLP 2048, untied head; 0.74B parameters in all, of which a token multiplies
+  0.19B in its layers (2 of 8 experts) and the 50M LM head.
 """
 
 from __future__ import annotations
