@@ -214,3 +214,15 @@ def test_stacked_experts_keep_the_plan_compute_dtype() -> None:
     experts.process_weights_after_loading()
     assert experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.float32
     assert torch.equal(experts.gate_up_proj, gate_up.bfloat16().float())
+
+
+def test_tensor_parallel_refuses_a_size_that_does_not_divide_the_expert_columns() -> None:
+    from llmplatform.models.parallel import check_divisible
+
+    config = transformers.Qwen3MoeConfig(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                                         moe_intermediate_size=33)
+    with pytest.raises(ValueError, match=r"does not divide this model's 33 expert columns "
+                                         r"\(moe_intermediate_size\).*sizes that fit: 1\)"):
+        check_divisible(config, 2)
+    check_divisible(transformers.Qwen3MoeConfig(num_attention_heads=4, num_key_value_heads=2,
+                                                intermediate_size=128, moe_intermediate_size=34), 2)
