@@ -129,6 +129,30 @@ def tiny_phi3_longrope_dir(tmp_path_factory: pytest.TempPathFactory, default_mod
                       Phi3ForCausalLM, TINY_PHI3_LONGROPE, adjust=_randomize_norms)
 
 
+# tiny_mixtral_dir / tiny_qwen3_moe_dir: tiny random mixture-of-experts models (8 experts of 32
+#   columns, top-2; Qwen3-MoE with its per-head q/k norms, head_dim 32, top-2 weights renormalised
+#   as the released checkpoints do), with the same tokenizer, built like tiny_model_dir.
+TINY_MIXTRAL = {**TINY_LLAMA, "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2}
+TINY_QWEN3_MOE = {**TINY_QWEN3, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                  "norm_topk_prob": True}
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-mixtral"), default_model_dir, MixtralConfig,
+                      MixtralForCausalLM, TINY_MIXTRAL, adjust=_randomize_norms)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen3-moe"), default_model_dir, Qwen3MoeConfig,
+                      Qwen3MoeForCausalLM, TINY_QWEN3_MOE, adjust=_randomize_norms)
+
+
 def _save_tiny(out_dir: Path, default_model_dir: Path, config_class, model_class, sizes: dict,
                adjust=None) -> Path:
     import torch

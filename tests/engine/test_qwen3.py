@@ -48,13 +48,14 @@ def reference(hf_qwen3, prompts) -> list[list[int]]:
     return [hf_greedy(hf_qwen3, p, NEW_TOKENS) for p in prompts]
 
 
-def test_the_registry_builds_qwen3_and_says_why_not_for_moe(tiny_qwen3_dir):
+def test_the_registry_builds_qwen3_and_says_why_not_for_gpt_oss(tiny_qwen3_dir):
     config = transformers.AutoConfig.from_pretrained(tiny_qwen3_dir)
     assert get_model_class(config) is Qwen3ForCausalLM
     headless = transformers.Qwen3Config(architectures=["Qwen3Model"])
     assert unsupported_reason(headless) is None and is_headless(headless)
-    moe = transformers.Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"])
-    assert unsupported_reason(moe) == "architectures ['Qwen3MoeForCausalLM'] are not supported yet: mixture-of-experts"
+    gpt_oss = transformers.GptOssConfig(architectures=["GptOssForCausalLM"])
+    assert unsupported_reason(gpt_oss) == ("architectures ['GptOssForCausalLM'] are not supported yet: "
+                                           "attention sinks, MXFP4 expert weights")
 
 
 def test_logits_match_hf_at_prefill_and_decode(tmp_path: Path) -> None:

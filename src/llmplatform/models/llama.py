@@ -25,6 +25,7 @@ same plan) and gives its model class ``process_weights_after_loading``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -170,14 +171,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """``mlp``: the feed-forward block, when not the dense SwiGLU one (``models.moe``)."""
+
     def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str,
-                 shard: ShardGroup | None = None, ops: ModelOps | None = None, qk_norm: bool = False) -> None:
+                 shard: ShardGroup | None = None, ops: ModelOps | None = None, qk_norm: bool = False,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device, ops=ops)
         self.self_attn = LlamaAttention(config, dtype=dtype, device=device, shard=shard, ops=ops, qk_norm=qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device, ops=ops)
-        self.mlp = LlamaMLP(config, dtype=dtype, device=device, shard=shard, ops=ops)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, dtype=dtype, device=device, shard=shard, ops=ops)
 
     def forward(
         self,
@@ -199,13 +203,15 @@ class LlamaModel(nn.Module):
     def __init__(
         self, config: Any, *, dtype: torch.dtype, device: torch.device | str, max_position: int,
         shard: ShardGroup | None = None, ops: ModelOps | None = None, qk_norm: bool = False,
+        make_mlp: Callable[[int], nn.Module | None] | None = None,  # layer index -> its MLP (None: dense)
     ) -> None:
         super().__init__()
         self.embed_tokens = vocab_embedding(shard, config.vocab_size, config.hidden_size, dtype=dtype,
                                             device=device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype=dtype, device=device, shard=shard, ops=ops, qk_norm=qk_norm)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, dtype=dtype, device=device, shard=shard, ops=ops, qk_norm=qk_norm,
+                              mlp=None if make_mlp is None else make_mlp(index))
+            for index in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device, ops=ops)
         self.rotary_emb = RotaryEmbedding(
@@ -280,8 +286,10 @@ class LlamaForCausalLM(nn.Module):
         if max_model_len is not None:
             max_position = min(max_position, max_model_len)
         self.max_position = max_position
-        self.model = LlamaModel(config, dtype=dtype, device=device, max_position=max_position, shard=shard,
-                                ops=ops, qk_norm=self.qk_norm)
+        self.model = LlamaModel(
+            config, dtype=dtype, device=device, max_position=max_position, shard=shard, ops=ops,
+            qk_norm=self.qk_norm,
+            make_mlp=lambda index: self.make_mlp(index, dtype=dtype, device=device, shard=shard, ops=ops))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (
             None if self.tie_word_embeddings
@@ -290,6 +298,12 @@ class LlamaForCausalLM(nn.Module):
         # --quantization gguf (models.quantized): the output projection kept in GGUF blocks, for
         # the rows its kernel takes (``ops.quantized_rows``); more rows use the dense one.
         self.quantized_lm_head: Linear | None = None
+
+    def make_mlp(self, layer_index: int, *, dtype: torch.dtype, device: torch.device | str,
+                 shard: ShardGroup | None, ops: ModelOps) -> nn.Module | None:
+        """Layer ``layer_index``'s feed-forward block; None: the dense SwiGLU MLP (``LlamaMLP``). A
+        family with experts returns its routed block here (``models.mixtral``, ``models.qwen3_moe``)."""
+        return None
 
     def process_weights_after_loading(self) -> None:
         """Once, after the weights (and any quantized projections) are in: each projection makes

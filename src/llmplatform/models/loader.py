@@ -8,8 +8,10 @@ shard from its rows. With tied embeddings the output
 projection is the embedding matrix, so a stored ``lm_head.weight`` is only a fallback for a
 missing ``embed_tokens``. A bare decoder checkpoint (``MistralModel``: an embedding model with no
 LM head) names its weights without the ``model.`` prefix; it loads with tied embeddings standing in
-for the head it lacks (its logits are never used). Every parameter (every shard of a fused one) must be filled exactly
-once, or loading fails naming what is missing.
+for the head it lacks (its logits are never used). A mixture-of-experts block's experts
+(``models.moe``) are stacked: each per-expert checkpoint matrix fills one shard of a stacked
+parameter, a stacked checkpoint tensor all of them. Every parameter (every shard of a fused one)
+must be filled exactly once, or loading fails naming what is missing.
 
 A tensor-parallel shard (``models.parallel``) reads each tensor through safetensors' lazy slice and
 its module's ``checkpoint_slice``: only this rank's rows or columns leave the file.
@@ -28,6 +30,7 @@ from torch import nn
 
 from llmplatform.kernels.ops import ModelOps, plan_ops
 from llmplatform.models.layers import Linear
+from llmplatform.models.moe import StackedExperts, moe_checkpoint_name
 from llmplatform.models.parallel import ShardGroup
 from llmplatform.models.registry import get_model_class, is_headless
 from llmplatform.utils.logs import progress
@@ -107,6 +110,13 @@ def load_weights(model: nn.Module, model_dir: str | Path, *, headless: bool = Fa
         name, shard = _our_name(checkpoint_name)
         if name not in params:
             raise ValueError(f"checkpoint weight {checkpoint_name!r} has no place in {type(model).__name__}")
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(owner, StackedExperts):  # stacked (shard: None) or one expert's matrix
+            stacked = checkpoint_name == name
+            filled = owner.load_checkpoint_tensor(name.rsplit(".", 1)[1], None if stacked else shard, tensor,
+                                                  checkpoint_name)
+            missing.difference_update((name, filled_shard) for filled_shard in filled)
+            continue
         if checkpoint_name == name and _num_shards(model, name) > 1:  # stored fused: every shard
             for shard, part in enumerate(_fused_parts(model, name, tensor, checkpoint_name)):
                 _copy_shard(model, params[name], name, shard, part, checkpoint_name)
@@ -125,6 +135,9 @@ def load_weights(model: nn.Module, model_dir: str | Path, *, headless: bool = Fa
 
 def _our_name(checkpoint_name: str) -> tuple[str, int]:
     """'model.layers.3.self_attn.k_proj.weight' -> ('model.layers.3.self_attn.qkv_proj.weight', 1)."""
+    moe = moe_checkpoint_name(checkpoint_name)
+    if moe is not None:
+        return moe
     parts = checkpoint_name.split(".")
     if len(parts) >= 2 and parts[-2] in _FUSED_SHARDS:
         fused, shard = _FUSED_SHARDS[parts[-2]]
@@ -134,6 +147,8 @@ def _our_name(checkpoint_name: str) -> tuple[str, int]:
 
 def _num_shards(model: nn.Module, param_name: str) -> int:
     module = model.get_submodule(param_name.rsplit(".", 1)[0])
+    if isinstance(module, StackedExperts):
+        return module.num_checkpoint_shards(param_name.rsplit(".", 1)[1])
     return len(module.output_sizes) if isinstance(module, Linear) else 1
 
 

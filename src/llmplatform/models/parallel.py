@@ -8,6 +8,7 @@ partial results:
                    ─ attention over this rank's heads (its own KV cache: Hkv/N heads)
                    ─ o_proj    [row: this rank's H/N * D input columns] ─ all-reduce ─> x'
     x' ─ gate_up_proj [column: I/N of each] ─ silu * up ─ down_proj [row: I/N columns] ─ all-reduce
+       (a mixture-of-experts block: I/N of every expert's columns, the router replicated: models.moe)
     embed_tokens  [vocab rows V/N: ids outside the slice give zeros] ─ all-reduce
     lm_head       [vocab rows V/N] ─ gather to rank 0 ─> logits [T, V]
 
@@ -90,12 +91,13 @@ def check_divisible(config: Any, size: int) -> None:
         return
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    problems = [f"{count} {what}" for count, what in (
-        (heads, "attention heads"), (kv_heads, "key/value heads"),
-        (config.intermediate_size, "MLP columns (intermediate_size)")) if count % size]
+    counts = [(heads, "attention heads"), (kv_heads, "key/value heads"),
+              (config.intermediate_size, "MLP columns (intermediate_size)")]
+    if getattr(config, "moe_intermediate_size", None):  # Qwen3-MoE's experts (models.moe)
+        counts.append((config.moe_intermediate_size, "expert columns (moe_intermediate_size)"))
+    problems = [f"{count} {what}" for count, what in counts if count % size]
     if problems:
-        fitting = [n for n in range(1, kv_heads + 1)
-                   if not (heads % n or kv_heads % n or config.intermediate_size % n)]
+        fitting = [n for n in range(1, kv_heads + 1) if not any(count % n for count, _ in counts)]
         raise ValueError(
             f"--tensor-parallel-size {size} does not divide this model's {' and '.join(problems)}: "
             f"each rank holds whole heads and an equal share of the MLP (sizes that fit: "

@@ -14,14 +14,18 @@ from torch import nn
 
 from llmplatform.models.rope import SUPPORTED_ROPE_TYPES, rope_max_position, rope_parameters
 from llmplatform.models.llama import LlamaForCausalLM
+from llmplatform.models.mixtral import MixtralForCausalLM
 from llmplatform.models.phi3 import Phi3ForCausalLM
 from llmplatform.models.qwen3 import Qwen3ForCausalLM
+from llmplatform.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,  # Phi-3, Phi-3.5-mini, Phi-4-mini
     # The bare networks, no LM head (decoder embedding models such as e5-mistral): they only
     # embed (the paged backend's --task embed); the loader ties the unused head to the embeddings.
@@ -35,8 +39,9 @@ _HEADLESS_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Mod
 # Architectures people serve that the native engine does not run yet, and what it lacks: the
 # worker's auto backend logs this and falls back to the hf backend.
 _NOT_YET: dict[str, str] = {
-    "Qwen3MoeForCausalLM": "mixture-of-experts",
-    "MixtralForCausalLM": "mixture-of-experts",
+    "GptOssForCausalLM": "attention sinks, MXFP4 expert weights",
+    "DeepseekV2ForCausalLM": "multi-head latent attention (MLA)",
+    "DeepseekV3ForCausalLM": "multi-head latent attention (MLA)",
 }
 
 
