@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llmplatform.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from llmplatform.models.loader import load_model
-from llmplatform.models.registry import get_model_class, unsupported_reason
+from llmplatform.models.registry import get_model_class, max_model_len, unsupported_reason
 from tests.conftest import TINY_GEMMA2, TINY_GEMMA3
 from tests.engine.family_checks import check_served_on_the_native_engine, check_tensor_parallel_equals_one_rank
 from tests.engine.test_engine import (assert_all_blocks_free, greedy, hf_greedy, make_engine, run_to_completion,
@@ -72,8 +72,11 @@ def reference(model_dir, prompts) -> list[list[int]]:
 
 
 def test_the_registry_builds_gemma_and_says_why_not_for_multimodal_gemma3(tiny_gemma2_dir, tiny_gemma3_dir):
-    assert get_model_class(transformers.AutoConfig.from_pretrained(tiny_gemma2_dir)) is Gemma2ForCausalLM
-    assert get_model_class(transformers.AutoConfig.from_pretrained(tiny_gemma3_dir)) is Gemma3ForCausalLM
+    for path, model_class in ((tiny_gemma2_dir, Gemma2ForCausalLM), (tiny_gemma3_dir, Gemma3ForCausalLM)):
+        config = transformers.AutoConfig.from_pretrained(path)
+        assert get_model_class(config) is model_class
+        # not capped at the 16-token window; Gemma 3's linear x2 rope does not stretch it either
+        assert max_model_len(config) == config.max_position_embeddings == 512
     multimodal = transformers.Gemma3Config(architectures=["Gemma3ForConditionalGeneration"])
     assert unsupported_reason(multimodal).startswith(
         "architectures ['Gemma3ForConditionalGeneration'] are not supported yet: the vision tower")

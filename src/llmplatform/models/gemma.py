@@ -175,6 +175,13 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     decoder_class = Gemma2Model
     hidden_act_field = "hidden_activation"
 
+    def __init__(self, config: Any, *, max_model_len: int | None = None, **kwargs: Any) -> None:
+        # Gemma 3's max_position_embeddings is its context length with the rope scaling applied
+        # (131072 for linear x8), not the pre-scaling length a Llama's linear scaling stretches.
+        limit = config.max_position_embeddings
+        super().__init__(config, max_model_len=limit if max_model_len is None else min(limit, max_model_len),
+                         **kwargs)
+
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab rows]
         logits = super()._local_logits(hidden)
         cap = getattr(self.config, "final_logit_softcapping", None)

@@ -119,7 +119,12 @@ def sliding_window(config: Any) -> int | None:
 
 
 def max_model_len(config: Any) -> int:
-    """The longest sequence (prompt + output) the native model computes exactly."""
+    """The longest sequence (prompt + output) the native model computes exactly. Gemma's
+    sliding-window layers attend within their window (``models.gemma``): no cap there, and its
+    ``max_position_embeddings`` is the context length its rope scaling reaches already."""
+    if any(issubclass(_ARCHITECTURES.get(name, nn.Module), Gemma2ForCausalLM)
+           for name in _field(config, "architectures") or []):
+        return _field(config, "max_position_embeddings")
     limit = rope_max_position(config)
     window = sliding_window(config)
     return min(limit, window) if window is not None else limit
