@@ -95,20 +95,8 @@ def get_model_class(config: Any) -> type[nn.Module]:
     return _ARCHITECTURES[name]
 
 
-def sliding_window(config: Any) -> int | None:
-    """The attention window the config asks for, None for full attention.
-
-    We always attend to the full context, which equals windowed attention while a sequence is
-    no longer than the window: ``max_model_len`` caps sequences there.
-    """
-    if _field(config, "model_type") in ("qwen2", "qwen3") and not _field(config, "use_sliding_window", False):
-        return None
-    window = _field(config, "sliding_window")
-    return window if isinstance(window, int) and window > 0 else None
-
-
 def max_model_len(config: Any) -> int:
-    """The longest sequence (prompt + output) the native model computes exactly."""
-    limit = rope_max_position(config)
-    window = sliding_window(config)
-    return min(limit, window) if window is not None else limit
+    """The longest sequence (prompt + output) the native model computes exactly: what its rope
+    supports. Sliding windows do not cap it: every attention path masks outside a layer's
+    window (``models.llama.layer_windows``)."""
+    return rope_max_position(config)
