@@ -101,6 +101,7 @@ def test_logits_match_hf_at_prefill_and_decode(family, tmp_path: Path) -> None:
     model = load_model(tmp_path, dtype=torch.float32)
     assert type(model) is our_class and model.head_dim == 32
     assert [layer.self_attn.sliding_window for layer in model.model.layers] == [16, None]
+    assert model.attention_window is None  # the global layer needs every block: the engine frees none
     check_prefill_and_decode(hf_model, model)
 
     tokens = list(range(3, 120, 4))  # 30 tokens

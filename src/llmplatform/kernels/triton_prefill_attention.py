@@ -157,7 +157,7 @@ def _paged_prefill_kernel(
         )
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # 0 only on padding rows that see no key
     tl.store(
         out_ptr + token_rows[:, None] * out_stride_token + heads[:, None] * out_stride_head + dims[None, :],
         out.to(out_ptr.dtype.element_ty),

@@ -37,22 +37,13 @@ from torch import nn
 from llmplatform.kernels import AttentionMetadata
 from llmplatform.kernels.ops import ModelOps
 from llmplatform.models.layers import RMSNorm, reference_ops
-from llmplatform.models.llama import KVCache, LlamaAttention, LlamaForCausalLM, LlamaMLP, head_dim_of
+from llmplatform.models.llama import (KVCache, LlamaAttention, LlamaForCausalLM, LlamaMLP, head_dim_of,
+                                     layer_windows)
 from llmplatform.models.parallel import ShardGroup, vocab_embedding
 from llmplatform.models.rope import RotaryEmbedding, rope_parameters
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
-
-
-def layer_types_of(config: Any) -> list[str]:
-    """Each layer's attention kind. Configs without ``layer_types`` (older transformers) give
-    ``sliding_window_pattern`` instead: every pattern-th layer is global (Gemma 2: 2, Gemma 3: 6)."""
-    types = getattr(config, "layer_types", None)
-    if types:
-        return list(types)
-    pattern = getattr(config, "sliding_window_pattern", None) or (2 if config.model_type == "gemma2" else 6)
-    return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(config.num_hidden_layers)]
 
 
 def rope_parameters_by_layer_type(config: Any) -> dict[str, dict[str, Any]]:
@@ -70,8 +61,9 @@ def rope_parameters_by_layer_type(config: Any) -> dict[str, dict[str, Any]]:
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_type: str, *, dtype: torch.dtype, device: torch.device | str,
-                 shard: ShardGroup | None, ops: ModelOps, qk_norm: bool, attention_softcap: bool) -> None:
+    def __init__(self, config: Any, layer_type: str, window: int | None, *, dtype: torch.dtype,
+                 device: torch.device | str, shard: ShardGroup | None, ops: ModelOps, qk_norm: bool,
+                 attention_softcap: bool) -> None:
         super().__init__()
         size, eps = config.hidden_size, config.rms_norm_eps
 
@@ -84,7 +76,7 @@ class GemmaDecoderLayer(nn.Module):
             config, dtype=dtype, device=device, shard=shard, ops=ops, qk_norm=qk_norm, unit_offset_norm=True,
             scale=config.query_pre_attn_scalar**-0.5,
             softcap=config.attn_logit_softcapping if attention_softcap else None,
-            sliding_window=config.sliding_window if layer_type == SLIDING else None,
+            sliding_window=window,
         )
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm()
@@ -127,11 +119,11 @@ class Gemma2Model(nn.Module):
         # float32 first, then the model dtype: the reference's two roundings of sqrt(hidden)
         normalizer = torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(dtype)
         self.register_buffer("normalizer", normalizer.to(device), persistent=False)
-        self.layer_types = layer_types_of(config)
+        # transformers' configs fill layer_types (from an older config's sliding_window_pattern)
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, layer_type, dtype=dtype, device=device, shard=shard, ops=ops,
+            GemmaDecoderLayer(config, layer_type, window, dtype=dtype, device=device, shard=shard, ops=ops,
                               qk_norm=qk_norm, attention_softcap=self.attention_softcap)
-            for layer_type in self.layer_types
+            for layer_type, window in zip(config.layer_types, layer_windows(config), strict=True)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device, ops=ops,
                             unit_offset=True)

@@ -64,6 +64,26 @@ def num_kv_heads_of(config: Any) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def layer_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding attention window (None: full attention), as transformers computes
+    them: a config's ``layer_types`` ("sliding_attention" layers windowed) when it has them; else
+    Qwen2/Qwen3's ``use_sliding_window`` windows the layers from ``max_window_layers`` on; else
+    (Mistral) ``sliding_window`` applies to every layer."""
+    window = getattr(config, "sliding_window", None)
+    num_layers = config.num_hidden_layers
+    if not isinstance(window, int) or window <= 0:
+        return [None] * num_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
+    if getattr(config, "model_type", None) in ("qwen2", "qwen3"):
+        if not getattr(config, "use_sliding_window", False):
+            return [None] * num_layers
+        first = getattr(config, "max_window_layers", num_layers)
+        return [window if i >= first else None for i in range(num_layers)]
+    return [window] * num_layers
+
+
 def _attention_biases(config: Any) -> tuple[bool, bool]:
     """(bias on q/k/v, bias on o): Qwen2 always biases q/k/v only; Llama/Mistral follow
     ``attention_bias`` for all four."""
@@ -77,14 +97,16 @@ class LlamaAttention(nn.Module):
     """Grouped-query attention over the paged cache. ``qk_norm``: an RMSNorm over each head of q
     and of k (one ``head_dim`` weight each, shared by all heads) before rotary (Qwen3; Gemma 3's
     scale by ``1 + w``: ``unit_offset_norm``). ``head_dim`` is the config's, which may differ from
-    hidden / heads. ``scale``: of q.k (default ``head_dim ** -0.5``); ``softcap``: scores become
+    hidden / heads. ``sliding_window``: each query sees its last that many positions only (None:
+    all). ``scale``: of q.k (default ``head_dim ** -0.5``); ``softcap``: scores become
     ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2)."""
 
     def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str,
                  shard: ShardGroup | None = None, ops: ModelOps | None = None, qk_norm: bool = False,
-                 unit_offset_norm: bool = False, scale: float | None = None,
-                 softcap: float | None = None, sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, unit_offset_norm: bool = False,
+                 scale: float | None = None, softcap: float | None = None) -> None:
         super().__init__()
+        self.sliding_window = sliding_window
         ops = ops or reference_ops(dtype, device)
         num_ranks = 1 if shard is None else shard.size
         self.num_heads = config.num_attention_heads // num_ranks
@@ -92,7 +114,6 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(config)
         self.scale = self.head_dim**-0.5 if scale is None else scale
         self.softcap = softcap
-        self.sliding_window = sliding_window
         qkv_bias, o_bias = _attention_biases(config)
         # The whole model's sizes: a sharded projection keeps its rank's share of each.
         q_size = config.num_attention_heads * self.head_dim
@@ -133,7 +154,7 @@ class LlamaAttention(nn.Module):
         k_cache, v_cache = kv_cache  # [num_blocks, block_size, Hkv, D] each
         if num_tokens <= self.fused_rows:
             fused = fused_decode_attention(qkv, cos, sin, k_cache, v_cache, attn_metadata, H, self.scale,
-                                           softcap=self.softcap, sliding_window=self.sliding_window)
+                                           sliding_window=self.sliding_window, softcap=self.softcap)
             if fused is not None:  # [T, H, D] fp32
                 return self.o_proj(fused.view(num_tokens, H * D), out_dtype=x.dtype)  # [T, hidden]
         qk = qkv[:, : (H + Hkv) * D].view(num_tokens, H + Hkv, D)  # [T, H + Hkv, D]
@@ -148,8 +169,8 @@ class LlamaAttention(nn.Module):
         v = qkv[:, (H + Hkv) * D :].view(num_tokens, Hkv, D)  # [T, Hkv, D]
         store_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping, backend=self.backend)
         out = paged_attention(q, k, v, k_cache, v_cache, attn_metadata, self.scale,
-                              backend=self.backend, softcap=self.softcap,
-                              sliding_window=self.sliding_window)  # [T, H, D]
+                              backend=self.backend, sliding_window=self.sliding_window,
+                              softcap=self.softcap)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, H * D))  # [T, hidden]
 
 
@@ -193,11 +214,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str,
-                 shard: ShardGroup | None = None, ops: ModelOps | None = None, qk_norm: bool = False) -> None:
+                 shard: ShardGroup | None = None, ops: ModelOps | None = None, qk_norm: bool = False,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device, ops=ops)
-        self.self_attn = LlamaAttention(config, dtype=dtype, device=device, shard=shard, ops=ops, qk_norm=qk_norm)
+        self.self_attn = LlamaAttention(config, dtype=dtype, device=device, shard=shard, ops=ops, qk_norm=qk_norm,
+                                        sliding_window=sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device, ops=ops)
         self.mlp = LlamaMLP(config, dtype=dtype, device=device, shard=shard, ops=ops)
 
@@ -226,8 +249,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = vocab_embedding(shard, config.vocab_size, config.hidden_size, dtype=dtype,
                                             device=device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype=dtype, device=device, shard=shard, ops=ops, qk_norm=qk_norm)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, dtype=dtype, device=device, shard=shard, ops=ops, qk_norm=qk_norm,
+                              sliding_window=window)
+            for window in layer_windows(config)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device, ops=ops)
         self.rotary_emb = RotaryEmbedding(
@@ -316,6 +340,13 @@ class LlamaForCausalLM(nn.Module):
         # --quantization gguf (models.quantized): the output projection kept in GGUF blocks, for
         # the rows its kernel takes (``ops.quantized_rows``); more rows use the dense one.
         self.quantized_lm_head: Linear | None = None
+
+    @property
+    def attention_window(self) -> int | None:
+        """How far back any layer attends: None when some layer sees the whole context (keep all
+        KV), else the largest window of its layers (the engine frees KV older than that)."""
+        windows = [layer.self_attn.sliding_window for layer in self.model.layers]
+        return None if None in windows else max(windows)
 
     def process_weights_after_loading(self) -> None:
         """Once, after the weights (and any quantized projections) are in: each projection makes

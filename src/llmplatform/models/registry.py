@@ -106,25 +106,12 @@ def get_model_class(config: Any) -> type[nn.Module]:
     return _ARCHITECTURES[name]
 
 
-def sliding_window(config: Any) -> int | None:
-    """The attention window the config asks for, None for full attention.
-
-    We always attend to the full context, which equals windowed attention while a sequence is
-    no longer than the window: ``max_model_len`` caps sequences there.
-    """
-    if _field(config, "model_type") in ("qwen2", "qwen3") and not _field(config, "use_sliding_window", False):
-        return None
-    window = _field(config, "sliding_window")
-    return window if isinstance(window, int) and window > 0 else None
-
-
 def max_model_len(config: Any) -> int:
-    """The longest sequence (prompt + output) the native model computes exactly. Gemma's
-    sliding-window layers attend within their window (``models.gemma``): no cap there, and its
-    ``max_position_embeddings`` is the context length its rope scaling reaches already."""
+    """The longest sequence (prompt + output) the native model computes exactly: what its rope
+    supports (Gemma: ``max_position_embeddings``, which Gemma 3 states with its rope scaling
+    applied already, 131072 for linear x8). Sliding windows do not cap it: every attention path
+    masks outside a layer's window (``models.llama.layer_windows``)."""
     if any(issubclass(_ARCHITECTURES.get(name, nn.Module), Gemma2ForCausalLM)
            for name in _field(config, "architectures") or []):
         return _field(config, "max_position_embeddings")
-    limit = rope_max_position(config)
-    window = sliding_window(config)
-    return min(limit, window) if window is not None else limit
+    return rope_max_position(config)
