@@ -153,6 +153,47 @@ def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory, default_model_d
                       Qwen3MoeForCausalLM, TINY_QWEN3_MOE, adjust=_randomize_norms)
 
 
+# tiny_gemma2_dir / tiny_gemma3_dir: tiny random Gemma 2 / Gemma 3 text models with the same tokenizer:
+#   a 16-token sliding window on layer 0 and full attention on layer 1 (~100-token sequences cross
+#   the window), head_dim 32 != hidden 64 / 4 heads, query_pre_attn_scalar 24 != head_dim, tied
+#   embeddings, random (1 + w) norm weights. Gemma 2: attention and final logit soft-caps small
+#   enough to change the logits; Gemma 3: its local (base 10k) and global (base 1M, linear x2)
+#   rope tables, q/k norms.
+GEMMA_WINDOW = 16
+_TINY_GEMMA = {**TINY_LLAMA, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": GEMMA_WINDOW,
+               "layer_types": ["sliding_attention", "full_attention"]}
+TINY_GEMMA2 = {**_TINY_GEMMA, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 8.0}
+TINY_GEMMA3 = {**_TINY_GEMMA, "rope_parameters": {
+    "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+    "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1000000.0)}}
+
+
+def _randomize_gemma_norms(model) -> None:
+    import torch
+
+    # Gemma scales by (1 + w), its weights centred on zero (HF initializes them to zeros).
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(-0.5, 0.5)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-gemma2"), default_model_dir, Gemma2Config, Gemma2ForCausalLM,
+                      TINY_GEMMA2, adjust=_randomize_gemma_norms)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-gemma3"), default_model_dir, Gemma3TextConfig,
+                      Gemma3ForCausalLM, TINY_GEMMA3, adjust=_randomize_gemma_norms)
+
+
 def _save_tiny(out_dir: Path, default_model_dir: Path, config_class, model_class, sizes: dict,
                adjust=None) -> Path:
     import torch

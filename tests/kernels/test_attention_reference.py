@@ -1,7 +1,9 @@
 """paged_attention and store_kv_cache against a naive dense attention, on randomized batches.
 
 Every test runs on both CPU backends: ``cpu`` (decode rows by the C kernel, ``cpu_decode``) and
-``torch`` (the pure torch path).
+``torch`` (the pure torch path). The sliding-window cases also put NaN-filled or placeholder
+(-1) blocks in the table entries before each sequence's window, as the engine does once it frees
+them: a kernel that reads them shows NaN.
 """
 
 from __future__ import annotations
@@ -34,8 +36,11 @@ def naive_attention(
     keys: torch.Tensor,  # [seq_len, num_kv_heads, D] the whole sequence
     values: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [q_len, num_heads, D]
-    """Dense float32 attention of the last q_len positions over all seq_len, causal, GQA by repeat."""
+    """Dense float32 attention of the last q_len positions over all seq_len, causal (within the
+    window: p - W < j <= p), soft-capped scores, GQA by repeat."""
     q_len, num_heads, _ = query.shape
     seq_len, num_kv_heads, _ = keys.shape
     context_len = seq_len - q_len
@@ -43,7 +48,11 @@ def naive_attention(
     k = keys.float().repeat_interleave(group, dim=1)  # [seq_len, H, D]
     v = values.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale  # [H, q_len, seq_len]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     allowed = torch.ones(q_len, seq_len, dtype=torch.bool).tril(diagonal=context_len)
+    if sliding_window is not None:
+        allowed &= ~torch.ones(q_len, seq_len, dtype=torch.bool).tril(diagonal=context_len - sliding_window)
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
@@ -56,13 +65,16 @@ def run_case(
     num_kv_heads: int,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     blocks_needed = [-(-(c + q) // block_size) for c, q in lens]
     num_blocks = sum(blocks_needed) + 7
+    nan_block = num_blocks - 1  # never in a table; what a freed block's entry may point to
     # Shuffled, non-contiguous tables; block 0 (the padding id) is in use too.
-    free = list(range(num_blocks))
+    free = list(range(num_blocks - 1))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(n)] for n in blocks_needed]
 
@@ -86,14 +98,34 @@ def run_case(
     scale = HEAD_DIM**-0.5
 
     store_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping, backend=BACKEND["now"])
-    out = paged_attention(query, key, value, k_cache, v_cache, metadata, scale, backend=BACKEND["now"])
+    if sliding_window is not None:
+        forget_blocks_before_windows(metadata, k_cache, v_cache, sliding_window, block_size, nan_block)
+    out = paged_attention(query, key, value, k_cache, v_cache, metadata, scale, backend=BACKEND["now"],
+                          sliding_window=sliding_window, softcap=softcap)
     assert out.shape == query.shape and out.dtype == dtype
 
     starts = metadata.query_start_loc_cpu
     expected = torch.cat([
-        naive_attention(query[starts[i]:starts[i + 1]], full_k[i], full_v[i], scale) for i in range(len(lens))
+        naive_attention(query[starts[i]:starts[i + 1]], full_k[i], full_v[i], scale, sliding_window, softcap)
+        for i in range(len(lens))
     ])
     return out, expected, metadata
+
+
+def forget_blocks_before_windows(metadata: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 window: int, block_size: int, nan_block: int) -> None:
+    """What the engine's freeing leaves: each block wholly before the window of a sequence's first
+    query of the step is NaN-filled (reused by someone, then poisoned here) and its table entry
+    points to the NaN block or is the placeholder -1, alternately."""
+    k_cache[nan_block] = float("nan")
+    v_cache[nan_block] = float("nan")
+    for i, context_len in enumerate(metadata.context_lens_cpu):
+        num_dead = max(0, context_len - window + 1) // block_size
+        for index in range(num_dead):
+            block = int(metadata.block_tables[i, index])
+            k_cache[block] = float("nan")
+            v_cache[block] = float("nan")
+            metadata.block_tables[i, index] = nan_block if index % 2 else -1
 
 
 GQA = pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)], ids=["mha", "gqa3"])
@@ -155,7 +187,8 @@ def test_decode_lengths_far_apart_use_several_buckets(mixed: bool, backend: str)
     rng = random.Random(3)
     lens = [(rng.randrange(1, 400), 1) for _ in range(40)] + [(5, 300)] * mixed
     out, expected, metadata = run_case(lens, block_size=16, num_heads=6, num_kv_heads=2, seed=3)
-    plan = _get_plan(metadata, torch.empty(1, 16, 2, HEAD_DIM), torch.float32, kernel_decode=backend == "cpu")
+    plan = _get_plan(metadata, torch.empty(1, 16, 2, HEAD_DIM), torch.float32, kernel_decode=backend == "cpu",
+                     sliding_window=None)
     if backend == "torch":
         assert len(plan.decode_buckets) > 1 and plan.kernel_decode is None
         assert sum(b.num_seqs for b in plan.decode_buckets) == 40
@@ -219,3 +252,63 @@ def test_metadata_builder() -> None:
 def test_metadata_builder_rejects_short_block_table() -> None:
     with pytest.raises(ValueError):
         AttentionMetadata.build(context_lens=[3], query_lens=[2], block_tables=[[4]], block_size=4)
+
+
+WINDOWED = pytest.mark.parametrize("sliding_window,softcap", [(8, None), (5, 2.0), (None, 3.0), (64, None)],
+                                   ids=["w8", "w5-softcap", "softcap", "w64-longer-than-seqs"])
+
+
+@WINDOWED
+@GQA
+@BLOCK
+def test_windowed_and_softcapped_decode(block_size, num_heads, num_kv_heads, sliding_window, softcap) -> None:
+    lens = [(0, 1), (4, 1), (7, 1), (8, 1), (15, 1), (16, 1), (17, 1), (40, 1), (63, 1)]
+    out, expected, _ = run_case(lens, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                sliding_window=sliding_window, softcap=softcap)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@WINDOWED
+@GQA
+@BLOCK
+def test_windowed_and_softcapped_prefill_chunks_and_mixed(block_size, num_heads, num_kv_heads, sliding_window,
+                                                          softcap) -> None:
+    """Prefill from scratch, chunks over a cached prefix (the window reaching back into it, or
+    not), decode rows beside them."""
+    lens = [(0, 20), (7, 9), (16, 16), (30, 5), (1, 2), (20, 1), (47, 1), (33, 7), (0, 3)]
+    out, expected, _ = run_case(lens, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                sliding_window=sliding_window, softcap=softcap)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_randomized_windowed_batches(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    lens = [
+        (rng.choice([0, rng.randrange(1, 120)]), rng.choice([1, 1, 1, rng.randrange(1, 40)]))
+        for _ in range(rng.randrange(1, 12))
+    ]
+    num_kv_heads = rng.choice([1, 2, 3])
+    out, expected, _ = run_case(
+        lens, block_size=rng.choice([4, 8, 16]), num_heads=num_kv_heads * rng.choice([1, 2, 3]),
+        num_kv_heads=num_kv_heads, seed=seed, sliding_window=rng.choice([1, 3, 16, 33]),
+        softcap=rng.choice([None, 1.5]),
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_windowed_bfloat16_close_to_float32_reference() -> None:
+    lens = [(30, 1), (0, 20), (17, 6), (64, 1)]
+    out, expected, _ = run_case(lens, block_size=16, num_heads=6, num_kv_heads=2, dtype=torch.bfloat16,
+                                sliding_window=10, softcap=4.0)
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_windowed_decode_buckets_read_only_the_window() -> None:
+    """The torch path's decode buckets hold the blocks from each sequence's window on: long
+    sequences under a short window cost what short ones do."""
+    lens = [(500, 1), (37, 1), (1000, 1)]
+    _, _, metadata = run_case(lens, block_size=16, num_heads=4, num_kv_heads=2, sliding_window=20)
+    plan = _get_plan(metadata, torch.empty(1, 16, 2, HEAD_DIM), torch.float32, kernel_decode=False,
+                     sliding_window=20)
+    assert max(b.kv_len for b in plan.decode_buckets) <= 32 + 16  # 20 keys span at most 3 blocks

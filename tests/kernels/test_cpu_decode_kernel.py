@@ -201,9 +201,9 @@ def test_engine_greedy_output_equals_the_torch_backend(tiny_model_dir, monkeypat
     calls: Counter[str] = Counter()
     real = cpu_decode.paged_decode_attention_cpu
 
-    def counting(query, *args):
+    def counting(query, *args, **kwargs):
         calls["rows"] += query.shape[0]
-        return real(query, *args)
+        return real(query, *args, **kwargs)
 
     monkeypatch.setattr(cpu_decode, "paged_decode_attention_cpu", counting)
     monkeypatch.setenv(BACKEND_ENV_VAR, "cpu")

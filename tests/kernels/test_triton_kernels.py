@@ -423,3 +423,71 @@ def test_kernels_compile_for_cuda(op, dtype, queries_per_kv, head_dim, num_kv_sp
     assert len(launched) == (2 if num_kv_splits and num_kv_splits > 1 else 1)
     for kernel, (args, kwargs) in launched:
         _compile_for(kernel, args, kwargs, capability)
+
+
+# =============================================================================================
+# Sliding window and soft-capping
+
+
+def forget_blocks_before_windows(b: Batch, window: int, block_size: int) -> None:
+    """What the engine's freeing leaves: each block wholly before the window of a sequence's
+    first query of the step is NaN-filled, and its table entry names a NaN block or is the
+    placeholder -1: a kernel that reads one shows NaN."""
+    tables = b.metadata.block_tables
+    nan_block = min(set(range(b.k_cache.shape[0])) - set(tables.flatten().tolist()))  # a spare block
+    b.k_cache[nan_block] = float("nan")
+    b.v_cache[nan_block] = float("nan")
+    for i, context_len in enumerate(b.metadata.context_lens_cpu):
+        for index in range(max(0, context_len - window + 1) // block_size):
+            b.k_cache[int(tables[i, index])] = float("nan")
+            b.v_cache[int(tables[i, index])] = float("nan")
+            tables[i, index] = nan_block if index % 2 else -1
+
+
+WINDOW_CASES = [  # (window, softcap, block_size, num_kv_splits, dtype)
+    (16, None, 16, 1, F32), (33, 2.5, 16, 4, F32), (5, None, 32, 2, F32), (None, 3.0, 16, 1, F32),
+    (40, 10.0, 32, 4, BF16), (2000, None, 16, 2, F32),
+]
+
+
+@pytest.mark.parametrize("window,softcap,block_size,num_kv_splits,dtype", WINDOW_CASES,
+                         ids=[f"w{w}-cap{c}-bs{bs}-split{s}-{str(d)[6:]}" for w, c, bs, s, d in WINDOW_CASES])
+def test_windowed_softcapped_kernels_match_the_dense_torch_path(window, softcap, block_size, num_kv_splits, dtype,
+                                                                triton_device: torch.device) -> None:
+    """Decode (split-K on and off) and prefill (from scratch, chunks reaching back into the
+    cache, decode rows beside them) against the torch path, which is checked against dense
+    attention (test_attention_reference.py); the blocks before each window are poisoned."""
+    from llmplatform.kernels.triton_decode_attention import paged_decode_attention_triton
+
+    def torch_path(b: Batch) -> torch.Tensor:
+        cpu = lambda t: t.cpu()  # noqa: E731
+        return paged_attention_torch(cpu(b.query), cpu(b.key), cpu(b.value), cpu(b.k_cache), cpu(b.v_cache),
+                                     _metadata_on_cpu(b.metadata), b.scale, sliding_window=window, softcap=softcap)
+
+    kwargs = dict(num_kv_heads=2, queries_per_kv=4, head_dim=64, block_size=block_size, dtype=dtype,
+                  device=triton_device)
+    decode = make_batch([(0, 1), (15, 1), (16, 1), (40, 1), (300, 1), (1030, 1)], **kwargs)
+    if window is not None:
+        forget_blocks_before_windows(decode, window, block_size)
+    m = decode.metadata
+    got = paged_decode_attention_triton(decode.query, decode.k_cache, decode.v_cache, m.block_tables, m.seq_lens,
+                                        m.max_seq_len, decode.scale, num_kv_splits=num_kv_splits,
+                                        sliding_window=window, softcap=softcap)
+    assert_close(got, torch_path(decode))
+
+    prefill = make_batch([(0, 70), (37, 20), (100, 3), (16, 1), (5, 40), (200, 1)], seed=1, **kwargs)
+    if window is not None:
+        forget_blocks_before_windows(prefill, window, block_size)
+    got = paged_attention(prefill.query, prefill.key, prefill.value, prefill.k_cache, prefill.v_cache,
+                          prefill.metadata, prefill.scale, backend=AttentionBackend.TRITON,
+                          sliding_window=window, softcap=softcap)
+    assert_close(got, torch_path(prefill))
+
+
+def _metadata_on_cpu(m: AttentionMetadata) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=m.slot_mapping.cpu(), query_start_loc=m.query_start_loc.cpu(), seq_lens=m.seq_lens.cpu(),
+        context_lens=m.context_lens.cpu(), block_tables=m.block_tables.cpu(), max_query_len=m.max_query_len,
+        max_seq_len=m.max_seq_len, query_start_loc_cpu=m.query_start_loc_cpu, seq_lens_cpu=m.seq_lens_cpu,
+        context_lens_cpu=m.context_lens_cpu, is_decode_only=m.is_decode_only,
+    )

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from llmplatform.kernels import AttentionMetadata
-from llmplatform.models.llama import LlamaForCausalLM
+from llmplatform.models.llama import LlamaForCausalLM, layer_windows
 from llmplatform.models.loader import load_model
 from llmplatform.models.registry import is_supported, max_model_len, unsupported_reason
 
@@ -237,10 +237,32 @@ def test_registry() -> None:
         **TINY, architectures=["LlamaForCausalLM"], rope_parameters={"rope_type": "proportional", "rope_theta": 1e4},
     )
     assert "proportional" in (unsupported_reason(proportional) or "")
+    # A sliding window no longer caps the length: every attention path masks outside it.
     mistral = transformers.MistralConfig(**TINY, architectures=["MistralForCausalLM"], sliding_window=128)
-    assert is_supported(mistral) and max_model_len(mistral) == 128
+    assert is_supported(mistral) and max_model_len(mistral) == 512
     qwen = transformers.Qwen2Config(**TINY, architectures=["Qwen2ForCausalLM"])
     assert is_supported(qwen) and max_model_len(qwen) == 512
+
+
+def test_layer_windows_follow_transformers() -> None:
+    """Mistral windows every layer; Qwen2/Qwen3 only with use_sliding_window, from
+    max_window_layers on (transformers' layer_types); the model's attention_window is None as
+    soon as one layer sees everything."""
+    layers = dict(TINY, num_hidden_layers=3)
+    mistral = transformers.MistralConfig(**layers, sliding_window=16)
+    assert layer_windows(mistral) == [16, 16, 16]
+    assert LlamaForCausalLM(mistral).attention_window == 16
+    assert layer_windows(transformers.MistralConfig(**layers, sliding_window=None)) == [None] * 3
+    for config_class in (transformers.Qwen2Config, transformers.Qwen3Config):
+        off = config_class(**layers, sliding_window=16, use_sliding_window=False)
+        assert layer_windows(off) == [None] * 3
+        on = config_class(**layers, sliding_window=16, use_sliding_window=True, max_window_layers=1)
+        assert layer_windows(on) == [None, 16, 16] == [16 if t == "sliding_attention" else None
+                                                      for t in on.layer_types]
+        assert LlamaForCausalLM(on).attention_window is None
+        assert layer_windows(config_class(**layers, sliding_window=16, use_sliding_window=True,
+                                          max_window_layers=0)) == [16] * 3
+    assert layer_windows(transformers.LlamaConfig(**layers)) == [None] * 3
 
 
 @pytest.mark.slow

@@ -45,6 +45,18 @@ than compute the same prefix twice (engine.scheduler). Only sequences holding bl
 flight, and each of them computes them in the step that allocated them, so nothing waits on a
 waiting sequence and no note outlives its step.
 
+Sliding windows (``attention_window`` W: the model's every layer attends to its last W positions
+only, ``LlamaForCausalLM.attention_window``). A query at position p sees keys ``p - W < j <= p``,
+and a sequence's next query is at ``num_computed_tokens`` (the first of a prefill chunk, or its
+next decode), so after each step ``free_out_of_window`` drops the sequence's blocks whose every
+token is at or before ``num_computed_tokens - W``: no future query of it can see them. Their
+table entries become ``FREED_BLOCK`` (positions keep their index; the kernels never read an entry
+before the window, and the runner's copy of the table may still name the old block, which may by
+then belong to someone else). A sequence so holds about ``W / block_size + 1`` blocks, plus its
+chunk. Freed blocks go to the free pool like any other: a hashed one stays cached (evictable),
+so a later prompt sharing the prefix still hits it while it lasts, and a hit always covers a whole
+prefix of present blocks (the chain of hashes breaks at the first evicted one).
+
 Pure Python, no torch: the model runner owns the KV tensors; this class owns only the ids.
 """
 
@@ -57,14 +69,20 @@ from llmplatform.engine.prefix_cache import (BlockHash, PrefixCache, PrefixCache
                                              hash_block_tokens, salt_root)
 from llmplatform.engine.sequence import Sequence
 
+FREED_BLOCK = -1
+"""A block-table entry whose block was freed as out of the attention window (never read)."""
+
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, attention_window: int | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if attention_window is not None and attention_window < 1:
+            raise ValueError(f"attention_window must be at least 1 or None, got {attention_window}")
+        self.attention_window = attention_window
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._ref_counts = [0] * num_blocks
@@ -116,6 +134,11 @@ class BlockManager:
     def block_hash(self, block_id: int) -> BlockHash | None:
         """The hash ``block_id`` is cached under, if it is cached."""
         return self.prefix_cache.hash_of(block_id) if self.prefix_cache is not None else None
+
+    @staticmethod
+    def num_held_blocks(seq: Sequence) -> int:
+        """Blocks ``seq`` references (its table less the entries freed as out of the window)."""
+        return sum(1 for b in seq.block_table if b != FREED_BLOCK)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens."""
@@ -183,12 +206,29 @@ class BlockManager:
         (cached ones keep their hash until they are evicted). Its blocks are no longer in flight."""
         self._clear_in_flight(seq, len(seq.block_table))
         for block_id in reversed(seq.block_table):
-            self._ref_counts[block_id] -= 1
-            assert self._ref_counts[block_id] >= 0, f"block {block_id} freed twice"
-            if self._ref_counts[block_id] == 0:
-                self._free_block_ids[block_id] = None
+            if block_id != FREED_BLOCK:
+                self._release(block_id)
         seq.block_table = []
         seq.num_cached_blocks = 0
+
+    def free_out_of_window(self, seq: Sequence) -> int:
+        """Drop ``seq``'s references to the blocks no query from position
+        ``seq.num_computed_tokens`` on can see (all their tokens at or before
+        ``num_computed_tokens - attention_window``); their entries become ``FREED_BLOCK``. Called
+        after each step, once ``cache_full_blocks`` has offered them to the prefix cache. Returns
+        how many entries it freed (0 without a window)."""
+        if self.attention_window is None:
+            return 0
+        num_dead = max(0, seq.num_computed_tokens - self.attention_window + 1) // self.block_size
+        assert num_dead <= seq.num_cached_blocks or self.prefix_cache is None, "freeing an unoffered block"
+        # Entries are freed from the front, so the live ones start after the last freed one; the
+        # later blocks go first, so the earlier (prefix) ones are evicted last.
+        index, freed = num_dead - 1, 0
+        while index >= 0 and seq.block_table[index] != FREED_BLOCK:
+            self._release(seq.block_table[index])
+            seq.block_table[index] = FREED_BLOCK
+            index, freed = index - 1, freed + 1
+        return freed
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Make ``child`` (whose tokens are a copy of ``parent``'s) share every block of
@@ -196,7 +236,8 @@ class BlockManager:
         assert not child.block_table, "forking into a sequence that holds blocks"
         assert child.cache_salt == parent.cache_salt, "the hashes shared are the salt's"
         for block_id in parent.block_table:
-            self._ref_counts[block_id] += 1
+            if block_id != FREED_BLOCK:
+                self._ref_counts[block_id] += 1
         child.block_table = list(parent.block_table)
         child.num_cached_blocks = parent.num_cached_blocks
         child.block_hashes = parent.block_hashes[:child.num_tokens // self.block_size]
@@ -289,11 +330,21 @@ class BlockManager:
         live_seqs = list(live_seqs)
         expected = [0] * self.num_blocks
         for seq in live_seqs:
-            assert len(set(seq.block_table)) == len(seq.block_table), f"repeated block in {seq.block_table}"
-            for block_id in seq.block_table:
+            held = [b for b in seq.block_table if b != FREED_BLOCK]
+            assert len(set(held)) == len(held), f"repeated block in {seq.block_table}"
+            num_freed = len(seq.block_table) - len(held)
+            assert all(b == FREED_BLOCK for b in seq.block_table[:num_freed]), \
+                f"freed entries not a prefix of {seq.block_table}"
+            if num_freed:
+                window = self.attention_window
+                assert window is not None and num_freed * self.block_size <= seq.num_computed_tokens - window + 1, \
+                    f"seq {seq.seq_id}: {num_freed} blocks freed, {seq.num_computed_tokens} computed"
+            for block_id in held:
                 expected[block_id] += 1
             if self.prefix_cache is not None:
                 for index, block_id in enumerate(seq.block_table):
+                    if block_id == FREED_BLOCK:
+                        continue
                     block_hash = self.prefix_cache.hash_of(block_id)
                     if block_hash is not None:
                         assert index < len(seq.block_hashes) and seq.block_hashes[index] == block_hash, \
@@ -360,6 +411,13 @@ class BlockManager:
         if index < len(seq.block_table) and self._ref_counts[seq.block_table[index]] > 1:
             return index
         return None
+
+    def _release(self, block_id: int) -> None:
+        """One reference fewer; a block no one references returns to the pool's back."""
+        self._ref_counts[block_id] -= 1
+        assert self._ref_counts[block_id] >= 0, f"block {block_id} freed twice"
+        if self._ref_counts[block_id] == 0:
+            self._free_block_ids[block_id] = None
 
     def _take_free_block(self) -> int:
         """Allocate the front of the free pool, evicting its cached prefix block if it holds one."""

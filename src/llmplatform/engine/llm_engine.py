@@ -109,7 +109,8 @@ class LLMEngine:
                 f"--gpu-memory-utilization) or lower --max-model-len")
         self.block_manager = BlockManager(
             layout.num_blocks, layout.block_size,
-            enable_prefix_caching=config.cache.enable_prefix_caching)
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            attention_window=layout.attention_window)
         self.scheduler = Scheduler(sched, self.block_manager)
         self.stats = StepStats()
         logger.info(

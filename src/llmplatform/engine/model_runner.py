@@ -58,13 +58,16 @@ logger = logging.getLogger("llmplatform.engine")
 @dataclass(frozen=True)
 class CacheLayout:
     """What the KV pool holds, for logs and admission. Under tensor parallelism every rank has
-    ``num_blocks`` blocks of ``bytes_per_block`` (its ``num_kv_heads_per_rank`` heads)."""
+    ``num_blocks`` blocks of ``bytes_per_block`` (its ``num_kv_heads_per_rank`` heads).
+    ``attention_window``: the model's (``LlamaForCausalLM.attention_window``): when set, no layer
+    looks further back, and the block manager frees what falls out of it."""
 
     num_blocks: int
     block_size: int
     bytes_per_block: int
     tensor_parallel_size: int = 1
     num_kv_heads_per_rank: int | None = None
+    attention_window: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -104,7 +107,7 @@ class ModelRunner:
             num_blocks = self._num_blocks(cache_config, bytes_per_block, max_num_batched_tokens)
             self.layout = CacheLayout(num_blocks, self.block_size, bytes_per_block,
                                       1 if self.tp is None else self.tp.size,
-                                      self.model.num_kv_heads)
+                                      self.model.num_kv_heads, self.model.attention_window)
             self.kv_caches = self._allocate_kv_caches(num_blocks)
         except BaseException:
             self.close()

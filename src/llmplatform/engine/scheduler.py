@@ -40,7 +40,9 @@ a whole prompt cached, its last full block is recomputed) and, for a parent with
 below the fork point. A request asking for prompt logprobs skips the lookup: it needs every prompt
 position computed, and so does a mean pooling request (engine.pooling). After each step the
 newly full blocks of each sequence are registered, generated tokens included, so a multi-turn
-conversation's next prompt finds the previous answer cached.
+conversation's next prompt finds the previous answer cached. Then, for a model whose layers all
+attend to a sliding window, the blocks the sequence's future queries cannot see are freed
+(engine.block_manager): it holds about a window of KV however long it grows.
 
 Prefixes in flight (``min_in_flight_prefix_blocks``, with prefix caching). Requests sharing a long
 prefix often arrive together (one system prompt, several questions): admitted in the same step, each
@@ -270,6 +272,7 @@ class Scheduler:
                 continue  # finished (aborted) since schedule()
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
+            self.block_manager.free_out_of_window(seq)  # sliding windows: what no query sees again
             if item.samples:
                 seq.output_token_ids.append(sampled[seq.seq_id])
             if seq.seq_id in self._pending_children and seq.num_computed_tokens == seq.num_prompt_tokens - 1:

@@ -80,17 +80,35 @@ def paged_attention(
     scale: float,
     *,
     backend: AttentionBackend,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention of the new tokens over cached prefix + themselves (K/V already stored)."""
+    """Causal attention of the new tokens over cached prefix + themselves (K/V already stored).
+
+    ``sliding_window`` W: a query at position p sees keys ``p - W < j <= p`` only (W keys, itself
+    included), and cache blocks wholly before that are never read (their table entries may name
+    freed blocks). ``softcap`` c: scores ``c * tanh(q.k * scale / c)`` before masking and softmax.
+    None turns either off."""
     check_paged_attention_args(query, key, value, k_cache, v_cache, metadata)
+    check_window_args(sliding_window, softcap)
     if backend is AttentionBackend.TRITON:
-        return paged_attention_triton(query, key, value, k_cache, v_cache, metadata, scale)
+        return paged_attention_triton(query, key, value, k_cache, v_cache, metadata, scale,
+                                      sliding_window=sliding_window, softcap=softcap)
     if backend is AttentionBackend.CPU:
         if query.device.type != "cpu":
             raise ValueError(f"attention backend cpu: tensors are on {query.device}, not the CPU")
         decode_kernel = cpu_decode.paged_decode_attention_cpu if cpu_decode.supports(query, k_cache) else None
-        return paged_attention_torch(query, key, value, k_cache, v_cache, metadata, scale, decode_kernel)
-    return paged_attention_torch(query, key, value, k_cache, v_cache, metadata, scale)
+        return paged_attention_torch(query, key, value, k_cache, v_cache, metadata, scale, decode_kernel,
+                                     sliding_window=sliding_window, softcap=softcap)
+    return paged_attention_torch(query, key, value, k_cache, v_cache, metadata, scale,
+                                 sliding_window=sliding_window, softcap=softcap)
+
+
+def check_window_args(sliding_window: int | None, softcap: float | None) -> None:
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap!r}")
 
 
 def fused_decode_attention(
@@ -102,6 +120,9 @@ def fused_decode_attention(
     metadata: AttentionMetadata,
     num_heads: int,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | None:  # [num_tokens, num_heads, head_dim] float32, or None
     """A decode-only CPU step's rotary, K/V store and attention as two C calls (``cpu_rotary``,
     then ``cpu_decode`` over the fp32 query it wrote): the fused decode path's per-layer attention.
@@ -109,14 +130,17 @@ def fused_decode_attention(
     the kernels do not take): the caller then runs the separate ops (``store_kv_cache``,
     ``paged_attention`` with the ``cpu`` backend), which give the same result. Only a model
     whose ops run the ``cpu`` backend calls it (``ModelOps.rotary``); what is checked here is the
-    step's shape and the tensors' layout."""
+    step's shape and the tensors' layout. ``sliding_window`` and ``softcap`` as in
+    ``paged_attention``."""
+    check_window_args(sliding_window, softcap)
     if not metadata.is_decode_only or not cpu_rotary.supports(qkv, cos, k_cache, metadata.slot_mapping):
         return None
     if metadata.num_tokens != qkv.shape[0] or not cpu_decode.supports_heads(num_heads, k_cache):
         return None
     query = cpu_rotary.rotary_store_cpu(qkv, cos, sin, k_cache, v_cache, metadata.slot_mapping, num_heads)
     return cpu_decode.paged_decode_attention_cpu(query, k_cache, v_cache, metadata.block_tables,
-                                                 metadata.seq_lens, scale)
+                                                 metadata.seq_lens, scale, sliding_window=sliding_window,
+                                                 softcap=softcap)
 
 
 def paged_attention_triton(
@@ -127,6 +151,9 @@ def paged_attention_triton(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     metadata: AttentionMetadata,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """``paged_attention_torch``'s signature on the Triton kernels.
 
@@ -139,13 +166,14 @@ def paged_attention_triton(
         from llmplatform.kernels.triton_decode_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton(
-            query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.max_seq_len, scale
+            query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.max_seq_len, scale,
+            sliding_window=sliding_window, softcap=softcap,
         )
     from llmplatform.kernels.triton_prefill_attention import paged_prefill_attention_triton
 
     return paged_prefill_attention_triton(
         query, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
-        metadata.max_query_len, scale,
+        metadata.max_query_len, scale, sliding_window=sliding_window, softcap=softcap,
     )
 
 

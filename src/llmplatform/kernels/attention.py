@@ -2,9 +2,13 @@
 
 One call serves every batch shape: prefill, chunked prefill (cached context plus several new
 tokens), decode (one new token per sequence) and any mix. Query i of sequence s sits at position
-``context_lens[s] + i`` and may attend to cache positions ``0 .. context_lens[s] + i``. The new
-tokens' K/V are already in the cache (``store_kv_cache`` runs first), so a reference can read
-everything from the cache.
+``p = context_lens[s] + i`` and may attend to cache positions ``0 .. p``, or with a
+``sliding_window`` W only to ``p - W < j <= p`` (W keys, itself included: transformers'
+convention). With ``softcap`` c the scores are ``c * tanh(q.k * scale / c)`` before masking and
+softmax (Gemma 2). The new tokens' K/V are already in the cache (``store_kv_cache`` runs first),
+so a reference can read everything from the cache. Under a window, table entries of blocks wholly
+before it are never read: the engine frees those blocks (their entries then name a placeholder or
+a block another sequence reuses), and skipping them is where windowed attention saves its time.
 
 The torch path below is what CPU serving runs, so it is built for speed, not only for clarity.
 Both halves use torch's fused ``scaled_dot_product_attention`` (a flash-style CPU kernel that
@@ -26,8 +30,12 @@ explicit batched matmuls + softmax (``benchmarks/attention_micro.py``):
   cache with a causal mask offset by the context length; GQA as a stride-0 expand of K/V
   (``enable_gqa`` is orders of magnitude slower on CPU and ``repeat_interleave`` copies).
 
-Everything that depends only on the metadata (index tensors, masks, buckets, workspaces) is built
-once, on the first layer's call, and kept in ``metadata.derived`` for the other layers.
+With ``softcap`` both halves run the same gathers and masks through explicit float32 matmuls and
+softmax instead (SDPA has no soft-capping).
+
+Everything that depends only on the metadata and the window (index tensors, masks, buckets,
+workspaces) is built once, on the first layer's call, and kept in ``metadata.derived`` for the
+other layers (per window: interleaved models have layers with and without one).
 """
 
 from __future__ import annotations
@@ -81,13 +89,14 @@ def check_paged_attention_args(
 class _DecodeBucket:
     """Decode sequences of similar length, attended together.
 
-    ``kv_index`` holds the block ids of every sequence's first ``kv_len // block_size`` blocks;
-    K/V land in the workspaces as [n, kv_len, kv_heads, D].
+    ``kv_index`` holds, per sequence, the ids of ``kv_len // block_size`` blocks starting at its
+    first block inside the window (its block 0 without one); K/V land in the workspaces as
+    [n, kv_len, kv_heads, D].
     """
 
     rows: torch.Tensor | None  # [n] token rows of the batch; None: all rows, in order
     kv_index: torch.Tensor  # [n * kv_len // block_size] block ids
-    mask: torch.Tensor  # [n, 1, 1, kv_len] additive: 0 where the key exists, -inf past the end
+    mask: torch.Tensor  # [n, 1, 1, kv_len] additive: 0 where the key is visible, -inf elsewhere
     k_buffer: torch.Tensor  # [n * kv_len * kv_heads * D] gather workspace, reused by every layer
     v_buffer: torch.Tensor  # same
     num_seqs: int
@@ -100,8 +109,8 @@ class _PrefillSeq:
 
     start: int  # its first token row
     end: int
-    kv_slots: torch.Tensor | None  # [kv_len] cache slots of its whole KV; None: no cached prefix
-    allowed: torch.Tensor | None  # [q_len, kv_len] True = may attend; None: no prefix, is_causal
+    kv_slots: torch.Tensor | None  # [kv_len] cache slots of the keys it may see; None: no cached prefix
+    allowed: torch.Tensor | None  # [q_len, kv_len] True = may attend; None: plain causal over new K/V
 
 
 @dataclass
@@ -121,8 +130,9 @@ class _Plan:
 
 
 DecodeKernel = Callable[..., torch.Tensor]
-"""(query [n, H, D], k_cache, v_cache, block_tables [n, B] int32, seq_lens [n] int32, scale)
--> [n, H, D]: attention of one new token per sequence over its paged cache."""
+"""(query [n, H, D], k_cache, v_cache, block_tables [n, B] int32, seq_lens [n] int32, scale, *,
+sliding_window, softcap) -> [n, H, D]: attention of one new token per sequence over its paged
+cache."""
 
 
 def paged_attention_torch(
@@ -134,38 +144,43 @@ def paged_attention_torch(
     metadata: AttentionMetadata,
     scale: float,
     decode_kernel: DecodeKernel | None = None,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """With ``decode_kernel`` (the CPU C kernel, ``cpu_decode.py``), the decode rows go to it in
     one call instead of the gather + fused-attention buckets below; prefill rows are unchanged."""
-    plan = _get_plan(metadata, k_cache, query.dtype, kernel_decode=decode_kernel is not None)
+    plan = _get_plan(metadata, k_cache, query.dtype, kernel_decode=decode_kernel is not None,
+                     sliding_window=sliding_window)
 
     if plan.kernel_decode is not None:
         kd = plan.kernel_decode
         decoded = decode_kernel(query if kd.rows is None else query.index_select(0, kd.rows),
-                                k_cache, v_cache, kd.block_tables, kd.seq_lens, scale)  # [n, H, D]
+                                k_cache, v_cache, kd.block_tables, kd.seq_lens, scale,
+                                sliding_window=sliding_window, softcap=softcap)  # [n, H, D]
         if kd.rows is None:
             return decoded  # a decode-only batch
         out = torch.empty_like(query)
         out.index_copy_(0, kd.rows, decoded)
         for seq in plan.prefills:
-            _prefill(query, key, value, k_cache, v_cache, seq, scale, out)
+            _prefill(query, key, value, k_cache, v_cache, seq, scale, softcap, out)
         return out
 
     buckets = plan.decode_buckets
     if not plan.prefills and len(buckets) == 1 and buckets[0].rows is None:
-        return _decode(query, k_cache, v_cache, buckets[0], scale)  # the whole batch is one bucket
+        return _decode(query, k_cache, v_cache, buckets[0], scale, softcap)  # the whole batch is one bucket
 
     out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
     for bucket in buckets:
         rows = bucket.rows
         bucket_query = query if rows is None else query.index_select(0, rows)  # [n, num_heads, head_dim]
-        bucket_out = _decode(bucket_query, k_cache, v_cache, bucket, scale)  # [n, num_heads, head_dim]
+        bucket_out = _decode(bucket_query, k_cache, v_cache, bucket, scale, softcap)  # [n, num_heads, head_dim]
         if rows is None:
             out.copy_(bucket_out)
         else:
             out.index_copy_(0, rows, bucket_out)
     for seq in plan.prefills:
-        _prefill(query, key, value, k_cache, v_cache, seq, scale, out)
+        _prefill(query, key, value, k_cache, v_cache, seq, scale, softcap, out)
     return out
 
 
@@ -175,6 +190,7 @@ def _decode(
     v_cache: torch.Tensor,
     bucket: _DecodeBucket,
     scale: float,
+    softcap: float | None,
 ) -> torch.Tensor:  # [n, H, D]
     n, H, D = query.shape
     num_blocks, block_size, Hkv, _ = k_cache.shape
@@ -187,9 +203,9 @@ def _decode(
     k = k.view(n, L, Hkv, D).transpose(1, 2)  # [n, Hkv, L, D] strided view of the workspace
     v = v.view(n, L, Hkv, D).transpose(1, 2)  # [n, Hkv, L, D]
     # The G query heads of kv head j act as G query positions over j's keys: exact for decode,
-    # where every query may see every key of its sequence (the mask only cuts the padding).
+    # where the G heads see the same keys (the mask cuts the padding and what is outside the window).
     q = query.view(n, Hkv, G, D)  # [n, Hkv, G, D]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask, scale=scale)  # [n, Hkv, G, D]
+    out = _attend(q, k, v, bucket.mask, scale, softcap)  # [n, Hkv, G, D]
     return out.reshape(n, H, D)
 
 
@@ -201,6 +217,7 @@ def _prefill(
     v_cache: torch.Tensor,
     seq: _PrefillSeq,
     scale: float,
+    softcap: float | None,
     out: torch.Tensor,  # [num_tokens, H, D], rows start..end written here
 ) -> None:
     H, D = query.shape[1:]
@@ -217,10 +234,35 @@ def _prefill(
     q = query[seq.start:seq.end].view(n, Hkv, G, D).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
     k = k.permute(1, 0, 2).unsqueeze(1).expand(Hkv, G, L, D)  # [Hkv, G, L, D] stride-0 GQA
     v = v.permute(1, 0, 2).unsqueeze(1).expand(Hkv, G, L, D)
-    attn = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=seq.allowed, is_causal=seq.allowed is None, scale=scale
-    )  # [Hkv, G, n, D]
+    if softcap is None:
+        attn = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=seq.allowed, is_causal=seq.allowed is None, scale=scale
+        )  # [Hkv, G, n, D]
+    else:
+        allowed = seq.allowed if seq.allowed is not None else torch.ones(
+            n, L, dtype=torch.bool, device=q.device).tril_()
+        attn = _attend(q, k, v, allowed, scale, softcap)  # [Hkv, G, n, D]
     out[seq.start:seq.end].view(n, Hkv, G, D).copy_(attn.permute(2, 0, 1, 3))
+
+
+def _attend(
+    q: torch.Tensor,  # [..., n, D]
+    k: torch.Tensor,  # [..., L, D]
+    v: torch.Tensor,  # [..., L, D]
+    mask: torch.Tensor,  # broadcastable to [..., n, L]: bool (True = may attend) or additive
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:  # [..., n, D] in q's dtype
+    """Attention with a mask: torch's fused kernel, or with ``softcap`` explicit float32 matmuls
+    (the scores are capped before the mask and the softmax, as Gemma 2 does)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale / softcap).tanh_().mul_(softcap)
+    if mask.dtype == torch.bool:
+        scores.masked_fill_(~mask, float("-inf"))
+    else:
+        scores.add_(mask)
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,13 +270,14 @@ def _prefill(
 
 
 def _get_plan(metadata: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype, *,
-              kernel_decode: bool) -> _Plan:
+              kernel_decode: bool, sliding_window: int | None) -> _Plan:
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    key = ("paged_attention_torch", block_size, num_kv_heads, head_dim, dtype, k_cache.device, kernel_decode)
+    key = ("paged_attention_torch", block_size, num_kv_heads, head_dim, dtype, k_cache.device, kernel_decode,
+           sliding_window)
     plan = metadata.derived.get(key)
     if plan is None:
         plan = _build_plan(metadata, block_size, num_kv_heads, head_dim, dtype, k_cache.device,
-                           kernel_decode=kernel_decode)
+                           kernel_decode=kernel_decode, window=sliding_window)
         metadata.derived[key] = plan
     return plan
 
@@ -248,12 +291,13 @@ def _build_plan(
     device: torch.device,
     *,
     kernel_decode: bool,
+    window: int | None,
 ) -> _Plan:
     starts = metadata.query_start_loc_cpu
     seq_lens = metadata.seq_lens_cpu
     decode_ids = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
     prefill_ids = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] > 1]
-    prefills = _prefill_plans(metadata, prefill_ids, block_size, device)
+    prefills = _prefill_plans(metadata, prefill_ids, block_size, device, window)
 
     if kernel_decode:
         if not decode_ids:
@@ -267,8 +311,11 @@ def _build_plan(
         kd = _KernelDecode(rows, block_tables.to(torch.int32).contiguous(), lens.to(torch.int32).contiguous())
         return _Plan(decode_buckets=[], prefills=prefills, kernel_decode=kd)
 
+    # A decode row reads its blocks from the first one inside the window: bucket by that span.
+    first_blocks = {i: _first_block(seq_lens[i] - 1, window, block_size) for i in decode_ids}
+    spans = {i: seq_lens[i] - first_blocks[i] * block_size for i in decode_ids}
     buckets: list[_DecodeBucket] = []
-    groups = _bucket_by_length(sorted(decode_ids, key=lambda i: seq_lens[i]), seq_lens)
+    groups = _bucket_by_length(sorted(decode_ids, key=lambda i: spans[i]), spans)
     all_rows_in_order = len(groups) == 1 and not prefill_ids
     if all_rows_in_order:
         groups = [decode_ids]  # one bucket: keep batch order, so its output needs no scatter
@@ -277,24 +324,41 @@ def _build_plan(
             rows = None
         else:
             rows = torch.tensor([starts[i] for i in group], dtype=torch.int64, device=device)
-        buckets.append(_decode_bucket(metadata, group, rows, block_size, num_kv_heads, head_dim, dtype, device))
+        buckets.append(_decode_bucket(metadata, group, rows, [first_blocks[i] for i in group], window,
+                                      block_size, num_kv_heads, head_dim, dtype, device))
     return _Plan(decode_buckets=buckets, prefills=prefills)
 
 
+def _first_block(position: int, window: int | None, block_size: int) -> int:
+    """The first block a query at ``position`` may see a key in."""
+    return 0 if window is None else max(0, position - window + 1) // block_size
+
+
 def _prefill_plans(metadata: AttentionMetadata, prefill_ids: list[int], block_size: int,
-                   device: torch.device) -> list[_PrefillSeq]:
+                   device: torch.device, window: int | None) -> list[_PrefillSeq]:
     starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
     prefills = []
     for i in prefill_ids:
         context_len, kv_len = metadata.context_lens_cpu[i], seq_lens[i]
         start, end = starts[i], starts[i + 1]
-        if context_len == 0:
+        windowed = window is not None and window < kv_len
+        if context_len == 0 and not windowed:
             prefills.append(_PrefillSeq(start, end, kv_slots=None, allowed=None))
             continue
-        positions = torch.arange(kv_len, device=device)  # [L]
+        # Keys from the first the first query may see (position context_len): earlier ones are
+        # outside every query's window, and their blocks may be gone.
+        kv_start = max(0, context_len - window + 1) if windowed else 0
+        q_pos = torch.arange(context_len, kv_len, device=device)[:, None]  # [q_len, 1]
+        k_pos = torch.arange(kv_start, kv_len, device=device)[None, :]  # [1, L]
+        allowed = k_pos <= q_pos
+        if windowed:
+            allowed &= k_pos > q_pos - window
+        if context_len == 0:  # nothing cached: attend over the new K/V
+            prefills.append(_PrefillSeq(start, end, kv_slots=None, allowed=allowed))
+            continue
         table = metadata.block_tables[i].long()  # [max_num_blocks]
+        positions = k_pos[0]  # [L]
         kv_slots = table[positions // block_size] * block_size + positions % block_size  # [L]
-        allowed = torch.ones(end - start, kv_len, dtype=torch.bool, device=device).tril_(context_len)
         prefills.append(_PrefillSeq(start, end, kv_slots, allowed))
     return prefills
 
@@ -303,6 +367,8 @@ def _decode_bucket(
     metadata: AttentionMetadata,
     seq_ids: list[int],
     rows: torch.Tensor | None,
+    first_blocks: list[int],  # per sequence, the first block its query may see
+    window: int | None,
     block_size: int,
     num_kv_heads: int,
     head_dim: int,
@@ -310,15 +376,24 @@ def _decode_bucket(
     device: torch.device,
 ) -> _DecodeBucket:
     n = len(seq_ids)
-    longest = max(metadata.seq_lens_cpu[i] for i in seq_ids)
+    lens = metadata.seq_lens_cpu
+    num_blocks = max(-(-lens[i] // block_size) - first for i, first in zip(seq_ids, first_blocks))
+    kv_len = num_blocks * block_size
     ids = torch.tensor(seq_ids, dtype=torch.int64, device=device)  # [n]
     tables = metadata.block_tables.index_select(0, ids).long()  # [n, max_num_blocks]
-    num_blocks = -(-longest // block_size)
-    kv_len = num_blocks * block_size
-    kv_index = tables[:, :num_blocks].reshape(-1)  # [n * num_blocks] block ids
+    first = torch.tensor(first_blocks, dtype=torch.int64, device=device)  # [n]
+    last = torch.tensor([-(-lens[i] // block_size) - 1 for i in seq_ids], dtype=torch.int64, device=device)
+    columns = first[:, None] + torch.arange(num_blocks, device=device)[None, :]  # [n, num_blocks]
+    # Columns past a short sequence's end read its own last block again (the mask hides them):
+    # never a block of someone else, whose content may be anything, NaN included.
+    columns = torch.minimum(columns, last[:, None])
+    kv_index = tables.gather(1, columns).reshape(-1)  # [n * num_blocks] block ids
     seq_lens = metadata.seq_lens.index_select(0, ids)  # [n]
-    beyond = torch.arange(kv_len, device=device)[None, :] >= seq_lens[:, None]  # [n, kv_len]
-    mask = torch.zeros(n, kv_len, dtype=dtype, device=device).masked_fill_(beyond, float("-inf"))
+    positions = first[:, None] * block_size + torch.arange(kv_len, device=device)[None, :]  # [n, kv_len]
+    hidden = positions >= seq_lens[:, None]  # past the end
+    if window is not None:
+        hidden |= positions <= seq_lens[:, None] - 1 - window  # before the window
+    mask = torch.zeros(n, kv_len, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
     numel = n * kv_len * num_kv_heads * head_dim
     return _DecodeBucket(
         rows=rows,
@@ -331,8 +406,9 @@ def _decode_bucket(
     )
 
 
-def _bucket_by_length(seq_ids: list[int], seq_lens: list[int]) -> list[list[int]]:
-    """Cut sequences, sorted by length, into contiguous groups minimizing padded work.
+def _bucket_by_length(seq_ids: list[int], seq_lens: dict[int, int]) -> list[list[int]]:
+    """Cut sequences, sorted by length (the span of keys each reads), into contiguous groups
+    minimizing padded work.
 
     Cost of a group = its size * its longest length + a fixed per-group overhead; an exact
     O(n^2) dynamic program over the cut points (n <= a few hundred, once per step).

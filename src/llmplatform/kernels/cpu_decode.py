@@ -54,7 +54,8 @@ def _load() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     function = cbuild.open_library(SOURCE).paged_decode_attention
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     function.argtypes = [pointer, pointer, pointer, pointer, i64, pointer, pointer,
-                         i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+                         i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_float, i64, ctypes.c_float,
+                         ctypes.c_int]
     function.restype = ctypes.c_int
     return function
 
@@ -110,6 +111,9 @@ def paged_decode_attention_cpu(
     block_tables: torch.Tensor,  # [n, max_num_blocks] int32, contiguous
     seq_lens: torch.Tensor,  # [n] int32, contiguous: KV length of each sequence (its new token included)
     scale: float,
+    *,
+    sliding_window: int | None = None,  # keys len - window .. len - 1 only; earlier blocks unread
+    softcap: float | None = None,  # scores softcap * tanh(score / softcap)
 ) -> torch.Tensor:  # [n, num_heads, head_dim] in query's dtype
     function = kernel()
     if not supports(query, k_cache) or v_cache.dtype != k_cache.dtype or not v_cache.is_contiguous():
@@ -123,7 +127,8 @@ def paged_decode_attention_cpu(
     out = torch.empty_like(q)
     rc = function(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                   block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), n, num_heads, num_kv_heads,
-                  head_dim, block_size, int(k_cache.dtype == torch.bfloat16), scale, torch.get_num_threads())
+                  head_dim, block_size, int(k_cache.dtype == torch.bfloat16), scale, sliding_window or 0,
+                  softcap or 0.0, torch.get_num_threads())
     if rc != 0:
         raise ValueError("paged_decode_attention_cpu: shape out of the kernel's range")
     return out if query.dtype == torch.float32 else out.to(query.dtype)

@@ -15,6 +15,11 @@ kv head, which is what bounds a memory-bound kernel. A tile's positions are gath
 block table one position at a time (``block_tables[s][pos // BLOCK_SIZE]``, offset
 ``pos % BLOCK_SIZE``), so the tile size does not depend on the cache's block size.
 
+With a sliding window W (``WINDOW`` > 0) the tiles start at the one holding the first visible key,
+``seq_len - W``: the blocks before it are never read (the engine may have freed them), and the
+splits share out the tiles from there. With soft-capping the scores become
+``softcap * tanh(q.k * scale / softcap)`` before the mask (``HAS_SOFTCAP``).
+
 Softmax is online, in float32 and in base 2 (``qk_scale = scale * log2(e)``, ``exp2``). With one
 split the program normalizes and writes the output. With several, each writes its normalized
 partial output and its log-sum-exp (base 2) to float32 scratch, and a second kernel merges the
@@ -61,6 +66,25 @@ _sum_combine = tl.standard._sum_combine
 
 
 @triton.jit
+def scores_base2(dot, qk_scale, softcap_in, softcap_out, HAS_SOFTCAP: tl.constexpr):
+    """q.k products -> base-2 softmax scores: ``dot * qk_scale``, or with soft-capping
+    ``softcap * tanh(dot * scale / softcap) * log2(e)`` (``softcap_in = scale / softcap``,
+    ``softcap_out = softcap * log2(e)``). tanh(x) = 1 - 2 / (e^2x + 1): exact at both
+    saturations (e^2x overflowing to inf gives 1), and tl has no tanh builtin."""
+    if HAS_SOFTCAP:
+        return softcap_out * (1.0 - 2.0 / (tl.exp(2.0 * softcap_in * dot) + 1.0))
+    return dot * qk_scale
+
+
+@triton.jit
+def window_start(seq_len, WINDOW: tl.constexpr):
+    """The first key the last query of a sequence (position seq_len - 1) may see."""
+    if WINDOW > 0:
+        return tl.maximum(seq_len - WINDOW, 0)
+    return seq_len * 0
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr,  # [num_seqs, num_heads, HEAD_DIM]; written when NUM_KV_SPLITS == 1
     partial_out_ptr,  # [num_seqs, num_heads, NUM_KV_SPLITS, HEAD_DIM_PADDED] fp32; split-K only
@@ -71,6 +95,8 @@ def _paged_decode_kernel(
     block_tables_ptr,  # [num_seqs, max_num_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
     qk_scale,  # softmax scale * log2(e)
+    softcap_in,  # scale / softcap (HAS_SOFTCAP only)
+    softcap_out,  # softcap * log2(e) (HAS_SOFTCAP only)
     query_stride_seq,
     query_stride_head,
     out_stride_seq,
@@ -87,6 +113,8 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     NUM_KV_SPLITS: tl.constexpr,
+    WINDOW: tl.constexpr,  # sliding window; 0: none
+    HAS_SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # the cache dtype; float32 under the interpreter (no bf16 tl.dot there)
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs: no tf32 rounding
 ):
@@ -95,9 +123,11 @@ def _paged_decode_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
+    kv_lo = window_start(seq_len, WINDOW)
+    first_tile = kv_lo // TILE_N
     num_tiles = (seq_len + TILE_N - 1) // TILE_N
-    tiles_per_split = (num_tiles + NUM_KV_SPLITS - 1) // NUM_KV_SPLITS
-    tile_lo = split * tiles_per_split
+    tiles_per_split = (num_tiles - first_tile + NUM_KV_SPLITS - 1) // NUM_KV_SPLITS
+    tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     if tile_lo >= tile_hi:
         return  # a split past this sequence's end: the merge skips it
@@ -123,7 +153,7 @@ def _paged_decode_kernel(
     head_offset = kv_head * cache_stride_head
     for tile in range(tile_lo, tile_hi):
         pos = tile * TILE_N + offs_n  # [TILE_N] KV positions
-        pos_mask = pos < seq_len
+        pos_mask = (pos < seq_len) & (pos >= kv_lo)  # never a table entry before the window
         block_ids = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
         slots = block_ids * cache_stride_block + (pos % BLOCK_SIZE) * cache_stride_slot + head_offset  # [TILE_N]
 
@@ -132,7 +162,8 @@ def _paged_decode_kernel(
             mask=dim_mask[:, None] & pos_mask[None, :],
             other=0.0,
         )  # [Dp, TILE_N]
-        s = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, TILE_N]
+        s = scores_base2(tl.dot(q, k_t.to(DOT_DTYPE), input_precision=DOT_PRECISION),
+                         qk_scale, softcap_in, softcap_out, HAS_SOFTCAP)  # [BLOCK_H, TILE_N]
         s = tl.where(pos_mask[None, :], s, float("-inf"))
 
         # Every tile of the loop holds >= 1 valid position, so m_new is finite.
@@ -183,13 +214,14 @@ def _merge_kv_splits_kernel(
     HEAD_DIM_PADDED: tl.constexpr,
     TILE_N: tl.constexpr,
     NUM_KV_SPLITS: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
 
     # The same split geometry as the first kernel: which splits of this sequence have tiles.
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_tiles = (seq_len + TILE_N - 1) // TILE_N
+    num_tiles = (seq_len + TILE_N - 1) // TILE_N - window_start(seq_len, WINDOW) // TILE_N
     tiles_per_split = (num_tiles + NUM_KV_SPLITS - 1) // NUM_KV_SPLITS
     num_used_splits = (num_tiles + tiles_per_split - 1) // tiles_per_split
 
@@ -274,6 +306,9 @@ def paged_decode_attention_triton(
     max_seq_len: int,  # host copy of max(seq_lens), for the split heuristic (no device sync)
     scale: float,
     num_kv_splits: int | None = None,  # None: choose_num_kv_splits; 1: no split-K
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Launcher: checks the arguments, picks the split count, runs one or two kernels."""
     check_paged_decode_args(query, k_cache, v_cache, block_tables, seq_lens)
@@ -282,7 +317,8 @@ def paged_decode_attention_triton(
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(query.device))
+        span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + TILE_N)
+        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, span, _num_sms(query.device))
     if num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1):
         raise ValueError(f"num_kv_splits must be a power of two >= 1, got {num_kv_splits}")
 
@@ -300,7 +336,7 @@ def paged_decode_attention_triton(
 
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
         out, partial_out, partial_lse, query, k_cache, v_cache, block_tables, seq_lens,
-        scale * math.log2(math.e),
+        scale * math.log2(math.e), scale / (softcap or 1.0), (softcap or 1.0) * math.log2(math.e),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_heads,
@@ -311,6 +347,8 @@ def paged_decode_attention_triton(
         BLOCK_SIZE=block_size,
         TILE_N=TILE_N,
         NUM_KV_SPLITS=num_kv_splits,
+        WINDOW=sliding_window or 0,
+        HAS_SOFTCAP=softcap is not None,
         DOT_DTYPE=dot_operand_dtype(query.dtype, interpreted),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=4,
@@ -323,6 +361,7 @@ def paged_decode_attention_triton(
             HEAD_DIM_PADDED=head_dim_padded,
             TILE_N=TILE_N,
             NUM_KV_SPLITS=num_kv_splits,
+            WINDOW=sliding_window or 0,
             num_warps=4,
         )
     return out
@@ -345,20 +384,27 @@ def paged_decode_attention_torch(
     max_seq_len: int,
     scale: float,
     num_kv_splits: int | None = None,  # accepted for the signature; splitting changes no result
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Reference: per sequence, gather its K/V through the block table, dense float32 softmax."""
+    """Reference: per sequence, gather its K/V in the window through the block table, dense
+    float32 softmax."""
     check_paged_decode_args(query, k_cache, v_cache, block_tables, seq_lens)
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     out = torch.empty_like(query)
     for i, seq_len in enumerate(seq_lens.tolist()):
-        positions = torch.arange(seq_len, device=query.device)  # [L]
+        first = 0 if sliding_window is None else max(0, seq_len - sliding_window)
+        positions = torch.arange(first, seq_len, device=query.device)  # [L]
         slots = block_tables[i].long()[positions // block_size] * block_size + positions % block_size
         k = k_cache.view(-1, num_kv_heads, head_dim)[slots].float()  # [L, Hkv, D]
         v = v_cache.view(-1, num_kv_heads, head_dim)[slots].float()
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [L, H, D]
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("hd,lhd->hl", query[i].float(), k) * scale  # [H, L]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v).to(query.dtype)
     return out
 

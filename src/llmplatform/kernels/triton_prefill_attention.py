@@ -19,6 +19,10 @@ position; a tile's positions are gathered through the block table one by one, so
 works. Rows are padding when their token is past q_len or their head past queries_per_kv: they
 are computed on zero queries (always finite: key 0 is visible to every row) and never stored.
 
+With a sliding window W (``WINDOW`` > 0) a query at p sees keys ``p - W < j <= p``; the key
+tiles start at the one holding the first key the block's first query sees, so blocks before it are
+never read (the engine may have freed them). Soft-capping as in the decode kernel.
+
 Softmax: online, float32, base 2, as in the decode kernel. ``paged_prefill_attention_torch`` is
 the reference with the launcher's signature.
 """
@@ -32,7 +36,7 @@ import triton
 import triton.language as tl
 
 from llmplatform.kernels import check_triton_launch
-from llmplatform.kernels.triton_decode_attention import SUPPORTED_DTYPES, dot_operand_dtype
+from llmplatform.kernels.triton_decode_attention import SUPPORTED_DTYPES, dot_operand_dtype, scores_base2
 
 # Rows per program (query tokens x query heads of one kv head) when the queries are long enough.
 BLOCK_M = 64
@@ -53,6 +57,8 @@ def _paged_prefill_kernel(
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32
     qk_scale,  # softmax scale * log2(e)
+    softcap_in,  # scale / softcap (HAS_SOFTCAP only)
+    softcap_out,  # softcap * log2(e) (HAS_SOFTCAP only)
     query_stride_token,
     query_stride_head,
     out_stride_token,
@@ -68,6 +74,8 @@ def _paged_prefill_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
+    WINDOW: tl.constexpr,  # sliding window; 0: none
+    HAS_SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # the cache dtype; float32 under the interpreter (no bf16 tl.dot there)
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs: no tf32 rounding
 ):
@@ -107,11 +115,14 @@ def _paged_prefill_kernel(
 
     # Keys past the block's last query are invisible to all its rows.
     kv_end = tl.minimum(context_len + first_token + BLOCK_Q, seq_len)
+    # Keys before the block's first query's window are invisible to all its rows.
+    kv_lo = context_len + first_token - WINDOW + 1 if WINDOW > 0 else 0
+    kv_lo = tl.maximum(kv_lo, 0)
     table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
     head_offset = kv_head * cache_stride_head
-    for tile in range(0, (kv_end + TILE_N - 1) // TILE_N):
+    for tile in range(kv_lo // TILE_N, (kv_end + TILE_N - 1) // TILE_N):
         pos = tile * TILE_N + offs_n  # [TILE_N] KV positions
-        pos_mask = pos < kv_end
+        pos_mask = (pos < kv_end) & (pos >= kv_lo)  # never a table entry before the window
         block_ids = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
         slots = block_ids * cache_stride_block + (pos % BLOCK_SIZE) * cache_stride_slot + head_offset  # [TILE_N]
 
@@ -120,14 +131,20 @@ def _paged_prefill_kernel(
             mask=dim_mask[:, None] & pos_mask[None, :],
             other=0.0,
         )  # [Dp, TILE_N]
-        s = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        s = scores_base2(tl.dot(q, k_t.to(DOT_DTYPE), input_precision=DOT_PRECISION),
+                         qk_scale, softcap_in, softcap_out, HAS_SOFTCAP)  # [BLOCK_M, TILE_N]
         visible = pos_mask[None, :] & (pos[None, :] <= q_pos[:, None])  # causal, offset by the context
+        if WINDOW > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
 
-        # Position 0 is in tile 0 and visible to every row, so m_new is finite from tile 0 on.
+        # Without a window, position 0 is in tile 0 and visible to every row, so m_new is finite
+        # from tile 0 on; with one, a row may see nothing in its first tiles: its max stays -inf
+        # and is taken as 0 there, so that p and alpha are 0, not NaN.
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))  # [BLOCK_M]
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, TILE_N]
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])  # [BLOCK_M, TILE_N]
         l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
 
         v = tl.load(
@@ -140,7 +157,7 @@ def _paged_prefill_kernel(
         )
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # 0 only on padding rows that see no key
     tl.store(
         out_ptr + token_rows[:, None] * out_stride_token + heads[:, None] * out_stride_head + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -193,6 +210,9 @@ def paged_prefill_attention_triton(
     seq_lens: torch.Tensor,  # [num_seqs] int32, KV length after this step (cached + new)
     max_query_len: int,  # host copy of the longest q_len: sizes the grid without a device sync
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Launcher: checks the arguments, sizes the query blocks, runs the kernel."""
     check_paged_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
@@ -216,7 +236,7 @@ def paged_prefill_attention_triton(
     grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_q), num_kv_heads)
     _paged_prefill_kernel[grid](
         out, query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-        scale * math.log2(math.e),
+        scale * math.log2(math.e), scale / (softcap or 1.0), (softcap or 1.0) * math.log2(math.e),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         QUERIES_PER_KV=queries_per_kv,
@@ -226,6 +246,8 @@ def paged_prefill_attention_triton(
         BLOCK_Q=block_q,
         BLOCK_SIZE=block_size,
         TILE_N=TILE_N,
+        WINDOW=sliding_window or 0,
+        HAS_SOFTCAP=softcap is not None,
         DOT_DTYPE=dot_operand_dtype(query.dtype, interpreted),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=4,
@@ -242,9 +264,13 @@ def paged_prefill_attention_torch(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     max_query_len: int,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Reference: per sequence, gather its K/V through the block table, dense float32 causal
-    softmax with the mask offset by the cached context."""
+    """Reference: per sequence, gather its K/V through the block table (from the first key its
+    first query may see), dense float32 causal softmax with the mask offset by the cached context
+    and cut to the window."""
     check_paged_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
     num_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = k_cache.shape[1:3]
@@ -255,7 +281,8 @@ def paged_prefill_attention_torch(
         if q_len == 0:
             continue
         context_len = seq_len - q_len
-        positions = torch.arange(seq_len, device=query.device)  # [L]
+        first = 0 if sliding_window is None else max(0, context_len - sliding_window + 1)
+        positions = torch.arange(first, seq_len, device=query.device)  # [L]
         slots = block_tables[i].long()[positions // block_size] * block_size + positions % block_size
         k = k_cache.view(-1, num_kv_heads, head_dim)[slots].float()  # [L, Hkv, D]
         v = v_cache.view(-1, num_kv_heads, head_dim)[slots].float()
@@ -263,7 +290,12 @@ def paged_prefill_attention_torch(
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         q = query[starts[i]:starts[i + 1]].float()  # [q_len, H, D]
         scores = torch.einsum("qhd,lhd->hql", q, k) * scale  # [H, q_len, L]
-        visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=query.device).tril(context_len)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        q_pos = torch.arange(context_len, seq_len, device=query.device)[:, None]  # [q_len, 1]
+        visible = positions[None, :] <= q_pos
+        if sliding_window is not None:
+            visible &= positions[None, :] > q_pos - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         out[starts[i]:starts[i + 1]] = torch.einsum("hql,lhd->qhd", scores.softmax(-1), v).to(query.dtype)
     return out

@@ -124,16 +124,23 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with an optional fused residual add (the pre-norm residual stream)."""
+    """RMSNorm with an optional fused residual add (the pre-norm residual stream).
+
+    ``unit_offset`` (Gemma): scale by ``1 + weight`` (a checkpoint stores the weight centred on
+    zero), in float32 before the one rounding to the model dtype, as Gemma's reference does."""
 
     def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype, device: torch.device | str,
-                 ops: ModelOps | None = None) -> None:
+                 ops: ModelOps | None = None, unit_offset: bool = False) -> None:
         super().__init__()
         ops = ops or reference_ops(dtype, device)
         self.eps = eps
+        self.unit_offset = unit_offset
         self.weight = _empty_param(hidden_size, dtype=dtype, device=device)
-        # calls of up to this many rows run as one C call (kernels.cpu_norm, the same roundings)
-        self.small_rows = kernel_rows(ops.small_rows if ops.norm is RowImpl.C else 0)
+        # calls of up to this many rows run as one C call (kernels.cpu_norm, the same roundings);
+        # never the (1 + w) variant: the kernel rounds the normalized rows to the model dtype
+        # before scaling by a model-dtype weight, which for bf16 is not Gemma's one fp32 product.
+        use_c = ops.norm is RowImpl.C and not unit_offset
+        self.small_rows = kernel_rows(ops.small_rows if use_c else 0)
 
     def forward(
         self,
@@ -148,4 +155,6 @@ class RMSNorm(nn.Module):
         # Normalize in float32, round to the model dtype, then scale (HF's order of roundings).
         x32 = x.float()  # [T, hidden]
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # [T, hidden]
+        if self.unit_offset:  # Gemma: scale in fp32, then round once
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype), residual
         return self.weight * x32.to(x.dtype), residual

@@ -65,6 +65,26 @@ def num_kv_heads_of(config: Any) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def layer_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding attention window (None: full attention), as transformers computes
+    them: a config's ``layer_types`` ("sliding_attention" layers windowed) when it has them; else
+    Qwen2/Qwen3's ``use_sliding_window`` windows the layers from ``max_window_layers`` on; else
+    (Mistral) ``sliding_window`` applies to every layer."""
+    window = getattr(config, "sliding_window", None)
+    num_layers = config.num_hidden_layers
+    if not isinstance(window, int) or window <= 0:
+        return [None] * num_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
+    if getattr(config, "model_type", None) in ("qwen2", "qwen3"):
+        if not getattr(config, "use_sliding_window", False):
+            return [None] * num_layers
+        first = getattr(config, "max_window_layers", num_layers)
+        return [window if i >= first else None for i in range(num_layers)]
+    return [window] * num_layers
+
+
 def _attention_biases(config: Any) -> tuple[bool, bool]:
     """(bias on q/k/v, bias on o): Qwen2 always biases q/k/v only; Llama/Mistral follow
     ``attention_bias`` for all four."""
@@ -76,18 +96,25 @@ def _attention_biases(config: Any) -> tuple[bool, bool]:
 
 class LlamaAttention(nn.Module):
     """Grouped-query attention over the paged cache. ``qk_norm``: an RMSNorm over each head of q
-    and of k (one ``head_dim`` weight each, shared by all heads) before rotary (Qwen3). ``head_dim``
-    is the config's, which may differ from hidden / heads."""
+    and of k (one ``head_dim`` weight each, shared by all heads) before rotary (Qwen3; Gemma 3's
+    scale by ``1 + w``: ``unit_offset_norm``). ``head_dim`` is the config's, which may differ from
+    hidden / heads. ``sliding_window``: each query sees its last that many positions only (None:
+    all). ``scale``: of q.k (default ``head_dim ** -0.5``); ``softcap``: scores become
+    ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2)."""
 
     def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str,
-                 shard: ShardGroup | None = None, ops: ModelOps | None = None, qk_norm: bool = False) -> None:
+                 shard: ShardGroup | None = None, ops: ModelOps | None = None, qk_norm: bool = False,
+                 sliding_window: int | None = None, unit_offset_norm: bool = False,
+                 scale: float | None = None, softcap: float | None = None) -> None:
         super().__init__()
+        self.sliding_window = sliding_window
         ops = ops or reference_ops(dtype, device)
         num_ranks = 1 if shard is None else shard.size
         self.num_heads = config.num_attention_heads // num_ranks
         self.num_kv_heads = num_kv_heads_of(config) // num_ranks
         self.head_dim = head_dim_of(config)
-        self.scale = self.head_dim**-0.5
+        self.scale = self.head_dim**-0.5 if scale is None else scale
+        self.softcap = softcap
         qkv_bias, o_bias = _attention_biases(config)
         # The whole model's sizes: a sharded projection keeps its rank's share of each.
         q_size = config.num_attention_heads * self.head_dim
@@ -103,8 +130,10 @@ class LlamaAttention(nn.Module):
         self.k_norm: RMSNorm | None = None
         if qk_norm:
             eps = config.rms_norm_eps
-            self.q_norm = RMSNorm(self.head_dim, eps, dtype=dtype, device=device, ops=ops)
-            self.k_norm = RMSNorm(self.head_dim, eps, dtype=dtype, device=device, ops=ops)
+            self.q_norm = RMSNorm(self.head_dim, eps, dtype=dtype, device=device, ops=ops,
+                                  unit_offset=unit_offset_norm)
+            self.k_norm = RMSNorm(self.head_dim, eps, dtype=dtype, device=device, ops=ops,
+                                  unit_offset=unit_offset_norm)
         # Decode-only steps of up to this many tokens run rotary, the K/V store and attention as
         # one fused call (kernels.fused_decode_attention); never (-1) on the eager path, nor with
         # q/k norms, which that call has no place for (they come before its rotary).
@@ -125,7 +154,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, (H + 2 * Hkv) * D]
         k_cache, v_cache = kv_cache  # [num_blocks, block_size, Hkv, D] each
         if num_tokens <= self.fused_rows:
-            fused = fused_decode_attention(qkv, cos, sin, k_cache, v_cache, attn_metadata, H, self.scale)
+            fused = fused_decode_attention(qkv, cos, sin, k_cache, v_cache, attn_metadata, H, self.scale,
+                                           sliding_window=self.sliding_window, softcap=self.softcap)
             if fused is not None:  # [T, H, D] fp32
                 return self.o_proj(fused.view(num_tokens, H * D), out_dtype=x.dtype)  # [T, hidden]
         qk = qkv[:, : (H + Hkv) * D].view(num_tokens, H + Hkv, D)  # [T, H + Hkv, D]
@@ -140,17 +170,28 @@ class LlamaAttention(nn.Module):
         v = qkv[:, (H + Hkv) * D :].view(num_tokens, Hkv, D)  # [T, Hkv, D]
         store_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping, backend=self.backend)
         out = paged_attention(q, k, v, k_cache, v_cache, attn_metadata, self.scale,
-                              backend=self.backend)  # [T, H, D]
+                              backend=self.backend, sliding_window=self.sliding_window,
+                              softcap=self.softcap)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, H * D))  # [T, hidden]
 
 
+MLP_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+"""The gates ``LlamaMLP`` computes: SwiGLU, GeGLU with tanh-approximated GELU (Gemma)."""
+
+
 class LlamaMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``; ``activation``: one of ``MLP_ACTIVATIONS`` (default: the
+    config's ``hidden_act``)."""
+
     def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str,
-                 shard: ShardGroup | None = None, ops: ModelOps | None = None) -> None:
+                 shard: ShardGroup | None = None, ops: ModelOps | None = None,
+                 activation: str | None = None) -> None:
         super().__init__()
         ops = ops or reference_ops(dtype, device)
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
+        activation = activation or getattr(config, "hidden_act", "silu")
+        if activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"unsupported activation {activation!r} (only {', '.join(MLP_ACTIVATIONS)})")
+        self.activation = activation
         bias = bool(getattr(config, "mlp_bias", False))
         size = config.intermediate_size
         self.intermediate_size = size // (1 if shard is None else shard.size)  # this rank's columns
@@ -158,15 +199,17 @@ class LlamaMLP(nn.Module):
                                           dtype=dtype, device=device, ops=ops)
         self.down_proj = row_linear(shard, size, config.hidden_size, bias=bias, dtype=dtype, device=device,
                                     ops=ops)
-        # steps of up to this many tokens: silu * up in one C call
-        self.small_rows = kernel_rows(ops.small_rows if ops.activation is RowImpl.C else 0)
+        # steps of up to this many tokens: silu * up in one C call (the kernel knows no GELU)
+        use_c = ops.activation is RowImpl.C and activation == "silu"
+        self.small_rows = kernel_rows(ops.small_rows if use_c else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
         if x.shape[0] <= self.small_rows:
             return self.down_proj(silu_mul_cpu(gate_up))  # [T, hidden]
-        act = F.silu(gate_up[:, : self.intermediate_size])  # [T, intermediate]
-        act.mul_(gate_up[:, self.intermediate_size :])  # [T, intermediate] silu(gate) * up
+        gate = gate_up[:, : self.intermediate_size]  # [T, intermediate]
+        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        act.mul_(gate_up[:, self.intermediate_size :])  # [T, intermediate] act(gate) * up
         return self.down_proj(act)  # [T, hidden]
 
 
@@ -175,11 +218,12 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config: Any, *, dtype: torch.dtype, device: torch.device | str,
                  shard: ShardGroup | None = None, ops: ModelOps | None = None, qk_norm: bool = False,
-                 mlp: nn.Module | None = None) -> None:
+                 sliding_window: int | None = None, mlp: nn.Module | None = None) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device, ops=ops)
-        self.self_attn = LlamaAttention(config, dtype=dtype, device=device, shard=shard, ops=ops, qk_norm=qk_norm)
+        self.self_attn = LlamaAttention(config, dtype=dtype, device=device, shard=shard, ops=ops, qk_norm=qk_norm,
+                                        sliding_window=sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device, ops=ops)
         self.mlp = mlp if mlp is not None else LlamaMLP(config, dtype=dtype, device=device, shard=shard, ops=ops)
 
@@ -210,8 +254,8 @@ class LlamaModel(nn.Module):
                                             device=device)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, dtype=dtype, device=device, shard=shard, ops=ops, qk_norm=qk_norm,
-                              mlp=None if make_mlp is None else make_mlp(index))
-            for index in range(config.num_hidden_layers)
+                              sliding_window=window, mlp=None if make_mlp is None else make_mlp(index))
+            for index, window in enumerate(layer_windows(config))
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device, ops=ops)
         self.rotary_emb = RotaryEmbedding(
@@ -251,6 +295,10 @@ class LlamaForCausalLM(nn.Module):
     A family that differs only in block options subclasses this and sets them (``models.qwen3``).
     """
 
+    decoder_class: type[nn.Module] = LlamaModel
+    """The network under the LM head, built with ``LlamaModel``'s arguments (``models.gemma``)."""
+    hidden_act_field = "hidden_act"
+    """The config field naming the MLP's activation (Gemma's is ``hidden_activation``)."""
     qk_norm = False
     """Per-head RMSNorm of q and k before rotary (``LlamaAttention``)."""
     partial_rotary = False
@@ -286,7 +334,7 @@ class LlamaForCausalLM(nn.Module):
         if max_model_len is not None:
             max_position = min(max_position, max_model_len)
         self.max_position = max_position
-        self.model = LlamaModel(
+        self.model = self.decoder_class(
             config, dtype=dtype, device=device, max_position=max_position, shard=shard, ops=ops,
             qk_norm=self.qk_norm,
             make_mlp=lambda index: self.make_mlp(index, dtype=dtype, device=device, shard=shard, ops=ops))
@@ -301,9 +349,16 @@ class LlamaForCausalLM(nn.Module):
 
     def make_mlp(self, layer_index: int, *, dtype: torch.dtype, device: torch.device | str,
                  shard: ShardGroup | None, ops: ModelOps) -> nn.Module | None:
-        """Layer ``layer_index``'s feed-forward block; None: the dense SwiGLU MLP (``LlamaMLP``). A
+        """Layer ``layer_index``'s feed-forward block; None: the decoder's dense MLP (``LlamaMLP``). A
         family with experts returns its routed block here (``models.mixtral``, ``models.qwen3_moe``)."""
         return None
+
+    @property
+    def attention_window(self) -> int | None:
+        """How far back any layer attends: None when some layer sees the whole context (keep all
+        KV), else the largest window of its layers (the engine frees KV older than that)."""
+        windows = [layer.self_attn.sliding_window for layer in self.model.layers]
+        return None if None in windows else max(windows)
 
     def process_weights_after_loading(self) -> None:
         """Once, after the weights (and any quantized projections) are in: each projection makes

@@ -13,7 +13,8 @@ from typing import Any
 from torch import nn
 
 from llmplatform.models.rope import SUPPORTED_ROPE_TYPES, rope_max_position, rope_parameters
-from llmplatform.models.llama import LlamaForCausalLM
+from llmplatform.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, rope_parameters_by_layer_type
+from llmplatform.models.llama import MLP_ACTIVATIONS, LlamaForCausalLM
 from llmplatform.models.mixtral import MixtralForCausalLM
 from llmplatform.models.phi3 import Phi3ForCausalLM
 from llmplatform.models.qwen3 import Qwen3ForCausalLM
@@ -27,6 +28,8 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,  # Phi-3, Phi-3.5-mini, Phi-4-mini
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,  # Gemma 3 1B, or a multimodal one's text model saved alone
     # The bare networks, no LM head (decoder embedding models such as e5-mistral): they only
     # embed (the paged backend's --task embed); the loader ties the unused head to the embeddings.
     "LlamaModel": LlamaForCausalLM,
@@ -42,6 +45,8 @@ _NOT_YET: dict[str, str] = {
     "GptOssForCausalLM": "attention sinks, MXFP4 expert weights",
     "DeepseekV2ForCausalLM": "multi-head latent attention (MLA)",
     "DeepseekV3ForCausalLM": "multi-head latent attention (MLA)",
+    "Gemma3ForConditionalGeneration": "the vision tower and image tokens of multimodal Gemma 3 "
+                                      "(its text model saved as Gemma3ForCausalLM runs natively)",
 }
 
 
@@ -70,12 +75,18 @@ def unsupported_reason(config: Any) -> str | None:
         return f"architectures {architectures} are not among {supported_architectures()}"
     if _field(config, "quantization_config") is not None:
         return "quantized checkpoints are not supported"
-    if _field(config, "hidden_act", "silu") != "silu":
-        return f"hidden_act {_field(config, 'hidden_act')!r} is not supported (only silu)"
-    params = rope_parameters(config)
-    if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
-        return f"rope_type {params['rope_type']!r} is not supported (only {', '.join(SUPPORTED_ROPE_TYPES)})"
-    if (params.get("partial_rotary_factor") or 1.0) != 1.0 and not _ARCHITECTURES[known[0]].partial_rotary:
+    model_class = _ARCHITECTURES[known[0]]
+    activation_field = model_class.hidden_act_field
+    if _field(config, activation_field, "silu") not in MLP_ACTIVATIONS:
+        return (f"{activation_field} {_field(config, activation_field)!r} is not supported "
+                f"(only {', '.join(MLP_ACTIVATIONS)})")
+    is_gemma = issubclass(model_class, Gemma2ForCausalLM)
+    if is_gemma and _field(config, "use_bidirectional_attention"):
+        return "bidirectional attention (an encoder such as EmbeddingGemma) is not supported"
+    for params in (rope_parameters_by_layer_type(config).values() if is_gemma else [rope_parameters(config)]):
+        if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
+            return f"rope_type {params['rope_type']!r} is not supported (only {', '.join(SUPPORTED_ROPE_TYPES)})"
+    if (rope_parameters(config).get("partial_rotary_factor") or 1.0) != 1.0 and not model_class.partial_rotary:
         return "partial rotary embeddings are not a Llama-family feature (transformers' Llama rotates whole heads)"
     if _field(config, "num_attention_heads") % (_field(config, "num_key_value_heads") or 1):
         return "num_attention_heads is not a multiple of num_key_value_heads"
@@ -100,20 +111,12 @@ def get_model_class(config: Any) -> type[nn.Module]:
     return _ARCHITECTURES[name]
 
 
-def sliding_window(config: Any) -> int | None:
-    """The attention window the config asks for, None for full attention.
-
-    We always attend to the full context, which equals windowed attention while a sequence is
-    no longer than the window: ``max_model_len`` caps sequences there.
-    """
-    if _field(config, "model_type") in ("qwen2", "qwen3") and not _field(config, "use_sliding_window", False):
-        return None
-    window = _field(config, "sliding_window")
-    return window if isinstance(window, int) and window > 0 else None
-
-
 def max_model_len(config: Any) -> int:
-    """The longest sequence (prompt + output) the native model computes exactly."""
-    limit = rope_max_position(config)
-    window = sliding_window(config)
-    return min(limit, window) if window is not None else limit
+    """The longest sequence (prompt + output) the native model computes exactly: what its rope
+    supports (Gemma: ``max_position_embeddings``, which Gemma 3 states with its rope scaling
+    applied already, 131072 for linear x8). Sliding windows do not cap it: every attention path
+    masks outside a layer's window (``models.llama.layer_windows``)."""
+    if any(issubclass(_ARCHITECTURES.get(name, nn.Module), Gemma2ForCausalLM)
+           for name in _field(config, "architectures") or []):
+        return _field(config, "max_position_embeddings")
+    return rope_max_position(config)

@@ -8,6 +8,12 @@
  * never need a buffer longer than a block. Items are spread over OpenMP threads; linked against
  * the same libgomp as torch, the calling thread's team is torch's own.
  *
+ * Sliding window (window > 0): the query at position len - 1 sees keys j >= len - window only;
+ * blocks wholly before that are never read (the engine may have freed them: their table entries
+ * are placeholders or blocks of other sequences), the rows before it in the first block read are
+ * masked. Soft-capping (softcap > 0): scores become softcap * tanh(score / softcap) before the
+ * mask and the softmax (Gemma 2).
+ *
  * Built at first use by llmplatform/kernels/cpu_decode.py (cc -O3 -march=native -fopenmp).
  */
 #include "cpu_math.h"
@@ -46,9 +52,10 @@ static inline __attribute__((always_inline)) void decode_item(
         int64_t item, const float *query, const void *k_cache, const void *v_cache,
         const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, float *out,
         int64_t num_heads, int64_t num_kv_heads, int64_t group, int64_t row, const int64_t head_dim,
-        const int64_t block_size, int cache_is_bf16, float scale) {
+        const int64_t block_size, int cache_is_bf16, float scale, int64_t window, float softcap) {
     const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
     const int64_t len = seq_lens[s];
+    const int64_t lo = window > 0 && len > window ? len - window : 0; /* first visible key */
     float q[group][head_dim], acc[group][head_dim], scores[group][block_size];
     float rows[block_size][head_dim]; /* one block's K (then V) rows, widened to float32 */
     float running_max[group], running_sum[group];
@@ -59,14 +66,18 @@ static inline __attribute__((always_inline)) void decode_item(
         running_max[g] = -INFINITY;
         running_sum[g] = 0.0f;
     }
-    for (int64_t start = 0; start < len; start += block_size) {
+    for (int64_t start = lo - lo % block_size; start < len; start += block_size) {
         const int64_t n = len - start < block_size ? len - start : block_size;
+        const int64_t hidden = lo > start ? lo - start : 0; /* leading rows before the window */
         const int64_t block = block_tables[s * table_stride + start / block_size];
         const int64_t base = (block * block_size * num_kv_heads + h) * head_dim;
         const float *k_rows[block_size], *v_rows[block_size];
         load_rows(k_cache, base, row, n, head_dim, cache_is_bf16, rows, k_rows);
         for (int64_t j = 0; j < n; j++)
-            for (int64_t g = 0; g < group; g++) scores[g][j] = dot(q[g], k_rows[j], head_dim);
+            for (int64_t g = 0; g < group; g++) {
+                const float score = dot(q[g], k_rows[j], head_dim);
+                scores[g][j] = j < hidden ? -INFINITY : softcap > 0.0f ? softcap * tanhf(score / softcap) : score;
+            }
         for (int64_t g = 0; g < group; g++) {
             float *sc = scores[g];
             float block_max = -INFINITY;
@@ -81,7 +92,7 @@ static inline __attribute__((always_inline)) void decode_item(
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
             for (int64_t j = 0; j < n; j++) {
-                sc[j] = exp_nonpositive(sc[j] - m);
+                sc[j] = j < hidden ? 0.0f : exp_nonpositive(sc[j] - m);
                 sum += sc[j];
             }
             running_sum[g] += sum;
@@ -177,8 +188,9 @@ typedef struct {
 /* One block (n <= 16 rows starting at base) for the `group` query heads sharing one kv head. */
 static inline __attribute__((always_inline)) void attend_block(
         head_state *heads, int64_t group, const void *k_cache, const void *v_cache, int64_t base,
-        int64_t row, int64_t n, const int64_t chunks, int cache_is_bf16) {
-    const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+        int64_t row, int64_t n, int64_t hidden, const int64_t chunks, int cache_is_bf16, float softcap) {
+    /* Rows hidden .. n - 1 are visible (the first hidden ones lie before the window). */
+    const __mmask16 valid = (__mmask16)(((1u << n) - 1u) & ~((1u << hidden) - 1u));
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     __m512 k[FAST_BLOCK][FAST_MAX_CHUNKS], partial[FAST_BLOCK];
     float probs[FAST_MAX_GROUP][FAST_BLOCK] __attribute__((aligned(64)));
@@ -192,7 +204,14 @@ static inline __attribute__((always_inline)) void attend_block(
             for (int64_t c = 1; c < chunks; c++) p = _mm512_fmadd_ps(head->q[c], k[j][c], p);
             partial[j] = p;
         }
-        const __m512 scores = _mm512_mask_blend_ps(valid, neg_inf, sum16(partial));
+        __m512 raw = sum16(partial);
+        if (softcap > 0.0f) { /* no vector tanh in the intrinsics: lane by lane */
+            float lanes[FAST_BLOCK] __attribute__((aligned(64)));
+            _mm512_store_ps(lanes, raw);
+            for (int64_t j = 0; j < FAST_BLOCK; j++) lanes[j] = softcap * tanhf(lanes[j] / softcap);
+            raw = _mm512_load_ps(lanes);
+        }
+        const __m512 scores = _mm512_mask_blend_ps(valid, neg_inf, raw);
         const float block_max = _mm512_reduce_max_ps(scores);
         if (block_max > head->max) { /* rescale what was summed under the old max */
             const float correction = expf(head->max - block_max);
@@ -223,10 +242,12 @@ static inline __attribute__((always_inline)) void decode_item_avx512(
         int64_t item, int64_t parts, const float *query, const void *k_cache, const void *v_cache,
         const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, float *out,
         int64_t num_heads, int64_t num_kv_heads, int64_t group, const int64_t chunks,
-        int cache_is_bf16, float scale) {
+        int cache_is_bf16, float scale, int64_t window, float softcap) {
     const int64_t s = item / parts, per_part = num_kv_heads / parts;
     const int64_t h0 = (item % parts) * per_part;
     const int64_t head_dim = chunks * 16, row = num_kv_heads * head_dim, len = seq_lens[s];
+    const int64_t lo = window > 0 && len > window ? len - window : 0; /* first visible key */
+    const int64_t first = lo - lo % FAST_BLOCK;
     head_state heads[per_part * group];
     const __m512 scale16 = _mm512_set1_ps(scale);
     for (int64_t i = 0; i < per_part * group; i++) {
@@ -238,8 +259,9 @@ static inline __attribute__((always_inline)) void decode_item_avx512(
         heads[i].max = -INFINITY;
         heads[i].sum = 0.0f;
     }
-    for (int64_t start = 0; start < len; start += FAST_BLOCK) {
+    for (int64_t start = first; start < len; start += FAST_BLOCK) {
         const int64_t n = len - start < FAST_BLOCK ? len - start : FAST_BLOCK;
+        const int64_t hidden = lo > start ? lo - start : 0;
         const int64_t block = block_tables[s * table_stride + start / FAST_BLOCK];
         const int64_t base = (block * FAST_BLOCK * num_kv_heads + h0) * head_dim;
         /* The cache is far bigger than the CPU's caches and a sequence's blocks lie anywhere (the
@@ -252,14 +274,14 @@ static inline __attribute__((always_inline)) void decode_item_avx512(
             const int64_t later = block_tables[s * table_stride + at / FAST_BLOCK];
             const int64_t rows = len - at < FAST_BLOCK ? len - at : FAST_BLOCK;
             const int64_t later_base = (later * FAST_BLOCK * num_kv_heads + h0) * head_dim;
-            if (ahead == PREFETCH_BLOCKS || at + FAST_BLOCK >= len || start == 0) {
+            if (ahead == PREFETCH_BLOCKS || at + FAST_BLOCK >= len || start == first) {
                 prefetch_rows(k_cache, later_base, row, rows, per_part * head_dim, cache_is_bf16);
                 prefetch_rows(v_cache, later_base, row, rows, per_part * head_dim, cache_is_bf16);
             }
         }
         for (int64_t h = 0; h < per_part; h++)
-            attend_block(heads + h * group, group, k_cache, v_cache, base + h * head_dim, row, n, chunks,
-                         cache_is_bf16);
+            attend_block(heads + h * group, group, k_cache, v_cache, base + h * head_dim, row, n, hidden,
+                         chunks, cache_is_bf16, softcap);
     }
     for (int64_t i = 0; i < per_part * group; i++) {
         float *dst = out + (s * num_heads + h0 * group + i) * head_dim;
@@ -272,16 +294,17 @@ static inline __attribute__((always_inline)) void decode_item_avx512(
 /* query/out: [num_seqs, num_heads, head_dim] float32, contiguous.
  * k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, bf16 or float32.
  * block_tables: [num_seqs, table_stride] int32. seq_lens: [num_seqs] int32 (>= 0).
+ * window: sliding window (0: none). softcap: score soft-capping (0: none).
  * Returns 0, or -1 if a shape is out of the supported range (nothing is written then). */
 int paged_decode_attention(const float *query, const void *k_cache, const void *v_cache,
                            const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                            float *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t block_size, int cache_is_bf16, float scale,
-                           int num_threads) {
+                           int64_t window, float softcap, int num_threads) {
     /* The per-item buffers live on the thread's stack: keep them to a few hundred KiB. */
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0 ||
         block_size * head_dim > 16384 || (num_heads / num_kv_heads) * head_dim > 8192 ||
-        (num_heads / num_kv_heads) * block_size > 8192)
+        (num_heads / num_kv_heads) * block_size > 8192 || window < 0 || softcap < 0.0f)
         return -1;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim; /* elements between consecutive tokens */
@@ -296,7 +319,8 @@ int paged_decode_attention(const float *query, const void *k_cache, const void *
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                     \
     for (int64_t item = 0; item < num_seqs * parts; item++)                                        \
         decode_item_avx512(item, parts, query, k_cache, v_cache, block_tables, table_stride,       \
-                           seq_lens, out, num_heads, num_kv_heads, group, CHUNKS, cache_is_bf16, scale)
+                           seq_lens, out, num_heads, num_kv_heads, group, CHUNKS, cache_is_bf16, scale,  \
+                           window, softcap)
         if (head_dim == 64) {
             FAST_LOOP(4);
         } else if (head_dim == 128) {
@@ -312,7 +336,8 @@ int paged_decode_attention(const float *query, const void *k_cache, const void *
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                     \
     for (int64_t item = 0; item < items; item++)                                                   \
         decode_item(item, query, k_cache, v_cache, block_tables, table_stride, seq_lens, out,      \
-                    num_heads, num_kv_heads, group, row, HEAD_DIM, BLOCK_SIZE, cache_is_bf16, scale)
+                    num_heads, num_kv_heads, group, row, HEAD_DIM, BLOCK_SIZE, cache_is_bf16, scale,   \
+                    window, softcap)
     if (head_dim == 64 && block_size == 16) {
         ITEM_LOOP(64, 16);
     } else if (head_dim == 128 && block_size == 16) {
