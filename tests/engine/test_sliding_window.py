@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from llmplatform.kernels import BACKEND_ENV_VAR
 from llmplatform.models.llama import LlamaForCausalLM
+from llmplatform.models.loader import load_model
 from llmplatform.models.registry import max_model_len
 from llmplatform.sampling.params import SamplingParams
 from tests.engine.test_engine import assert_all_blocks_free, greedy, hf_greedy, make_engine, run_to_completion
+from tests.unit.test_llama_model import build_tiny, check_prefill_and_decode
 
 WINDOW = 16  # tests/conftest.py TINY_MISTRAL_SWA
 NEW_TOKENS = 32
@@ -46,6 +49,25 @@ def prompts(tokenizer) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(hf_mistral, prompts) -> list[list[int]]:
     return [hf_greedy(hf_mistral, p, NEW_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("family, window_kwargs, attention_window", [
+    ("mistral", dict(sliding_window=7), 7),
+    # Qwen2/Qwen3: windows only with use_sliding_window, on the layers from max_window_layers on;
+    # the full-attention layer 0 keeps every block.
+    ("qwen2", dict(sliding_window=7, use_sliding_window=True, max_window_layers=1), None),
+    ("qwen3", dict(sliding_window=7, use_sliding_window=True, max_window_layers=1), None),
+])
+def test_logits_match_hf_with_windowed_layers(tmp_path, family, window_kwargs, attention_window):
+    """Prompts of 5, 17 and 30 tokens and 5 decode steps against a window of 7: each logit
+    within 1e-4 of transformers', per family's notion of which layers are windowed."""
+    classes = {"mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
+    hf_model = build_tiny(tmp_path, *classes, **window_kwargs)
+    model = load_model(tmp_path, dtype=torch.float32)
+    assert model.attention_window == attention_window
+    check_prefill_and_decode(hf_model, model)
 
 
 def watch_blocks(engine) -> dict[str, int]:
