@@ -18,6 +18,7 @@ from llmplatform.models.llama import LlamaForCausalLM
 from llmplatform.models.loader import load_model
 from llmplatform.models.registry import max_model_len
 from llmplatform.sampling.params import SamplingParams
+from tests.engine.family_checks import check_tensor_parallel_equals_one_rank
 from tests.engine.test_engine import assert_all_blocks_free, greedy, hf_greedy, make_engine, run_to_completion
 from tests.unit.test_llama_model import build_tiny, check_prefill_and_decode
 
@@ -164,3 +165,10 @@ def test_a_long_generation_holds_a_window_of_blocks(tiny_mistral_swa_dir, tokeni
     assert seen["freed"] >= full_blocks - (WINDOW // 4 + 1)
     assert got == hf_greedy(hf_mistral, prompt, num_tokens)
     assert_all_blocks_free(engine)
+
+
+def test_two_tensor_parallel_ranks_compute_what_one_does(tiny_mistral_swa_dir, tokenizer, prompts):
+    """The other rank gets block tables with freed entries too, and skips them likewise. The
+    prompts three times over: a windowed sequence holds so few blocks that fewer would not
+    preempt on the check's pool."""
+    check_tensor_parallel_equals_one_rank(tiny_mistral_swa_dir, tokenizer, prompts * 3, NEW_TOKENS)
