@@ -194,6 +194,20 @@ def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir:
                       Gemma3ForCausalLM, TINY_GEMMA3, adjust=_randomize_gemma_norms)
 
 
+# tiny_mistral_swa_dir: a tiny random Mistral whose every layer attends to a sliding window of 16
+#   positions (random norms; 2048 positions for long generations), with the default model's
+#   tokenizer, built like tiny_model_dir.
+TINY_MISTRAL_SWA = {**TINY_LLAMA, "sliding_window": 16, "max_position_embeddings": 2048}
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_swa_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-mistral-swa"), default_model_dir, MistralConfig,
+                      MistralForCausalLM, TINY_MISTRAL_SWA, adjust=_randomize_norms)
+
+
 def _save_tiny(out_dir: Path, default_model_dir: Path, config_class, model_class, sizes: dict,
                adjust=None) -> Path:
     import torch

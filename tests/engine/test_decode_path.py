@@ -78,8 +78,8 @@ def test_fused_decode_steps_run_on_the_kernels(tiny_model_dir, monkeypatch) -> N
     fused_calls = []
     real = llama.fused_decode_attention
 
-    def counting(qkv, *args):
-        out = real(qkv, *args)
+    def counting(qkv, *args, **kwargs):
+        out = real(qkv, *args, **kwargs)
         fused_calls.append((qkv.shape[0], out is not None))
         return out
 

@@ -84,3 +84,34 @@ def test_greedy_output_on_triton_equals_torch(tiny_model_dir, triton_device: tor
     on_torch = greedy_tokens(on_torch_engine, prompts)
     assert on_triton == on_torch
     assert all(len(tokens) == NEW_TOKENS for tokens in on_triton)
+
+
+def test_sliding_window_model_on_triton_equals_transformers(tiny_mistral_swa_dir, triton_device: torch.device) -> None:
+    """The tiny Mistral whose layers attend to their last 16 positions, blocks of 4: prompts of
+    ~20 to ~45 tokens chunked by a 16-token budget and decoded past the window, so the engine
+    frees blocks the Triton kernels must then skip; greedy tokens equal transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.test_engine import hf_greedy
+
+    engine = LLMEngine(EngineConfig(
+        model=ModelConfig(str(tiny_mistral_swa_dir), ("m",), device=triton_device.type, dtype="float32"),
+        cache=CacheConfig(block_size=4, num_blocks=48),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=64)))
+    assert engine.runner.ops.attention is kernels.AttentionBackend.TRITON
+    assert engine.block_manager.attention_window == 16
+    words = "the quick brown fox jumps over the lazy dog while one two three rivers run".split()
+    prompts = [engine.tokenizer(" ".join(words[:n] * reps))["input_ids"] for n, reps in ((14, 1), (9, 4))]
+    freed = Counter()
+    real_free = engine.block_manager.free_out_of_window
+
+    def counting(seq):
+        freed["blocks"] += (n := real_free(seq))
+        return n
+
+    engine.block_manager.free_out_of_window = counting
+    got = greedy_tokens(engine, prompts)
+    assert freed["blocks"] > 0
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_mistral_swa_dir, dtype=torch.float32).eval()
+    assert got == [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

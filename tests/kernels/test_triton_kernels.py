@@ -386,11 +386,14 @@ def _compile_for(kernel, args: tuple, kwargs: dict, capability: int) -> None:
 
 
 @pytest.mark.parametrize("capability", [80, 90], ids=["sm80", "sm90"])
-@pytest.mark.parametrize("op, dtype, queries_per_kv, head_dim, num_kv_splits", [
-    ("decode", BF16, 4, 128, 1), ("decode", F32, 8, 64, 4), ("prefill", BF16, 4, 128, None),
-    ("prefill", F32, 1, 80, None), ("store_kv", BF16, 1, 128, None)],
-    ids=["decode-bf16", "decode-fp32-split4", "prefill-bf16", "prefill-fp32-d80", "store_kv-bf16"])
-def test_kernels_compile_for_cuda(op, dtype, queries_per_kv, head_dim, num_kv_splits, capability,
+@pytest.mark.parametrize("op, dtype, queries_per_kv, head_dim, num_kv_splits, window, softcap", [
+    ("decode", BF16, 4, 128, 1, None, None), ("decode", F32, 8, 64, 4, None, None),
+    ("prefill", BF16, 4, 128, None, None, None), ("prefill", F32, 1, 80, None, None, None),
+    ("store_kv", BF16, 1, 128, None, None, None),
+    ("decode", BF16, 4, 128, 4, 24, 30.0), ("prefill", BF16, 4, 128, None, 24, 30.0)],
+    ids=["decode-bf16", "decode-fp32-split4", "prefill-bf16", "prefill-fp32-d80", "store_kv-bf16",
+         "decode-bf16-split4-window-softcap", "prefill-bf16-window-softcap"])
+def test_kernels_compile_for_cuda(op, dtype, queries_per_kv, head_dim, num_kv_splits, window, softcap, capability,
                                   compiled_kernel_modules, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernels as the launchers launch them compile for Ampere and Hopper (Triton ships
     ptxas): type, shape and layout errors that only a GPU build meets fail here, on CPU."""
@@ -413,10 +416,12 @@ def test_kernels_compile_for_cuda(op, dtype, queries_per_kv, head_dim, num_kv_sp
     m = b.metadata
     if op == "decode":
         module.paged_decode_attention_triton(b.query, b.k_cache, b.v_cache, m.block_tables, m.seq_lens,
-                                             m.max_seq_len, b.scale, num_kv_splits=num_kv_splits)
+                                             m.max_seq_len, b.scale, num_kv_splits=num_kv_splits,
+                                             sliding_window=window, softcap=softcap)
     elif op == "prefill":
         module.paged_prefill_attention_triton(b.query, b.k_cache, b.v_cache, m.block_tables, m.query_start_loc,
-                                              m.seq_lens, m.max_query_len, b.scale)
+                                              m.seq_lens, m.max_query_len, b.scale, sliding_window=window,
+                                              softcap=softcap)
     else:
         module.store_kv_cache_triton(b.key, b.value, b.k_cache, b.v_cache, m.slot_mapping)
     launched = [(r.kernel, launch) for r in recorders.values() for launch in r.launches]
