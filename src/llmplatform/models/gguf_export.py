@@ -26,6 +26,7 @@ the default model's own file.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -211,7 +212,7 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, weight_type: str = "
                metadata_from: str | Path) -> Path:
     """Write ``model_dir``'s weights to ``out_path`` (matrices in ``weight_type``), with the
     tokenizer metadata of the GGUF ``metadata_from``; returns ``out_path``."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGUFWriter
 
     if weight_type not in WEIGHT_TYPES:
         raise ValueError(f"weight_type must be one of {', '.join(WEIGHT_TYPES)}, got {weight_type!r}")
@@ -226,12 +227,9 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, weight_type: str = "
     writer.add_name(out_path.stem)
     writer.add_file_type(_file_type(weight_type))
     family.hyperparameters(writer, config)
-    template = GGUFReader(str(metadata_from))
-    for field in template.fields.values():
-        if field.name.startswith("tokenizer."):
-            value_type = field.types[0]
-            sub_type = field.types[-1] if value_type == GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+    path = Path(metadata_from)
+    for name, value, value_type, sub_type in _tokenizer_fields(str(path), path.stat().st_mtime_ns):
+        writer.add_key_value(name, value, value_type, sub_type=sub_type)
     for name, weight in _gguf_tensors(model_dir, config, family):
         _add_tensor(writer, name, weight, weight_type)
     writer.write_header_to_file()
@@ -239,6 +237,21 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, weight_type: str = "
     writer.write_tensors_to_file()
     writer.close()
     return out_path
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer_fields(path: str, mtime_ns: int) -> list[tuple[str, Any, Any, Any]]:
+    """(key, value, type, array item type) of each ``tokenizer.*`` field of the GGUF at ``path``:
+    parsed once per file version (a 49k-token vocabulary takes seconds to read)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    fields = []
+    for field in GGUFReader(path).fields.values():
+        if field.name.startswith("tokenizer."):
+            value_type = field.types[0]
+            sub_type = field.types[-1] if value_type == GGUFValueType.ARRAY else None
+            fields.append((field.name, field.contents(), value_type, sub_type))
+    return fields
 
 
 def _gguf_tensors(model_dir: Path, config: dict, family: _Family):
