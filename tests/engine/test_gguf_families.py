@@ -40,12 +40,17 @@ QUANTIZED_TOKENS = 16
 
 # family -> (transformers config and model classes, sizes, the branch its native class lands with)
 _GEMMA = {**TINY_LLAMA, "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 8}
+# Gemma 3: six layers for one global one (llama.cpp's fixed pattern), whose rope has its own base
+# and linear scaling (as the 4B+ checkpoints): keys transformers' GGUF loader does not read.
+_GEMMA3 = {**_GEMMA, "num_hidden_layers": 6, "rope_parameters": {
+    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 500000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
 FAMILIES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, TINY_QWEN3, None),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, TINY_PHI3, None),
     "phi3-longrope": (transformers.Phi3Config, transformers.Phi3ForCausalLM, TINY_PHI3_LONGROPE, None),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, _GEMMA, "gemma"),
-    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, _GEMMA, "gemma"),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, _GEMMA3, "gemma"),
     "qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
                  {**TINY_QWEN3, "tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2,
                   "moe_intermediate_size": 32, "norm_topk_prob": True}, "moe"),

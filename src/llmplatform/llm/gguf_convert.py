@@ -44,6 +44,7 @@ def load_gguf_model(gguf_path: Path) -> Any:
     metadata = _Metadata(reader)
     if metadata.arch == "llama" and metadata.get("expert_count"):
         return _load_mixtral(gguf_path, reader, metadata)
+    # transformers keys its MoE architectures as qwen2_moe / qwen3_moe (the GGUF's qwen2moe / qwen3moe)
     if metadata.arch not in GGUF_SUPPORTED_ARCHITECTURES and metadata.arch.replace("moe", "_moe") \
             not in GGUF_SUPPORTED_ARCHITECTURES:
         raise ModelPathError(f"{gguf_path} is a GGUF of architecture {metadata.arch!r}, which cannot be "
