@@ -97,7 +97,8 @@ def _phi3(config: dict, metadata: _Metadata) -> None:
     config["sliding_window"] = metadata.get("attention.sliding_window") or None
     long, short = metadata.tensor("rope_factors_long.weight"), metadata.tensor("rope_factors_short.weight")
     if long is not None and short is not None:
-        rope.update(rope_type="longrope", long_factor=long, short_factor=short, original_max_position_embeddings=original)
+        rope.update(rope_type="longrope", long_factor=long, short_factor=short,
+                    original_max_position_embeddings=original)
         scale = config["max_position_embeddings"] / original
         default = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
         attn_factor = metadata.get("rope.scaling.attn_factor")

@@ -169,7 +169,8 @@ def _gemma3(writer: Any, config: dict) -> None:
     # global) and no softcapping; a config that differs cannot be written.
     local = (config.get("rope_parameters") or {}).get("sliding_attention", {}).get(
         "rope_theta", config.get("rope_local_base_freq", 10000.0))
-    pattern = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(config["num_hidden_layers"])]
+    pattern = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+               for i in range(config["num_hidden_layers"])]
     if local != 10000.0 or config.get("layer_types", pattern) != pattern \
             or config.get("attn_logit_softcapping") or config.get("final_logit_softcapping"):
         raise ValueError("gemma3 GGUFs have local rope base 10000, every 6th layer global and no softcapping")
@@ -270,9 +271,9 @@ def _gguf_tensors(model_dir: Path, config: dict, family: _Family):
     for path in files:
         with safe_open(str(path), framework="pt") as tensors:
             for hf_name in tensors.keys():
-                weight = tensors.get_tensor(hf_name).float().numpy()
                 if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):
-                    continue
+                    continue  # llama.cpp writes no output.weight for a tied head
+                weight = tensors.get_tensor(hf_name).float().numpy()
                 if match := _EXPERT.fullmatch(hf_name):
                     experts[f"{match.group(1)}.{match.group(3)}"][int(match.group(2))] = weight
                     continue

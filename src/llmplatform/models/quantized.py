@@ -2,14 +2,14 @@
 (``--quantization gguf``), instead of the dequantized copy the model directory holds.
 
 A GGUF model is served from the float32 directory ``llm.resolve`` converts it into (config,
-tokenizer, every weight). With the switch on, ``keep_gguf_quantized`` then replaces each
-projection (q/k/v, o, gate/up, down; per layer) whose GGUF tensors are in a supported block
-format (for the architectures in ``QUANTIZED_ARCHITECTURES``) by a ``QuantizedLinear`` over the file's raw blocks, read with ``gguf.GGUFReader``, and
-gives the model a quantized twin of its output projection (``output.weight``, or with tied
-embeddings ``token_embd.weight``: the default model's is Q8_0) for the rows of decode steps;
-norms, the embedding lookup and the dense output projection (for larger row counts, e.g. prompt
-logprobs) stay as loaded. A projection whose tensors are in another format (a k-quant, say)
-stays dense, with a warning saying how many did.
+tokenizer, every weight). With the switch on, ``keep_gguf_quantized`` then replaces each projection
+(q/k/v, o, gate/up, down; per layer) whose GGUF tensors are in a supported block format (for the
+architectures in ``QUANTIZED_ARCHITECTURES``) by a ``QuantizedLinear`` over the file's raw blocks,
+read with ``gguf.GGUFReader``, and gives the model a quantized twin of its output projection
+(``output.weight``, or with tied embeddings ``token_embd.weight``: the default model's is Q8_0) for
+the rows of decode steps; norms, the embedding lookup and the dense output projection (for larger
+row counts, e.g. prompt logprobs) stay as loaded. A projection whose tensors are in another format
+(a k-quant, say) stays dense, with a warning saying how many did.
 
 ``QuantizedLinear`` runs products of up to the plan's ``quantized_rows`` (``kernels.ops``: the
 fused decode path's row count) on the C kernel (``kernels.cpu_quant_linear``: each block read
