@@ -53,7 +53,7 @@ def q8_gguf_path(explicit: str | None) -> Path:
     if explicit:
         return Path(explicit)
     from llmplatform.llm.resolve import DEFAULT_MODEL_NAME, default_gguf_path, gguf_cache_key, resolve_model
-    from llmplatform.models.gguf_export import write_llama_gguf
+    from llmplatform.models.gguf_export import write_gguf
     from llmplatform.utils.cache_folder import private_dir
 
     source = default_gguf_path()
@@ -61,7 +61,7 @@ def q8_gguf_path(explicit: str | None) -> Path:
     if not path.exists():
         print(f"writing {path} (one-time)", flush=True)
         tmp = path.with_suffix(".tmp")
-        write_llama_gguf(resolve_model(None).path, tmp, "q8_0", metadata_from=source)
+        write_gguf(resolve_model(None).path, tmp, "q8_0", metadata_from=source)
         os.replace(tmp, path)
     return path
 

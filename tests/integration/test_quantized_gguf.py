@@ -23,7 +23,7 @@ from llmplatform.kernels.ops import plan_ops
 from llmplatform.llm.resolve import ModelPathError, default_gguf_path, resolve_model
 from llmplatform.model_worker.app import WorkerSettings
 from llmplatform.llm.build import BackendConfig, build_backend
-from llmplatform.models.gguf_export import write_llama_gguf
+from llmplatform.models.gguf_export import write_gguf
 from llmplatform.models.loader import load_model
 from llmplatform.models.quantized import QuantizedLinear
 from llmplatform.offline import LLM
@@ -38,7 +38,7 @@ PROMPTS = ["Once upon a time", "The capital of France is"]
 @pytest.fixture(scope="module")
 def tiny_q8_gguf(tiny_model_dir, tmp_path_factory) -> Path:
     staging = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    write_llama_gguf(tiny_model_dir, staging, "q8_0", metadata_from=default_gguf_path())
+    write_gguf(tiny_model_dir, staging, "q8_0", metadata_from=default_gguf_path())
     digest = hashlib.sha256(staging.read_bytes()).hexdigest()[:12]
     path = staging.with_name(f"tiny-llama-q8_0-{digest}.gguf")
     shutil.move(staging, path)

@@ -318,14 +318,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     The saved config carries no ``quantization_config`` (it loads as a plain float model), the
     tokenizer keeps its chat template and EOS, and ``generation_config.json`` names eos/bos/pad.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    source_dir, file_name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(source_dir, gguf_file=file_name)
-    model = AutoModelForCausalLM.from_pretrained(
-        source_dir, gguf_file=file_name, dtype=torch.float32
-    )
+    from llmplatform.llm.gguf_convert import load_gguf_model
+
+    model = load_gguf_model(gguf_path)  # transformers' loader, completed per family
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     _strip_quantization(model)
     max_len = context_length(model.config)
     if not isinstance(tokenizer.model_max_length, int) or tokenizer.model_max_length > max_len:

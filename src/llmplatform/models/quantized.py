@@ -2,14 +2,14 @@
 (``--quantization gguf``), instead of the dequantized copy the model directory holds.
 
 A GGUF model is served from the float32 directory ``llm.resolve`` converts it into (config,
-tokenizer, every weight). With the switch on, ``keep_gguf_quantized`` then replaces each
-projection (q/k/v, o, gate/up, down; per layer) whose GGUF tensors are in a supported block
-format by a ``QuantizedLinear`` over the file's raw blocks, read with ``gguf.GGUFReader``, and
-gives the model a quantized twin of its output projection (``output.weight``, or with tied
-embeddings ``token_embd.weight``: the default model's is Q8_0) for the rows of decode steps;
-norms, the embedding lookup and the dense output projection (for larger row counts, e.g. prompt
-logprobs) stay as loaded. A projection whose tensors are in another format (a k-quant, say)
-stays dense, with a warning saying how many did.
+tokenizer, every weight). With the switch on, ``keep_gguf_quantized`` then replaces each projection
+(q/k/v, o, gate/up, down; per layer) whose GGUF tensors are in a supported block format (for the
+architectures in ``QUANTIZED_ARCHITECTURES``) by a ``QuantizedLinear`` over the file's raw blocks,
+read with ``gguf.GGUFReader``, and gives the model a quantized twin of its output projection
+(``output.weight``, or with tied embeddings ``token_embd.weight``: the default model's is Q8_0) for
+the rows of decode steps; norms, the embedding lookup and the dense output projection (for larger
+row counts, e.g. prompt logprobs) stay as loaded. A projection whose tensors are in another format
+(a k-quant, say) stays dense, with a warning saying how many did.
 
 ``QuantizedLinear`` runs products of up to the plan's ``quantized_rows`` (``kernels.ops``: the
 fused decode path's row count) on the C kernel (``kernels.cpu_quant_linear``: each block read
@@ -21,7 +21,10 @@ every weight.
 Layout facts the loading relies on: a GGUF tensor of shape ``[n, k]`` (ggml lists it as
 ``(k, n)``) is ``n`` rows of ``k / 32`` blocks; llama.cpp's converter stores a Llama's q and k
 projections with the rows of each head reordered (the two rotary halves interleaved), which the
-loader undoes on whole rows of blocks, as transformers does on the dequantized weights.
+loader undoes on whole rows of blocks, as transformers does on the dequantized weights; Phi-3's
+q/k/v (``attn_qkv``) and gate/up (``ffn_up``, gate rows first) are one tensor each, whose rows
+fill our fused projection as they are. A MoE model's experts are stacked 3-D tensors
+(``ffn_*_exps``): they stay dequantized, only its attention projections keep their blocks.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,25 +45,53 @@ from llmplatform.kernels import cpu_quant_linear
 from llmplatform.kernels.cpu_quant_linear import (FORMATS, dequantize_cpu, dequantize_reference,
                                                   quant_linear_cpu)
 from llmplatform.kernels.ops import ModelOps, RowImpl
+from llmplatform.models.gguf_export import unpermute_rows
 from llmplatform.models.layers import Linear, kernel_rows
 
 logger = logging.getLogger("llmplatform.models")
 
-QUANTIZED_ARCHITECTURES = ("llama", "qwen2")
-"""GGUF architectures whose projections can stay quantized (their tensor names and row orders
-are known here)."""
-
-# GGUF tensor kind (blk.N.<kind>.weight) -> (our module under model.layers.N, shard)
-_PROJECTIONS = {
-    "attn_q": ("self_attn.qkv_proj", 0),
-    "attn_k": ("self_attn.qkv_proj", 1),
-    "attn_v": ("self_attn.qkv_proj", 2),
-    "attn_output": ("self_attn.o_proj", 0),
-    "ffn_gate": ("mlp.gate_up_proj", 0),
-    "ffn_up": ("mlp.gate_up_proj", 1),
-    "ffn_down": ("mlp.down_proj", 0),
+# GGUF tensor kind (blk.N.<kind>.weight) -> (our module under model.layers.N, the shards its rows
+# fill, in order). llama.cpp writes most families' projections one per tensor; Phi-3's q/k/v as one
+# attn_qkv and its gate and up as one ffn_up (gate rows first), as its HF checkpoint holds them.
+_SEPARATE = {
+    "attn_q": ("self_attn.qkv_proj", (0,)),
+    "attn_k": ("self_attn.qkv_proj", (1,)),
+    "attn_v": ("self_attn.qkv_proj", (2,)),
+    "attn_output": ("self_attn.o_proj", (0,)),
+    "ffn_gate": ("mlp.gate_up_proj", (0,)),
+    "ffn_up": ("mlp.gate_up_proj", (1,)),
+    "ffn_down": ("mlp.down_proj", (0,)),
 }
-_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(" + "|".join(_PROJECTIONS) + r")\.weight")
+_FUSED = {
+    "attn_qkv": ("self_attn.qkv_proj", (0, 1, 2)),
+    "attn_output": ("self_attn.o_proj", (0,)),
+    "ffn_up": ("mlp.gate_up_proj", (0, 1)),
+    "ffn_down": ("mlp.down_proj", (0,)),
+}
+
+
+@dataclass(frozen=True)
+class _Layout:
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    permuted_qk: bool = False
+    """q / k rows in llama.cpp's per-head rotary order (its Llama converter; Mixtral is arch llama)."""
+
+
+_LAYOUTS = {
+    "llama": _Layout(_SEPARATE, permuted_qk=True),
+    "qwen2": _Layout(_SEPARATE),
+    "qwen3": _Layout(_SEPARATE),
+    "qwen3moe": _Layout(_SEPARATE),
+    "phi3": _Layout(_FUSED),
+    "gemma2": _Layout(_SEPARATE),
+    "gemma3": _Layout(_SEPARATE),
+}
+QUANTIZED_ARCHITECTURES = tuple(_LAYOUTS)
+"""GGUF architectures whose projections can stay quantized (their tensor names and row orders
+are known here). A MoE model's experts (stacked ``ffn_*_exps`` tensors) stay dequantized."""
+
+_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_EXPERTS = re.compile(r"blk\.\d+\.ffn_\w+_exps\.weight")
 
 
 class QuantizedLinear(Linear):
@@ -128,35 +160,39 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str | Path) -> int:
         raise ValueError(f"--quantization gguf runs on the CPU only, not {device}")
     reader = GGUFReader(str(gguf_path))
     arch = _architecture(reader)
-    if arch not in QUANTIZED_ARCHITECTURES:
+    layout = _LAYOUTS.get(arch)
+    if layout is None:
         raise ValueError(f"--quantization gguf: {gguf_path} is a {arch!r} model; its projections "
                          f"can stay quantized for {', '.join(QUANTIZED_ARCHITECTURES)} only")
-    shards: dict[str, dict[int, Any]] = defaultdict(dict)  # our module name -> shard -> tensor
+    tensors_of: dict[str, list[Any]] = defaultdict(list)  # our module name -> its GGUF tensors
     for tensor in reader.tensors:
         match = _TENSOR_NAME.fullmatch(tensor.name)
-        if match:
-            module, shard = _PROJECTIONS[match.group(2)]
-            shards[f"model.layers.{match.group(1)}.{module}"][shard] = tensor
+        if match and match.group(2) in layout.tensors:
+            module, _ = layout.tensors[match.group(2)]
+            tensors_of[f"model.layers.{match.group(1)}.{module}"].append(tensor)
     config = model.config
     replaced, dense = 0, defaultdict(int)  # dense: format -> projections left dense
-    for name, tensors in shards.items():
+    for name, tensors in tensors_of.items():
         linear = model.get_submodule(name)
-        kinds = {tensors[i].tensor_type.name.lower() for i in tensors}
-        if len(tensors) != len(linear.output_sizes) or len(kinds) != 1 or next(iter(kinds)) not in FORMATS:
+        tensors.sort(key=lambda t: _shards(layout, t)[0])
+        kinds = {t.tensor_type.name.lower() for t in tensors}
+        shards = [shard for t in tensors for shard in _shards(layout, t)]
+        if shards != list(range(len(linear.output_sizes))) or len(kinds) != 1 or next(iter(kinds)) not in FORMATS:
             dense["+".join(sorted(kinds))] += 1
             continue
         fmt = next(iter(kinds))
         rows = []
-        for shard in range(len(tensors)):
-            tensor = tensors[shard]
+        for tensor in tensors:
             blocks = np.asarray(tensor.data)  # [rows, k / 32 * block_bytes] uint8 (memory-mapped)
-            if arch == "llama" and shard < 2 and name.endswith("qkv_proj"):
-                heads = config.num_attention_heads if shard == 0 else \
+            covers = _shards(layout, tensor)
+            if layout.permuted_qk and covers in ((0,), (1,)) and name.endswith("qkv_proj"):
+                heads = config.num_attention_heads if covers == (0,) else \
                     getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-                blocks = _unpermute_rows(blocks, heads)
-            if blocks.shape[0] != linear.output_sizes[shard]:
+                blocks = unpermute_rows(blocks, heads)
+            expected = sum(linear.output_sizes[shard] for shard in covers)
+            if blocks.shape[0] != expected:
                 raise ValueError(f"{gguf_path}: {tensor.name} has {blocks.shape[0]} rows, the model "
-                                 f"expects {linear.output_sizes[shard]}")
+                                 f"expects {expected}")
             rows.append(blocks)
         quantized = QuantizedLinear.replacing(linear, torch.from_numpy(np.concatenate(rows)), fmt)
         if quantized.in_features != linear.weight.shape[1]:
@@ -167,6 +203,10 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str | Path) -> int:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, quantized)
         replaced += 1
+    experts = sum(1 for tensor in reader.tensors if _EXPERTS.fullmatch(tensor.name))
+    if experts:
+        logger.info("--quantization gguf: %d MoE expert tensors stay dequantized (stacked experts have no "
+                    "quantized kernel here); the attention projections keep their blocks", experts)
     head = _quantized_lm_head(model, reader, gguf_path)
     if head is not None:
         model.quantized_lm_head = head
@@ -218,12 +258,9 @@ def _architecture(reader: Any) -> str:
     return str(field.contents()) if field is not None else "unknown"
 
 
-def _unpermute_rows(blocks: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's per-head row order for rotary (its ``permute``): within each head, GGUF row
-    ``2 * i + h`` is our row ``h * half + i`` (h: which half of the head, i < half)."""
-    rows = blocks.shape[0]
-    half = rows // num_heads // 2
-    return blocks.reshape(num_heads, half, 2, *blocks.shape[1:]).swapaxes(1, 2).reshape(blocks.shape)
+def _shards(layout: _Layout, tensor: Any) -> tuple[int, ...]:
+    """The shards of its module that a projection tensor's rows fill."""
+    return layout.tensors[_TENSOR_NAME.fullmatch(tensor.name).group(2)][1]
 
 
 def _check_against_dense(quantized: QuantizedLinear, dense: torch.Tensor, what: str) -> None:
