@@ -10,8 +10,8 @@ layer:
 The routing weights stay in float32 until they scale the experts' outputs, as in transformers.
 Checkpoint names: Llama's, with ``block_sparse_moe.gate`` (the router) and per-expert
 ``block_sparse_moe.experts.{e}.w1`` (gate), ``w3`` (up), ``w2`` (down), stacked by the loader.
-``sliding_window``: the registry's rule (``models.registry.sliding_window``); released Mixtral
-configs set none.
+A ``sliding_window`` applies to every layer, as in Mistral (``models.llama.layer_windows``); the
+released Mixtral configs set none.
 """
 
 from __future__ import annotations
