@@ -226,3 +226,30 @@ def test_tensor_parallel_refuses_a_size_that_does_not_divide_the_expert_columns(
         check_divisible(config, 2)
     check_divisible(transformers.Qwen3MoeConfig(num_attention_heads=4, num_key_value_heads=2,
                                                 intermediate_size=128, moe_intermediate_size=34), 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_experts_compute_what_the_stacked_weights_do(dtype) -> None:
+    """Where the plan prepacks projections for oneDNN, each expert's matrices are prepacked once
+    (replacing the stacked ones) and the block's output is the plain products' to the dtype's
+    rounding; experts that get no rows are skipped as before."""
+    from llmplatform.kernels import onednn_linear
+    from llmplatform.kernels.ops import LinearImpl, ModelOps
+
+    if dtype not in onednn_linear.working_dtypes():
+        pytest.skip(f"oneDNN's prepacked {dtype} product does not pass its check on this CPU")
+    gate_up, down = random_experts()
+    x = torch.randn(11, HIDDEN, generator=torch.Generator().manual_seed(3)).to(dtype)
+    weights = torch.rand(11, TOP_K, generator=torch.Generator().manual_seed(4))
+    expert_ids = torch.stack([torch.randperm(NUM_EXPERTS - 1, generator=torch.Generator().manual_seed(i))[:TOP_K]
+                              for i in range(11)])  # the last expert gets no rows
+    want = grouped_experts(x, weights, expert_ids, gate_up.to(dtype), down.to(dtype))
+    experts = StackedExperts(NUM_EXPERTS, HIDDEN, COLUMNS, dtype=dtype, device="cpu",
+                             ops=ModelOps(dtype=dtype, compute_dtype=dtype, linear=LinearImpl.ONEDNN))
+    experts.gate_up_proj.data.copy_(gate_up)
+    experts.down_proj.data.copy_(down)
+    experts.process_weights_after_loading()
+    assert experts.gate_up_proj is None and experts.down_proj is None  # the packed copies replaced them
+    got = experts(x, weights, expert_ids)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2 * want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
