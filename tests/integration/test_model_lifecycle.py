@@ -203,6 +203,7 @@ def test_on_demand_model_starts_on_request_and_unloads_when_idle(tmp_path, tiny_
         client = rt.client()
         cards = {m.id: m for m in client.models.list()}
         assert cards["lazy"].model_extra["loaded"] is False
+        assert client.models.retrieve("lazy").model_extra["loaded"] is False
         assert rt.worker_pids() == []
 
         # The first request starts it, and is answered (streamed: the openai client skips the

@@ -48,9 +48,12 @@ async def list_models(request: Request) -> JSONResponse:
 
 
 async def retrieve_model(model: str, request: Request) -> JSONResponse:
-    if model not in await _client(request).list_models():
-        raise ModelNotFoundError(f"The model '{model}' does not exist.", param="model")
-    return JSONResponse(ModelCard(id=model, created=request.app.state.created).model_dump())
+    created = request.app.state.created
+    if model in await _client(request).list_models():
+        return JSONResponse(ModelCard(id=model, created=created).model_dump())
+    if any(s.name == model and s.on_demand for s in await request.app.state.lifecycle.states()):
+        return JSONResponse(ModelCard(id=model, created=created, loaded=False).model_dump())
+    raise ModelNotFoundError(f"The model '{model}' does not exist.", param="model")
 
 
 async def health(request: Request) -> JSONResponse:
