@@ -67,7 +67,7 @@ class FakeAgent:
         processes += [AgentProcess(worker_address=a, model_name="?", pid=1,
                                    state=ProcessState.EXITED, exit_reason=r)
                       for a, r in self.exited.items()]
-        return AgentStatus(host_name="h", processes=processes, free_bytes=0)
+        return AgentStatus(host_name="h", processes=processes)
 
 
 def setup(capacity: int = 8, load_timeout: float = 60.0):

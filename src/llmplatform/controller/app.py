@@ -29,9 +29,8 @@ from llmplatform.controller.admission import RegistrationRefused, check_worker_a
 from llmplatform.controller.confirmation import Claim, Confirmations
 from llmplatform.controller.dispatch import Dispatcher
 from llmplatform.controller.down_workers import DownWorkers, add_down_worker_route
-from llmplatform.controller.agents import AgentCalls, Agents
-from llmplatform.controller.lifecycle import ModelManager
-from llmplatform.controller.lifecycle_routes import add_lifecycle_routes, watching
+from llmplatform.controller.agents import Agents
+from llmplatform.controller.lifecycle_routes import add_lifecycle_routes, model_manager, watching
 from llmplatform.controller.config import ControllerConfig
 from llmplatform.controller.registry import WorkerInfo, WorkerRegistry
 from llmplatform.controller.workers import (
@@ -150,12 +149,7 @@ def create_app(
     confirmations = Confirmations(registry, config, metrics)
     down_workers = DownWorkers(clock)
     agents = Agents(clock)
-    calls = AgentCalls(lambda: app.state.http_client, timeout_s=config.agent_timeout,
-                       stop_timeout_s=config.agent_stop_timeout)
-    models = ModelManager(registry, agents, calls, load_timeout=config.model_load_timeout,
-                          clock=clock)
-    for spec in config.on_demand_models:
-        models.register_on_demand(spec)
+    models = model_manager(config, registry, agents, lambda: app.state.http_client, clock)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

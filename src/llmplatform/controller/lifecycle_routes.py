@@ -20,11 +20,14 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from llmplatform.controller.agents import Agents, LifecycleError
+from llmplatform.controller.agents import AgentCalls, Agents, LifecycleError
+from llmplatform.controller.config import ControllerConfig
 from llmplatform.controller.lifecycle import ModelManager
+from llmplatform.controller.registry import WorkerRegistry
 from llmplatform.protocol.lifecycle import (
     AgentHost,
     EnsureModelRequest,
@@ -40,6 +43,19 @@ logger = logging.getLogger("llmplatform.controller.lifecycle")
 TICK_INTERVAL_S = 0.5
 """How often loading models are checked for registration, workers for exits, and on-demand
 models for their keep_alive."""
+
+
+def model_manager(config: ControllerConfig, registry: WorkerRegistry, agents: Agents,
+                  client: Callable[[], httpx.AsyncClient], clock: Callable[[], float]) -> ModelManager:
+    """The controller's ModelManager (its calls to agents over `client()`, the app's HTTP client
+    once the lifespan runs), with the configured on-demand models registered."""
+    calls = AgentCalls(client, timeout_s=config.agent_timeout,
+                       stop_timeout_s=config.agent_stop_timeout)
+    manager = ModelManager(registry, agents, calls, load_timeout=config.model_load_timeout,
+                           clock=clock)
+    for spec in config.on_demand_models:
+        manager.register_on_demand(spec)
+    return manager
 
 
 def add_lifecycle_routes(app: FastAPI, manager: ModelManager, agents: Agents,

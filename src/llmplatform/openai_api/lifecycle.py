@@ -61,7 +61,10 @@ class Lifecycle:
         with transport_errors("controller", url, self._timeout.read or 0.0):
             response = await self._http.request(method, url, json=body, timeout=self._timeout)
         if response.status_code == 200:
-            return response.json()
+            try:
+                return response.json()
+            except ValueError:
+                raise UpstreamError(f"The controller answered {path} with malformed JSON.") from None
         if response.status_code in (404, 405) and path == "/list_model_states":
             return None  # a controller without the lifecycle routes (stock FastChat)
         try:
@@ -70,12 +73,18 @@ class Lifecycle:
             message = f"The controller answered HTTP {response.status_code} to {path}."
         raise _BY_STATUS.get(response.status_code, UpstreamError)(message)
 
+    async def _status(self, path: str, body: Any) -> ModelStatus:
+        data = await self._call("POST", path, body)
+        try:
+            return ModelStatus.model_validate(data)
+        except ValidationError:
+            raise UpstreamError(f"The controller's {path} answer is malformed.") from None
+
     async def launch(self, spec: LaunchModelRequest) -> ModelStatus:
-        return ModelStatus.model_validate(await self._call(
-            "POST", "/launch_model", spec.model_dump(mode="json")))
+        return await self._status("/launch_model", spec.model_dump(mode="json"))
 
     async def stop(self, name: str) -> ModelStatus:
-        return ModelStatus.model_validate(await self._call("POST", "/stop_model", {"name": name}))
+        return await self._status("/stop_model", {"name": name})
 
     async def listing(self) -> ListModelStatesResponse:
         """Every model's state and the host agents; empty from a controller without lifecycle
@@ -94,8 +103,7 @@ class Lifecycle:
     async def ensure(self, model: str) -> ModelStatus | None:
         """Start `model` if it is launchable on demand; None if it is not (nor known)."""
         try:
-            return ModelStatus.model_validate(await self._call(
-                "POST", "/ensure_model", {"model": model}))
+            return await self._status("/ensure_model", {"model": model})
         except ModelNotFoundError:
             return None
 

@@ -60,7 +60,7 @@ class LaunchModelRequest(_Request):
                                    description="More worker flags, e.g. ['--dtype', 'float32'].")
     replicas: int = Field(1, ge=1, le=16)
     host: str | None = Field(None, description="The agent (its host name) to start them on; "
-                             "None: the agent with the most free memory.")
+                             "None: each registered agent in turn until one has room.")
     on_demand: bool = Field(False, description="Register it only: listed as not loaded, started "
                             "by the first request for it.")
     keep_alive: float | None = Field(
@@ -155,5 +155,3 @@ class StopWorkerRequest(_Request):
 class AgentStatus(_Answer):
     host_name: str
     processes: list[AgentProcess]
-    free_bytes: int
-    """What a next launch may use: the host's free memory, within the agent's --memory-limit."""

@@ -144,9 +144,9 @@ def create_app(config: AgentConfig) -> FastAPI:
 
     @app.get("/list_processes")
     async def list_processes() -> AgentStatus:
-        free = await asyncio.to_thread(free_bytes, config, processes, [])
-        return AgentStatus(host_name=config.host_name, processes=processes.listing(),
-                           free_bytes=free)
+        # An exited worker's description reads the end of its log: off the event loop.
+        listing = await asyncio.to_thread(processes.listing)
+        return AgentStatus(host_name=config.host_name, processes=listing)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

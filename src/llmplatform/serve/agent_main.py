@@ -46,11 +46,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     host = settings.host
     if settings.agent_address is None and host in ("0.0.0.0", "::"):
         raise SystemExit("error: --agent-address is required when binding a wildcard address")
+    secret = secret_from_env(settings.cluster_secret)
+    if secret is None and host not in ("127.0.0.1", "localhost", "::1"):
+        # Whoever reaches it could start processes of their choosing on this host.
+        raise SystemExit("error: an agent reachable from other hosts needs the cluster secret "
+                         "($LLMPLATFORM_CLUSTER_SECRET, as the controller has it)")
     config = AgentConfig(
         controller_address=settings.controller_address.rstrip("/"),
         agent_address=(settings.agent_address or f"http://{host}:{settings.port}").rstrip("/"),
         host=host, host_name=settings.host_name,
-        cluster_secret=secret_from_env(settings.cluster_secret),
+        cluster_secret=secret,
         memory_limit_bytes=None if settings.memory_limit is None else parse_size(settings.memory_limit),
         log_dir=settings.log_dir, worker_shutdown_timeout=settings.worker_shutdown_timeout,
         log_args=("--log-level", settings.log_level, "--log-format", settings.log_format))
