@@ -230,3 +230,21 @@ def test_on_demand_model_starts_on_request_and_unloads_when_idle(tmp_path, tiny_
                                                    for line in lines)
         assert rt.admin("DELETE", "/models/lazy").status_code == 202
         rt.wait_state("lazy", None)
+
+
+def test_a_worker_that_dies_while_loading_fails_its_model_with_the_reason(tmp_path, tiny_model_dir):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for item in tiny_model_dir.iterdir():  # the tiny model's config and tokenizer...
+        if not item.name.endswith(".safetensors") and item.is_file():
+            (broken / item.name).write_bytes(item.read_bytes())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")  # ...and no weights
+    with runtime(tmp_path) as rt:
+        response = rt.admin("POST", "/models", json=launch_body(broken, "broken", replicas=2))
+        assert response.status_code == 202, response.text
+        failed = rt.wait_state("broken", "failed")
+        assert "worker exited" in failed["reason"] and "its log ends" in failed["reason"]
+        wait_until(lambda: rt.worker_pids() == [], what="the other replica stopped")
+        # Still listed with its reason until it is stopped; then gone.
+        assert rt.admin("DELETE", "/models/broken").status_code == 202
+        rt.wait_state("broken", None)

@@ -248,3 +248,20 @@ async def test_a_model_stopped_while_its_workers_start_leaves_none_running():
     assert stopped.value.status == 409
     await settle()
     assert fake.running == {} and manager.statuses() == []
+
+
+def test_the_agent_needs_the_cluster_secret(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from llmplatform.serve.agent import AgentConfig, create_app
+    from llmplatform.utils.cluster_secret import SECRET_HEADER
+
+    app = create_app(AgentConfig(controller_address="http://127.0.0.1:9", cluster_secret="s3",
+                                 log_dir=tmp_path))
+    body = {"model_name": "m", "model_path": str(tmp_path), "backend": "paged"}
+    with TestClient(app) as client:
+        assert client.post("/launch_workers", json=body).status_code == 401
+        assert client.get("/list_processes").status_code == 401
+        assert client.get("/health").status_code == 200
+        refused = client.post("/launch_workers", json=body, headers={SECRET_HEADER: "s3"})
+        assert refused.status_code == 400 and "no weight files" in refused.json()["error"]
