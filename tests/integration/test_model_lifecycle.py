@@ -9,7 +9,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 import openai
@@ -24,7 +24,7 @@ from llmplatform.serve.agent import create_app as create_agent_app
 from llmplatform.utils.server import serve_in_thread
 from tests.integration.cluster import paged_tiny_llm, wait_for_models
 from tests.polling import wait_until
-from tests.processes import alive, children_of
+from tests.processes import alive, children_of, free_port
 
 ADMIN, USER = "admin-key", "user-key"
 WORKER_ARGS = ["--dtype", "float32", "--device", "cpu", "--heartbeat-interval", "0.5"]
@@ -35,6 +35,7 @@ LOAD_TIMEOUT_S = 180
 class Runtime:
     gateway_url: str
     agent_app: Any
+    restart_controller: Callable[[], None]
 
     def admin(self, method: str, path: str, key: str | None = ADMIN, **kwargs: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -73,8 +74,21 @@ def launch_body(model_dir: Path, name: str, **extra: Any) -> dict:
 def runtime(tmp_path: Path, *, memory_limit_bytes: int | None = None,
             first_model_dir: Path | None = None) -> Iterator[Runtime]:
     with contextlib.ExitStack() as stack:
-        controller_url = stack.enter_context(serve_in_thread(create_controller_app(
-            ControllerConfig(heartbeat_expiration=10.0, model_load_timeout=LOAD_TIMEOUT_S))))
+        port = free_port()  # a restarted controller comes back at the same address
+        controller = [contextlib.ExitStack()]
+        stack.callback(lambda: controller[0].close())  # last: the others talk to it
+
+        def start_controller() -> str:
+            return controller[0].enter_context(serve_in_thread(create_controller_app(
+                ControllerConfig(heartbeat_expiration=10.0, model_load_timeout=LOAD_TIMEOUT_S)),
+                port=port))
+
+        def restart_controller() -> None:
+            controller[0].close()
+            controller[0] = contextlib.ExitStack()
+            start_controller()
+
+        controller_url = start_controller()
         agent_app = create_agent_app(AgentConfig(
             controller_address=controller_url, log_dir=tmp_path / "logs",
             memory_limit_bytes=memory_limit_bytes, worker_shutdown_timeout=120.0,
@@ -94,7 +108,7 @@ def runtime(tmp_path: Path, *, memory_limit_bytes: int | None = None,
                 limit_worker_concurrency=llm.default_concurrency))
             app.state.worker_address = stack.enter_context(serve_in_thread(app))
             wait_for_models(controller_url, ["tiny"])
-        rt = Runtime(gateway_url, agent_app)
+        rt = Runtime(gateway_url, agent_app, restart_controller)
         wait_until(lambda: rt.admin("GET", "/models").json()["hosts"], interval_s=0.1,
                    what="the agent to register")
         yield rt
@@ -248,3 +262,21 @@ def test_a_worker_that_dies_while_loading_fails_its_model_with_the_reason(tmp_pa
         # Still listed with its reason until it is stopped; then gone.
         assert rt.admin("DELETE", "/models/broken").status_code == 202
         rt.wait_state("broken", None)
+
+
+def test_a_restarted_controller_takes_over_the_launched_models(tmp_path, tiny_model_dir):
+    with runtime(tmp_path) as rt:
+        assert rt.admin("POST", "/models", json=launch_body(tiny_model_dir, "tiny2")).status_code == 202
+        rt.wait_state("tiny2", "ready")
+        [pid] = rt.worker_pids()
+        rt.restart_controller()
+        # The worker registers again (its next heartbeat is told it is unknown); the agent
+        # reports it with its launch, and the new controller manages it as before.
+        model = wait_until(lambda: (lambda m: m if m and m["managed"] else None)(
+            rt.states().get("tiny2")), what="tiny2 managed again")
+        assert model["state"] in ("loading", "ready") and model["model_path"] == str(tiny_model_dir)
+        rt.wait_state("tiny2", "ready")
+        assert chat(rt.client(), "tiny2") is not None
+        assert rt.admin("DELETE", "/models/tiny2").status_code == 202
+        rt.wait_state("tiny2", None)
+        assert rt.worker_pids() == [] and not alive(pid)

@@ -38,6 +38,7 @@ class FakeAgent:
     def __init__(self, capacity: int = 8) -> None:
         self.capacity = capacity
         self.running: dict[str, str] = {}  # address -> model
+        self.specs: dict[str, LaunchModelRequest | None] = {}  # address -> the launch
         self.exited: dict[str, str] = {}  # address -> reason
         self.launches: list[str] = []
         self.stops: list[str] = []
@@ -51,8 +52,9 @@ class FakeAgent:
         for _ in range(request.replicas):
             address = f"http://w:{next(self._ports)}"
             self.running[address] = request.model_name
+            self.specs[address] = request.spec
             workers.append(AgentProcess(worker_address=address, model_name=request.model_name,
-                                        pid=1, state=ProcessState.RUNNING))
+                                        pid=1, state=ProcessState.RUNNING, spec=request.spec))
         return LaunchWorkersResponse(workers=workers)
 
     async def stop(self, agent: str, worker_address: str) -> AgentProcess:
@@ -62,7 +64,8 @@ class FakeAgent:
                             state=ProcessState.EXITED)
 
     async def status(self, agent: str) -> AgentStatus:
-        processes = [AgentProcess(worker_address=a, model_name=m, pid=1, state=ProcessState.RUNNING)
+        processes = [AgentProcess(worker_address=a, model_name=m, pid=1,
+                                  state=ProcessState.RUNNING, spec=self.specs[a])
                      for a, m in self.running.items()]
         processes += [AgentProcess(worker_address=a, model_name="?", pid=1,
                                    state=ProcessState.EXITED, exit_reason=r)
@@ -265,3 +268,38 @@ def test_the_agent_needs_the_cluster_secret(tmp_path):
         assert client.get("/health").status_code == 200
         refused = client.post("/launch_workers", json=body, headers={SECRET_HEADER: "s3"})
         assert refused.status_code == 400 and "no weight files" in refused.json()["error"]
+
+
+async def test_a_restarted_controller_adopts_what_the_agents_run():
+    clock, registry, fake, manager = setup()
+    await manager.launch(spec("a", replicas=2))
+    await manager.launch(spec("lazy", on_demand=True, keep_alive=30))
+    await manager.ensure("lazy")
+    [b_worker] = (await manager.launch(spec("b"))).workers
+    manager.stop("b")
+    report = (await fake.status(AGENT)).processes  # sent before b's stop was done
+    await settle()
+    manager.adopt(AGENT, "h", report)  # the same controller: nothing new
+    assert sorted(s.name for s in manager.statuses()) == ["a", "lazy"]
+
+    # A new controller (same registry for brevity: the workers register again by themselves).
+    _, _, _, restarted = setup()
+    restarted._calls = fake  # type: ignore[attr-defined]  # the same agent's workers
+    restarted._registry = registry  # type: ignore[attr-defined]
+    restarted.register_on_demand(spec("lazy", keep_alive=30))  # from its --on-demand-model
+    restarted.adopt(AGENT, "h", (await fake.status(AGENT)).processes + [
+        p for p in report if p.worker_address == b_worker])
+    adopted = {s.name: s for s in restarted.statuses()}
+    assert sorted(adopted) == ["a", "b", "lazy"]
+    assert adopted["a"].state is ModelState.LOADING and len(adopted["a"].workers) == 2
+    assert adopted["lazy"].on_demand and adopted["lazy"].keep_alive == 30
+    register(registry, fake, "a")
+    register(registry, fake, "lazy")
+    await restarted.tick()
+    states = {s.name: (s.state, s.reason) for s in restarted.statuses()}
+    assert states["a"][0] is ModelState.READY and states["lazy"][0] is ModelState.READY
+    # b's worker was gone before this controller asked: failed, not served.
+    assert states["b"][0] is ModelState.FAILED and "no longer runs" in (states["b"][1] or "")
+    restarted.stop("a")
+    await settle()
+    assert "a" not in fake.running.values()

@@ -16,11 +16,17 @@ Idle: a model is in use while a request for it is dispatched (`touch`) or any of
 reports requests running or queued; `idle_s` counts from the last such moment. Memory pressure:
 a launch an agent refuses as not fitting (409) first stops, least recently used first, the idle
 ready on-demand models on that agent (they start again on their next request), then retries.
+
+In memory only, like the registry; a restarted controller loses nothing all the same: each agent
+reports the workers it runs with the launch that started them (every few seconds), and the
+models this controller does not know are adopted as they were launched (`adopt`). A model whose
+agent no longer runs its workers (the agent restarted) is failed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -29,6 +35,7 @@ from dataclasses import dataclass, field
 from llmplatform.controller.agents import Agents, AgentCalls, LifecycleError
 from llmplatform.controller.registry import WorkerRegistry
 from llmplatform.protocol.lifecycle import (
+    AgentProcess,
     LaunchModelRequest,
     LaunchWorkersRequest,
     ModelState,
@@ -39,6 +46,7 @@ from llmplatform.protocol.lifecycle import (
 logger = logging.getLogger("llmplatform.controller.lifecycle")
 
 DEFAULT_LOAD_TIMEOUT_S = 600.0
+STOPPED_MEMORY = 1024
 
 
 @dataclass
@@ -64,6 +72,10 @@ class ModelManager:
         self._clock = clock
         self._models: dict[str, ManagedModel] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._stopped_order: collections.deque[str] = collections.deque(maxlen=STOPPED_MEMORY)
+        self._stopped: set[str] = set()
+        """Workers stopped here lately: an agent's report sent before their stop was done must
+        not bring them back (`adopt`)."""
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -119,6 +131,29 @@ class ModelManager:
         self._drain(model, then=None)
         return self.status(model)
 
+    def adopt(self, agent: str, host_name: str, processes: list[AgentProcess]) -> None:
+        """Take over the running workers an agent reports for models this controller does not
+        know: it restarted, and the models keep their state (as launched) and can be stopped."""
+        known = {w for m in self._models.values() for w in m.workers} | self._stopped
+        found: dict[str, list[AgentProcess]] = {}
+        for process in processes:
+            if (process.state is ProcessState.RUNNING and process.spec is not None
+                    and process.worker_address not in known):
+                found.setdefault(process.spec.name, []).append(process)
+        for name, workers in found.items():
+            existing = self._models.get(name)
+            if existing is not None and not (existing.state is ModelState.NOT_LOADED
+                                             and not existing.workers):
+                continue  # being launched or stopped here right now
+            spec = workers[0].spec
+            assert spec is not None
+            now = self._clock()
+            self._models[name] = ManagedModel(
+                spec, ModelState.LOADING, last_used=now, agent=agent, host_name=host_name,
+                workers=[w.worker_address for w in workers], started_at=now)
+            logger.info("took over %s on %s (%d worker(s) its agent runs)", name, host_name,
+                        len(workers))
+
     def touch(self, name: str) -> None:
         model = self._models.get(name)
         if model is not None:
@@ -131,7 +166,7 @@ class ModelManager:
         request = LaunchWorkersRequest(
             model_name=spec.name, model_path=spec.model_path, backend=spec.backend,
             kv_cache_memory=spec.kv_cache_memory, worker_args=spec.worker_args,
-            replicas=spec.replicas)
+            replicas=spec.replicas, spec=spec)
         candidates = self._agents.named(spec.host)
         while True:
             agent = candidates[0]
@@ -185,6 +220,7 @@ class ModelManager:
                     isinstance(result, LifecycleError) and result.status == 404):  # gone already
                 logger.warning("stopping worker %s of %s: %s", worker, model.spec.name, result)
             self._registry.remove(worker)
+            self._remember_stopped(worker)
         model.workers, model.agent = [w for w in model.workers if w not in workers], None
         if then is None:
             if self._models.get(model.spec.name) is model:
@@ -192,6 +228,12 @@ class ModelManager:
         else:
             model.state = then
         logger.info("stopped the workers of %s", model.spec.name)
+
+    def _remember_stopped(self, worker: str) -> None:
+        if len(self._stopped_order) == self._stopped_order.maxlen:
+            self._stopped.discard(self._stopped_order[0])
+        self._stopped_order.append(worker)
+        self._stopped.add(worker)
 
     def _drain(self, model: ManagedModel, *, then: ModelState | None) -> asyncio.Task:
         model.state = ModelState.DRAINING
@@ -232,6 +274,10 @@ class ModelManager:
                       if w in processes and processes[w].state is ProcessState.EXITED]
             if exited:
                 self._fail(model, exited[0].exit_reason or "a worker exited")
+                continue
+            if status is not None and any(w not in processes for w in model.workers):
+                # The agent restarted (its workers went with it), or forgot them.
+                self._fail(model, f"its host agent on {model.host_name} no longer runs its workers")
                 continue
             if self._busy(model):
                 model.last_used = now

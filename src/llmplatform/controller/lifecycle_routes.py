@@ -3,7 +3,7 @@
 
 | route | request | response |
 |---|---|---|
-| `/register_agent` | `RegisterAgentRequest` | `{}` (a host agent, at start and every few seconds) |
+| `/register_agent` | `RegisterAgentRequest` | `{}` (a host agent, at start and every few seconds, with its workers: those of a model this controller does not know, after a restart, are adopted) |
 | `/launch_model` | `LaunchModelRequest` | `ModelStatus` (`loading`, or `not_loaded` on demand) |
 | `/stop_model` | `StopModelRequest` | `ModelStatus` (`draining`: stopped in the background) |
 | `/ensure_model` | `EnsureModelRequest` | `ModelStatus`; starts an on-demand model |
@@ -71,7 +71,9 @@ def add_lifecycle_routes(app: FastAPI, manager: ModelManager, agents: Agents,
     async def register_agent(request: Request) -> dict:
         body = await parse(request, RegisterAgentRequest)
         assert isinstance(body, RegisterAgentRequest)
-        agents.register(body.agent_address.rstrip("/"), body.host_name)
+        address = body.agent_address.rstrip("/")
+        agents.register(address, body.host_name)
+        manager.adopt(address, body.host_name, body.processes)
         return {}
 
     @app.post("/launch_model")

@@ -112,11 +112,6 @@ class ListModelStatesResponse(_Answer):
 # ---- controller <-> agent -------------------------------------------------------------------
 
 
-class RegisterAgentRequest(_Request):
-    agent_address: str
-    host_name: str
-
-
 class LaunchWorkersRequest(_Request):
     """The controller asks an agent for `replicas` workers of one model, all or none."""
 
@@ -126,6 +121,9 @@ class LaunchWorkersRequest(_Request):
     kv_cache_memory: str | None = None
     worker_args: list[str] = Field(default_factory=list)
     replicas: int = Field(1, ge=1, le=16)
+    spec: LaunchModelRequest | None = None
+    """The launch as it was asked for (on demand, keep_alive, ...): the agent keeps it with the
+    workers and reports it back, so that a restarted controller takes the model over as it was."""
 
 
 class ProcessState(str, enum.Enum):
@@ -142,6 +140,16 @@ class AgentProcess(_Answer):
     """How it ended (exit status) and the last lines of its log."""
     reserved_bytes: int = 0
     """Weights plus KV pool this worker was admitted with."""
+    spec: LaunchModelRequest | None = None
+    """The launch that started it (`LaunchWorkersRequest.spec`)."""
+
+
+class RegisterAgentRequest(_Request):
+    """An agent announcing itself, with the workers it runs (a restarted controller adopts them)."""
+
+    agent_address: str
+    host_name: str
+    processes: list[AgentProcess] = Field(default_factory=list)
 
 
 class LaunchWorkersResponse(_Answer):

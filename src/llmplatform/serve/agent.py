@@ -34,6 +34,7 @@ from llmplatform.protocol.lifecycle import (
     AgentStatus,
     LaunchWorkersRequest,
     LaunchWorkersResponse,
+    RegisterAgentRequest,
     StopWorkerRequest,
 )
 from llmplatform.serve.agent_processes import WorkerProcesses
@@ -69,13 +70,17 @@ def free_bytes(config: AgentConfig, processes: WorkerProcesses, worker_args: lis
 
 
 async def register_periodically(app: FastAPI, config: AgentConfig, client: httpx.AsyncClient) -> None:
-    """Tell the controller this agent exists, now and every `register_interval` seconds."""
+    """Tell the controller this agent exists and which workers it runs, now and every
+    `register_interval` seconds."""
     while True:
         address = config.agent_address or getattr(app.state, "agent_address", None)
         if address is not None:
+            processes = await asyncio.to_thread(app.state.processes.listing)
+            body = RegisterAgentRequest(agent_address=address, host_name=config.host_name,
+                                        processes=processes)
             try:
-                response = await client.post(f"{config.controller_address}/register_agent", json={
-                    "agent_address": address, "host_name": config.host_name})
+                response = await client.post(f"{config.controller_address}/register_agent",
+                                             json=body.model_dump(mode="json"))
                 if response.status_code != 200:
                     logger.warning("the controller answered %d to /register_agent: %s",
                                    response.status_code, response.text[:200])

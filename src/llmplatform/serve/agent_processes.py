@@ -22,7 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from llmplatform.protocol.lifecycle import AgentProcess, LaunchWorkersRequest, ProcessState
+from llmplatform.protocol.lifecycle import (
+    AgentProcess,
+    LaunchModelRequest,
+    LaunchWorkersRequest,
+    ProcessState,
+)
 from llmplatform.serve.supervisor import STOP_MARGIN_S, die_with_parent, exit_description
 from llmplatform.utils.cluster_secret import SECRET_ENV
 
@@ -39,6 +44,7 @@ class _Worker:
     log_path: Path
     log: IO[bytes]
     reserved_bytes: int
+    spec: LaunchModelRequest | None
 
     def describe(self) -> AgentProcess:
         code = self.proc.poll()
@@ -46,7 +52,7 @@ class _Worker:
             worker_address=self.address, model_name=self.model_name, pid=self.proc.pid,
             state=ProcessState.RUNNING if code is None else ProcessState.EXITED,
             exit_reason=None if code is None else self.exit_reason(code),
-            reserved_bytes=self.reserved_bytes if code is None else 0)
+            reserved_bytes=self.reserved_bytes if code is None else 0, spec=self.spec)
 
     def exit_reason(self, code: int) -> str:
         try:
@@ -105,7 +111,8 @@ class WorkerProcesses:
                                     preexec_fn=die_with_parent)
             logger.info("started worker %s for %s (pid %d, log %s)", address,
                         request.model_name, proc.pid, log_path)
-            worker = _Worker(address, request.model_name, proc, log_path, log, per_worker_bytes)
+            worker = _Worker(address, request.model_name, proc, log_path, log, per_worker_bytes,
+                             request.spec)
             self._workers[address] = worker
             started.append(worker.describe())
         return started
