@@ -202,6 +202,10 @@ def test_bad_launches_are_refused_and_change_nothing(tmp_path, tiny_model_dir):
         assert rt.admin("DELETE", "/models/nothing").status_code == 404
         assert rt.states() == {} and rt.worker_pids() == []
 
+        bad_on_demand = {**launch_body(tiny_model_dir, "m", on_demand=True),
+                         "worker_args": ["--dtype", "float13"]}
+        refused = rt.admin("POST", "/models", json=bad_on_demand)
+        assert refused.status_code == 400 and "bad worker flags" in refused.text
         on_demand = launch_body(tiny_model_dir, "m", on_demand=True)
         assert rt.admin("POST", "/models", json=on_demand).status_code == 202
         assert rt.admin("POST", "/models", json=on_demand).status_code == 409  # exists

@@ -45,6 +45,10 @@ class FakeAgent:
         self._ports = iter(range(9000, 9999))
 
     async def launch(self, agent: str, request: LaunchWorkersRequest) -> LaunchWorkersResponse:
+        if request.model_path != "/m":
+            raise LifecycleError(f"model_path {request.model_path!r} is not a checkpoint", 400)
+        if request.check_only:
+            return LaunchWorkersResponse(workers=[])
         if len(self.running) + request.replicas > self.capacity:
             raise LifecycleError("does not fit; would fit: nothing", 409)
         self.launches.append(request.model_name)
@@ -303,3 +307,10 @@ async def test_a_restarted_controller_adopts_what_the_agents_run():
     restarted.stop("a")
     await settle()
     assert "a" not in fake.running.values()
+
+
+async def test_an_on_demand_model_with_a_bad_path_is_refused_when_registered():
+    clock, registry, fake, manager = setup()
+    with pytest.raises(LifecycleError) as refused:
+        await manager.launch(LaunchModelRequest(name="lazy", model_path="/nowhere", on_demand=True))
+    assert refused.value.status == 400 and manager.statuses() == [] and fake.running == {}

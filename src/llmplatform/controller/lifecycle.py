@@ -87,12 +87,16 @@ class ModelManager:
         state = ModelState.NOT_LOADED if spec.on_demand else ModelState.LOADING
         model = ManagedModel(spec, state, last_used=self._clock())
         self._models[spec.name] = model  # the name is taken while the agent is asked
-        if not spec.on_demand:
-            try:
+        try:
+            if spec.on_demand:  # bad flags or path are found now, not by its first request
+                agent = self._agents.named(spec.host)[0]
+                await self._calls.launch(agent.address, self._request(spec, check_only=True))
+            else:
                 await self._start(model)
-            except LifecycleError:
+        except LifecycleError:
+            if self._models.get(spec.name) is model:
                 del self._models[spec.name]  # nothing was started: as if never asked
-                raise
+            raise
         return self.status(model)
 
     def register_on_demand(self, spec: LaunchModelRequest) -> None:
@@ -163,10 +167,7 @@ class ModelManager:
 
     async def _start(self, model: ManagedModel) -> None:
         spec = model.spec
-        request = LaunchWorkersRequest(
-            model_name=spec.name, model_path=spec.model_path, backend=spec.backend,
-            kv_cache_memory=spec.kv_cache_memory, worker_args=spec.worker_args,
-            replicas=spec.replicas, spec=spec)
+        request = self._request(spec)
         candidates = self._agents.named(spec.host)
         while True:
             agent = candidates[0]
@@ -186,6 +187,13 @@ class ModelManager:
             raise LifecycleError(f"the model {spec.name!r} was stopped while it was launched", 409)
         model.state, model.started_at, model.reason = ModelState.LOADING, self._clock(), None
         logger.info("launched %s on %s: %s", spec.name, agent.host_name, ", ".join(model.workers))
+
+    @staticmethod
+    def _request(spec: LaunchModelRequest, *, check_only: bool = False) -> LaunchWorkersRequest:
+        return LaunchWorkersRequest(
+            model_name=spec.name, model_path=spec.model_path, backend=spec.backend,
+            kv_cache_memory=spec.kv_cache_memory, worker_args=spec.worker_args,
+            replicas=spec.replicas, spec=spec, check_only=check_only)
 
     async def _make_room(self, agent: str, for_name: str) -> bool:
         """Stop the least recently used idle on-demand model on `agent`; False if none."""

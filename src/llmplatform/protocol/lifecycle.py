@@ -124,6 +124,9 @@ class LaunchWorkersRequest(_Request):
     spec: LaunchModelRequest | None = None
     """The launch as it was asked for (on demand, keep_alive, ...): the agent keeps it with the
     workers and reports it back, so that a restarted controller takes the model over as it was."""
+    check_only: bool = False
+    """Check the flags and the path, start nothing (an on-demand model being registered: its
+    memory is checked when it starts)."""
 
 
 class ProcessState(str, enum.Enum):

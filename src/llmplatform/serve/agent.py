@@ -6,7 +6,7 @@ Routes (POST with a JSON body, except the GETs; every one but /health needs the 
 
 | route | request | response |
 |---|---|---|
-| `/launch_workers` | `LaunchWorkersRequest` | `LaunchWorkersResponse`; 400 bad flags or path, 409 does not fit: `{"error": message}` |
+| `/launch_workers` | `LaunchWorkersRequest` | `LaunchWorkersResponse`; 400 bad flags or path, 409 does not fit: `{"error": message}`; with `check_only`, the checks but memory, and no worker |
 | `/stop_worker` | `StopWorkerRequest` | the stopped worker's `AgentProcess`, once it has exited; 404 unknown |
 | `/list_processes` | (GET) | `AgentStatus` |
 | `/health` | (GET) | 200 |
@@ -38,7 +38,14 @@ from llmplatform.protocol.lifecycle import (
     StopWorkerRequest,
 )
 from llmplatform.serve.agent_processes import WorkerProcesses
-from llmplatform.serve.launch_checks import LaunchRefused, check_fit, check_worker_args, host_free_bytes
+from llmplatform.serve.launch_checks import (
+    LaunchRefused,
+    check_fit,
+    check_worker_args,
+    host_free_bytes,
+    kv_bytes,
+    weights_bytes,
+)
 from llmplatform.utils.cluster_secret import ClusterSecretMiddleware, secret_headers
 from llmplatform.utils.json_body import parse_json_body
 
@@ -130,6 +137,10 @@ def create_app(config: AgentConfig) -> FastAPI:
         body = parse_json_body(LaunchWorkersRequest, await request.body())
         # Parsing flags and listing files are quick but touch the disk: off the event loop.
         await asyncio.to_thread(check_worker_args, body)
+        if body.check_only:
+            await asyncio.to_thread(weights_bytes, body.model_path)  # the path, at least
+            await asyncio.to_thread(kv_bytes, body)
+            return LaunchWorkersResponse(workers=[])
         async with launch_lock:
             free = await asyncio.to_thread(free_bytes, config, processes, body.worker_args)
             fit = await asyncio.to_thread(check_fit, body, free)
