@@ -314,3 +314,29 @@ async def test_an_on_demand_model_with_a_bad_path_is_refused_when_registered():
     with pytest.raises(LifecycleError) as refused:
         await manager.launch(LaunchModelRequest(name="lazy", model_path="/nowhere", on_demand=True))
     assert refused.value.status == 400 and manager.statuses() == [] and fake.running == {}
+
+
+def test_a_launch_the_host_cannot_start_whole_leaves_no_process(tmp_path, monkeypatch):
+    import subprocess
+
+    from llmplatform.serve import agent_processes
+    from llmplatform.serve.agent_processes import WorkerProcesses
+    from tests.processes import alive
+
+    spawned: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen(argv, **kwargs):  # the first replica starts (a stand-in process), the second cannot
+        if spawned:
+            raise OSError(11, "Resource temporarily unavailable")
+        spawned.append(real_popen(["sleep", "60"], **kwargs))
+        return spawned[-1]
+
+    monkeypatch.setattr(agent_processes.subprocess, "Popen", popen)
+    processes = WorkerProcesses(host="127.0.0.1", controller_address="http://127.0.0.1:9",
+                                cluster_secret=None, log_dir=tmp_path, shutdown_timeout=1,
+                                log_args=[])
+    request = LaunchWorkersRequest(model_name="m", model_path="/m", backend="paged", replicas=2)
+    with pytest.raises(OSError):
+        processes.start(request, per_worker_bytes=1)
+    assert processes.listing() == [] and not alive(spawned[0].pid)

@@ -146,7 +146,10 @@ def create_app(config: AgentConfig) -> FastAPI:
             fit = await asyncio.to_thread(check_fit, body, free)
             # On the loop's own thread: a child's parent-death signal follows the thread that
             # forked it, and a pool thread may end while the worker runs.
-            started = processes.start(body, fit.per_worker_bytes)
+            try:
+                started = processes.start(body, fit.per_worker_bytes)
+            except OSError as exc:
+                raise LaunchRefused(f"the workers could not be started: {exc}", 503) from None
         return LaunchWorkersResponse(workers=started)
 
     @app.post("/stop_worker")

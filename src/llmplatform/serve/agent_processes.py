@@ -89,33 +89,49 @@ class WorkerProcesses:
         return [w.describe() for w in self._workers.values()]
 
     def start(self, request: LaunchWorkersRequest, per_worker_bytes: int) -> list[AgentProcess]:
-        """Start `replicas` workers (they load and register in the background)."""
-        started = []
-        for _ in range(request.replicas):
-            port = _free_port(self._host)
-            address = f"http://{self._reach}:{port}"
-            argv = [sys.executable, "-m", "llmplatform.model_worker", "--host", self._host,
-                    "--port", str(port), "--worker-address", address, "--controller-address",
-                    self._controller, "--shutdown-timeout", f"{self._shutdown_timeout:g}",
-                    *self._log_args, "--model-path", request.model_path, "--model-names",
-                    request.model_name, "--backend", request.backend, *request.worker_args]
-            if request.kv_cache_memory is not None:
-                argv += ["--kv-cache-memory", request.kv_cache_memory]
-            env = dict(os.environ)
-            if self._secret is not None:
-                env[SECRET_ENV] = self._secret  # never on the command line (secret_flags.py)
-            self._log_dir.mkdir(parents=True, exist_ok=True)
-            log_path = self._log_dir / f"worker-{request.model_name.replace('/', '_')}-{port}.log"
-            log = open(log_path, "ab")  # noqa: SIM115 (the child writes to it until it exits)
+        """Start `replicas` workers (they load and register in the background): all or none,
+        an OSError (no log folder, no fork) killing those this call started."""
+        started: list[_Worker] = []
+        try:
+            for _ in range(request.replicas):
+                started.append(self._spawn(request, per_worker_bytes))
+        except OSError:
+            for worker in started:
+                worker.proc.kill()
+                worker.proc.wait()
+                worker.log.close()
+                del self._workers[worker.address]
+            raise
+        return [worker.describe() for worker in started]
+
+    def _spawn(self, request: LaunchWorkersRequest, per_worker_bytes: int) -> _Worker:
+        port = _free_port(self._host)
+        address = f"http://{self._reach}:{port}"
+        argv = [sys.executable, "-m", "llmplatform.model_worker", "--host", self._host,
+                "--port", str(port), "--worker-address", address, "--controller-address",
+                self._controller, "--shutdown-timeout", f"{self._shutdown_timeout:g}",
+                *self._log_args, "--model-path", request.model_path, "--model-names",
+                request.model_name, "--backend", request.backend, *request.worker_args]
+        if request.kv_cache_memory is not None:
+            argv += ["--kv-cache-memory", request.kv_cache_memory]
+        env = dict(os.environ)
+        if self._secret is not None:
+            env[SECRET_ENV] = self._secret  # never on the command line (secret_flags.py)
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self._log_dir / f"worker-{request.model_name.replace('/', '_')}-{port}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 (the child writes to it until it exits)
+        try:
             proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     preexec_fn=die_with_parent)
-            logger.info("started worker %s for %s (pid %d, log %s)", address,
-                        request.model_name, proc.pid, log_path)
-            worker = _Worker(address, request.model_name, proc, log_path, log, per_worker_bytes,
-                             request.spec)
-            self._workers[address] = worker
-            started.append(worker.describe())
-        return started
+        except OSError:
+            log.close()
+            raise
+        logger.info("started worker %s for %s (pid %d, log %s)", address, request.model_name,
+                    proc.pid, log_path)
+        worker = _Worker(address, request.model_name, proc, log_path, log, per_worker_bytes,
+                         request.spec)
+        self._workers[address] = worker
+        return worker
 
     def knows(self, address: str) -> bool:
         return address in self._workers

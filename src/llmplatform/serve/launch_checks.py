@@ -30,7 +30,8 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 class LaunchRefused(Exception):
-    """A launch the agent will not start; `status` is 400 (bad input) or 409 (does not fit)."""
+    """A launch the agent will not start; `status` is 400 (bad input), 409 (does not fit) or 503
+    (the processes could not be started)."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
