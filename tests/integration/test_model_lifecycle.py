@@ -149,9 +149,9 @@ def test_launch_beside_traffic_then_stop_during_a_stream(tmp_path, tiny_model_di
             assert rt.states()["tiny"]["managed"] is False  # listed, not stoppable here
 
             # A stream running on tiny2 when it is stopped still finishes. (The tiny model on
-            # the CPU takes far longer for 64 tokens than the stop takes to reach its worker.)
+            # the CPU takes far longer for 128 tokens than the stop takes to reach its worker.)
             stream = client.chat.completions.create(
-                model="tiny2", messages=[{"role": "user", "content": "Hi"}], max_tokens=64,
+                model="tiny2", messages=[{"role": "user", "content": "Hi"}], max_tokens=128,
                 stream=True, extra_body={"ignore_eos": True})
             chunks = iter(stream)
             assert next(chunks).choices[0].delta is not None
@@ -164,6 +164,11 @@ def test_launch_beside_traffic_then_stop_during_a_stream(tmp_path, tiny_model_di
             assert refused.value.status_code == 503
             finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
             assert finishes[-1] == "length"
+            # The worker's own log: told to stop, it finished the stream, then exited.
+            [log] = (tmp_path / "logs").glob("worker-tiny2-*.log")
+            lines = log.read_text().splitlines()
+            stopping = next(i for i, line in enumerate(lines) if "Shutting down" in line)
+            assert any("completion_tokens=128" in line for line in lines[stopping:]), lines[-8:]
             rt.wait_state("tiny2", None)  # gone from the listing once stopped
             assert rt.worker_pids() == []
         finally:
