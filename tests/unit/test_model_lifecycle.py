@@ -340,3 +340,23 @@ def test_a_launch_the_host_cannot_start_whole_leaves_no_process(tmp_path, monkey
     with pytest.raises(OSError):
         processes.start(request, per_worker_bytes=1)
     assert processes.listing() == [] and not alive(spawned[0].pid)
+
+
+def test_what_would_fit_is_said_in_numbers(tmp_path):
+    from llmplatform.serve.launch_checks import LaunchRefused, check_fit
+
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * (1 << 20))  # 1 MiB of weights
+    (tmp_path / "config.json").write_text("{}")  # not weights: not counted
+    request = LaunchWorkersRequest(model_name="m", model_path=str(tmp_path), backend="paged",
+                                   kv_cache_memory="3MiB", replicas=2)
+    assert check_fit(request, free_bytes=8 << 20).per_worker_bytes == 4 << 20
+    with pytest.raises(LaunchRefused) as refused:
+        check_fit(request, free_bytes=6 << 20)
+    assert refused.value.status == 409
+    assert str(refused.value) == (
+        "2 worker(s) of 'm' need 8.00 MiB (1.00 MiB of weights + 3.00 MiB of KV pool each) but "
+        "6.00 MiB is free on this host; would fit: 1 replica(s) with this KV pool or "
+        "kv_cache_memory of at most 2.00 MiB per worker for 2 replica(s)")
+    with pytest.raises(LaunchRefused) as nothing:
+        check_fit(request, free_bytes=1 << 19)
+    assert str(nothing.value).endswith("would fit: nothing: not even the weights fit")
