@@ -112,7 +112,15 @@ def runtime(tmp_path: Path, *, memory_limit_bytes: int | None = None,
         wait_until(lambda: rt.admin("GET", "/models").json()["hosts"], interval_s=0.1,
                    what="the agent to register")
         yield rt
-    assert not [pid for pid in children_of(os.getpid()) if alive(pid)], "a worker outlived its test"
+    assert not [pid for pid in children_of(os.getpid())
+                if alive(pid) and b"llmplatform.model_worker" in _cmdline(pid)], "a worker outlived its test"
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def chat(client: openai.OpenAI, model: str, max_tokens: int = 4) -> str | None:

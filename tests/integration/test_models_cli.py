@@ -23,18 +23,14 @@ def models_cli(api_port: int, *args: str) -> subprocess.CompletedProcess:
                           text=True, env=env, timeout=300)
 
 
-def test_models_cli_launches_lists_and_stops_on_serve(tiny_model_dir, tmp_path):
+def test_models_cli_launches_lists_and_stops_on_serve(tiny_model_dir, tmp_path, monkeypatch):
     controller_port, api_port, worker_port = free_ports(3)
-    env_keys = {"LLMPLATFORM_ADMIN_API_KEYS": ADMIN}
-    os.environ.update(env_keys)  # serve hands them to the gateway
-    try:
+    with monkeypatch.context() as env:
+        env.setenv("LLMPLATFORM_ADMIN_API_KEYS", ADMIN)  # serve hands it to the gateway
         proc = start_serve(["--controller-port", str(controller_port), "--api-port", str(api_port),
                             "--log-dir", str(tmp_path), "--agent-memory-limit", "1GiB",
                             "--worker", f"--model-path {tiny_model_dir} --model-names tiny "
                             f"--port {worker_port} --dtype float32 --kv-cache-memory 64MiB"])
-    finally:
-        for key in env_keys:
-            del os.environ[key]
     lines: list[str] = []
     try:
         wait_for_line(proc, "OpenAI API at", lines)

@@ -56,7 +56,8 @@ logger = logging.getLogger("llmplatform.serve.agent")
 class AgentConfig:
     controller_address: str
     agent_address: str | None = None
-    """What the controller reaches this agent at; None: set on app.state once listening (tests)."""
+    """What the controller reaches this agent at; None: `app.state.agent_address`, set once it
+    listens on a port picked then (serve's own agent, tests)."""
     host: str = "127.0.0.1"
     """Where its workers bind."""
     host_name: str = field(default_factory=socket.gethostname)
