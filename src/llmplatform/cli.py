@@ -1,5 +1,5 @@
 """The ``llmplatform`` command: ``serve`` (a whole cluster), ``controller``, ``worker``, ``api``,
-``webui``."""
+``webui``, and ``models`` (launch, list and stop models at runtime, through the gateway)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pkgutil
 import sys
 
 USAGE = """\
-usage: llmplatform {serve,controller,worker,api,webui} [options]
+usage: llmplatform {serve,controller,worker,api,webui,models} [options]
 
   serve       start a controller, model worker(s), the OpenAI gateway and the web UI;
               restart any that dies (closed to outside workers: a random cluster secret)
@@ -15,6 +15,7 @@ usage: llmplatform {serve,controller,worker,api,webui} [options]
   worker      run one model worker
   api         run the OpenAI-compatible gateway
   webui       run the chat web UI (a client of the gateway)
+  models      launch | list | stop models at runtime (the gateway's /v1/admin/models)
 
 Run `llmplatform COMMAND --help` for a command's options. Every option can also be set in
 the environment as LLMPLATFORM_<OPTION> (--max-num-seqs: LLMPLATFORM_MAX_NUM_SEQS); a flag
@@ -27,6 +28,7 @@ COMMANDS = {
     "worker": "llmplatform.model_worker.__main__:main",
     "api": "llmplatform.openai_api.__main__:main",
     "webui": "llmplatform.webui.__main__:main",
+    "models": "llmplatform.serve.models_cli:main",
 }
 """Each command's entry point, named rather than imported: only the one asked for is loaded, and
 the command line stays above the services it starts (test_layering.py)."""

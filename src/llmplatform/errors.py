@@ -80,6 +80,16 @@ class ModelNotFoundError(LLMPlatformError):
     openai_code = "model_not_found"
 
 
+class ConflictError(LLMPlatformError):
+    """The request conflicts with what exists: a model launched twice, or a launch that does not
+    fit the host's free memory (HTTP 409)."""
+
+    error_code = ErrorCode.PARAM_OUT_OF_RANGE
+    http_status = 409
+    openai_type = "invalid_request_error"
+    openai_code = "conflict"
+
+
 class EngineOverloadedError(LLMPlatformError):
     """The backend cannot take the request now; retry later (HTTP 429)."""
 

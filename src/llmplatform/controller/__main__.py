@@ -15,6 +15,7 @@ from typing import Any
 from llmplatform.controller.app import create_app
 from llmplatform.controller.config import ControllerConfig
 from llmplatform.controller.registry import DEFAULT_HEARTBEAT_EXPIRATION_S
+from llmplatform.protocol.lifecycle import LaunchModelRequest
 from llmplatform.routing.cache_aware import CacheAwareConfig
 from llmplatform.routing.policies import DEFAULT_DISPATCH_METHOD, DispatchMethod
 from llmplatform.utils.cluster_secret import SECRET_HEADER
@@ -85,6 +86,16 @@ class ControllerServiceSettings(ServerSettings):
         "/worker_get_status yet is waited for (never routed meanwhile); stock FastChat workers "
         "register before they listen (default: %(default)s)", metavar="SECONDS")
 
+    model_load_timeout: float = option(
+        ControllerConfig.model_load_timeout, "seconds a model launched through the lifecycle API "
+        "(POST /v1/admin/models) has for all its workers to register before it is failed and "
+        "its workers stopped (default: %(default)s)", metavar="SECONDS", gt=0)
+    on_demand_model: list[str] | None = option(
+        None, "a model launchable on demand, as the JSON body of POST /v1/admin/models, e.g. "
+        "'{\"name\": \"m\", \"model_path\": \"/models/m\", \"keep_alive\": 300}': listed "
+        "in /v1/models as not loaded, started by the first request for it. Repeatable",
+        metavar="JSON", repeatable=True)
+
     @cached_property
     def controller_config(self) -> ControllerConfig:
         """The app's section of these settings (checked when the settings are made)."""
@@ -95,7 +106,10 @@ class ControllerServiceSettings(ServerSettings):
             entry_ttl_s=self.cache_aware_entry_ttl,
             max_chunks_per_worker=self.cache_aware_max_chunks_per_worker,
             max_sessions=self.cache_aware_max_sessions)
-        return self.section(ControllerConfig, guard=self.guard_config(), cache_aware=cache_aware)
+        on_demand = tuple(LaunchModelRequest.model_validate_json(spec)
+                          for spec in self.on_demand_model or ())
+        return self.section(ControllerConfig, guard=self.guard_config(), cache_aware=cache_aware,
+                            on_demand_models=on_demand)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

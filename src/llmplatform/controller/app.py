@@ -29,6 +29,8 @@ from llmplatform.controller.admission import RegistrationRefused, check_worker_a
 from llmplatform.controller.confirmation import Claim, Confirmations
 from llmplatform.controller.dispatch import Dispatcher
 from llmplatform.controller.down_workers import DownWorkers, add_down_worker_route
+from llmplatform.controller.agents import Agents
+from llmplatform.controller.lifecycle_routes import add_lifecycle_routes, model_manager, watching
 from llmplatform.controller.config import ControllerConfig
 from llmplatform.controller.registry import WorkerInfo, WorkerRegistry
 from llmplatform.controller.workers import (
@@ -146,6 +148,8 @@ def create_app(
     metrics = ControllerMetrics(registry)
     confirmations = Confirmations(registry, config, metrics)
     down_workers = DownWorkers(clock)
+    agents = Agents(clock)
+    models = model_manager(config, registry, agents, lambda: app.state.http_client, clock)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -168,7 +172,8 @@ def create_app(
                 config.heartbeat_expiration,
             )
             try:
-                yield
+                async with watching(models):
+                    yield
             finally:
                 sweeper.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -267,6 +272,7 @@ def create_app(
         return DeregisterWorkerResponse(removed=removed)
 
     add_down_worker_route(app, registry, down_workers, _parse_body, normalize_worker_name)
+    add_lifecycle_routes(app, models, agents, _parse_body)
 
     @app.post("/refresh_all_workers")
     async def refresh_all_workers(request: Request) -> RefreshAllWorkersResponse:
@@ -342,6 +348,7 @@ def create_app(
         decision = dispatcher.decide(body.model, exclude=exclude, hint=hint)
         if decision is None:
             return GetWorkerAddressResponse(address="")
+        models.touch(body.model)  # in use: an on-demand model's keep_alive counts from here
         metrics.dispatch_decisions.labels(dispatcher.method.value, decision.reason.value).inc()
         logger.debug("dispatch %s -> %s (%s, %d prompt characters believed cached)", body.model,
                      decision.worker.worker_name, decision.reason.value, decision.matched_chars)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmplatform.controller.registry import DEFAULT_HEARTBEAT_EXPIRATION_S
+from llmplatform.protocol.lifecycle import LaunchModelRequest
 from llmplatform.routing.cache_aware import CacheAwareConfig
 from llmplatform.routing.policies import DEFAULT_DISPATCH_METHOD, DispatchMethod
 from llmplatform.utils.request_guard import RequestGuardConfig
@@ -41,6 +42,14 @@ class ControllerConfig:
     """Seconds a registration whose address does not accept connections yet (a stock FastChat
     worker registers before it listens) waits for it to answer; never routed meanwhile, dropped
     after (see `confirmation`)."""
+    model_load_timeout: float = 600.0
+    """Seconds a launched model's workers have to register before it is failed (and stopped)."""
+    agent_timeout: float = 30.0
+    """Seconds allowed for a host agent's answer (a launch is answered once its checks pass)."""
+    agent_stop_timeout: float = 300.0
+    """Seconds a stopped worker's agent may take to answer (the worker drains meanwhile)."""
+    on_demand_models: tuple[LaunchModelRequest, ...] = ()
+    """Models registered as launchable from the start (each started by its first request)."""
     guard: RequestGuardConfig = RequestGuardConfig()
     """What a request must be to reach a route: Host, Origin, JSON body, body size (see
     `request_guard`); `__main__` sets the allowed hosts from the bind address."""
@@ -58,6 +67,9 @@ class ControllerConfig:
             "connect_timeout": self.connect_timeout,
             "stream_read_timeout": self.stream_read_timeout,
             "confirm_timeout": self.confirm_timeout,
+            "model_load_timeout": self.model_load_timeout,
+            "agent_timeout": self.agent_timeout,
+            "agent_stop_timeout": self.agent_stop_timeout,
         }
         if self.expiry_interval is not None:
             positive["expiry_interval"] = self.expiry_interval

@@ -86,6 +86,9 @@ class WorkerRegistry:
         """The registry's clock: heartbeats are stamped with it (routing compares picks to them)."""
         self._workers: dict[str, WorkerInfo] = {}
         self._generations = itertools.count(1)
+        self._draining: set[str] = set()
+        """Workers being stopped (the lifecycle API): never offered again, even while they are
+        registered and beating, so new requests go elsewhere while theirs finish."""
 
     # ---- writes -------------------------------------------------------------------------------
 
@@ -176,6 +179,7 @@ class WorkerRegistry:
         now = self.clock()
         if not self._is_live(info, now):
             del self._workers[worker_name]
+            self._draining.discard(worker_name)
             return False
         self._workers[worker_name] = dataclasses.replace(
             info,
@@ -190,6 +194,11 @@ class WorkerRegistry:
         )
         return True
 
+    def set_draining(self, worker_name: str) -> None:
+        """Route nothing more to `worker_name` (it is being stopped); it leaves the listings at
+        once. Forgotten when the worker is removed, so a new worker at the address is routed."""
+        self._draining.add(worker_name)
+
     def remove(self, worker_name: str, generation: int | None = None) -> bool:
         """Forget a worker; False if it was not registered (or, with `generation`, if its entry
         is now another registration's)."""
@@ -197,6 +206,7 @@ class WorkerRegistry:
         if info is None or (generation is not None and info.generation != generation):
             return False
         del self._workers[worker_name]
+        self._draining.discard(worker_name)
         return True
 
     def expire(self, now: float | None = None) -> list[str]:
@@ -209,6 +219,7 @@ class WorkerRegistry:
         stale = sorted(name for name, info in self._workers.items() if not self._is_live(info, now))
         for name in stale:
             del self._workers[name]
+            self._draining.discard(name)
         return stale
 
     # ---- reads (live workers only) ------------------------------------------------------------
@@ -225,7 +236,8 @@ class WorkerRegistry:
         """Live workers sorted by name, so dispatch sees candidates in a stable order."""
         now = self.clock()
         return [
-            info for name, info in sorted(self._workers.items()) if self._is_live(info, now)
+            info for name, info in sorted(self._workers.items())
+            if self._is_live(info, now) and name not in self._draining
         ]
 
     def quiet_workers(self, min_silence: float) -> list[WorkerInfo]:

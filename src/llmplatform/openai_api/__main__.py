@@ -99,6 +99,10 @@ class GatewayServiceSettings(ServerSettings):
     worker_refresh_interval: float = option(
         GatewaySettings.worker_refresh_interval, "with --routing local: seconds between two reads "
         "of the controller's worker list (default: %(default)s)", metavar="SECONDS")
+    on_demand_timeout: float = option(
+        GatewaySettings.on_demand_timeout, "how long a request for a model launchable on demand "
+        "waits for it to start (then 504); a streamed one gets SSE keep-alive comments meanwhile "
+        "(default: %(default)s)", metavar="SECONDS", gt=0)
     worker_stream_deltas: bool = option(
         GatewaySettings.worker_stream_deltas, "ask workers for delta stream frames (only the new "
         "text and logprobs in each chunk; stock FastChat workers ignore it and send cumulative "

@@ -2,7 +2,8 @@
 
 `create_app(settings)` builds everything; nothing runs at import time. State on `app.state`:
 `settings`, `created` (the model cards' timestamp) and, while the lifespan runs,
-`worker_client` (around the app's one `httpx.AsyncClient`) and, with `--routing local`,
+`worker_client` (around the app's one `httpx.AsyncClient`), `lifecycle` (the controller's model
+lifecycle routes, over the same client) and, with `--routing local`,
 `routing_table` (the gateway's router), kept fresh by a background task the lifespan starts and cancels.
 """
 
@@ -23,6 +24,7 @@ from llmplatform.metrics.common import add_metrics_route
 from llmplatform.metrics.gateway import GatewayMetrics, GatewayMetricsMiddleware
 from llmplatform.openai_api.auth import ApiKeyMiddleware
 from llmplatform.openai_api.errors import error_payload, install_exception_handlers
+from llmplatform.openai_api.lifecycle import Lifecycle
 from llmplatform.openai_api.limits import RequestBodyMiddleware
 from llmplatform.openai_api.router import build_router
 from llmplatform.openai_api.tenants import TenantMiddleware, Tenants
@@ -73,6 +75,7 @@ def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | N
                                   on_route=lambda source: decisions.labels(source.value).inc(),
                                   on_decision=lambda policy, reason: dispatch.labels(policy, reason).inc())
             app.state.worker_client = client
+            app.state.lifecycle = Lifecycle(http, settings)
             app.state.routing_table = table
             logger.debug("gateway up: controller=%s auth=%s routing=%s", settings.controller_address,
                          bool(settings.api_keys), settings.routing.value)

@@ -11,6 +11,7 @@ if the client leaves) and answer once.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -20,9 +21,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from llmplatform.errors import LLMPlatformError
+from llmplatform.errors import LLMPlatformError, ModelNotFoundError, NoWorkerError
 from llmplatform.metrics.gateway import note_model
 from llmplatform.openai_api.errors import error_payload
+from llmplatform.openai_api.lifecycle import Lifecycle
 from llmplatform.openai_api.sse import DONE, EventStreamResponse, sse_event
 from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, until_disconnected
 from llmplatform.openai_api.tenants import Tenants, Ticket, ticket_of
@@ -32,6 +34,10 @@ from llmplatform.protocol.openai import Usage
 from llmplatform.protocol.worker import WorkerChunk
 
 logger = logging.getLogger("llmplatform.openai_api")
+
+ON_DEMAND_KEEP_ALIVE_S = 2.0
+"""Seconds between SSE keep-alive comments while a streamed request waits for its model."""
+KEEP_ALIVE_COMMENT = b": keep-alive\n\n"
 
 P = TypeVar("P")
 P_contra = TypeVar("P_contra", contravariant=True)
@@ -79,9 +85,24 @@ async def answer(request: Request, model: str, start_on: StartOn[P],
                  route: RouteRequest | None = None) -> Response:
     """Serve a checked generation request. `reply` is given a getter of what `start_on` prepared
     on the worker that answered (failover may change it until the first chunk). `route` informs
-    the first pick only: a failover pick ranks by load (the preferred worker just failed)."""
+    the first pick only: a failover pick ranks by load (the preferred worker just failed).
+
+    A model no worker serves that is launchable on demand is started first: waited for (up to
+    --on-demand-timeout), a streamed answer sending SSE keep-alive comments meanwhile."""
     client = worker_client(request)
-    address = await client.worker_address(model, route=route)
+    try:
+        address = await client.worker_address(model, route=route)
+    except (ModelNotFoundError, NoWorkerError):
+        lifecycle: Lifecycle = request.app.state.lifecycle
+        starting = await lifecycle.ensure(model)
+        if starting is None:
+            raise  # not launchable: the 404 or 503 stands
+        if stream:
+            return EventStreamResponse(_cold_event_stream(
+                request, lifecycle.wait_ready(starting), model, start_on, reply, route),
+                headers_first=True)
+        await lifecycle.wait_ready(starting)
+        address = await client.worker_address(model, route=route)
     note_model(request, model)
     streams = RequestStreams(client, model, start_on)
     await streams.start(address)
@@ -96,6 +117,36 @@ async def answer(request: Request, model: str, start_on: StartOn[P],
         await streams.aclose()
         _charge(ticket, replying, streams)
     return JSONResponse(replying.response(final_chunks).model_dump())
+
+
+async def _cold_event_stream(request: Request, ready: Awaitable[None], model: str,
+                             start_on: StartOn[P], reply: Callable[[Callable[[], P]], Reply[P]],
+                             route: RouteRequest | None) -> AsyncIterator[bytes]:
+    """A streamed answer from a model being started: keep-alive comments until it is ready
+    (clients and proxies would otherwise time out an idle stream), then the answer. The status
+    line (200) has gone out first, so a failure to start is an in-band error event."""
+    waiting = asyncio.ensure_future(ready)
+    streams: RequestStreams[P] | None = None
+    try:
+        while not waiting.done():
+            await asyncio.wait({waiting}, timeout=ON_DEMAND_KEEP_ALIVE_S)
+            if not waiting.done():
+                yield KEEP_ALIVE_COMMENT
+        waiting.result()
+        client = worker_client(request)
+        note_model(request, model)
+        streams = RequestStreams(client, model, start_on)
+        await streams.start(await client.worker_address(model, route=route))
+        async for event in _event_stream(reply(lambda: streams.prepared), streams,
+                                         ticket_of(request)):
+            yield event
+    except LLMPlatformError as exc:
+        yield sse_event(error_payload(exc))
+        yield DONE
+    finally:
+        waiting.cancel()
+        if streams is not None:
+            await streams.aclose()
 
 
 def _charge(ticket: Ticket | None, reply: Reply[P], streams: RequestStreams[P]) -> None:

@@ -25,6 +25,8 @@ from llmplatform.openai_api.chat import create_chat_completion
 from llmplatform.openai_api.completions import create_completion
 from llmplatform.openai_api.embeddings import create_embeddings, model_tasks
 from llmplatform.openai_api.errors import EnvelopeRoute
+from llmplatform.openai_api.lifecycle import launch_model, list_model_states, stop_model
+from llmplatform.protocol.lifecycle import ModelState
 from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.protocol.openai import ModelCard, ModelList
 
@@ -38,13 +40,20 @@ async def list_models(request: Request) -> JSONResponse:
     tasks = await model_tasks(_client(request))  # what each serves: generate, embed
     created = request.app.state.created
     cards = [ModelCard(id=model, created=created, tasks=tasks.get(model)) for model in sorted(models)]
+    # Launchable on demand but not running: listed, marked, so clients can pick them.
+    waiting = [s.name for s in await request.app.state.lifecycle.states()
+               if s.on_demand and s.state is not ModelState.READY and s.name not in models]
+    cards += [ModelCard(id=name, created=created, loaded=False) for name in sorted(waiting)]
     return JSONResponse(ModelList(data=cards).model_dump())
 
 
 async def retrieve_model(model: str, request: Request) -> JSONResponse:
-    if model not in await _client(request).list_models():
-        raise ModelNotFoundError(f"The model '{model}' does not exist.", param="model")
-    return JSONResponse(ModelCard(id=model, created=request.app.state.created).model_dump())
+    created = request.app.state.created
+    if model in await _client(request).list_models():
+        return JSONResponse(ModelCard(id=model, created=created).model_dump())
+    if any(s.name == model and s.on_demand for s in await request.app.state.lifecycle.states()):
+        return JSONResponse(ModelCard(id=model, created=created, loaded=False).model_dump())
+    raise ModelNotFoundError(f"The model '{model}' does not exist.", param="model")
 
 
 async def health(request: Request) -> JSONResponse:
@@ -84,6 +93,9 @@ def build_router() -> APIRouter:
     admin = APIRouter(prefix="/v1/admin", dependencies=[Depends(require_admin_key)],
                       route_class=EnvelopeRoute)
     admin.add_api_route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"])
+    admin.add_api_route("/models", launch_model, methods=["POST"])
+    admin.add_api_route("/models", list_model_states, methods=["GET"])
+    admin.add_api_route("/models/{name:path}", stop_model, methods=["DELETE"])
     router = APIRouter(route_class=EnvelopeRoute)
     router.include_router(admin)
     router.include_router(v1)

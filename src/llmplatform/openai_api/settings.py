@@ -128,6 +128,9 @@ class GatewaySettings:
     """Seconds allowed for one controller call."""
     connect_timeout: float = 5.0
     """Seconds allowed to open a connection to the controller or a worker."""
+    on_demand_timeout: float = 600.0
+    """Seconds a request for an on-demand model waits for it to start (504 after); a streamed
+    one receives SSE keep-alive comments meanwhile."""
     max_worker_attempts: int = 3
     """Workers one request may be tried on: when a worker cannot take it before generating
     anything (unreachable, died, dead engine, draining, 429), the next is asked for, up to this
@@ -185,7 +188,7 @@ class GatewaySettings:
         object.__setattr__(self, "allowed_worker_networks",
                            parse_networks(str(n) for n in self.allowed_worker_networks))
         for name in ("worker_timeout", "controller_timeout", "connect_timeout",
-                     "worker_refresh_interval"):
+                     "worker_refresh_interval", "on_demand_timeout"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value}")

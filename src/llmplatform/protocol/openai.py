@@ -297,6 +297,9 @@ class ModelCard(BaseModel):
     tasks: list[str] | None = None
     """*extension*: what the model serves, ``generate`` (chat, completions) and/or ``embed``
     (embeddings); None when its workers do not say (stock FastChat ones)."""
+    loaded: bool = True
+    """*extension*: False for a model launchable on demand that no worker runs yet (the first
+    request for it starts one)."""
 
 
 class EmbeddingData(BaseModel):

@@ -9,7 +9,9 @@ stops them all, each with its `--shutdown-timeout` to finish in-flight requests.
 Registration is closed by default: without a cluster secret (flag, variable or cluster file),
 serve makes a random one for the run. Secrets (that one, API keys, any secret flag of a
 service) reach the services in their environment, never on a command line (``secret_flags.py``).
-With ``--ray`` the same services run as Ray actors instead (``ray_launcher.py``).
+With ``--ray`` the same services run as Ray actors instead (``ray_launcher.py``). Beside them,
+serve runs this host's agent in its own process (``host_agent.py``): the controller asks it to
+start and stop the workers launched at runtime.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from llmplatform.serve.down_report import DownReporter
+from llmplatform.serve.host_agent import WithHostAgent, host_agent_config
 from llmplatform.serve.secret_flags import move_secrets_to_env, redacted
 from llmplatform.serve.supervisor import RestartPolicy, ServiceSpec, Supervisor, run_until_stopped
 from llmplatform.utils.cluster_secret import SECRET_ENV
@@ -89,6 +92,17 @@ class ServeSettings(LoggingSettings):
     no_webui: bool = option(False, "do not start the web UI (started by default, after the "
                             "gateway)")
     webui_port: int = option(7860, "port of the web UI (default: %(default)s)")
+    agent_port: int = option(
+        0, "port of serve's host agent, which starts and stops the workers launched at runtime "
+        "(POST /v1/admin/models); 0 picks a free one (default: %(default)s)", group="runtime models")
+    agent_memory_limit: OptionalText = option(
+        None, "most memory the workers launched at runtime may be admitted with together "
+        "(weights + KV pools), e.g. 48GiB (default: whatever the host has free)",
+        group="runtime models")
+    on_demand_model: list[str] | None = option(
+        None, "a model launchable on demand, as the JSON body of POST /v1/admin/models, e.g. "
+        "'{\"name\": \"m\", \"model_path\": \"/models/m\", \"keep_alive\": 300}' (passed "
+        "to the controller). Repeatable", metavar="JSON", repeatable=True, group="runtime models")
     cluster_secret: OptionalText = option(
         None, "a shared secret for the controller, workers, gateway and web UI (registration, "
         "heartbeats and every call between them carry it); passed to them in "
@@ -230,6 +244,8 @@ def cluster_spec(settings: ServeSettings) -> ClusterSpec:
     # services_for moves them there like every secret flag.
     if settings.api_keys:
         spec.api_args += ["--api-keys", ",".join(settings.api_keys)]
+    for model in settings.on_demand_model or ():
+        spec.controller_args += ["--on-demand-model", model]
     return spec
 
 
@@ -372,7 +388,9 @@ def main(argv: list[str] | None = None) -> None:
         services, startup_timeout=settings.startup_timeout, shutdown_timeout=spec.shutdown_timeout,
         policy=restart_policy(settings),
         log_dir=settings.log_dir, on_state=DownReporter(controller.url, spec.cluster_secret))
-    raise SystemExit(run_until_stopped(supervisor, lambda: print_addresses(services)))
+    deployment = WithHostAgent(supervisor, host_agent_config(settings, spec, controller.url),
+                               port=settings.agent_port)
+    raise SystemExit(run_until_stopped(deployment, lambda: print_addresses(services)))
 
 
 def restart_policy(settings: Any) -> RestartPolicy:

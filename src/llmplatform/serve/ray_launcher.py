@@ -152,11 +152,11 @@ class ServiceActor:
         if log_dir is not None:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
             output = open(Path(log_dir) / (service.name.replace(" ", "-") + ".log"), "ab")  # noqa: SIM115
-        from llmplatform.serve.supervisor import _die_with_parent
+        from llmplatform.serve.supervisor import die_with_parent
 
         self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=output,
                                      stderr=subprocess.STDOUT if output else None,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)
         deadline = time.monotonic() + startup_timeout_s
         while not _healthy(health_url):
             if self.proc.poll() is not None:

@@ -79,7 +79,7 @@ def exit_description(code: int) -> str:
     return f"exit code {code}"
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     try:
         # The parent blocks SIGINT/SIGTERM while it spawns (see _spawn); the child must not.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
@@ -157,7 +157,7 @@ class Supervisor:
             service.proc = subprocess.Popen(
                 spec.argv, env={**os.environ, **spec.env}, stdout=output,
                 stderr=subprocess.STDOUT if output is not None else None,
-                preexec_fn=_die_with_parent if os.name == "posix" else None)
+                preexec_fn=die_with_parent if os.name == "posix" else None)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         service.history.started(self._clock())

@@ -15,7 +15,7 @@ page's own origin only, no DNS prefetching of links, no Referer). The Cluster ta
 without the admin key when one is configured (`cluster.ClusterView`), whoever calls its event. A handler's exception shows as
 Gradio's bare "Error", never its text (`show_error=False`): the log has the details.
 
-The page is wiring only: the handlers live in `chat`, `arena` and `cluster`, free of Gradio.
+The page is wiring only: the handlers live in `chat`, `arena`, `cluster` and `model_controls`, free of Gradio.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from llmplatform.webui.components import safe_chatbot, safe_markdown  # noqa: E4
 from llmplatform.webui.gateway import GatewayClient  # noqa: E402
 from llmplatform.webui.guard import PageGuard  # noqa: E402
 from llmplatform.webui.messages import drop_last_answer  # noqa: E402
+from llmplatform.webui.model_controls import ModelControls  # noqa: E402
 from llmplatform.webui.settings import WebUISettings  # noqa: E402
 
 TITLE = "llmplatform"
@@ -52,10 +53,12 @@ class Handlers:
         self.chat = ChatHandlers(self.client)
         self.arena = ArenaHandlers(self.client, VoteLog(settings.votes_path))
         self.cluster = ClusterView(settings)
+        self.models = ModelControls(settings)
 
     async def close(self) -> None:
         await self.client.close()
         await self.cluster.close()
+        await self.models.close()
 
 
 def _pick(models: list[str], current: str | None, fallback_index: int = 0) -> str | None:
@@ -169,6 +172,31 @@ def build_blocks(handlers: Handlers) -> gr.Blocks:
             cluster_table = gr.Dataframe(value=pd.DataFrame([], columns=COLUMNS),
                                          interactive=False, wrap=True, elem_id="cluster-table")
             cluster_refresh = gr.Button("Refresh now", size="sm", elem_id="cluster-refresh")
+            # Launch and stop models at runtime: the gateway's /v1/admin/models with the key
+            # above, which the gateway checks (an admin key).
+            with gr.Accordion("Models: launch and stop (admin)", open=False):
+                models_list = safe_markdown(elem_id="cluster-models")
+                with gr.Row():
+                    launch_name = gr.Textbox(label="Name", lines=1, elem_id="launch-name")
+                    launch_path = gr.Textbox(label="Model path on the host", lines=1,
+                                             elem_id="launch-path")
+                    launch_backend = gr.Dropdown(["auto", "paged", "hf"], value="auto",
+                                                 label="Backend", elem_id="launch-backend")
+                with gr.Row():
+                    launch_kv = gr.Textbox(label="KV cache memory (e.g. 512MiB)", lines=1,
+                                           elem_id="launch-kv")
+                    launch_replicas = gr.Number(1, precision=0, minimum=1, maximum=16,
+                                                label="Replicas", elem_id="launch-replicas")
+                    launch_on_demand = gr.Checkbox(label="On demand", elem_id="launch-on-demand")
+                    launch_keep_alive = gr.Number(None, minimum=1, label="Keep alive (s)",
+                                                  elem_id="launch-keep-alive")
+                launch_flags = gr.Textbox(label="More worker flags (e.g. --dtype float32)",
+                                          lines=1, elem_id="launch-flags")
+                with gr.Row():
+                    launch_button = gr.Button("Launch", elem_id="launch-button")
+                    stop_name = gr.Textbox(label="Model to stop", lines=1, elem_id="stop-name")
+                    stop_button = gr.Button("Stop", variant="stop", elem_id="stop-button")
+                models_result = safe_markdown(elem_id="models-result")
             # Ticks only while the tab is shown: an open page polls the controller for nothing
             # otherwise.
             cluster_timer = gr.Timer(settings.cluster_refresh_s, active=False)
@@ -262,8 +290,20 @@ def build_blocks(handlers: Handlers) -> gr.Blocks:
             snapshot = await cluster.snapshot(admin_key)
             return snapshot.summary, pd.DataFrame(snapshot.rows, columns=COLUMNS)
 
+        async def update_models(admin_key: str | None) -> str:
+            return await handlers.models.listing(admin_key)
+
         cluster_io = dict(fn=update_cluster, inputs=[cluster_key], outputs=[cluster_summary, cluster_table],
                           show_progress="hidden")
+        models_io = dict(fn=update_models, inputs=[cluster_key], outputs=[models_list],
+                         show_progress="hidden")
+        launch_button.click(handlers.models.launch, [
+            cluster_key, launch_name, launch_path, launch_backend, launch_kv, launch_flags,
+            launch_replicas, launch_on_demand, launch_keep_alive], models_result).then(**models_io)
+        stop_button.click(handlers.models.stop, [cluster_key, stop_name], models_result).then(
+            **models_io)
+        cluster_refresh.click(**models_io)
+        cluster_timer.tick(**models_io)
         cluster_tab.select(lambda: gr.Timer(active=True), None, cluster_timer, queue=False).then(
             **cluster_io)
         for other_tab in (chat_tab, arena_tab):
