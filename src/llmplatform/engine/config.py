@@ -9,21 +9,7 @@ import os
 from dataclasses import dataclass, field
 
 from llmplatform.errors import InvalidRequestError
-
-
-def parse_memory_size(text: str) -> int:
-    """'2GiB' / '512MiB' / '1.5GB' / '1073741824' -> bytes."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1, "": 1}
-    s = text.strip().lower().replace(" ", "")
-    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(number):]
-    if unit not in units or not number:
-        raise ValueError(f"cannot parse memory size {text!r} (use e.g. 2GiB, 512MiB)")
-    value = float(number) * units[unit]
-    if value <= 0:
-        raise ValueError(f"memory size must be positive, got {text!r}")
-    return int(value)
+from llmplatform.utils.sizes import parse_size as parse_memory_size  # '2GiB' / '512MiB' / '1.5GB' -> bytes
 
 
 @dataclass(frozen=True)
