@@ -181,6 +181,21 @@ class WorkerClient:
             raise UpstreamError(f"The worker at {url} answered with an invalid response (no result).")
         return data["success"]
 
+    async def lora_adapter(self, address: str, path: str, payload: dict[str, str]) -> dict[str, Any]:
+        """``/worker_load_lora_adapter`` or ``/worker_unload_lora_adapter`` (``path``) on one
+        worker (ours, ``model_worker.lora_routes``): its answer, or its refusal typed."""
+        url = f"{address}{path}"
+        response = await self._post(url, payload)
+        if response.status_code != 200:
+            raise error_from_http(response.status_code, response.content, f"The worker at {url}")
+        try:
+            data = response.json()
+        except ValueError:
+            raise UpstreamError(f"The worker at {url} answered with malformed JSON.") from None
+        if not isinstance(data, dict):
+            raise UpstreamError(f"The worker at {url} answered with an invalid response.")
+        return data
+
     # ---- prompts -----------------------------------------------------------------------------
 
     async def apply_chat_template(self, address: str, model: str, messages: Sequence[Mapping[str, Any]]
