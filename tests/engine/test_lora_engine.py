@@ -72,10 +72,11 @@ def test_adapter_greedy_equals_peft_merged_model(tiny_model_dir, adapters, which
     assert base == peft_merged_greedy(tiny_model_dir, None, PROMPT, MAX_TOKENS) != ours
 
 
-@pytest.mark.parametrize("max_loras", [4, 2])
+@pytest.mark.parametrize("max_loras", [4, 2, 16])
 def test_a_batch_mixing_adapters_equals_each_alone(tiny_model_dir, adapters, max_loras):
     """Four adapters and the base model in one batch (with 2 slots, two adapters wait for a
-    slot and the least recently used one is evicted) give what each gives alone."""
+    slot and the least recently used one is evicted) give what each gives alone. Decode rows run
+    as batched small groups over every slot (4 and 2 slots) or over the slots in use (16)."""
     engine = make_engine(tiny_model_dir, max_loras=max_loras)
     ids = [load(engine, f"a{i}", path) for i, path in enumerate(adapters)]
     requests = [(PROMPT[: 20 + 3 * i], lora_id) for i, lora_id in enumerate([*ids, None])]
@@ -92,7 +93,7 @@ def test_a_batch_mixing_adapters_equals_each_alone(tiny_model_dir, adapters, max
 
     engine.runner.execute = recording
     assert run(engine, requests) == alone
-    assert max(len(s) for s in steps_adapters) == max_loras  # the slots were full, never overfull
+    assert max(len(s) for s in steps_adapters) == min(max_loras, 4)  # as many as fit, never more
     assert len(set().union(*steps_adapters)) == 4
 
 

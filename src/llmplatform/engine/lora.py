@@ -21,8 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from llmplatform.errors import InvalidRequestError, ModelNotFoundError
-from llmplatform.models.lora import LoRABatch, LoRAGroup, attach_lora
+from llmplatform.models.lora import LoRABatch, LoRAGroup, LoRASmallGroups, attach_lora
 from llmplatform.models.lora_weights import LoRAWeights, read_lora_adapter
+
+
+MAX_SMALL_GROUP_ROWS = 8
+"""Groups of up to this many rows run batched together (``models.lora``: decode rows); larger
+ones (prefill chunks) run alone, so that padding never multiplies a large group's work."""
 
 
 @dataclass(frozen=True)
@@ -114,13 +119,37 @@ class LoRAManager:
             rows_by_id.setdefault(span.lora_id, []).extend(
                 range(span.first_row, span.first_row + span.num_rows))
         assert len(rows_by_id) <= self.max_loras, "the scheduler keeps a step's adapters within the slots"
-        groups = []
+        groups: list[LoRAGroup] = []
+        small: list[tuple[int, list[int]]] = []
         for lora_id, rows in rows_by_id.items():
             slot = self._activate(lora_id, set(rows_by_id), held)
-            whole = len(rows_by_id) == 1 and len(rows) == num_rows
-            groups.append(LoRAGroup(slot, None if whole else
-                                    torch.tensor(rows, dtype=torch.long, device=self.device)))
-        return LoRABatch(tuple(groups))
+            if len(rows_by_id) == 1 and len(rows) == num_rows:
+                groups.append(LoRAGroup(slot, None))  # every row: no gather
+            elif len(rows) <= MAX_SMALL_GROUP_ROWS and len(rows_by_id) > 1:
+                small.append((slot, rows))
+            else:
+                groups.append(LoRAGroup(slot, torch.tensor(rows, dtype=torch.long, device=self.device)))
+        return LoRABatch(tuple(groups), self._small_groups(small, num_rows))
+
+    def _small_groups(self, small: list[tuple[int, list[int]]], num_rows: int) -> LoRASmallGroups | None:
+        if not small:
+            return None
+        size = max(len(rows) for _, rows in small)
+        every_slot = 2 * len(small) >= self.max_loras  # then group i is slot i (models.lora)
+        if every_slot:
+            by_slot = dict(small)
+            small = [(slot, by_slot.get(slot, [])) for slot in range(self.max_loras)]
+        gather: list[int] = []
+        scatter: list[int] = []
+        for _, rows in small:
+            padding = size - len(rows)
+            gather += rows + [num_rows] * padding  # row num_rows: the zero row models.lora appends
+            scatter += rows + [0] * padding  # zeros added to row 0
+        gather_t, scatter_t = (torch.tensor(values, dtype=torch.long, device=self.device)
+                               for values in (gather, scatter))
+        slots_t = None if every_slot else torch.tensor([slot for slot, _ in small], dtype=torch.long,
+                                                       device=self.device)
+        return LoRASmallGroups(slots_t, gather_t, scatter_t, size)
 
     def _activate(self, lora_id: int, needed: set[int], held: set[int]) -> int:
         """``lora_id``'s slot, loading it into a free one or evicting the least recently used

@@ -10,6 +10,11 @@ Each group costs one pair of small products over its rows, gathered by index and
     per group g:    y[rows_g] += ((x[rows_g] A_g^T) B_g^T)           (scaling folded into B_g)
 
 so a step's LoRA cost is a loop over the adapters present (at most ``max_loras``), never over rows.
+Small groups (decode rows: a few rows per adapter) make that loop's per-call overhead the cost,
+so they run together: padded to the largest small group's size G, one batched product pair over
+all of them (``LoRASmallGroups``: [groups, G, in] @ [groups, in, S * R] @ [groups, S * R, out];
+padding rows read a zero row and add zeros). Large groups (prefill chunks) keep their own pair,
+where padding them would multiply the waste.
 
 Fused projections (``qkv_proj``, ``gate_up_proj``) have one (A, B) per slice (q, k, v; gate, up):
 the slices' A are stacked along the rank, ``A_slots`` [L, S * R, in] (slice s at rows
@@ -63,8 +68,21 @@ class LoRAGroup:
 
 
 @dataclass(frozen=True)
+class LoRASmallGroups:
+    """Several small groups of rows, padded to one size G and run as one batched product pair."""
+
+    slots: torch.Tensor | None  # [num_groups] int64: each group's slot; None: group i is slot i,
+    # every slot (no copy of the slots' weights: when most slots are in use, reading them all
+    # costs less than gathering the used ones)
+    gather_rows: torch.Tensor  # [num_groups * G] int64: rows of x, padding = num_rows (a zero row)
+    scatter_rows: torch.Tensor  # [num_groups * G] int64: rows of y, padding = 0 (adds zeros there)
+    size: int  # G
+
+
+@dataclass(frozen=True)
 class LoRABatch:
-    groups: tuple[LoRAGroup, ...]
+    groups: tuple[LoRAGroup, ...]  # each with its own product pair
+    small: LoRASmallGroups | None = None
 
 
 _current: contextvars.ContextVar[LoRABatch | None] = contextvars.ContextVar("lora_batch", default=None)
@@ -95,7 +113,8 @@ class LoRALinear(nn.Module):
         in_features = self._in_features(base)
         num_slices = len(self.output_sizes)
         device, dtype = self._placement(base)
-        # Slots hold the model dtype; products with them run in it too.
+        # Slots hold the compute dtype (float32 on a CPU without bf16 matrix instructions, where
+        # bf16 products are several times slower); rows are cast to it and the update back.
         self.lora_a = torch.zeros(max_loras, num_slices * max_rank, in_features, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max_loras, sum(self.output_sizes), num_slices * max_rank, dtype=dtype,
                                   device=device)
@@ -109,8 +128,8 @@ class LoRALinear(nn.Module):
     def _placement(base: Linear) -> tuple[torch.device, torch.dtype]:
         for tensor in (base._row_weight, base.weight):
             if tensor is not None:
-                return tensor.device, tensor.dtype
-        return torch.device("cpu"), base.ops.dtype
+                return tensor.device, base.ops.compute_dtype
+        return torch.device("cpu"), base.ops.compute_dtype
 
     def set_slot(self, slot: int, slices: dict[int, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
         """Writes an adapter into ``slot``: ``slices`` maps slice index -> (A [r, in], B [out_s, r]
@@ -134,14 +153,24 @@ class LoRALinear(nn.Module):
         batch = _current.get()
         if batch is None:
             return y
+        dtype = self.lora_a.dtype
         for group in batch.groups:
             xg = x if group.rows is None else x.index_select(0, group.rows)  # [n, in]
-            shrunk = xg.to(self.lora_a.dtype) @ self.lora_a[group.slot].T  # [n, S * R]
+            shrunk = xg.to(dtype) @ self.lora_a[group.slot].T  # [n, S * R]
             delta = (shrunk @ self.lora_b[group.slot].T).to(y.dtype)  # [n, out]
             if group.rows is None:
                 y.add_(delta)
             else:
                 y.index_add_(0, group.rows, delta)
+        small = batch.small
+        if small is not None:
+            padded = torch.cat((x.to(dtype), x.new_zeros((1, x.shape[1]), dtype=dtype)))  # [T + 1, in]
+            xg = padded.index_select(0, small.gather_rows).view(-1, small.size, x.shape[1])  # [g, G, in]
+            a = self.lora_a if small.slots is None else self.lora_a.index_select(0, small.slots)
+            b = self.lora_b if small.slots is None else self.lora_b.index_select(0, small.slots)
+            shrunk = torch.bmm(xg, a.transpose(1, 2))  # [g, G, S * R]
+            delta = torch.bmm(shrunk, b.transpose(1, 2))  # [g, G, out]
+            y.index_add_(0, small.scatter_rows, delta.view(-1, delta.shape[-1]).to(y.dtype))
         return y
 
 
