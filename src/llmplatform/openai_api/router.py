@@ -106,10 +106,11 @@ def build_router() -> APIRouter:
     v1.add_api_route("/embeddings", create_embeddings, methods=["POST"])
     for path, handler in GENERATION_ROUTES.items():
         v1.add_api_route(path.removeprefix("/v1"), handler, methods=["POST"])
-    # vLLM's paths (under /v1), but the admin key's: what the cluster serves is the operator's.
-    lora = APIRouter(prefix="/v1", dependencies=[Depends(require_admin_key)], route_class=EnvelopeRoute)
-    lora.add_api_route("/load_lora_adapter", load_lora_adapter, methods=["POST"])
-    lora.add_api_route("/unload_lora_adapter", unload_lora_adapter, methods=["POST"])
+    # vLLM's paths, on the /v1 router like every /v1 route, and the admin key's besides: what the
+    # cluster serves is the operator's choice.
+    for path, handler in (("/load_lora_adapter", load_lora_adapter),
+                          ("/unload_lora_adapter", unload_lora_adapter)):
+        v1.add_api_route(path, handler, methods=["POST"], dependencies=[Depends(require_admin_key)])
     admin = APIRouter(prefix="/v1/admin", dependencies=[Depends(require_admin_key)],
                       route_class=EnvelopeRoute)
     admin.add_api_route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"])
@@ -118,7 +119,6 @@ def build_router() -> APIRouter:
     admin.add_api_route("/models/{name:path}", stop_model, methods=["DELETE"])
     router = APIRouter(route_class=EnvelopeRoute)
     router.include_router(admin)
-    router.include_router(lora)  # before v1: its key check is not theirs
     router.include_router(v1)
     router.add_api_route("/health", health, methods=["GET"])
     return router
