@@ -20,7 +20,8 @@ Fused projections (``qkv_proj``, ``gate_up_proj``) have one (A, B) per slice (q,
 the slices' A are stacked along the rank, ``A_slots`` [L, S * R, in] (slice s at rows
 ``s * R ..``), and their B are block-diagonal, ``B_slots`` [L, out, S * R] (slice s's output rows
 read only its own rank columns), so a fused projection also costs one shrink and one expand per
-group (the zero blocks cost S times the expand's few multiplications, and spare S - 1 calls):
+group (the zero blocks cost S times the expand's few multiplications, and spare S - 1 calls;
+``LoRALinear`` holds them as ``lora_a`` = A_slots and ``lora_b_t`` = B_slots transposed):
 
     A_slots[l]:  [ A_q ]        B_slots[l]:  [ B_q  0    0   ]   q rows
                  [ A_k ]                     [ 0    B_k  0   ]   k rows
@@ -116,8 +117,10 @@ class LoRALinear(nn.Module):
         # Slots hold the compute dtype (float32 on a CPU without bf16 matrix instructions, where
         # bf16 products are several times slower); rows are cast to it and the update back.
         self.lora_a = torch.zeros(max_loras, num_slices * max_rank, in_features, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(max_loras, sum(self.output_sizes), num_slices * max_rank, dtype=dtype,
-                                  device=device)
+        # B is held transposed, B^T [L, S * R, out]: the expand's right-hand operand contiguous
+        # (measured on CPU: a third faster for the batched expand; A's shrink is faster as is).
+        self.lora_b_t = torch.zeros(max_loras, num_slices * max_rank, sum(self.output_sizes), dtype=dtype,
+                                    device=device)
 
     @staticmethod
     def _in_features(base: Linear) -> int:
@@ -135,7 +138,7 @@ class LoRALinear(nn.Module):
         """Writes an adapter into ``slot``: ``slices`` maps slice index -> (A [r, in], B [out_s, r]
         with the scaling folded in); slices it leaves out (and None: all) are zeroed."""
         self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        self.lora_b_t[slot].zero_()
         offset = 0
         for index, size in enumerate(self.output_sizes):
             if slices is not None and index in slices:
@@ -144,7 +147,7 @@ class LoRALinear(nn.Module):
                 assert rank <= self.max_rank and b.shape == (size, rank), (a.shape, b.shape, size)
                 first = index * self.max_rank  # this slice's rank rows of A, columns of B
                 self.lora_a[slot, first:first + rank].copy_(a)
-                self.lora_b[slot, offset:offset + size, first:first + rank].copy_(b)
+                self.lora_b_t[slot, first:first + rank, offset:offset + size].copy_(b.T)
             offset += size
 
     def forward(self, x: torch.Tensor,  # [T, in]
@@ -157,7 +160,7 @@ class LoRALinear(nn.Module):
         for group in batch.groups:
             xg = x if group.rows is None else x.index_select(0, group.rows)  # [n, in]
             shrunk = xg.to(dtype) @ self.lora_a[group.slot].T  # [n, S * R]
-            delta = (shrunk @ self.lora_b[group.slot].T).to(y.dtype)  # [n, out]
+            delta = (shrunk @ self.lora_b_t[group.slot]).to(y.dtype)  # [n, out]
             if group.rows is None:
                 y.add_(delta)
             else:
@@ -167,9 +170,9 @@ class LoRALinear(nn.Module):
             padded = torch.cat((x.to(dtype), x.new_zeros((1, x.shape[1]), dtype=dtype)))  # [T + 1, in]
             xg = padded.index_select(0, small.gather_rows).view(-1, small.size, x.shape[1])  # [g, G, in]
             a = self.lora_a if small.slots is None else self.lora_a.index_select(0, small.slots)
-            b = self.lora_b if small.slots is None else self.lora_b.index_select(0, small.slots)
+            b_t = self.lora_b_t if small.slots is None else self.lora_b_t.index_select(0, small.slots)
             shrunk = torch.bmm(xg, a.transpose(1, 2))  # [g, G, S * R]
-            delta = torch.bmm(shrunk, b.transpose(1, 2))  # [g, G, out]
+            delta = torch.bmm(shrunk, b_t)  # [g, G, out]
             y.index_add_(0, small.scatter_rows, delta.view(-1, delta.shape[-1]).to(y.dtype))
         return y
 
