@@ -68,6 +68,7 @@ async def unload_lora_adapter(request: Request) -> JSONResponse:
     failures = [r for r in results if isinstance(r, BaseException)]
     if len(failures) == len(results):
         raise _first_refusal(failures)
+    client.forget_model(body.lora_name)
     first = next(r for r in results if not isinstance(r, BaseException))
     logger.info("LoRA adapter %r unloaded from %d worker(s)", body.lora_name, len(results) - len(failures))
     return JSONResponse({"lora_name": body.lora_name, "parent": first.get("parent"),

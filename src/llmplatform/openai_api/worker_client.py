@@ -134,6 +134,10 @@ class WorkerClient:
         self._note_route(RouteSource.CONTROLLER)
         return await self.controller_worker_address(model, exclude, route)
 
+    def forget_model(self, model: str) -> None:
+        """A model taken away on purpose is unknown again (``ControllerClient.forget_model``)."""
+        self._controller.forget_model(model)
+
     def worker_failed(self, address: str) -> None:
         """`address` could not take a request: the table skips it until its next read."""
         if self._routes is not None:
