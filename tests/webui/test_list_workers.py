@@ -52,12 +52,14 @@ def test_list_workers_shows_each_live_workers_facts():
         workers = httpx.get(f"{url}/list_workers", timeout=5).json()["workers"]
         assert workers == [
             {"worker_name": first, "model_names": ["a", "b"], "backend": "paged",
-             "tasks": ["generate"], "speed": 2, "queue_length": 3, "num_running": 2, "num_waiting": 1,
+             "tasks": ["generate"], "lora_adapters": None, "speed": 2, "queue_length": 3,
+             "num_running": 2, "num_waiting": 1,
              "kv_cache_usage": 0.25, "last_heartbeat_age_s": 5.5, "max_num_running": 8,
              "num_dispatched": 1, "prefix_cache_queries": None, "prefix_cache_hits": None,
              "cache_epoch": None},
             {"worker_name": second, "model_names": ["c"], "backend": None,
-             "tasks": None, "speed": 1, "queue_length": 5, "num_running": None, "num_waiting": None,
+             "tasks": None, "lora_adapters": None, "speed": 1, "queue_length": 5, "num_running": None,
+             "num_waiting": None,
              "kv_cache_usage": None, "last_heartbeat_age_s": 1.0, "max_num_running": None,
              "num_dispatched": 0, "prefix_cache_queries": None, "prefix_cache_hits": None,
              "cache_epoch": None},

@@ -329,6 +329,7 @@ def create_app(
             WorkerDescription(
                 worker_name=w.worker_name, model_names=list(w.model_names), backend=w.backend,
                 tasks=list(w.tasks) if w.tasks is not None else None,
+                lora_adapters=None if w.lora_adapters is None else list(w.lora_adapters),
                 speed=w.speed, queue_length=w.queue_length, num_running=w.num_running,
                 num_waiting=w.num_waiting, kv_cache_usage=w.kv_cache_usage,
                 last_heartbeat_age_s=max(0.0, now - w.last_heartbeat),

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from llmplatform.protocol.controller import WorkerStatus
+from llmplatform.protocol.lora import LoRAAdapterCard
 
 DEFAULT_HEARTBEAT_EXPIRATION_S = 10.0
 
@@ -45,6 +46,8 @@ class WorkerInfo:
     """The worker's inference backend, reported at registration (ours only)."""
     tasks: tuple[str, ...] | None = None
     """What its model serves ("generate", "embed"), reported at registration (ours only)."""
+    lora_adapters: tuple[LoRAAdapterCard, ...] | None = None
+    """The LoRA adapters among its model names, with their base model and path (ours only)."""
     instance_id: str | None = None
     """The worker process's random id (ours only; None for stock FastChat workers): tells a
     worker re-registering apart from a second worker announcing the same URL."""
@@ -121,6 +124,7 @@ class WorkerRegistry:
             max_num_running=status.max_num_running,
             backend=status.backend,
             tasks=tuple(status.tasks) if status.tasks is not None else None,
+            lora_adapters=None if status.lora_adapters is None else tuple(status.lora_adapters),
             prefix_cache_queries=status.prefix_cache_queries,
             prefix_cache_hits=status.prefix_cache_hits,
             prefix_cache_resets=status.prefix_cache_resets,
@@ -149,6 +153,8 @@ class WorkerRegistry:
             max_num_running=status.max_num_running or info.max_num_running,
             backend=status.backend or info.backend,
             tasks=tuple(status.tasks) if status.tasks is not None else info.tasks,
+            lora_adapters=(info.lora_adapters if status.lora_adapters is None
+                           else tuple(status.lora_adapters)),
             prefix_cache_queries=status.prefix_cache_queries,
             prefix_cache_hits=status.prefix_cache_hits,
             prefix_cache_resets=status.prefix_cache_resets,

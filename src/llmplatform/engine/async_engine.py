@@ -81,9 +81,10 @@ class AsyncEngine:
         whole, within this bound; None: such a failure is final."""
         self.engine = engine
         self._streams: dict[str, _Stream] = {}
-        # (request id, prompt, sampling params and grammar | pooling params and None, cache salt)
+        # (request id, prompt, sampling params and grammar | pooling params and None, cache salt,
+        # LoRA adapter id)
         self._pending_adds: list[tuple[str, list[int], SamplingParams | PoolingParams,
-                                       CompiledGrammar | None, str | None]] = []
+                                       CompiledGrammar | None, str | None, int | None]] = []
         self._pending_aborts: list[str] = []
         self._pending_calls: list[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = []
         self._wakeup = asyncio.Event()
@@ -135,12 +136,13 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, grammar: CompiledGrammar | None = None, *,
-                       cache_salt: str | None = None) -> AsyncIterator[SequenceUpdate]:
+                       cache_salt: str | None = None,
+                       lora_id: int | None = None) -> AsyncIterator[SequenceUpdate]:
         """Yields the request's updates (for all n outputs) until each has finished. Closing the
         iterator early (or cancelling its consumer) is how a request is aborted: its blocks are
         freed before the next step.
         ``grammar``: the request's compiled output constraint, ``cache_salt`` its prefix-cache
-        salt (``LLMEngine.add_request``).
+        salt, ``lora_id`` its adapter (``LLMEngine.add_request``).
 
         The request has been admitted (``LLMEngine.validate`` passed, its id is not running):
         the caller's admission is the one place that checks it."""
@@ -148,7 +150,7 @@ class AsyncEngine:
         assert request_id not in self._streams, f"request id {request_id!r} admitted twice"
         stream = _Stream(asyncio.Queue(), params.n)
         self._streams[request_id] = stream
-        self._pending_adds.append((request_id, prompt_token_ids, params, grammar, cache_salt))
+        self._pending_adds.append((request_id, prompt_token_ids, params, grammar, cache_salt, lora_id))
         self._wakeup.set()
         try:
             while stream.num_unfinished:
@@ -173,7 +175,7 @@ class AsyncEngine:
         assert request_id not in self._streams, f"request id {request_id!r} admitted twice"
         stream = _Stream(asyncio.Queue(), 1)
         self._streams[request_id] = stream
-        self._pending_adds.append((request_id, prompt_token_ids, pooling, None, None))
+        self._pending_adds.append((request_id, prompt_token_ids, pooling, None, None, None))
         self._wakeup.set()
         try:
             item = await stream.queue.get()
@@ -212,7 +214,7 @@ class AsyncEngine:
     def _apply_pending(self) -> None:
         """Applies queued adds and aborts (only ever between steps)."""
         adds, self._pending_adds = self._pending_adds, []
-        for request_id, prompt_token_ids, params, grammar, cache_salt in adds:
+        for request_id, prompt_token_ids, params, grammar, cache_salt, lora_id in adds:
             if request_id not in self._streams:  # the client left before it was added
                 continue
             with request_context(request_id):
@@ -221,7 +223,7 @@ class AsyncEngine:
                         self.engine.add_pooling_request(request_id, prompt_token_ids, params)
                         continue
                     self.engine.add_request(request_id, prompt_token_ids, params, grammar,
-                                            cache_salt=cache_salt)
+                                            cache_salt=cache_salt, lora_id=lora_id)
                 except Exception as exc:  # admitted already: a bug, but this request's alone
                     logger.exception("adding the request failed")
                     self._streams[request_id].queue.put_nowait(exc)

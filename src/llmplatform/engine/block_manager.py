@@ -234,7 +234,8 @@ class BlockManager:
         """Make ``child`` (whose tokens are a copy of ``parent``'s) share every block of
         ``parent``, one more reference each, and its prefix-cache state."""
         assert not child.block_table, "forking into a sequence that holds blocks"
-        assert child.cache_salt == parent.cache_salt, "the hashes shared are the salt's"
+        assert (child.cache_salt, child.lora_id) == (parent.cache_salt, parent.lora_id), \
+            "the hashes shared are the salt's and the adapter's"
         for block_id in parent.block_table:
             if block_id != FREED_BLOCK:
                 self._ref_counts[block_id] += 1
@@ -375,8 +376,8 @@ class BlockManager:
         assert num_blocks * size <= seq.num_tokens
         while len(hashes) < num_blocks:
             start = len(hashes) * size
-            # The first block chains from the sequence's salt: other salts never match it.
-            parent = hashes[-1] if hashes else salt_root(seq.cache_salt)
+            # The first block chains from the sequence's salt and adapter: others never match it.
+            parent = hashes[-1] if hashes else salt_root(seq.cache_salt, seq.lora_id)
             hashes.append(hash_block_tokens(parent, seq.token_ids_in(start, start + size)))
         return hashes[:num_blocks]
 

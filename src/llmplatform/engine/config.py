@@ -168,13 +168,41 @@ class RestartConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (engine.lora).
+
+    enabled: give the model's projections adapter slots (default False: no LoRA, no cost).
+    max_loras: adapters resident at once, one slot each (default 4): the adapters of the running
+        sequences never outnumber them (a request whose adapter finds no slot waits).
+    max_lora_rank: the largest rank an adapter may have (default 16; the slots' width).
+    """
+
+    enabled: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     restart: RestartConfig = RestartConfig()
     parallel: ParallelConfig = ParallelConfig()
+    lora: LoRAConfig = LoRAConfig()
+
+    def __post_init__(self) -> None:
+        if self.lora.enabled and self.parallel.tensor_parallel_size > 1:
+            # The other ranks would need the adapters' shards and each step's adapter rows.
+            raise ValueError("LoRA adapters are not served with tensor parallelism yet "
+                             "(--tensor-parallel-size 1, or no --enable-lora / --lora-modules)")
 
 
 __all__ = ["COMPUTE_DTYPES", "DECODE_PATHS", "CacheConfig", "SchedulerConfig", "ModelConfig", "EngineConfig",
-           "ParallelConfig", "RestartConfig", "parse_memory_size", "InvalidRequestError"]
+           "ParallelConfig", "RestartConfig", "LoRAConfig", "parse_memory_size", "InvalidRequestError"]

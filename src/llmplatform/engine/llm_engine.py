@@ -39,7 +39,7 @@ from llmplatform.engine.pooling import PoolingParams
 from llmplatform.engine.prefix_cache import PrefixCacheStats
 from llmplatform.engine.scheduler import Scheduler
 from llmplatform.engine.sequence import Sequence
-from llmplatform.errors import ContextLengthExceededError, InvalidRequestError
+from llmplatform.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
 from llmplatform.sampling.grammar_sandbox import GrammarSandbox
 from llmplatform.sampling.output_processor import OutputProcessor, eos_token_ids_of
 from llmplatform.sampling.outputs import FinishReason, GenerateChunk, TokenLogprob, Usage
@@ -111,7 +111,8 @@ class LLMEngine:
             layout.num_blocks, layout.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             attention_window=layout.attention_window)
-        self.scheduler = Scheduler(sched, self.block_manager)
+        self.scheduler = Scheduler(sched, self.block_manager,
+                                   max_loras=config.lora.max_loras if config.lora.enabled else 0)
         self.stats = StepStats()
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s on %s); max concurrency at "
@@ -174,17 +175,21 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, grammar: CompiledGrammar | None = None,
-                    *, cache_salt: str | None = None) -> list[Sequence]:
+                    *, cache_salt: str | None = None, lora_id: int | None = None) -> list[Sequence]:
         """Queues the request's ``params.n`` outputs (their prompt computed once, see the module
         docstring); returns their sequences, output ``i`` at index ``i``. ``grammar``: the output
         constraint, compiled already (compiling is no step's work); each output walks it with a
         matcher of its own. ``cache_salt``: only sequences with the same salt share prefix-cache
-        blocks (engine.prefix_cache).
+        blocks (engine.prefix_cache). ``lora_id``: the loaded adapter it runs with (engine.lora;
+        None: the base model).
 
         The request has been admitted (:meth:`validate`, a unique id): only the invariants the
         scheduler relies on are asserted here."""
         assert prompt_token_ids, "an admitted prompt is not empty"
         assert len(prompt_token_ids) + params.max_tokens <= self.max_model_len, "admitted: it fits"
+        if lora_id is not None and not (self.runner.loras and self.runner.loras.holds(lora_id)):
+            # Admitted with an adapter that was unloaded (and released) before it got here.
+            raise ModelNotFoundError("the LoRA adapter this request names was unloaded", param="model")
         seqs = []
         stop_token_ids = tuple(self.eos_token_ids) + params.stop_token_ids
         for index in range(params.n):
@@ -194,7 +199,7 @@ class LLMEngine:
                 grammar, stop_token_ids=stop_token_ids) if grammar is not None else None)
             # With a seed, output i draws from seed + i: reproducible, and the n outputs differ.
             seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                           params=params, index=index, cache_salt=cache_salt,
+                           params=params, index=index, cache_salt=cache_salt, lora_id=lora_id,
                            seed=None if params.seed is None else params.seed + index,
                            stop_token_ids=stop_token_ids, grammar=matcher)
             self._outputs[seq.seq_id] = OutputState(seq, OutputProcessor(

@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llmplatform.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from llmplatform.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig
 from llmplatform.engine.isolation import IsolatingSampler, pinned_fault
+from llmplatform.engine.lora import LoRAManager, RowSpan
 from llmplatform.engine.model_setup import copy_kv_blocks, prepare_model
 from llmplatform.engine.outputs import ModelOutput, SchedulerOutput
 from llmplatform.engine.parallel.messages import AllocateKV, ComputeLogits, StepInputs
@@ -44,6 +45,7 @@ from llmplatform.engine.parallel.ranks import RankFailedError, TensorParallelRan
 from llmplatform.engine.pooler import PoolingSpan, pool_spans
 from llmplatform.engine.runner_state import RunnerSequence, RunnerStates
 from llmplatform.kernels import AttentionMetadata
+from llmplatform.models.lora import LoRABatch, lora_batch
 from llmplatform.sampling.output_processor import token_text
 from llmplatform.sampling.outputs import TokenLogprob
 from llmplatform.sampling.sampler import Sampler
@@ -77,7 +79,7 @@ class CacheLayout:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, tokenizer: Any,
                  max_model_len: int, max_num_batched_tokens: int,
-                 parallel: ParallelConfig | None = None) -> None:
+                 parallel: ParallelConfig | None = None, lora: LoRAConfig | None = None) -> None:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.block_size = cache_config.block_size
@@ -94,6 +96,10 @@ class ModelRunner:
             self.close()
             raise
         self.model = prepared.model
+        # Adapter slots on the projections (engine.lora); None: no LoRA (EngineConfig refuses it
+        # with tensor parallelism).
+        self.loras = (LoRAManager(self.model, lora.max_loras, lora.max_lora_rank, self.device)
+                      if lora is not None and lora.enabled else None)
         self.ops = prepared.ops  # the kernels the model runs (kernels.ops), chosen before it was built
         self.decode_path = prepared.decode_path
         self.compute_dtype = prepared.compute_dtype
@@ -118,7 +124,7 @@ class ModelRunner:
         """The runner an engine of ``config`` uses (what :data:`RunnerFactory` defaults to)."""
         sched = config.scheduler
         return cls(config.model, config.cache, tokenizer, sched.max_model_len,
-                   sched.max_num_batched_tokens, config.parallel)
+                   sched.max_num_batched_tokens, config.parallel, config.lora)
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks, if any (idempotent)."""
@@ -132,7 +138,8 @@ class ModelRunner:
             self.tp.send(AllocateKV(num_blocks))
         return self.model.allocate_kv_caches(num_blocks, self.block_size, device=self.device)
 
-    def _forward(self, inputs: StepInputs, kv_caches: list) -> torch.Tensor:  # [T, hidden]
+    def _forward(self, inputs: StepInputs, kv_caches: list,
+                 lora: LoRABatch | None = None) -> torch.Tensor:  # [T, hidden]
         if self.tp is not None:
             self.tp.send(inputs)
         metadata = AttentionMetadata.build(context_lens=inputs.context_lens,
@@ -141,7 +148,8 @@ class ModelRunner:
                                            block_size=self.block_size, device=self.device)
         ids_t = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
-        return self.model(ids_t, pos_t, kv_caches, metadata)
+        with lora_batch(lora):
+            return self.model(ids_t, pos_t, kv_caches, metadata)
 
     def _logits(self, hidden: torch.Tensor, rows: list[int] | None) -> torch.Tensor:  # [N, vocab]
         """Logits of ``rows`` of ``hidden`` (None: all)."""
@@ -245,6 +253,7 @@ class ModelRunner:
         # (seq, its first row, its first position, its number of new tokens)
         prompt_logprob_spans: list[tuple[RunnerSequence, int, int, int]] = []
         pooling_spans: list[PoolingSpan] = []  # chunks of pooling sequences (engine.pooler)
+        lora_spans: list[RowSpan] = []  # chunks of sequences with a LoRA adapter
         for item in scheduled.scheduled:
             seq = self.states[item.seq_id]
             start = seq.num_computed_tokens
@@ -259,13 +268,17 @@ class ModelRunner:
                 prompt_logprob_spans.append((seq, first_row, start, item.num_new_tokens))
             if seq.pooling is not None:
                 pooling_spans.append(PoolingSpan(seq, first_row, start, item.num_new_tokens))
+            if seq.lora_id is not None:
+                lora_spans.append(RowSpan(seq.lora_id, first_row, item.num_new_tokens))
             if item.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
 
         inputs = StepInputs(input_ids, positions, context_lens, query_lens, block_tables,
                             scheduled.blocks_to_copy)
-        hidden = self._forward(inputs, self.kv_caches)  # [num_tokens, hidden]
+        lora = (None if self.loras is None
+                else self.loras.batch(lora_spans, len(input_ids), self.states.lora_ids()))
+        hidden = self._forward(inputs, self.kv_caches, lora)  # [num_tokens, hidden]
 
         output = ModelOutput(seq_ids=[], token_ids=[], logprobs=[])
         if sample_rows:

@@ -46,6 +46,7 @@ class NewSequenceData:
     stop_token_ids: tuple[int, ...]  # EOS + params.stop_token_ids
     grammar: SequenceGrammar | RemoteGrammar | None = None
     pooling: PoolingParams | None = None
+    lora_id: int | None = None  # its adapter (engine.lora), None: the base model
 
 
 @dataclass(frozen=True)

@@ -36,12 +36,17 @@ from dataclasses import dataclass
 BlockHash = bytes
 
 
-def salt_root(cache_salt: str | None) -> BlockHash | None:
-    """The parent a salted sequence's first block is hashed with (None: unsalted). Domain-
-    separated, so no salt's root equals any block's hash."""
-    if cache_salt is None:
-        return None
-    return hashlib.sha256(b"llmplatform-cache-salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+def salt_root(cache_salt: str | None, lora_id: int | None = None) -> BlockHash | None:
+    """The parent a salted sequence's first block is hashed with (None: unsalted, base model).
+    Domain-separated, so no salt's root equals any block's hash. A LoRA adapter's id (unique per
+    load: ``engine.lora``) salts it too: the KV of a prefix depends on the adapter that computed
+    it, so sequences of different adapters (or of an adapter and the base model) share none."""
+    salt = None if cache_salt is None else cache_salt.encode("utf-8", "surrogatepass")
+    if lora_id is None:
+        return None if salt is None else hashlib.sha256(b"llmplatform-cache-salt\0" + salt).digest()
+    # Its own domain, the fixed-width id first: no (salt, adapter) pair's input equals another's.
+    return hashlib.sha256(b"llmplatform-lora-salt\0" + struct.pack("<q", lora_id)
+                          + (b"" if salt is None else b"\1" + salt)).digest()
 
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:

@@ -39,6 +39,7 @@ class RunnerSequence:
     generator: torch.Generator | None
     grammar: SequenceGrammar | RemoteGrammar | None = None
     pooling: PoolingParams | None = None
+    lora_id: int | None = None  # its adapter (engine.lora), None: the base model
     # Mean pooling: the float32 sum of the rows of the chunks computed so far ([hidden]); reset
     # by the chunk that starts at position 0 (engine.pooler).
     pooling_sum: torch.Tensor | None = field(default=None, repr=False)
@@ -73,6 +74,10 @@ class RunnerStates:
     def __len__(self) -> int:
         return len(self._seqs)
 
+    def lora_ids(self) -> set[int]:
+        """The adapters of the sequences held (engine.lora: never evicted while another is idle)."""
+        return {seq.lora_id for seq in self._seqs.values() if seq.lora_id is not None}
+
     def clear(self) -> None:
         self._seqs.clear()
 
@@ -94,7 +99,7 @@ class RunnerStates:
             stop_token_ids=new.stop_token_ids,
             generator=(resumed.generator if resumed is not None
                        else make_generator(new.seed, self._device)),
-            grammar=new.grammar, pooling=new.pooling)
+            grammar=new.grammar, pooling=new.pooling, lora_id=new.lora_id)
 
     def _move_on(self, cached: CachedSequenceData) -> None:
         seq = self._seqs[cached.seq_id]

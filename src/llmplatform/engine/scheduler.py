@@ -17,9 +17,10 @@ tokens, and at most ``max_num_seqs`` sequences run at once:
 2. Unless step 1 preempted (then the pool is full and the head of the queue is the sequence just
    preempted), waiting sequences are admitted in FCFS order while the budget, ``max_num_seqs``
    and the free blocks allow. A prefill larger than the budget left is chunked. Admission stops at
-   the first sequence that does not fit: nobody skips ahead of it. The one exception is a
-   sequence deferred for an in-flight prefix (below): it stays in its place and the next is
-   considered.
+   the first sequence that does not fit: nobody skips ahead of it. The exceptions are a
+   sequence deferred for an in-flight prefix (below), and one whose LoRA adapter would make the
+   running sequences' adapters outnumber the runner's slots (``max_loras``, engine.lora): each
+   stays in its place and the next is considered.
 
 A chunk that reaches a sequence's last token ``samples``: the model appends one token, which
 leaves the sequence one uncomputed token (its next decode).
@@ -97,8 +98,10 @@ from llmplatform.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_loras: int = 0) -> None:
+        """``max_loras``: the runner's LoRA slots (engine.lora); 0 without LoRA."""
         self.config = config
+        self.max_loras = max_loras
         self.block_manager = block_manager
         # Schedulable, not admitted: new sequences at the back, preempted ones at the front.
         self.waiting: deque[Sequence] = deque()
@@ -236,6 +239,9 @@ class Scheduler:
                     deferred.append((seq.seq_id, num_in_flight_blocks))
                 index += 1
                 continue
+            if not self._lora_fits(seq):  # waits for a slot; others may go ahead of it
+                index += 1
+                continue
             if self._num_seq_slots_used() + self._num_seq_slots(seq) > self.config.max_num_seqs:
                 break
             num_cached_tokens = len(cached or ()) * bm.block_size
@@ -331,7 +337,20 @@ class Scheduler:
             prompt_token_ids=tuple(seq.prompt_token_ids),
             output_token_ids=tuple(seq.output_token_ids), block_ids=tuple(seq.block_table),
             num_computed_tokens=seq.num_computed_tokens, params=seq.params, seed=seq.seed,
-            stop_token_ids=seq.stop_token_ids, grammar=seq.grammar, pooling=seq.pooling)
+            stop_token_ids=seq.stop_token_ids, grammar=seq.grammar, pooling=seq.pooling,
+            lora_id=seq.lora_id)
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s adapter can run now: the running sequences' adapters never outnumber
+        the runner's slots, so every step's adapters are resident together (engine.lora)."""
+        if seq.lora_id is None:
+            return True
+        active = {s.lora_id for s in self.running if s.lora_id is not None}
+        return seq.lora_id in active or len(active) < self.max_loras
+
+    def lora_ids_in_use(self) -> set[int]:
+        """The adapters of every unfinished sequence (an unloaded one's weights stay until then)."""
+        return {s.lora_id for s in self._live.values() if s.lora_id is not None}
 
     def _allocate_or_preempt(self, seq: Sequence, num_new_tokens: int,
                              blocks_to_copy: list[tuple[int, int]], preempted: list[Sequence]) -> bool:

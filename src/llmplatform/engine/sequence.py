@@ -52,6 +52,9 @@ class Sequence:
     # The request's cache_salt: seeds block_hashes[0], so only sequences with the same salt
     # share cached blocks (engine.prefix_cache). None: unsalted.
     cache_salt: str | None = None
+    # The LoRA adapter it runs with (``engine.lora``: an id unique per adapter load), None: the
+    # base model. It salts block_hashes[0] like cache_salt.
+    lora_id: int | None = None
     # How this output samples, beyond ``params`` (the model runner's, set by the engine): its own
     # seed (derived from the request's: the n outputs of a seeded request differ, reproducibly),
     # the token ids that end it (EOS + params.stop_token_ids) and its walk through its output

@@ -19,7 +19,7 @@ import asyncio
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
-from llmplatform.errors import InvalidRequestError
+from llmplatform.errors import InvalidRequestError, ModelNotFoundError
 from llmplatform.llm.embedding import (EmbeddingFacts, EmbeddingResult, ModelTask,
                                         not_an_embedding_model)
 from llmplatform.sampling.outputs import (  # noqa: F401  (the interface's result types)
@@ -46,6 +46,9 @@ class GenerateRequest:
     # Only requests with the same salt may share prefix-cache blocks (engine.prefix_cache); a
     # backend without a prefix cache shares nothing between requests and has nothing to do.
     cache_salt: str | None = None
+    # The LoRA adapter the request names in ``model`` (None: the base model); the backend checks
+    # that it is loaded (:meth:`LLMBackend.check_request`).
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -62,12 +65,15 @@ class AdmittedRequest:
     # The output's constraint (structured outputs, forced tool calls), compiled at admission
     # (:meth:`LLMBackend.compile_grammar`): the backend never compiles on its step path.
     grammar: CompiledGrammar | None = None
+    # The loaded LoRA adapter it runs with, as its backend names it (the native engine: its id,
+    # unique per load); None: the base model.
+    lora: Any = None
 
     @classmethod
-    def of(cls, request: GenerateRequest) -> AdmittedRequest:
+    def of(cls, request: GenerateRequest, lora: Any = None) -> AdmittedRequest:
         """For a backend's ``check_request``, once its checks have passed."""
         return cls(request.request_id, request.params, request.prompt_token_ids,
-                   request.cache_salt)
+                   request.cache_salt, lora=lora)
 
     def with_grammar(self, grammar: CompiledGrammar | None) -> AdmittedRequest:
         return replace(self, grammar=grammar)
@@ -116,6 +122,16 @@ class BackendInfo:
         if self.num_kv_blocks is None or self.kv_block_size is None:
             return None
         return self.num_kv_blocks * self.kv_block_size
+
+
+@dataclass(frozen=True)
+class LoRAInfo:
+    """A LoRA adapter a backend serves: requests name it in ``model``; ``/v1/models`` lists it
+    with its base model as ``parent`` and its path as ``root`` (vLLM's fields)."""
+
+    name: str
+    parent: str
+    root: str
 
 
 @dataclass(frozen=True)
@@ -223,6 +239,29 @@ class LLMBackend(abc.ABC):
         """Forget every cached prompt prefix, so that the next request computes its whole
         prompt. False when this backend has no prefix cache."""
         return False
+
+    # ---- LoRA adapters (a backend started without them refuses to load any) ------------------
+
+    def load_lora_modules(self, modules: Sequence[tuple[str, str]]) -> None:
+        """Loads ``--lora-modules`` (name, path) pairs at build, before :meth:`start`; a backend
+        that cannot serve them raises (the worker does not start)."""
+        if modules:
+            raise ValueError(f"the {self.backend_name} backend serves no LoRA adapters (--lora-modules)")
+
+    def lora_adapters(self) -> list[LoRAInfo]:
+        """The adapters loaded now (requests may name them in ``model``)."""
+        return []
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRAInfo:
+        """Loads the PEFT adapter folder at ``path`` as ``name``; InvalidRequestError (nothing
+        changed) when it cannot serve it."""
+        raise InvalidRequestError(f"this worker serves no LoRA adapters ({self.backend_name} backend "
+                                  "started without --enable-lora)", param="lora_name")
+
+    async def unload_lora_adapter(self, name: str) -> LoRAInfo:
+        """Unloads adapter ``name`` (requests already running with it finish);
+        ModelNotFoundError when no adapter of that name is loaded."""
+        raise ModelNotFoundError(f"no LoRA adapter named {name!r} is loaded", param="lora_name")
 
     # ---- embeddings (llm.embedding): a backend has them when its facts list ModelTask.EMBED ----
 

@@ -19,6 +19,7 @@ from llmplatform.engine.config import (
     DECODE_PATHS,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -83,6 +84,30 @@ class BackendConfig:
     grammar_token_budget_ms: float = 250.0
     grammar_cache_memory: str = "128MiB"
     grammar_compile_timeout: float = 10.0
+    # LoRA adapters (engine.lora): slots on the projections (enable_lora, or implied by
+    # lora_modules), loaded at start as "name=path" (lora_modules) or at runtime.
+    enable_lora: bool = False
+    max_loras: int = LoRAConfig.max_loras
+    max_lora_rank: int = LoRAConfig.max_lora_rank
+    lora_modules: tuple[str, ...] = ()
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+
+def parse_lora_modules(modules: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``--lora-modules`` entries, ``name=path`` each, as (name, path); ValueError otherwise."""
+    pairs = []
+    for entry in modules:
+        name, sep, path = entry.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"--lora-modules takes name=path, not {entry!r}")
+        pairs.append((name.strip(), path.strip()))
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules names an adapter twice: {names}")
+    return pairs
 
 
 def build_backend(config: BackendConfig, *,
@@ -99,7 +124,9 @@ def build_backend(config: BackendConfig, *,
         raise ValueError(f"a runner_factory needs backend='paged', not {config.backend!r}")
     template = check_tool_flags(config.chat_template, config.tool_call_parser)  # before loading
     grammar_config = _grammar_config(config)  # before loading: a bad size fails at once
+    lora_modules = parse_lora_modules(config.lora_modules)  # likewise
     llm = _load(config, runner_factory)
+    llm.load_lora_modules(lora_modules)
     llm.grammar_config = grammar_config
     configure_tool_support(llm, chat_template=template, template_source=config.chat_template,
                            tool_call_parser=config.tool_call_parser)
@@ -178,7 +205,8 @@ def _load(config: BackendConfig, runner_factory: RunnerFactory | None) -> LLMBac
         return HFTransformersLLM(str(resolved.path), names, device=config.device,
                                  dtype=config.dtype, max_concurrency=config.max_concurrency or 5,
                                  max_model_len=config.max_model_len,
-                                 trust_remote_code=config.trust_remote_code)
+                                 trust_remote_code=config.trust_remote_code,
+                                 enable_lora=config.lora_enabled, max_lora_rank=config.max_lora_rank)
     raise ValueError(f"unknown backend {config.backend!r}; choose from {', '.join(BACKENDS)}")
 
 
@@ -298,4 +326,6 @@ def _engine_config(config: BackendConfig, path: str, names: tuple[str, ...], *,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_model_len=model_len),
         parallel=ParallelConfig(tensor_parallel_size=config.tensor_parallel_size,
-                                rank_timeout_s=config.tensor_parallel_timeout))
+                                rank_timeout_s=config.tensor_parallel_timeout),
+        lora=LoRAConfig(enabled=config.lora_enabled, max_loras=config.max_loras,
+                        max_lora_rank=config.max_lora_rank))

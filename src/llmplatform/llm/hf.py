@@ -13,13 +13,15 @@ import inspect
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 import torch
 
-from llmplatform.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError
+from llmplatform.errors import (ContextLengthExceededError, EngineDeadError, InvalidRequestError,
+                               ModelNotFoundError)
 from llmplatform.llm.base import (AdmittedRequest, BackendInfo, GenerateRequest, LLMBackend,
-                                  LoadStats, ModelFacts)
+                                  LoadStats, LoRAInfo, ModelFacts)
+from llmplatform.llm.hf_lora import HFAdapters
 from llmplatform.sampling.output_processor import OutputProcessor, eos_token_ids_of, token_text
 from llmplatform.sampling.outputs import GenerateChunk, TokenLogprob
 from llmplatform.sampling.params import check_prompt_token_ids
@@ -37,7 +39,8 @@ class HFTransformersLLM(LLMBackend):
 
     def __init__(self, model_path: str, model_names: tuple[str, ...], *, device: str = "auto",
                  dtype: str = "auto", max_concurrency: int = 4,
-                 max_model_len: int | None = None, trust_remote_code: bool = False) -> None:
+                 max_model_len: int | None = None, trust_remote_code: bool = False,
+                 enable_lora: bool = False, max_lora_rank: int = 16) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         from llmplatform.llm.resolve import context_length
@@ -68,6 +71,9 @@ class HFTransformersLLM(LLMBackend):
         self._num_running = 0
         self._lock = threading.Lock()
         self._dead: str | None = None
+        # LoRA adapters through peft (llm.hf_lora): one forward pass at a time while on.
+        self._adapters = (HFAdapters(self.model, self._facts.names[0], max_lora_rank)
+                          if enable_lora else None)
         # transformers 5.2x renamed the KV-cache argument and output field to ``cache``.
         forward_params = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_params else "past_key_values"
@@ -95,6 +101,38 @@ class HFTransformersLLM(LLMBackend):
     async def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
+    # ---- LoRA adapters (llm.hf_lora) -------------------------------------------------------------
+
+    def lora_adapters(self) -> list[LoRAInfo]:
+        return [] if self._adapters is None else self._adapters.infos()
+
+    def load_lora_modules(self, modules: Sequence[tuple[str, str]]) -> None:
+        if modules and self._adapters is None:
+            return super().load_lora_modules(modules)
+        for name, path in modules:
+            try:
+                self._adapters.load_sync(name, path)
+            except InvalidRequestError as exc:
+                raise ValueError(f"--lora-modules {name}={path}: {exc.message}") from exc
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRAInfo:
+        if self._adapters is None:
+            return await super().load_lora_adapter(name, path)
+        if name in self.model_names:
+            raise InvalidRequestError(f"{name!r} is the base model's name", param="lora_name")
+        info = await asyncio.to_thread(self._adapters.load_sync, name, path)
+        logger.info("LoRA adapter %r loaded from %s", name, path)
+        return info
+
+    async def unload_lora_adapter(self, name: str) -> LoRAInfo:
+        if self._adapters is None:
+            return await super().unload_lora_adapter(name)
+        info, idle = self._adapters.retire(name)
+        if idle:
+            await asyncio.to_thread(self._adapters.delete_sync, name)
+        logger.info("LoRA adapter %r unloaded", name)
+        return info
+
     async def generate(self, request: AdmittedRequest) -> AsyncIterator[GenerateChunk]:
         """Closing the stream (or cancelling its consumer) stops the decode loop at its next
         ``await``; the forward pass already running on a thread finishes, unread."""
@@ -120,7 +158,9 @@ class HFTransformersLLM(LLMBackend):
                           stop_token_ids=stop_token_ids, grammar=grammar)
         loop = asyncio.get_running_loop()
         self._num_running += 1
-        state: dict[str, Any] = {"cache": None}
+        state: dict[str, Any] = {"cache": None, "adapter": request.lora}
+        if request.lora is not None:
+            self._adapters.acquire(request.lora)
         try:
             next_input = prompt_ids
             first = True
@@ -139,6 +179,8 @@ class HFTransformersLLM(LLMBackend):
         finally:
             self._num_running -= 1
             state.clear()  # drop the KV cache now, not when the generator is collected
+            if request.lora is not None and self._adapters.release(request.lora):
+                await asyncio.to_thread(self._adapters.delete_sync, request.lora)
 
     def check_request(self, request: GenerateRequest) -> AdmittedRequest:
         prompt_token_ids, params = request.prompt_token_ids, request.params
@@ -150,7 +192,11 @@ class HFTransformersLLM(LLMBackend):
         check_prompt_token_ids(prompt_token_ids, self.facts.vocab_size)
         params.check_vocab(self.facts.vocab_size)
         self._check_fits(len(prompt_token_ids), params.max_tokens)
-        return AdmittedRequest.of(request)
+        if request.lora_name is not None and (self._adapters is None
+                                              or self._adapters.get(request.lora_name) is None):
+            raise ModelNotFoundError(f"no LoRA adapter named {request.lora_name!r} is loaded",
+                                     param="model")
+        return AdmittedRequest.of(request, lora=request.lora_name)
 
     def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         if num_prompt_tokens + max_tokens > self.context_length:
@@ -165,8 +211,15 @@ class HFTransformersLLM(LLMBackend):
               want_prompt_logprobs: bool):
         """One forward pass on a worker thread: prefill (first call) or one decode token."""
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: state["cache"]},
-                         logits_to_keep=0 if want_prompt_logprobs else 1)
+        kwargs = {self._cache_arg: state["cache"]}
+        if self._adapters is None:
+            out = self.model(input_ids=ids, use_cache=True, **kwargs,
+                             logits_to_keep=0 if want_prompt_logprobs else 1)
+        else:
+            with self._adapters.lock:
+                out = self._adapters.model(input_ids=ids, use_cache=True, **kwargs,
+                                           **self._adapters.forward_kwargs(state["adapter"]),
+                                           logits_to_keep=0 if want_prompt_logprobs else 1)
         state["cache"] = getattr(out, self._cache_arg)
         logits = out.logits[0]  # [num_kept_positions, vocab_size]
         prompt_records = None

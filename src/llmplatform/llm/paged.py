@@ -24,15 +24,16 @@ import dataclasses
 import functools
 import logging
 import uuid
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from llmplatform.engine.async_engine import AsyncEngine
 from llmplatform.engine.config import EngineConfig
 from llmplatform.engine.llm_engine import LLMEngine
+from llmplatform.engine.lora import LoRAManager
 from llmplatform.engine.model_runner import ModelRunner, RunnerFactory
-from llmplatform.errors import EngineDeadError, InvalidRequestError, LLMPlatformError
+from llmplatform.errors import EngineDeadError, InvalidRequestError, LLMPlatformError, ModelNotFoundError
 from llmplatform.llm.base import (AdmittedRequest, BackendInfo, GenerateRequest, LLMBackend,
-                                  LoadStats, ModelFacts)
+                                  LoadStats, LoRAInfo, ModelFacts)
 from llmplatform.llm.decoder_embedding import DecoderEmbedding
 from llmplatform.llm.embedding import EmbeddingFacts, EmbeddingResult, ModelTask
 from llmplatform.models.quantized import quantization_summary
@@ -185,7 +186,63 @@ class PagedLLM(LLMBackend):
         self._check_generates()
         # The engine's own limits: the vocabulary, the context, n within --max-num-seqs.
         self.engine.validate(list(request.prompt_token_ids), request.params)
-        return AdmittedRequest.of(request)
+        lora_id = None
+        if request.lora_name is not None:
+            adapter = self._loras.get(request.lora_name) if self._loras is not None else None
+            if adapter is None:
+                raise ModelNotFoundError(f"no LoRA adapter named {request.lora_name!r} is loaded",
+                                         param="model")
+            lora_id = adapter.lora_id
+        return AdmittedRequest.of(request, lora=lora_id)
+
+    # ---- LoRA adapters (engine.lora; the registry lives in the runner, across rebuilds) --------
+
+    @property
+    def _loras(self) -> LoRAManager | None:
+        return self.engine.runner.loras
+
+    def lora_adapters(self) -> list[LoRAInfo]:
+        if self._loras is None:
+            return []
+        return [LoRAInfo(a.name, self.model_names[0], a.path) for a in self._loras.adapters]
+
+    def load_lora_modules(self, modules: Sequence[tuple[str, str]]) -> None:
+        assert self._async is None, "at build, before the step loop runs"
+        if modules and (self._loras is None or self.embedding is not None):
+            return super().load_lora_modules(modules)
+        for name, path in modules:
+            try:
+                adapter = self._loras.add(name, self._loras.read(path))
+            except InvalidRequestError as exc:
+                raise ValueError(f"--lora-modules {name}={path}: {exc.message}") from exc
+            logger.info("LoRA adapter %r loaded from %s (rank %d)", name, path, adapter.rank)
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRAInfo:
+        if self._loras is None or self.embedding is not None:
+            return await super().load_lora_adapter(name, path)
+        if name in self.model_names:
+            raise InvalidRequestError(f"{name!r} is the base model's name", param="lora_name")
+        loras = self._loras
+        # Reading and checking (file IO, tensor copies) off the event loop and off the step
+        # thread; registering between two steps, like admissions.
+        weights = await asyncio.to_thread(loras.read, path)
+        adapter = await self._between_steps(lambda engine: loras.add(name, weights))
+        logger.info("LoRA adapter %r loaded from %s (rank %d)", name, path, adapter.rank)
+        return LoRAInfo(adapter.name, self.model_names[0], adapter.path)
+
+    async def unload_lora_adapter(self, name: str) -> LoRAInfo:
+        if self._loras is None:
+            return await super().unload_lora_adapter(name)
+        loras = self._loras
+        adapter = await self._between_steps(
+            lambda engine: loras.remove(name, engine.scheduler.lora_ids_in_use()))
+        logger.info("LoRA adapter %r unloaded", name)
+        return LoRAInfo(adapter.name, self.model_names[0], adapter.path)
+
+    async def _between_steps(self, call: Callable[[LLMEngine], Any]) -> Any:
+        if self._async is None:
+            return call(self.engine)
+        return await self._async.call_between_steps(call)
 
     async def generate(self, request: AdmittedRequest) -> AsyncIterator[GenerateChunk]:
         if self._async is None:
@@ -194,7 +251,7 @@ class PagedLLM(LLMBackend):
         self._async.check_serving()  # the engine's state now, not the request's
         updates = self._async.generate(request.request_id, list(request.prompt_token_ids),
                                        request.params, request.grammar,
-                                       cache_salt=request.cache_salt)
+                                       cache_salt=request.cache_salt, lora_id=request.lora)
         try:
             async for update in updates:
                 # The engine's chunks name their request; which output is the update's.

@@ -36,6 +36,7 @@ from llmplatform.metrics.worker import WorkerLoad, WorkerMetrics
 from llmplatform.model_worker.admission import WorkerState
 from llmplatform.model_worker.conv import conv_template_for
 from llmplatform.model_worker.embeddings import add_embedding_route, embedding_details
+from llmplatform.model_worker.lora_routes import add_lora_routes
 from llmplatform.model_worker.failure import FailureHandler, watch_backend
 from llmplatform.model_worker.generation import generate, json_object, streamed, whole
 from llmplatform.model_worker.registration import ControllerLink
@@ -138,8 +139,12 @@ def _status(app: FastAPI) -> dict[str, Any]:
     llm: LLMBackend = app.state.llm
     load = llm.load()
     info = llm.backend_info()
+    adapters = llm.lora_adapters()
     return {
-        "model_names": list(llm.model_names),
+        # LoRA adapters are models too: the controller routes a request naming one here.
+        "model_names": list(llm.model_names) + [adapter.name for adapter in adapters],
+        # Ours: each adapter's base model and path, for the gateway's /v1/models.
+        "lora_adapters": [{"name": a.name, "parent": a.parent, "root": a.root} for a in adapters],
         "speed": app.state.settings.speed,
         "queue_length": max(app.state.worker.num_accepted, load.num_running + load.num_waiting),
         "num_running": load.num_running,
@@ -209,6 +214,7 @@ def _add_routes(app: FastAPI) -> None:
         return await generate(app, request, refuse=json_object, answer=whole)
 
     add_embedding_route(app, _json_body)
+    add_lora_routes(app, _json_body, _error_response)
 
     @app.post("/worker_get_status")
     async def worker_get_status() -> dict[str, Any]:

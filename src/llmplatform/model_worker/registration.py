@@ -117,6 +117,23 @@ class ControllerLink:
             await asyncio.sleep(0.05)
         return address
 
+    async def announce(self) -> None:
+        """Registers again now, once, so that the controller learns a change in the models this
+        worker serves (a LoRA adapter loaded or unloaded) without waiting; a failure is logged,
+        and the worker's next registration carries the change."""
+        if self._worker_address is None or not self.registered.is_set() or self._left:
+            return
+        try:
+            response = await self._client.post(
+                f"{self._controller}/register_worker",
+                json={"worker_name": self._worker_address, "check_heart_beat": True,
+                      "worker_status": self._get_status(), "instance_id": self.instance_id},
+                headers=self._headers)
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            logger.warning("telling controller %s about this worker's models failed: %s",
+                           self._controller, exc)
+
     async def _register_until_done(self, worker_address: str) -> None:
         delay = 0.25
         while True:

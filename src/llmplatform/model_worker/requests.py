@@ -60,10 +60,16 @@ def model_details_of(llm: LLMBackend) -> dict[str, Any]:
     return details
 
 
-def check_model(llm: LLMBackend, model: str | None) -> None:
-    if model is not None and model not in llm.model_names:
-        raise ModelNotFoundError(f"this worker serves {list(llm.model_names)}, not {model!r}",
-                                 param="model")
+def check_model(llm: LLMBackend, model: str | None) -> str | None:
+    """Refuses a model this worker does not serve; returns the LoRA adapter ``model`` names
+    (None: the base model)."""
+    if model is None or model in llm.model_names:
+        return None
+    adapters = [adapter.name for adapter in llm.lora_adapters()]
+    if model in adapters:
+        return model
+    raise ModelNotFoundError(f"this worker serves {list(llm.model_names) + adapters}, not {model!r}",
+                             param="model")
 
 
 async def render_prompt(llm: LLMBackend, params: WorkerParams) -> tuple[str, list[int], int]:
@@ -153,12 +159,13 @@ async def accept(llm: LLMBackend, params: WorkerParams, ticket: Ticket, *,
     REQUEST_ID.set(request_id)
     observer = metrics.observe_request()
     try:
-        check_model(llm, params.model)
+        lora_name = check_model(llm, params.model)
         ticket.reserve_id(request_id)
         prompt, prompt_ids, max_new_tokens = await render_prompt(llm, params)
         admitted = llm.check_request(GenerateRequest(
             request_id=request_id, params=sampling_params_from(params, max_new_tokens),
-            prompt_token_ids=tuple(prompt_ids), prompt=prompt, cache_salt=params.cache_salt))
+            prompt_token_ids=tuple(prompt_ids), prompt=prompt, cache_salt=params.cache_salt,
+            lora_name=lora_name))
         if params.structured_output is not None:
             admitted = admitted.with_grammar(await compile_constraint(llm, params))
     except LLMPlatformError as exc:

@@ -170,6 +170,19 @@ class WorkerServiceSettings(ServerSettings):
         _DEFAULT.grammar_compile_timeout, "structured outputs: a grammar that takes longer to "
         "compile is refused (400) and its compile process killed (default: %(default)s)",
         metavar='SECONDS', gt=0)
+    enable_lora: bool = option(
+        _DEFAULT.enable_lora, "serve LoRA adapters: loaded at runtime (the gateway's "
+        "/v1/load_lora_adapter) and named in a request's model (implied by --lora-modules)",
+        group=_ENGINE)
+    lora_modules: tuple[str, ...] = option(
+        _DEFAULT.lora_modules, "a PEFT LoRA adapter folder to serve from the start, as NAME=PATH "
+        "(repeatable)", metavar="NAME=PATH", group=_ENGINE, repeatable=True)
+    max_loras: int = option(
+        _DEFAULT.max_loras, "LoRA adapters resident at once (slots); requests for more wait, the "
+        "least recently used idle adapter is evicted (default: %(default)s)", group=_ENGINE, ge=1)
+    max_lora_rank: int = option(
+        _DEFAULT.max_lora_rank, "the largest LoRA rank served; a larger adapter is refused "
+        "(default: %(default)s)", group=_ENGINE, ge=1, le=512)
     enable_prefix_caching: bool = option(
         _DEFAULT.enable_prefix_caching, "reuse the KV cache of prompt prefixes seen before "
         "(default: on; --no-enable-prefix-caching turns it off)", group=_ENGINE, negatable=True)

@@ -72,6 +72,11 @@ class ControllerClient:
         self._known_models.update(name for worker in listing.workers for name in worker.model_names)
         return listing
 
+    def forget_model(self, model: str) -> None:
+        """`model` was taken away on purpose (an unloaded LoRA adapter): a request for it is a
+        404 again, not the 503 of a known model whose workers are all away for a moment."""
+        self._known_models.discard(model)
+
     async def worker_address(self, model: str, exclude: Sequence[str] = (),
                              route: RouteRequest | None = None) -> str:
         """The controller's pick (`POST /get_worker_address`): a worker other than those in

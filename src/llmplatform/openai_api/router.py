@@ -26,8 +26,10 @@ from llmplatform.openai_api.completions import create_completion
 from llmplatform.openai_api.embeddings import create_embeddings, model_tasks
 from llmplatform.openai_api.errors import EnvelopeRoute
 from llmplatform.openai_api.lifecycle import launch_model, list_model_states, stop_model
+from llmplatform.openai_api.lora import load_lora_adapter, unload_lora_adapter
 from llmplatform.protocol.lifecycle import ModelState
 from llmplatform.openai_api.worker_client import WorkerClient
+from llmplatform.protocol.lora import LoRAAdapterCard
 from llmplatform.protocol.openai import ModelCard, ModelList
 
 
@@ -38,8 +40,12 @@ def _client(request: Request) -> WorkerClient:
 async def list_models(request: Request) -> JSONResponse:
     models = await _client(request).list_models()
     tasks = await model_tasks(_client(request))  # what each serves: generate, embed
+    adapters = await _lora_adapters(_client(request))
     created = request.app.state.created
-    cards = [ModelCard(id=model, created=created, tasks=tasks.get(model)) for model in sorted(models)]
+    cards = [ModelCard(id=model, created=created, tasks=tasks.get(model),
+                       parent=adapters[model].parent if model in adapters else None,
+                       root=adapters[model].root if model in adapters else None)
+             for model in sorted(models)]
     # Launchable on demand but not running: listed, marked, so clients can pick them.
     waiting = [s.name for s in await request.app.state.lifecycle.states()
                if s.on_demand and s.state is not ModelState.READY and s.name not in models]
@@ -47,10 +53,20 @@ async def list_models(request: Request) -> JSONResponse:
     return JSONResponse(ModelList(data=cards).model_dump())
 
 
+async def _lora_adapters(client: WorkerClient) -> dict[str, LoRAAdapterCard]:
+    """The LoRA adapters live workers serve, by name (from the controller's listing, ours)."""
+    listing = await client.list_workers()
+    return {card.name: card for worker in (listing.workers if listing is not None else ())
+            for card in worker.lora_adapters or ()}
+
+
 async def retrieve_model(model: str, request: Request) -> JSONResponse:
     created = request.app.state.created
     if model in await _client(request).list_models():
-        return JSONResponse(ModelCard(id=model, created=created).model_dump())
+        adapter = (await _lora_adapters(_client(request))).get(model)
+        return JSONResponse(ModelCard(id=model, created=created,
+                                      parent=adapter.parent if adapter else None,
+                                      root=adapter.root if adapter else None).model_dump())
     if any(s.name == model and s.on_demand for s in await request.app.state.lifecycle.states()):
         return JSONResponse(ModelCard(id=model, created=created, loaded=False).model_dump())
     raise ModelNotFoundError(f"The model '{model}' does not exist.", param="model")
@@ -90,6 +106,11 @@ def build_router() -> APIRouter:
     v1.add_api_route("/embeddings", create_embeddings, methods=["POST"])
     for path, handler in GENERATION_ROUTES.items():
         v1.add_api_route(path.removeprefix("/v1"), handler, methods=["POST"])
+    # vLLM's paths, on the /v1 router like every /v1 route, and the admin key's besides: what the
+    # cluster serves is the operator's choice.
+    for path, handler in (("/load_lora_adapter", load_lora_adapter),
+                          ("/unload_lora_adapter", unload_lora_adapter)):
+        v1.add_api_route(path, handler, methods=["POST"], dependencies=[Depends(require_admin_key)])
     admin = APIRouter(prefix="/v1/admin", dependencies=[Depends(require_admin_key)],
                       route_class=EnvelopeRoute)
     admin.add_api_route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"])

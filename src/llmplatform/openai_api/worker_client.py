@@ -134,6 +134,10 @@ class WorkerClient:
         self._note_route(RouteSource.CONTROLLER)
         return await self.controller_worker_address(model, exclude, route)
 
+    def forget_model(self, model: str) -> None:
+        """A model taken away on purpose is unknown again (``ControllerClient.forget_model``)."""
+        self._controller.forget_model(model)
+
     def worker_failed(self, address: str) -> None:
         """`address` could not take a request: the table skips it until its next read."""
         if self._routes is not None:
@@ -180,6 +184,21 @@ class WorkerClient:
         if not isinstance(data, dict) or not isinstance(data.get("success"), bool):
             raise UpstreamError(f"The worker at {url} answered with an invalid response (no result).")
         return data["success"]
+
+    async def lora_adapter(self, address: str, path: str, payload: dict[str, str]) -> dict[str, Any]:
+        """``/worker_load_lora_adapter`` or ``/worker_unload_lora_adapter`` (``path``) on one
+        worker (ours, ``model_worker.lora_routes``): its answer, or its refusal typed."""
+        url = f"{address}{path}"
+        response = await self._post(url, payload)
+        if response.status_code != 200:
+            raise error_from_http(response.status_code, response.content, f"The worker at {url}")
+        try:
+            data = response.json()
+        except ValueError:
+            raise UpstreamError(f"The worker at {url} answered with malformed JSON.") from None
+        if not isinstance(data, dict):
+            raise UpstreamError(f"The worker at {url} answered with an invalid response.")
+        return data
 
     # ---- prompts -----------------------------------------------------------------------------
 

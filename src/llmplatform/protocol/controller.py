@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from llmplatform.protocol.lora import LoRAAdapterCard
+
 
 class _Message(BaseModel):
     """Base for controller messages: tolerant of extra fields, as FastChat peers send them."""
@@ -57,6 +59,9 @@ class WorkerStatus(LoadFacts):
     # Ours only, sent at registration: what the model serves ("generate", "embed"). None: not
     # reported (a stock FastChat worker: it generates, and may embed too).
     tasks: list[str] | None = Field(default=None, max_length=8, description="What the model serves.")
+    # Ours only: the LoRA adapters among model_names, each with its base model (vLLM's `parent`)
+    # and path (`root`), for the gateway's /v1/models. None: not reported.
+    lora_adapters: list[LoRAAdapterCard] | None = Field(default=None, max_length=4096)
 
 
 class RegisterWorkerRequest(_Message):
@@ -145,6 +150,8 @@ class WorkerDescription(_Message):
     model_names: list[str]
     backend: str | None = None
     tasks: list[str] | None = Field(default=None, description="What the model serves (ours).")
+    lora_adapters: list[LoRAAdapterCard] | None = Field(
+        default=None, description="The LoRA adapters among model_names (ours).")
     speed: int
     queue_length: int
     num_running: int | None = None

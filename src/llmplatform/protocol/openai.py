@@ -300,6 +300,10 @@ class ModelCard(BaseModel):
     loaded: bool = True
     """*extension*: False for a model launchable on demand that no worker runs yet (the first
     request for it starts one)."""
+    parent: str | None = None
+    """A LoRA adapter's base model (vLLM's field); None for a base model."""
+    root: str | None = None
+    """A LoRA adapter's path (vLLM's field); None for a base model."""
 
 
 class EmbeddingData(BaseModel):

@@ -1,0 +1,194 @@
+"""LoRA on the model's projections: resident adapter slots and the batched (segmented) product.
+
+A projection with LoRA computes ``y = x W^T + scaling * (x A^T) B^T`` with the adapter's low-rank
+``A`` [r, in] and ``B`` [out, r]. Many adapters serve in one batch (S-LoRA, vLLM's punica): each
+wrapped projection (:class:`LoRALinear`) holds ``max_loras`` *slots* of stacked weights, and a
+step's rows are grouped by the slot of their adapter (rows of the base model are in no group).
+Each group costs one pair of small products over its rows, gathered by index and added back:
+
+    rows by slot:   | slot 2: rows 0, 3 | slot 0: rows 1, 4, 5 | base: row 2 (nothing added) |
+    per group g:    y[rows_g] += ((x[rows_g] A_g^T) B_g^T)           (scaling folded into B_g)
+
+so a step's LoRA cost is a loop over the adapters present (at most ``max_loras``), never over rows.
+Small groups (decode rows: a few rows per adapter) make that loop's per-call overhead the cost,
+so they run together: padded to the largest small group's size G, one batched product pair over
+all of them (``LoRASmallGroups``: [groups, G, in] @ [groups, in, S * R] @ [groups, S * R, out];
+padding rows read a zero row and add zeros). Large groups (prefill chunks) keep their own pair,
+where padding them would multiply the waste.
+
+Fused projections (``qkv_proj``, ``gate_up_proj``) have one (A, B) per slice (q, k, v; gate, up):
+the slices' A are stacked along the rank, ``A_slots`` [L, S * R, in] (slice s at rows
+``s * R ..``), and their B are block-diagonal, ``B_slots`` [L, out, S * R] (slice s's output rows
+read only its own rank columns), so a fused projection also costs one shrink and one expand per
+group (the zero blocks cost S times the expand's few multiplications, and spare S - 1 calls;
+``LoRALinear`` holds them as ``lora_a`` = A_slots and ``lora_b_t`` = B_slots transposed):
+
+    A_slots[l]:  [ A_q ]        B_slots[l]:  [ B_q  0    0   ]   q rows
+                 [ A_k ]                     [ 0    B_k  0   ]   k rows
+                 [ A_v ]                     [ 0    0    B_v ]   v rows
+
+Ranks below ``max_lora_rank`` are zero-padded (zero rows of A and columns of B add nothing). A
+slot an adapter leaves no weights in for a target (the adapter does not adapt it) holds zeros.
+
+Which rows use which slot is the step's forward-pass metadata: the model runner sets it for one
+forward pass with :func:`lora_batch` (a scoped context that refuses nesting, not a module global
+left behind).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from llmplatform.models.layers import Linear
+
+LORA_TARGETS = {
+    # PEFT's module name -> (our projection, its slice)
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+"""The projections an adapter may adapt (embeddings and the LM head are not supported)."""
+
+_PROJECTION_OWNERS = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp",
+                      "down_proj": "mlp"}
+
+
+@dataclass(frozen=True)
+class LoRAGroup:
+    """The rows of one step that use slot ``slot``; ``rows`` None: every row of the batch."""
+
+    slot: int
+    rows: torch.Tensor | None  # [num_rows] int64 on the model's device
+
+
+@dataclass(frozen=True)
+class LoRASmallGroups:
+    """Several small groups of rows, padded to one size G and run as one batched product pair."""
+
+    slots: torch.Tensor | None  # [num_groups] int64: each group's slot; None: group i is slot i,
+    # every slot (no copy of the slots' weights: when most slots are in use, reading them all
+    # costs less than gathering the used ones)
+    gather_rows: torch.Tensor  # [num_groups * G] int64: rows of x, padding = num_rows (a zero row)
+    scatter_rows: torch.Tensor  # [num_groups * G] int64: rows of y, padding = 0 (adds zeros there)
+    size: int  # G
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    groups: tuple[LoRAGroup, ...]  # each with its own product pair
+    small: LoRASmallGroups | None = None
+
+
+_current: contextvars.ContextVar[LoRABatch | None] = contextvars.ContextVar("lora_batch", default=None)
+
+
+@contextlib.contextmanager
+def lora_batch(batch: LoRABatch | None) -> Iterator[None]:
+    """The adapters of the rows of the forward pass run inside (None: the base model for all)."""
+    if _current.get() is not None:
+        raise RuntimeError("lora_batch does not nest: one forward pass at a time")
+    token = _current.set(batch)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+class LoRALinear(nn.Module):
+    """A projection (``models.layers.Linear``, whole-model, not sharded) plus ``max_loras`` slots
+    of LoRA weights for it. Its base product is unchanged; rows in a :class:`LoRABatch` group get
+    their slot's low-rank update added."""
+
+    def __init__(self, base: Linear, max_loras: int, max_rank: int) -> None:
+        super().__init__()
+        self.base = base
+        self.output_sizes = list(base.output_sizes)
+        self.max_rank = max_rank
+        in_features = self._in_features(base)
+        num_slices = len(self.output_sizes)
+        device, dtype = self._placement(base)
+        # Slots hold the compute dtype (float32 on a CPU without bf16 matrix instructions, where
+        # bf16 products are several times slower); rows are cast to it and the update back.
+        self.lora_a = torch.zeros(max_loras, num_slices * max_rank, in_features, dtype=dtype, device=device)
+        # B is held transposed, B^T [L, S * R, out]: the expand's right-hand operand contiguous
+        # (measured on CPU: a third faster for the batched expand; A's shrink is faster as is).
+        self.lora_b_t = torch.zeros(max_loras, num_slices * max_rank, sum(self.output_sizes), dtype=dtype,
+                                    device=device)
+
+    @staticmethod
+    def _in_features(base: Linear) -> int:
+        weight = base.weight if base.weight is not None else base._onednn_weight
+        return int(base._row_weight.shape[1] if base._row_weight is not None else weight.shape[-1])
+
+    @staticmethod
+    def _placement(base: Linear) -> tuple[torch.device, torch.dtype]:
+        for tensor in (base._row_weight, base.weight):
+            if tensor is not None:
+                return tensor.device, base.ops.compute_dtype
+        return torch.device("cpu"), base.ops.compute_dtype
+
+    def set_slot(self, slot: int, slices: dict[int, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        """Writes an adapter into ``slot``: ``slices`` maps slice index -> (A [r, in], B [out_s, r]
+        with the scaling folded in); slices it leaves out (and None: all) are zeroed."""
+        self.lora_a[slot].zero_()
+        self.lora_b_t[slot].zero_()
+        offset = 0
+        for index, size in enumerate(self.output_sizes):
+            if slices is not None and index in slices:
+                a, b = slices[index]
+                rank = a.shape[0]
+                assert rank <= self.max_rank and b.shape == (size, rank), (a.shape, b.shape, size)
+                first = index * self.max_rank  # this slice's rank rows of A, columns of B
+                self.lora_a[slot, first:first + rank].copy_(a)
+                self.lora_b_t[slot, first:first + rank, offset:offset + size].copy_(b.T)
+            offset += size
+
+    def forward(self, x: torch.Tensor,  # [T, in]
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:  # [T, sum(output_sizes)]
+        y = self.base(x, out_dtype)
+        batch = _current.get()
+        if batch is None:
+            return y
+        dtype = self.lora_a.dtype
+        for group in batch.groups:
+            xg = x if group.rows is None else x.index_select(0, group.rows)  # [n, in]
+            shrunk = xg.to(dtype) @ self.lora_a[group.slot].T  # [n, S * R]
+            delta = (shrunk @ self.lora_b_t[group.slot]).to(y.dtype)  # [n, out]
+            if group.rows is None:
+                y.add_(delta)
+            else:
+                y.index_add_(0, group.rows, delta)
+        small = batch.small
+        if small is not None:
+            padded = torch.cat((x.to(dtype), x.new_zeros((1, x.shape[1]), dtype=dtype)))  # [T + 1, in]
+            xg = padded.index_select(0, small.gather_rows).view(-1, small.size, x.shape[1])  # [g, G, in]
+            a = self.lora_a if small.slots is None else self.lora_a.index_select(0, small.slots)
+            b_t = self.lora_b_t if small.slots is None else self.lora_b_t.index_select(0, small.slots)
+            shrunk = torch.bmm(xg, a.transpose(1, 2))  # [g, G, S * R]
+            delta = torch.bmm(shrunk, b_t)  # [g, G, out]
+            y.index_add_(0, small.scatter_rows, delta.view(-1, delta.shape[-1]).to(y.dtype))
+        return y
+
+
+def attach_lora(model: nn.Module, max_loras: int, max_rank: int) -> dict[tuple[int, str], LoRALinear]:
+    """Wraps every projection of ``model``'s decoder layers that an adapter may adapt (a Llama-
+    family layout: ``model.model.layers[i].self_attn.qkv_proj`` ...) with ``max_loras`` slots;
+    returns them by (layer index, projection name). Projections that are not plain ``Linear``
+    (experts' stacked weights) stay as they are: an adapter for them is refused at load."""
+    wrapped: dict[tuple[int, str], LoRALinear] = {}
+    for index, layer in enumerate(model.model.layers):
+        for name, owner_name in _PROJECTION_OWNERS.items():
+            owner = getattr(layer, owner_name, None)
+            projection = getattr(owner, name, None)
+            if isinstance(projection, Linear):
+                lora = LoRALinear(projection, max_loras, max_rank)
+                setattr(owner, name, lora)
+                wrapped[(index, name)] = lora
+    return wrapped
