@@ -1,6 +1,8 @@
-"""Checks every model family's tests run alike (tests/engine/test_qwen3.py, test_phi3.py): two
-tensor-parallel ranks compute what one does, and a worker with ``--backend auto`` serves the family
-on the native engine, answering what the offline engine answers."""
+"""Checks every model family's tests run alike (tests/engine/test_qwen3.py, test_qwen3_moe.py,
+test_mixtral.py, test_gemma.py, test_phi3.py): greedy tokens equal transformers' (also under
+preemption, chunked prefill and prefix-cache hits), two tensor-parallel ranks compute what one
+does, and a worker with ``--backend auto`` serves the family on the native engine, answering what
+the offline engine answers."""
 
 from __future__ import annotations
 
@@ -9,9 +11,41 @@ from pathlib import Path
 import torch
 
 from llmplatform.llm.build import BackendConfig, build_backend
-from tests.engine.test_engine import greedy, run_to_completion
+from tests.engine.test_engine import assert_all_blocks_free, greedy, make_engine, run_to_completion, varied_prompts
 from tests.engine.test_tensor_parallel import engine_config, forward_logits
 from tests.integration.cluster import running_cluster
+
+
+def shared_prefix_prompts(tokenizer) -> list[list[int]]:
+    """Eight varied prompts, four of them behind a shared prefix of several 16-token blocks."""
+    shared = tokenizer("a shared system prompt that many requests start with, long enough to fill "
+                       "several blocks of the cache, then a little more")["input_ids"]
+    return [shared + p for p in varied_prompts(tokenizer, n=4, seed=5)] + varied_prompts(tokenizer, n=4, seed=6)
+
+
+def check_greedy_tokens_match(model_dir: Path, prompts: list[list[int]], reference: list[list[int]],
+                              decode_path: str) -> None:
+    """The engine's greedy tokens for every prompt equal ``reference`` (transformers'), and every
+    block is free afterwards."""
+    engine = make_engine(model_dir, decode_path=decode_path)
+    got = run_to_completion(engine, prompts, [greedy(len(reference[0]))] * len(prompts))
+    for i, want in enumerate(reference):
+        assert got[str(i)] == want, f"prompt {i} differs"
+    assert_all_blocks_free(engine)
+
+
+def check_greedy_tokens_match_under_preemption_chunking_and_prefix_hits(
+        model_dir: Path, prompts: list[list[int]], reference: list[list[int]]) -> None:
+    """40 blocks x 4 tokens for 8 sequences of up to ~100 tokens: preemption must happen; a
+    32-token budget chunks the long prefills; the shared prefix's blocks are hit once the first is
+    computed. The tokens still equal ``reference``."""
+    engine = make_engine(model_dir, block_size=4, num_blocks=40, max_num_batched_tokens=32,
+                         max_model_len=128, decode_path="fused")
+    got = run_to_completion(engine, prompts, [greedy(len(reference[0]))] * len(prompts))
+    assert engine.stats.num_preemptions > 0
+    assert engine.prefix_cache_stats.num_hit_tokens > 0
+    for i, want in enumerate(reference):
+        assert got[str(i)] == want, f"prompt {i} differs after preemption/chunking/prefix hits"
 
 
 def check_tensor_parallel_equals_one_rank(model_dir: Path, tokenizer, prompts: list[list[int]],

@@ -17,9 +17,11 @@ from llmplatform.kernels import AttentionMetadata
 from llmplatform.models.loader import load_model
 from llmplatform.models.qwen3 import Qwen3ForCausalLM
 from llmplatform.models.registry import get_model_class, is_headless, unsupported_reason
-from tests.engine.test_engine import (assert_all_blocks_free, greedy, hf_greedy, make_engine, run_to_completion,
-                                      varied_prompts)
-from tests.engine.family_checks import check_served_on_the_native_engine, check_tensor_parallel_equals_one_rank
+from tests.engine.test_engine import hf_greedy
+from tests.engine.family_checks import (check_greedy_tokens_match,
+                                        check_greedy_tokens_match_under_preemption_chunking_and_prefix_hits,
+                                        check_served_on_the_native_engine, check_tensor_parallel_equals_one_rank,
+                                        shared_prefix_prompts)
 from tests.unit.test_llama_model import BLOCK_SIZE, build_tiny, check_prefill_and_decode
 
 NEW_TOKENS = 32
@@ -38,9 +40,7 @@ def hf_qwen3(tiny_qwen3_dir):
 @pytest.fixture(scope="module")
 def prompts(tokenizer) -> list[list[int]]:
     """Eight varied prompts, four of them behind a shared prefix of several 16-token blocks."""
-    shared = tokenizer("a shared system prompt that many requests start with, long enough to fill "
-                       "several blocks of the cache, then a little more")["input_ids"]
-    return [shared + p for p in varied_prompts(tokenizer, n=4, seed=5)] + varied_prompts(tokenizer, n=4, seed=6)
+    return shared_prefix_prompts(tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -84,23 +84,11 @@ def test_a_bare_qwen3_model_checkpoint_gives_hf_hidden_states(tmp_path: Path) ->
 
 @pytest.mark.parametrize("decode_path", ["eager", "fused"])
 def test_greedy_tokens_match_hf(tiny_qwen3_dir, prompts, reference, decode_path):
-    engine = make_engine(tiny_qwen3_dir, decode_path=decode_path)
-    got = run_to_completion(engine, prompts, [greedy(NEW_TOKENS)] * len(prompts))
-    for i, want in enumerate(reference):
-        assert got[str(i)] == want, f"prompt {i} differs"
-    assert_all_blocks_free(engine)
+    check_greedy_tokens_match(tiny_qwen3_dir, prompts, reference, decode_path)
 
 
 def test_greedy_tokens_match_hf_under_preemption_chunking_and_prefix_hits(tiny_qwen3_dir, prompts, reference):
-    # 40 blocks x 4 tokens for 8 sequences of up to ~100 tokens: preemption must happen; a 32-token
-    # budget chunks the long prefills; the shared prefix's blocks are hit once the first is computed.
-    engine = make_engine(tiny_qwen3_dir, block_size=4, num_blocks=40, max_num_batched_tokens=32,
-                         max_model_len=128, decode_path="fused")
-    got = run_to_completion(engine, prompts, [greedy(NEW_TOKENS)] * len(prompts))
-    assert engine.stats.num_preemptions > 0
-    assert engine.prefix_cache_stats.num_hit_tokens > 0
-    for i, want in enumerate(reference):
-        assert got[str(i)] == want, f"prompt {i} differs after preemption/chunking/prefix hits"
+    check_greedy_tokens_match_under_preemption_chunking_and_prefix_hits(tiny_qwen3_dir, prompts, reference)
 
 
 def test_two_tensor_parallel_ranks_compute_what_one_does(tiny_qwen3_dir, tokenizer, prompts):

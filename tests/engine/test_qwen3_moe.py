@@ -21,9 +21,11 @@ from llmplatform.models.loader import load_model
 from llmplatform.models.moe import SparseMoeBlock
 from llmplatform.models.qwen3_moe import Qwen3MoeForCausalLM
 from llmplatform.models.registry import get_model_class, max_model_len, unsupported_reason
-from tests.engine.test_engine import (assert_all_blocks_free, greedy, hf_greedy, make_engine, run_to_completion,
-                                      varied_prompts)
-from tests.engine.family_checks import check_served_on_the_native_engine, check_tensor_parallel_equals_one_rank
+from tests.engine.test_engine import hf_greedy
+from tests.engine.family_checks import (check_greedy_tokens_match,
+                                        check_greedy_tokens_match_under_preemption_chunking_and_prefix_hits,
+                                        check_served_on_the_native_engine, check_tensor_parallel_equals_one_rank,
+                                        shared_prefix_prompts)
 from tests.unit.test_llama_model import build_tiny, check_prefill_and_decode
 
 NEW_TOKENS = 32
@@ -42,9 +44,7 @@ def hf_qwen3_moe(tiny_qwen3_moe_dir):
 @pytest.fixture(scope="module")
 def prompts(tokenizer) -> list[list[int]]:
     """Eight varied prompts, four of them behind a shared prefix of several 16-token blocks."""
-    shared = tokenizer("a shared system prompt that many requests start with, long enough to fill "
-                       "several blocks of the cache, then a little more")["input_ids"]
-    return [shared + p for p in varied_prompts(tokenizer, n=4, seed=5)] + varied_prompts(tokenizer, n=4, seed=6)
+    return shared_prefix_prompts(tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -83,23 +83,11 @@ def test_logits_match_hf_at_prefill_and_decode(tmp_path: Path, routing: dict) ->
 
 @pytest.mark.parametrize("decode_path", ["eager", "fused"])
 def test_greedy_tokens_match_hf(tiny_qwen3_moe_dir, prompts, reference, decode_path):
-    engine = make_engine(tiny_qwen3_moe_dir, decode_path=decode_path)
-    got = run_to_completion(engine, prompts, [greedy(NEW_TOKENS)] * len(prompts))
-    for i, want in enumerate(reference):
-        assert got[str(i)] == want, f"prompt {i} differs"
-    assert_all_blocks_free(engine)
+    check_greedy_tokens_match(tiny_qwen3_moe_dir, prompts, reference, decode_path)
 
 
 def test_greedy_tokens_match_hf_under_preemption_chunking_and_prefix_hits(tiny_qwen3_moe_dir, prompts, reference):
-    # 40 blocks x 4 tokens for 8 sequences of up to ~100 tokens: preemption must happen; a 32-token
-    # budget chunks the long prefills; the shared prefix's blocks are hit once the first is computed.
-    engine = make_engine(tiny_qwen3_moe_dir, block_size=4, num_blocks=40, max_num_batched_tokens=32,
-                         max_model_len=128, decode_path="fused")
-    got = run_to_completion(engine, prompts, [greedy(NEW_TOKENS)] * len(prompts))
-    assert engine.stats.num_preemptions > 0
-    assert engine.prefix_cache_stats.num_hit_tokens > 0
-    for i, want in enumerate(reference):
-        assert got[str(i)] == want, f"prompt {i} differs after preemption/chunking/prefix hits"
+    check_greedy_tokens_match_under_preemption_chunking_and_prefix_hits(tiny_qwen3_moe_dir, prompts, reference)
 
 
 def test_two_tensor_parallel_ranks_compute_what_one_does(tiny_qwen3_moe_dir, tokenizer, prompts):
