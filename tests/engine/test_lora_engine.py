@@ -22,9 +22,11 @@ MAX_TOKENS = 12
 
 
 def make_engine(model_dir, *, max_loras: int = 4, max_lora_rank: int = 16,
-                max_num_batched_tokens: int = 512) -> LLMEngine:
+                max_num_batched_tokens: int = 512, decode_path: str = "auto") -> LLMEngine:
+    """``decode_path`` auto: the C LoRA kernel where it builds (kernels.cpu_lora); eager: torch's
+    grouped products (models.lora)."""
     return LLMEngine(EngineConfig(
-        model=ModelConfig(str(model_dir), ("m",), device="cpu", dtype="float32"),
+        model=ModelConfig(str(model_dir), ("m",), device="cpu", dtype="float32", decode_path=decode_path),
         cache=CacheConfig(block_size=16, kv_cache_memory_bytes=64 << 20),
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=256),
@@ -61,9 +63,11 @@ def adapters(tiny_model_dir, tmp_path_factory):
             for i, rank in enumerate((8, 16, 8, 16))]
 
 
-@pytest.mark.parametrize("which", [0, 1, 3])  # rank 8, rank 16, rank 16 with rsLoRA
-def test_adapter_greedy_equals_peft_merged_model(tiny_model_dir, adapters, which):
-    engine = make_engine(tiny_model_dir)
+@pytest.mark.parametrize("which, decode_path", [(0, "auto"), (1, "auto"), (3, "auto"), (1, "eager")])
+def test_adapter_greedy_equals_peft_merged_model(tiny_model_dir, adapters, which, decode_path):
+    # rank 8, rank 16, rank 16 with rsLoRA
+    engine = make_engine(tiny_model_dir, decode_path=decode_path)
+    assert engine.runner.loras.uses_kernel == (decode_path == "auto")  # the C kernel builds here
     lora_id = load(engine, "a", adapters[which])
     [ours] = run(engine, [(PROMPT, lora_id)])
     assert ours == peft_merged_greedy(tiny_model_dir, adapters[which], PROMPT, MAX_TOKENS)
@@ -72,12 +76,14 @@ def test_adapter_greedy_equals_peft_merged_model(tiny_model_dir, adapters, which
     assert base == peft_merged_greedy(tiny_model_dir, None, PROMPT, MAX_TOKENS) != ours
 
 
-@pytest.mark.parametrize("max_loras", [4, 2, 16])
-def test_a_batch_mixing_adapters_equals_each_alone(tiny_model_dir, adapters, max_loras):
+@pytest.mark.parametrize("max_loras, decode_path", [(4, "auto"), (2, "auto"), (4, "eager"), (2, "eager"),
+                                                     (16, "eager")])
+def test_a_batch_mixing_adapters_equals_each_alone(tiny_model_dir, adapters, max_loras, decode_path):
     """Four adapters and the base model in one batch (with 2 slots, two adapters wait for a
-    slot and the least recently used one is evicted) give what each gives alone. Decode rows run
-    as batched small groups over every slot (4 and 2 slots) or over the slots in use (16)."""
-    engine = make_engine(tiny_model_dir, max_loras=max_loras)
+    slot and the least recently used one is evicted) give what each gives alone. With the C
+    kernel every group runs in one call; on torch (eager) decode rows run as batched small
+    groups over every slot (4 and 2 slots) or over the slots in use (16)."""
+    engine = make_engine(tiny_model_dir, max_loras=max_loras, decode_path=decode_path)
     ids = [load(engine, f"a{i}", path) for i, path in enumerate(adapters)]
     requests = [(PROMPT[: 20 + 3 * i], lora_id) for i, lora_id in enumerate([*ids, None])]
     requests += [(PROMPT, ids[0]), (PROMPT[:25], None)]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from llmplatform.errors import InvalidRequestError, ModelNotFoundError
+from llmplatform.kernels.cpu_lora import LoRASegments
 from llmplatform.models.lora import LoRABatch, LoRAGroup, LoRASmallGroups, attach_lora
 from llmplatform.models.lora_weights import LoRAWeights, read_lora_adapter
 
@@ -55,6 +56,8 @@ class LoRAManager:
         self.max_rank = max_rank
         self.device = device
         self._projections = attach_lora(model, max_loras, max_rank)
+        # The model's plan decides for every projection alike (kernels.ops.ModelOps.lora).
+        self.uses_kernel = any(projection.uses_kernel for projection in self._projections.values())
         self._ids = itertools.count(1)
         self._adapters: dict[str, LoRAAdapter] = {}  # loaded, by name
         self._weights: dict[int, LoRAWeights] = {}  # by id: the loaded and the unloaded still in use
@@ -119,6 +122,9 @@ class LoRAManager:
             rows_by_id.setdefault(span.lora_id, []).extend(
                 range(span.first_row, span.first_row + span.num_rows))
         assert len(rows_by_id) <= self.max_loras, "the scheduler keeps a step's adapters within the slots"
+        if self.uses_kernel:  # every group in one kernel call per projection (models.lora)
+            return LoRABatch((), segments=LoRASegments.from_groups(
+                [(self._activate(lora_id, set(rows_by_id), held), rows) for lora_id, rows in rows_by_id.items()]))
         groups: list[LoRAGroup] = []
         small: list[tuple[int, list[int]]] = []
         for lora_id, rows in rows_by_id.items():

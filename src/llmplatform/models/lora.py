@@ -30,6 +30,11 @@ group (the zero blocks cost S times the expand's few multiplications, and spare 
 Ranks below ``max_lora_rank`` are zero-padded (zero rows of A and columns of B add nothing). A
 slot an adapter leaves no weights in for a target (the adapter does not adapt it) holds zeros.
 
+On a CPU where the C kernels build (the fused decode path: ``ModelOps.lora``), every group runs
+in one call of ``kernels.cpu_lora`` instead (``LoRABatch.segments``): each slot's weights are read
+once per step and widened in registers, so the slots keep the model's dtype (bf16 weights stream
+half the bytes) and the zero blocks of ``B_slots`` are never read.
+
 Which rows use which slot is the step's forward-pass metadata: the model runner sets it for one
 forward pass with :func:`lora_batch` (a scoped context that refuses nesting, not a module global
 left behind).
@@ -39,12 +44,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from llmplatform.kernels.cpu_lora import LoRASegments, lora_apply_cpu
+from llmplatform.kernels.ops import RowImpl
 from llmplatform.models.layers import Linear
 
 LORA_TARGETS = {
@@ -84,6 +92,7 @@ class LoRASmallGroups:
 class LoRABatch:
     groups: tuple[LoRAGroup, ...]  # each with its own product pair
     small: LoRASmallGroups | None = None
+    segments: LoRASegments | None = None  # every group, for the C kernel (then groups and small are empty)
 
 
 _current: contextvars.ContextVar[LoRABatch | None] = contextvars.ContextVar("lora_batch", default=None)
@@ -114,8 +123,14 @@ class LoRALinear(nn.Module):
         in_features = self._in_features(base)
         num_slices = len(self.output_sizes)
         device, dtype = self._placement(base)
-        # Slots hold the compute dtype (float32 on a CPU without bf16 matrix instructions, where
-        # bf16 products are several times slower); rows are cast to it and the update back.
+        self.uses_kernel = base.ops.lora is RowImpl.C
+        if self.uses_kernel:  # the kernel widens the model's dtype in registers
+            dtype = base.ops.dtype
+            self.slice_offsets = torch.tensor([0, *itertools.accumulate(self.output_sizes)], dtype=torch.long)
+            self.ranks = torch.zeros(max_loras, dtype=torch.long)  # each slot's adapter's rank
+        # Otherwise slots hold the compute dtype (float32 on a CPU without bf16 matrix
+        # instructions, where bf16 products are several times slower); rows are cast to it and
+        # the update back.
         self.lora_a = torch.zeros(max_loras, num_slices * max_rank, in_features, dtype=dtype, device=device)
         # B is held transposed, B^T [L, S * R, out]: the expand's right-hand operand contiguous
         # (measured on CPU: a third faster for the batched expand; A's shrink is faster as is).
@@ -139,6 +154,8 @@ class LoRALinear(nn.Module):
         with the scaling folded in); slices it leaves out (and None: all) are zeroed."""
         self.lora_a[slot].zero_()
         self.lora_b_t[slot].zero_()
+        if self.uses_kernel:
+            self.ranks[slot] = max((a.shape[0] for a, _ in (slices or {}).values()), default=0)
         offset = 0
         for index, size in enumerate(self.output_sizes):
             if slices is not None and index in slices:
@@ -155,6 +172,9 @@ class LoRALinear(nn.Module):
         y = self.base(x, out_dtype)
         batch = _current.get()
         if batch is None:
+            return y
+        if batch.segments is not None:
+            lora_apply_cpu(x, y, self.lora_a, self.lora_b_t, self.slice_offsets, self.ranks, batch.segments)
             return y
         dtype = self.lora_a.dtype
         for group in batch.groups:
