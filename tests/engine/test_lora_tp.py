@@ -3,8 +3,8 @@
 adapters (ranks 8 and 16, on q, k, v, o, gate, up and down) and the base model; an adapter
 loaded at runtime (evicting one: 2 slots) and unloaded too; bad adapters are refused with one
 process's messages (and one that fits a rank's share but not the whole model), changing nothing;
-a killed rank's replacement gets the adapters again; and a worker with two ranks loads, serves
-and unloads an adapter over HTTP."""
+a killed rank's replacement gets the adapters again; and a worker with two ranks serves an
+adapter given at start and one loaded at runtime over HTTP, and unloads one."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from llmplatform.engine.config import (CacheConfig, EngineConfig, LoRAConfig, Mo
                                        ParallelConfig, SchedulerConfig)
 from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.errors import InvalidRequestError
-from llmplatform.llm.paged import PagedLLM
 from tests.engine.test_lora_engine import PROMPT, load, run
 from tests.faults.harness import serve_worker, worker_app
+from tests.integration.cluster import paged_tiny_llm
 from tests.lora_adapters import save_random_adapter
 from tests.polling import wait_until
 
@@ -138,11 +138,17 @@ def test_a_killed_rank_is_replaced_and_gets_the_adapters_again(engines):
     assert run(two, requests) == want
 
 
-def test_a_worker_with_two_ranks_loads_serves_and_unloads_an_adapter(tiny_model_dir, adapters, engines):
-    llm = PagedLLM(engine_config(tiny_model_dir, tp=2))
+def test_a_worker_with_two_ranks_serves_adapters_given_at_start_and_loaded_at_runtime(
+        tiny_model_dir, adapters, engines):
+    """``--tensor-parallel-size 2 --lora-modules r8=...`` (built as the worker CLI builds it), then
+    ``/worker_load_lora_adapter`` and ``/worker_unload_lora_adapter`` over HTTP."""
+    llm = paged_tiny_llm(tiny_model_dir, tensor_parallel_size=2, lora_modules=(f"r8={adapters[0]}",),
+                         max_loras=2)
     prompt = "The river runs past the old mill, and the miller counts the sacks of grain."
-    tokens = run(engines["one"], [(llm.encode_sync(prompt), 1)])[0]  # adapter r8, one process
-    want = llm.tokenizer.decode(tokens, skip_special_tokens=True)
+    ids = llm.encode_sync(prompt)
+    want = {name: llm.tokenizer.decode(run(engines["one"], [(ids, lora_id)])[0], skip_special_tokens=True)
+            for name, lora_id in (("r8", 1), ("r16", 2), ("tiny", None))}  # one process
+    assert len(set(want.values())) == 3
     try:
         with serve_worker(worker_app(llm, None)) as url:
             def post(route: str, body: dict) -> httpx.Response:
@@ -153,16 +159,14 @@ def test_a_worker_with_two_ranks_loads_serves_and_unloads_an_adapter(tiny_model_
                                                 "max_new_tokens": 12, "echo": False,
                                                 "ignore_eos": True}).json()
 
-            loaded = post("worker_load_lora_adapter", {"lora_name": "r8", "lora_path": str(adapters[0])})
+            assert generate("r8")["text"] == want["r8"]
+            loaded = post("worker_load_lora_adapter", {"lora_name": "r16", "lora_path": str(adapters[1])})
             assert loaded.status_code == 200, loaded.text
-            reply = generate("r8")
-            assert reply["error_code"] == 0 and reply["text"] == want, reply
-            second = post("worker_load_lora_adapter", {"lora_name": "r16", "lora_path": str(adapters[1])})
-            assert second.status_code == 200, second.text
-            bad = post("worker_load_lora_adapter", {"lora_name": "y", "lora_path": "/no/such/adapter"})
+            assert generate("r16")["text"] == want["r16"]
+            bad = post("worker_load_lora_adapter", {"lora_name": "x", "lora_path": "/no/such/adapter"})
             assert bad.status_code == 400 and "no LoRA adapter at" in bad.json()["text"], bad.text
             assert post("worker_unload_lora_adapter", {"lora_name": "r8"}).status_code == 200
-            assert generate("r8")["error_code"] != 0  # unloaded: unknown
-            assert generate("r16")["error_code"] == 0 and generate("tiny")["text"] != reply["text"]
+            assert generate("r8")["error_code"] != 0  # unloaded: an unknown model now
+            assert [generate(name)["text"] for name in ("r16", "tiny")] == [want["r16"], want["tiny"]]
     finally:
         llm.engine.runner.close()
