@@ -75,7 +75,8 @@ def test_a_batch_mixing_two_adapters_and_the_base_model_equals_one_process(engin
 
 def test_an_adapter_loaded_and_unloaded_at_runtime(engines, adapters):
     one, two = engines["one"], engines["two"]
-    # A third adapter with two slots: every step of this batch evicts one (the ranks follow).
+    # Three adapters for two slots: requests wait for a slot, adapters are evicted and come back
+    # in other slots (the other rank follows rank 0's choice).
     assert load(one, "late", adapters[2]) == load(two, "late", adapters[2]) == 3
     requests = mixed_requests([3, 1, None, 2])
     want = run(one, requests)
