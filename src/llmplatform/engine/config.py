@@ -197,12 +197,6 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     lora: LoRAConfig = LoRAConfig()
 
-    def __post_init__(self) -> None:
-        if self.lora.enabled and self.parallel.tensor_parallel_size > 1:
-            # The other ranks would need the adapters' shards and each step's adapter rows.
-            raise ValueError("LoRA adapters are not served with tensor parallelism yet "
-                             "(--tensor-parallel-size 1, or no --enable-lora / --lora-modules)")
-
 
 __all__ = ["COMPUTE_DTYPES", "DECODE_PATHS", "CacheConfig", "SchedulerConfig", "ModelConfig", "EngineConfig",
            "ParallelConfig", "RestartConfig", "LoRAConfig", "parse_memory_size", "InvalidRequestError"]

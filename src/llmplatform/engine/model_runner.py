@@ -23,7 +23,8 @@ With tensor parallelism (``ParallelConfig.tensor_parallel_size`` > 1) this runne
 model is rank 0's shard, and every operation on the model (allocating the KV pool, a forward
 pass, a logits computation) is first sent to the other ranks (``engine.parallel``), which run
 the same on their shards; the logits arrive whole on rank 0, which samples alone. Each rank's KV
-pool has the same blocks, holding its own key/value heads.
+pool has the same blocks, holding its own key/value heads; each rank's adapter slots hold its
+share of the same adapters (engine.lora).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ class ModelRunner:
         # The other tensor-parallel ranks (None: this process runs the whole model).
         self.tp: TensorParallelRanks | None = None
         if parallel is not None and parallel.tensor_parallel_size > 1:
-            self.tp = _start_ranks(parallel, model_config, self.device, max_model_len, self.block_size)
+            self.tp = _start_ranks(parallel, model_config, self.device, max_model_len, self.block_size,
+                                   lora if lora is not None and lora.enabled else None)
         try:
             prepared = prepare_model(model_config, self.device, self.dtype, max_model_len,
                                      self.tp.shard if self.tp is not None else None)
@@ -96,9 +98,8 @@ class ModelRunner:
             self.close()
             raise
         self.model = prepared.model
-        # Adapter slots on the projections (engine.lora); None: no LoRA (EngineConfig refuses it
-        # with tensor parallelism).
-        self.loras = (LoRAManager(self.model, lora.max_loras, lora.max_lora_rank, self.device)
+        # Adapter slots on the projections (engine.lora; the other ranks' follow it); None: no LoRA.
+        self.loras = (LoRAManager(self.model, lora.max_loras, lora.max_lora_rank, self.device, self.tp)
                       if lora is not None and lora.enabled else None)
         self.ops = prepared.ops  # the kernels the model runs (kernels.ops), chosen before it was built
         self.decode_path = prepared.decode_path
@@ -218,6 +219,8 @@ class ModelRunner:
             torch.cuda.empty_cache()
         if self.tp is not None:
             self.tp.restart()
+            if self.loras is not None:
+                self.loras.send_to_ranks()  # the fresh ranks hold no adapter yet
         self.kv_caches = self._allocate_kv_caches(self.layout.num_blocks)
         self._probe()
 
@@ -274,10 +277,11 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
 
-        inputs = StepInputs(input_ids, positions, context_lens, query_lens, block_tables,
-                            scheduled.blocks_to_copy)
         lora = (None if self.loras is None
                 else self.loras.batch(lora_spans, len(input_ids), self.states.lora_ids()))
+        inputs = StepInputs(input_ids, positions, context_lens, query_lens, block_tables,
+                            scheduled.blocks_to_copy,
+                            None if lora is None else self.loras.step_for_ranks(lora_spans))
         hidden = self._forward(inputs, self.kv_caches, lora)  # [num_tokens, hidden]
 
         output = ModelOutput(seq_ids=[], token_ids=[], logprobs=[])
@@ -333,7 +337,7 @@ The default is :meth:`ModelRunner.from_config`; tests pass a subclass that injec
 
 
 def _start_ranks(parallel: ParallelConfig, model_config: ModelConfig, device: torch.device,
-                 max_model_len: int, block_size: int) -> TensorParallelRanks:
+                 max_model_len: int, block_size: int, lora: LoRAConfig | None) -> TensorParallelRanks:
     """Checks that the model splits over the ranks (before any is started), then starts them."""
     from transformers import AutoConfig
 
@@ -341,4 +345,4 @@ def _start_ranks(parallel: ParallelConfig, model_config: ModelConfig, device: to
 
     check_divisible(AutoConfig.from_pretrained(model_config.model_path), parallel.tensor_parallel_size)
     return TensorParallelRanks(parallel, model_config, device=device, max_model_len=max_model_len,
-                               block_size=block_size)
+                               block_size=block_size, lora=lora)

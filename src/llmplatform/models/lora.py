@@ -35,6 +35,16 @@ in one call of ``kernels.cpu_lora`` instead (``LoRABatch.segments``): each slot'
 once per step and widened in registers, so the slots keep the model's dtype (bf16 weights stream
 half the bytes) and the zero blocks of ``B_slots`` are never read.
 
+Under tensor parallelism (``models.parallel``) each rank's slots hold its share of an adapter, cut
+the way the projection's weight is (``LoRALinear.shard``):
+
+    column-parallel (qkv_proj, gate_up_proj): x is whole on every rank; each rank keeps the whole
+        A and, per slice, the output rows of B its weight has (its q heads, its k/v heads, its
+        gate/up columns), so its delta is exactly its rows of the whole delta;
+    row-parallel (o_proj, down_proj): x is the rank's input columns; each rank keeps those columns
+        of A and the whole B, and adds x_r A_r^T B^T to its partial product BEFORE the all-reduce
+        (``RowParallelLoRALinear``): the sum over ranks is x A^T B^T, the whole delta.
+
 Which rows use which slot is the step's forward-pass metadata: the model runner sets it for one
 forward pass with :func:`lora_batch` (a scoped context that refuses nesting, not a module global
 left behind).
@@ -54,6 +64,10 @@ from torch import nn
 from llmplatform.kernels.cpu_lora import LoRASegments, lora_apply_cpu
 from llmplatform.kernels.ops import RowImpl
 from llmplatform.models.layers import Linear
+from llmplatform.models.parallel import ColumnParallelLinear, RowParallelLinear
+
+Slices = dict[int, tuple[torch.Tensor, torch.Tensor]]
+"""slice index -> (A [r, in], scaled B [out_slice, r]) of one projection."""
 
 LORA_TARGETS = {
     # PEFT's module name -> (our projection, its slice)
@@ -111,9 +125,9 @@ def lora_batch(batch: LoRABatch | None) -> Iterator[None]:
 
 
 class LoRALinear(nn.Module):
-    """A projection (``models.layers.Linear``, whole-model, not sharded) plus ``max_loras`` slots
-    of LoRA weights for it. Its base product is unchanged; rows in a :class:`LoRABatch` group get
-    their slot's low-rank update added."""
+    """A projection (``models.layers.Linear``, or a rank's ``ColumnParallelLinear``) plus
+    ``max_loras`` slots of LoRA weights for it. Its base product is unchanged; rows in a
+    :class:`LoRABatch` group get their slot's low-rank update added."""
 
     def __init__(self, base: Linear, max_loras: int, max_rank: int) -> None:
         super().__init__()
@@ -136,6 +150,11 @@ class LoRALinear(nn.Module):
         # (measured on CPU: a third faster for the batched expand; A's shrink is faster as is).
         self.lora_b_t = torch.zeros(max_loras, num_slices * max_rank, sum(self.output_sizes), dtype=dtype,
                                     device=device)
+        # The whole model's sizes (what an adapter must fit); this rank's slots hold ``shard``.
+        row = isinstance(base, RowParallelLinear)
+        self.tp_size = base.group.size if row or isinstance(base, ColumnParallelLinear) else 1
+        self.full_in_features = in_features * (self.tp_size if row else 1)
+        self.full_output_sizes = [size * (1 if row else self.tp_size) for size in self.output_sizes]
 
     @staticmethod
     def _in_features(base: Linear) -> int:
@@ -149,9 +168,21 @@ class LoRALinear(nn.Module):
                 return tensor.device, base.ops.compute_dtype
         return torch.device("cpu"), base.ops.compute_dtype
 
-    def set_slot(self, slot: int, slices: dict[int, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+    def shard(self, slices: Slices, rank: int) -> Slices:
+        """Rank ``rank``'s part of an adapter's whole-model ``slices`` (views): the whole A and,
+        per slice, that rank's output rows of B (``ColumnParallelLinear.checkpoint_slice``'s)."""
+        if self.tp_size == 1:
+            return slices
+        parts = {}
+        for index, (a, b) in slices.items():
+            rows = self.output_sizes[index]
+            parts[index] = (a, b[rank * rows:(rank + 1) * rows])
+        return parts
+
+    def set_slot(self, slot: int, slices: Slices | None) -> None:
         """Writes an adapter into ``slot``: ``slices`` maps slice index -> (A [r, in], B [out_s, r]
-        with the scaling folded in); slices it leaves out (and None: all) are zeroed."""
+        with the scaling folded in; this rank's part: ``shard``); slices it leaves out (and None:
+        all) are zeroed."""
         self.lora_a[slot].zero_()
         self.lora_b_t[slot].zero_()
         if self.uses_kernel:
@@ -197,10 +228,42 @@ class LoRALinear(nn.Module):
         return y
 
 
+class _PartialProduct(nn.Module):
+    """A row-parallel projection's product before its all-reduce (``RowParallelLinear`` sums it)."""
+
+    def __init__(self, projection: RowParallelLinear) -> None:
+        super().__init__()
+        self.projection = projection
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return Linear.forward(self.projection, x, out_dtype)
+
+
+class RowParallelLoRALinear(LoRALinear):
+    """A rank's ``RowParallelLinear`` with LoRA slots: the delta of its input columns joins its
+    partial product, and the all-reduce sums both (one collective, as without LoRA)."""
+
+    def __init__(self, base: RowParallelLinear, max_loras: int, max_rank: int) -> None:
+        super().__init__(base, max_loras, max_rank)
+        self.group = base.group
+        self.base = _PartialProduct(base)
+
+    def shard(self, slices: Slices, rank: int) -> Slices:
+        """Rank ``rank``'s input columns of A (``RowParallelLinear.checkpoint_slice``'s) and the
+        whole B."""
+        columns = self.lora_a.shape[-1]
+        return {index: (a[:, rank * columns:(rank + 1) * columns], b) for index, (a, b) in slices.items()}
+
+    def forward(self, x: torch.Tensor,  # [T, in / N]
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:  # [T, out], summed
+        return self.group.all_reduce(super().forward(x, out_dtype))
+
+
 def attach_lora(model: nn.Module, max_loras: int, max_rank: int) -> dict[tuple[int, str], LoRALinear]:
     """Wraps every projection of ``model``'s decoder layers that an adapter may adapt (a Llama-
-    family layout: ``model.model.layers[i].self_attn.qkv_proj`` ...) with ``max_loras`` slots;
-    returns them by (layer index, projection name). Projections that are not plain ``Linear``
+    family layout: ``model.model.layers[i].self_attn.qkv_proj`` ...) with ``max_loras`` slots
+    (a rank's sharded projections: this rank's share, see the module's doc); returns them by
+    (layer index, projection name). Projections that are not plain ``Linear``
     (experts' stacked weights) stay as they are: an adapter for them is refused at load."""
     wrapped: dict[tuple[int, str], LoRALinear] = {}
     for index, layer in enumerate(model.model.layers):
@@ -208,7 +271,8 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int) -> dict[tuple[i
             owner = getattr(layer, owner_name, None)
             projection = getattr(owner, name, None)
             if isinstance(projection, Linear):
-                lora = LoRALinear(projection, max_loras, max_rank)
+                kind = RowParallelLoRALinear if isinstance(projection, RowParallelLinear) else LoRALinear
+                lora = kind(projection, max_loras, max_rank)
                 setattr(owner, name, lora)
                 wrapped[(index, name)] = lora
     return wrapped

@@ -22,17 +22,16 @@ from dataclasses import dataclass
 import torch
 
 from llmplatform.errors import InvalidRequestError
-from llmplatform.models.lora import LORA_TARGETS, LoRALinear
+from llmplatform.models.lora import LORA_TARGETS, LoRALinear, Slices
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
-Slices = dict[int, tuple[torch.Tensor, torch.Tensor]]
-"""slice index -> (A [r, in], scaled B [out_slice, r]) of one projection."""
 
 
 @dataclass(frozen=True)
 class LoRAWeights:
-    """One adapter, ready for a slot: ``projections[(layer, projection)]`` holds its slices."""
+    """One adapter, ready for a slot: ``projections[(layer, projection)]`` holds its slices (the
+    whole model's as read; under tensor parallelism ``engine.lora`` keeps each rank's share)."""
 
     path: str
     rank: int
@@ -65,7 +64,8 @@ def check_adapter_config(path: str, max_rank: int) -> dict:
 
 
 def read_lora_adapter(path: str, wrapped: dict[tuple[int, str], LoRALinear], max_rank: int) -> LoRAWeights:
-    """The adapter at ``path`` for the model whose projections ``wrapped`` are (``attach_lora``);
+    """The adapter at ``path`` for the model whose projections ``wrapped`` are (``attach_lora``),
+    checked against the whole model's shapes (a tensor-parallel rank's projections know them);
     file IO and tensor copies: call it off the event loop."""
     config = check_adapter_config(path, max_rank)
     rank, alpha = config["r"], config.get("lora_alpha", config["r"])
@@ -79,7 +79,7 @@ def read_lora_adapter(path: str, wrapped: dict[tuple[int, str], LoRALinear], max
                                       "model does not have (an adapter for another base model?)",
                                       param="lora_path")
         check_pair_shape(path, config, layer, target, a, b,
-                         in_features=module.lora_a.shape[-1], out_features=module.output_sizes[index])
+                         in_features=module.full_in_features, out_features=module.full_output_sizes[index])
         dtype = module.lora_a.dtype
         # Scaled in float32, then rounded once to the slots' dtype.
         projections.setdefault((layer, projection), {})[index] = (

@@ -9,6 +9,20 @@ lockstep, and a rank never decides anything: it never schedules and never sample
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmplatform.engine.lora import RowSpan
+    from llmplatform.models.lora_weights import LoRAWeights
+
+
+@dataclass(frozen=True)
+class LoRAStep:
+    """A forward pass's rows that run LoRA adapters, and the slot rank 0 holds each adapter in:
+    every rank puts the same adapter in the same slot and groups the rows alike (engine.lora)."""
+
+    spans: tuple[RowSpan, ...]
+    slots: dict[int, int]  # lora_id -> slot
 
 
 @dataclass(frozen=True)
@@ -22,6 +36,7 @@ class StepInputs:
     query_lens: list[int]
     block_tables: list[list[int]]
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    lora: LoRAStep | None = None  # None: no row runs an adapter
 
 
 @dataclass(frozen=True)
@@ -39,8 +54,23 @@ class AllocateKV:
 
 
 @dataclass(frozen=True)
+class HoldLoRA:
+    """Keep adapter ``lora_id``'s weights: this rank's share of them (each rank gets its own)."""
+
+    lora_id: int
+    weights: LoRAWeights
+
+
+@dataclass(frozen=True)
+class DropLoRA:
+    """Forget these adapters' weights (unloaded, and no sequence runs them any more)."""
+
+    lora_ids: list[int]
+
+
+@dataclass(frozen=True)
 class Stop:
     """Exit (status 0)."""
 
 
-RankMessage = StepInputs | ComputeLogits | AllocateKV | Stop
+RankMessage = StepInputs | ComputeLogits | AllocateKV | HoldLoRA | DropLoRA | Stop

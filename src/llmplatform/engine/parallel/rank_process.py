@@ -7,7 +7,8 @@ inherited from the worker). Its life:
 2. load its shard (``model_setup.prepare_model``: the code path rank 0 runs) and report
    ``("ready", facts)`` on its pipe, or ``("error", text)`` when that fails;
 3. run each message from rank 0 (``messages``): allocate the KV pool, a forward pass (block copies
-   first), a logits computation (its part of the gather), until ``Stop``.
+   first; its LoRA rows in the slots rank 0 names), a logits computation (its part of the gather),
+   keep or drop an adapter's share, until ``Stop``.
 
 It leaves with its parent: the pipe's end-of-file (the parent exited, or was killed: the kernel
 closes its end) ends the loop, like ``Stop``; a collective that fails (another rank died, or the
@@ -24,7 +25,7 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from llmplatform.engine.config import ModelConfig
+from llmplatform.engine.config import LoRAConfig, ModelConfig
 
 logger = logging.getLogger("llmplatform.engine")
 
@@ -44,6 +45,7 @@ class RankSpec:
     start_timeout_s: float
     num_threads: int  # torch CPU threads (the ranks share the host's cores)
     log_level: int
+    lora: LoRAConfig | None = None  # adapter slots on the projections, as on rank 0
 
 
 def main(spec: RankSpec, conn: Connection) -> None:
@@ -78,6 +80,7 @@ class _Shard:
     def __init__(self, spec: RankSpec, conn: Connection) -> None:
         import torch
 
+        from llmplatform.engine.lora import LoRAManager
         from llmplatform.engine.model_setup import prepare_model
         from llmplatform.engine.parallel.group import (GroupCollectives, new_process_group,
                                                        open_store)
@@ -103,6 +106,9 @@ class _Shard:
         self._store, self._group = store, group  # kept alive with the process
         prepared = prepare_model(spec.model, device, dtype, spec.max_model_len, self.shard)
         self.model = prepared.model
+        # This rank's share of each adapter, in the slots rank 0 names each step (engine.lora).
+        self.loras = (LoRAManager(self.model, spec.lora.max_loras, spec.lora.max_lora_rank, device)
+                      if spec.lora is not None and spec.lora.enabled else None)
         self.kv_caches: list = []
         self.hidden = None
         conn.send(("ready", {"decode_path": prepared.decode_path}))
@@ -111,8 +117,10 @@ class _Shard:
         import torch
 
         from llmplatform.engine.model_setup import copy_kv_blocks
-        from llmplatform.engine.parallel.messages import AllocateKV, ComputeLogits, StepInputs, Stop
+        from llmplatform.engine.parallel.messages import (AllocateKV, ComputeLogits, DropLoRA, HoldLoRA,
+                                                          StepInputs, Stop)
         from llmplatform.kernels import AttentionMetadata
+        from llmplatform.models.lora import lora_batch
 
         model, device, block_size = self.model, self.device, self.spec.block_size
         with torch.inference_mode():
@@ -125,7 +133,10 @@ class _Shard:
                         block_tables=message.block_tables, block_size=block_size, device=device)
                     ids = torch.tensor(message.input_ids, dtype=torch.long, device=device)
                     positions = torch.tensor(message.positions, dtype=torch.long, device=device)
-                    self.hidden = model(ids, positions, self.kv_caches, metadata)
+                    lora = (None if message.lora is None
+                            else self.loras.follow(message.lora, len(message.input_ids)))
+                    with lora_batch(lora):
+                        self.hidden = model(ids, positions, self.kv_caches, metadata)
                 elif isinstance(message, ComputeLogits):
                     hidden = self.hidden
                     if message.rows is not None:
@@ -135,6 +146,10 @@ class _Shard:
                     self.kv_caches = []  # the old pool goes first
                     self.kv_caches = model.allocate_kv_caches(message.num_blocks, block_size,
                                                               device=device)
+                elif isinstance(message, HoldLoRA):
+                    self.loras.hold(message.lora_id, message.weights)
+                elif isinstance(message, DropLoRA):
+                    self.loras.drop(message.lora_ids)
                 elif isinstance(message, Stop):
                     return
                 else:

@@ -28,14 +28,14 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from llmplatform.engine.config import ModelConfig, ParallelConfig
+from llmplatform.engine.config import LoRAConfig, ModelConfig, ParallelConfig
 from llmplatform.engine.parallel import rank_process
 from llmplatform.engine.parallel.group import (GroupCollectives, Rendezvous, new_process_group,
                                                open_store)
@@ -60,7 +60,7 @@ class TensorParallelRanks:
     meanwhile)."""
 
     def __init__(self, parallel: ParallelConfig, model: ModelConfig, *, device: torch.device,
-                 max_model_len: int, block_size: int) -> None:
+                 max_model_len: int, block_size: int, lora: LoRAConfig | None = None) -> None:
         self.config = parallel
         self.size = parallel.tensor_parallel_size
         self.shard = ShardGroup(0, self.size)
@@ -68,6 +68,7 @@ class TensorParallelRanks:
         self._device = device
         self._max_model_len = max_model_len
         self._block_size = block_size
+        self._lora = lora  # the ranks' projections get the same adapter slots as rank 0's
         self._generation = 0
         self._procs: list[Any] = []  # rank r at index r - 1
         self._conns: list[Connection] = []
@@ -101,7 +102,7 @@ class TensorParallelRanks:
                     max_model_len=self._max_model_len, block_size=self._block_size,
                     rank_timeout_s=config.rank_timeout_s,
                     start_timeout_s=config.rank_start_timeout_s, num_threads=threads,
-                    log_level=logging.getLogger("llmplatform").getEffectiveLevel())
+                    log_level=logging.getLogger("llmplatform").getEffectiveLevel(), lora=self._lora)
                 proc = context.Process(target=rank_process.main, args=(spec, theirs),
                                        name=f"llmplatform-tp-rank{rank}", daemon=True)
                 proc.start()
@@ -172,6 +173,15 @@ class TensorParallelRanks:
         try:
             for conn in self._conns:
                 conn.send_bytes(payload)
+        except OSError as exc:
+            raise self.explain(exc) from exc
+
+    def send_each(self, messages: Sequence[RankMessage]) -> None:
+        """Tells rank r ``messages[r - 1]`` (an operation whose data differs by rank: its shard)."""
+        self.raise_if_failed()
+        try:
+            for conn, message in zip(self._conns, messages, strict=True):
+                conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
         except OSError as exc:
             raise self.explain(exc) from exc
 
