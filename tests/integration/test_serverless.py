@@ -15,12 +15,14 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
 
-from llmplatform.serverless.config import HandlerConfig
+from llmplatform.serverless.config import VARIABLES, ConfigError, HandlerConfig, ServerlessConfig
 from llmplatform.serverless.handler import JobHandler
+from llmplatform.serverless.jobs import BatchSize
 from tests.polling import wait_until
 from tests.processes import alive, children_of, free_ports
 
@@ -228,3 +230,59 @@ def test_test_input_runs_one_job_on_the_default_model():
     text = "".join(t for batch in batches for t in batch["choices"][0]["tokens"])
     assert "Paris" in text, text
     assert batches[-1]["usage"]["output"] == 8 and batches[-1]["usage"]["input"] > 8
+
+
+# ---- configuration (no process) ------------------------------------------------------------------
+
+
+def test_worker_vllm_variables_become_worker_flags():
+    config = ServerlessConfig.from_env({
+        "MODEL_NAME": "/models/m.gguf", "MAX_MODEL_LEN": "2048", "DTYPE": "half",
+        "TENSOR_PARALLEL_SIZE": "2", "QUANTIZATION": "gguf", "ENABLE_PREFIX_CACHING": "false",
+        "LORA_MODULES": '[{"name": "a", "path": "/adapters/a"}]', "BACKEND": "paged",
+        "MAX_CONCURRENCY": "8", "RAW_OPENAI_OUTPUT": "0", "DEFAULT_BATCH_SIZE": "10",
+        "UNRELATED": "x"})
+    assert config.worker_args == (
+        "--model-path", "/models/m.gguf", "--model-names", "/models/m.gguf", "--max-model-len",
+        "2048", "--dtype", "float16", "--tensor-parallel-size", "2", "--quantization", "gguf",
+        "--no-enable-prefix-caching", "--lora-modules", "a=/adapters/a", "--backend", "paged")
+    assert config.handler == HandlerConfig(max_concurrency=8, default_batch_size=10,
+                                           raw_openai_output=False)
+    assert ServerlessConfig.from_env({}).worker_args == ()  # the packaged default model
+    named = ServerlessConfig.from_env({"MODEL_NAME": "org/m", "OPENAI_SERVED_MODEL_NAME_OVERRIDE": "m"})
+    assert named.worker_args == ("--model-path", "org/m", "--model-names", "m")
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("DTYPE", "int8"), ("QUANTIZATION", "awq"), ("TENSOR_PARALLEL_SIZE", "0"),
+    ("ENABLE_PREFIX_CACHING", "maybe"), ("LORA_MODULES", "[1]"), ("MAX_CONCURRENCY", "many"),
+    ("DEFAULT_BATCH_SIZE", "0"), ("DEFAULT_BATCH_SIZE_GROWTH_FACTOR", "0"),
+    ("RAW_OPENAI_OUTPUT", "2"), ("BACKEND", "vllm"), ("GATEWAY_PORT", "-1"),
+])
+def test_a_bad_variable_is_refused_naming_it(name, value):
+    with pytest.raises(ConfigError, match=rf"\${name}\b"):
+        ServerlessConfig.from_env({name: value})
+
+
+def test_the_docs_table_lists_every_variable():
+    doc = (Path(__file__).parents[2] / "docs" / "serverless.md").read_text()
+    rows = [line.split("|")[1].strip().strip("`") for line in doc.splitlines()
+            if line.startswith("| `") and line.split("|")[1].strip().strip("`").isupper()]
+    assert rows == [variable.name for variable in VARIABLES]
+
+
+def test_batch_sizes_grow_as_worker_vllm_documents():
+    def first(batch: BatchSize, count: int = 7) -> list[float]:
+        sizes = batch.sizes()
+        return [next(sizes) for _ in range(count)]
+
+    assert first(BatchSize(50, 1, 3)) == [1, 3, 9, 27, 50, 50, 50]
+    assert first(BatchSize(50, 1, 1), 2) == [50, 50]  # no growth: fixed at the maximum
+    assert first(BatchSize(4, 8, 2), 2) == [4, 4]
+
+
+def test_startup_stops_at_a_bad_variable_before_starting_anything():
+    done = subprocess.run([sys.executable, "-m", "llmplatform.cli", "serverless"],
+                          env=_env(QUANTIZATION="awq"), capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "$QUANTIZATION" in done.stderr, done.stderr
+    assert "starting controller" not in done.stderr

@@ -127,7 +127,6 @@ VARIABLES: tuple[Variable, ...] = (
              "service may take to answer `/health` (the first start converts the default model)"),
     Variable("GATEWAY_PORT", "`0` (a free one)", "loopback port of the internal OpenAI gateway"),
 )
-_BY_NAME = {variable.name: variable for variable in VARIABLES}
 
 
 @dataclass(frozen=True)
@@ -195,8 +194,10 @@ def worker_args(environ: Mapping[str, str]) -> list[str]:
     if "MODEL_NAME" in values and "OPENAI_SERVED_MODEL_NAME_OVERRIDE" not in values:
         values["OPENAI_SERVED_MODEL_NAME_OVERRIDE"] = values["MODEL_NAME"]
     argv: list[str] = []
-    for name, raw in values.items():
-        variable = _BY_NAME[name]
+    for variable in VARIABLES:  # in the table's order
+        name, raw = variable.name, values.get(variable.name)
+        if raw is None:
+            continue
         value: object = raw
         if variable.convert is not None:
             value = variable.convert(raw)
