@@ -26,7 +26,7 @@ from llmplatform.serverless.jobs import BatchSize
 from tests.polling import wait_until
 from tests.processes import alive, children_of, free_ports
 
-STARTUP_TIMEOUT_S = 240
+STARTUP_TIMEOUT_S = 420  # a bound, not a wait: the stack starts in ~30 s on an idle 2-core machine
 JOB_TIMEOUT_S = 120
 BATCH_ENV = {"DEFAULT_MIN_BATCH_SIZE": "1", "DEFAULT_BATCH_SIZE_GROWTH_FACTOR": "2",
              "DEFAULT_BATCH_SIZE": "4"}
@@ -59,14 +59,18 @@ class Worker:
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_model_dir):
+def worker(tiny_model_dir, tmp_path_factory):
     api_port, gateway_port = free_ports(2)
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmplatform.serverless", "--rp_serve_api", "--rp_api_host",
          "127.0.0.1", "--rp_api_port", str(api_port)],
         env=_env(MODEL_NAME=str(tiny_model_dir), OPENAI_SERVED_MODEL_NAME_OVERRIDE="tiny",
                  DTYPE="float", KV_CACHE_MEMORY="64MiB", MAX_CONCURRENCY="3",
-                 GATEWAY_PORT=str(gateway_port), **BATCH_ENV),
+                 GATEWAY_PORT=str(gateway_port), **BATCH_ENV,
+                 # A standalone gateway's keys: cleared for the internal one (the handler has none).
+                 LLMPLATFORM_API_KEYS="sk-for-another-gateway"),
+        # Elsewhere than the checkout: runpod 1.10 keeps its job list in the working directory.
+        cwd=tmp_path_factory.mktemp("serverless"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     running = Worker(proc, f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{gateway_port}")
     threading.Thread(target=lambda: running.lines.extend(line.rstrip() for line in proc.stdout),
@@ -216,13 +220,14 @@ def test_handler_in_process_raw_output_off_and_concurrency(worker):
     assert JobHandler("http://x", "m", HandlerConfig(max_concurrency=3), capacity=64).concurrency(7) == 3
 
 
-def test_test_input_runs_one_job_on_the_default_model():
+def test_test_input_runs_one_job_on_the_default_model(tmp_path):
     """`--test_input` with MODEL_NAME unset: the packaged default model answers one job."""
     job = {"input": {"messages": [{"role": "user", "content": "What is the capital of France?"}],
                      "sampling_params": {"temperature": 0, "max_tokens": 8}, "stream": True}}
     done = subprocess.run(
         [sys.executable, "-m", "llmplatform.serverless", "--test_input", json.dumps(job)],
-        env=_env(**BATCH_ENV), capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S + 60)
+        env=_env(**BATCH_ENV), cwd=tmp_path, capture_output=True, text=True,
+        timeout=STARTUP_TIMEOUT_S + 60)
     result = next((line.split("Job result: ", 1)[1] for line in done.stdout.splitlines()
                    if "Job result: " in line), None)
     assert done.returncode == 0 and result is not None, done.stdout + done.stderr
@@ -281,8 +286,9 @@ def test_batch_sizes_grow_as_worker_vllm_documents():
     assert first(BatchSize(4, 8, 2), 2) == [4, 4]
 
 
-def test_startup_stops_at_a_bad_variable_before_starting_anything():
+def test_startup_stops_at_a_bad_variable_before_starting_anything(tmp_path):
     done = subprocess.run([sys.executable, "-m", "llmplatform.cli", "serverless"],
-                          env=_env(QUANTIZATION="awq"), capture_output=True, text=True, timeout=120)
+                          env=_env(QUANTIZATION="awq"), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode != 0 and "$QUANTIZATION" in done.stderr, done.stderr
     assert "starting controller" not in done.stderr

@@ -60,7 +60,9 @@ class JobHandler:
             return
         timeout = httpx.Timeout(self.config.request_timeout_s, connect=CONNECT_TIMEOUT_S)
         try:
-            async with httpx.AsyncClient(base_url=self.gateway_url, timeout=timeout) as client:
+            # trust_env off: a container's HTTP(S)_PROXY must not route loopback calls.
+            async with httpx.AsyncClient(base_url=self.gateway_url, timeout=timeout,
+                                         trust_env=False) as client:
                 if isinstance(parsed, OpenAIJob):
                     async for item in self._openai(client, parsed):
                         yield item
@@ -70,6 +72,10 @@ class JobHandler:
         except httpx.HTTPError as exc:
             logger.warning("job %s: the gateway did not answer: %r", job.get("id"), exc)
             yield error_answer(f"the serving stack did not answer: {exc!r}", "api_error")
+        except Exception:  # a fault of ours costs this job, never the worker
+            logger.exception("job %s failed", job.get("id"))
+            yield error_answer("the worker failed answering this job (its log has the "
+                               "traceback)", "api_error")
 
     async def aggregate(self, job: dict[str, Any]) -> Any:
         """The same job answered at once: the list of `run`'s yields (what the SDK's /runsync

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import httpx
 
 from llmplatform.serve.down_report import DownReporter
-from llmplatform.serve.launcher import ClusterSpec, services_for
+from llmplatform.serve.launcher import ADMIN_KEYS_ENV, API_KEYS_ENV, ClusterSpec, services_for
 from llmplatform.serve.supervisor import POLL_INTERVAL_S, ServiceSpec, Supervisor
 from llmplatform.serverless.config import ServerlessConfig
 from llmplatform.utils.cluster_secret import secret_headers
@@ -67,6 +67,9 @@ class Stack:
                            cluster_secret=self.secret)
         self.services: list[ServiceSpec] = services_for(spec)
         by_name = {service.name: service for service in self.services}
+        # Only the handler calls the gateway, on loopback, and RunPod authenticates the callers:
+        # keys meant for a standalone gateway ($LLMPLATFORM_API_KEYS) would lock the handler out.
+        by_name["api"].env.update({API_KEYS_ENV: "", ADMIN_KEYS_ENV: ""})
         self.gateway_url = by_name["api"].url
         self.worker_url = by_name["worker 0"].url
         self._supervisor = _StoppableSupervisor(
@@ -83,7 +86,7 @@ class Stack:
         self._thread = threading.Thread(target=self._supervise, name="serverless-supervisor",
                                         daemon=True)
         self._thread.start()
-        status = httpx.post(f"{self.worker_url}/worker_get_status",
+        status = httpx.post(f"{self.worker_url}/worker_get_status", trust_env=False,
                             headers=secret_headers(self.secret), timeout=_STATUS_TIMEOUT_S)
         status.raise_for_status()
         facts = status.json()
