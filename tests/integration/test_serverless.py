@@ -217,6 +217,8 @@ def test_handler_in_process_raw_output_off_and_concurrency(worker):
     assert [len(b) for b in batches][:3] == EXPECTED_SIZES[:3]
     assert asyncio.run(handler.aggregate({"id": "u", "input": {}}))["error"]["param"] == "input"
     assert handler.concurrency(1) == 64
+    # The process's own modifier: MAX_CONCURRENCY=3 (its log line says what it hands the SDK).
+    assert any("through" in line and line.endswith("concurrency 3") for line in worker.lines)
     assert JobHandler("http://x", "m", HandlerConfig(max_concurrency=3), capacity=64).concurrency(7) == 3
 
 
@@ -235,6 +237,8 @@ def test_test_input_runs_one_job_on_the_default_model(tmp_path):
     text = "".join(t for batch in batches for t in batch["choices"][0]["tokens"])
     assert "Paris" in text, text
     assert batches[-1]["usage"]["output"] == 8 and batches[-1]["usage"]["input"] > 8
+    # MAX_CONCURRENCY unset: the worker's capacity, the native engine's max_num_seqs (64).
+    assert "SmolLM2-135M-Instruct through" in done.stderr and "concurrency 64" in done.stderr
 
 
 # ---- configuration (no process) ------------------------------------------------------------------
