@@ -1,5 +1,6 @@
 """The ``llmplatform`` command: ``serve`` (a whole cluster), ``controller``, ``worker``, ``api``,
-``webui``, and ``models`` (launch, list and stop models at runtime, through the gateway)."""
+``webui``, ``models`` (launch, list and stop models at runtime, through the gateway) and
+``serverless`` (a RunPod serverless worker)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pkgutil
 import sys
 
 USAGE = """\
-usage: llmplatform {serve,controller,worker,api,webui,models} [options]
+usage: llmplatform {serve,controller,worker,api,webui,models,serverless} [options]
 
   serve       start a controller, model worker(s), the OpenAI gateway and the web UI;
               restart any that dies (closed to outside workers: a random cluster secret)
@@ -16,6 +17,7 @@ usage: llmplatform {serve,controller,worker,api,webui,models} [options]
   api         run the OpenAI-compatible gateway
   webui       run the chat web UI (a client of the gateway)
   models      launch | list | stop models at runtime (the gateway's /v1/admin/models)
+  serverless  a RunPod serverless worker (configured by environment variables; docs/serverless.md)
 
 Run `llmplatform COMMAND --help` for a command's options. Every option can also be set in
 the environment as LLMPLATFORM_<OPTION> (--max-num-seqs: LLMPLATFORM_MAX_NUM_SEQS); a flag
@@ -29,6 +31,7 @@ COMMANDS = {
     "api": "llmplatform.openai_api.__main__:main",
     "webui": "llmplatform.webui.__main__:main",
     "models": "llmplatform.serve.models_cli:main",
+    "serverless": "llmplatform.serverless.__main__:main",
 }
 """Each command's entry point, named rather than imported: only the one asked for is loaded, and
 the command line stays above the services it starts (test_layering.py)."""

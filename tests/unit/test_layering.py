@@ -47,6 +47,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "openai_api": BASE | {"metrics", "routing", "sampling", "conversation"},
     "webui": BASE,
     "serve": BASE,
+    # The RunPod worker: starts serve's stack (controller, worker, gateway as child processes)
+    # and sends jobs to the gateway over HTTP, so it sits above serve and imports no service.
+    "serverless": BASE | {"serve"},
     # Dispatch policies, prefix trees, load estimates: pure, below both the gateway and the
     # controller (issue 35).
     "routing": frozenset(),  # imports nothing of ours: pure code, clock injected
