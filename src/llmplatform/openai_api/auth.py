@@ -26,13 +26,16 @@ PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 
 _MISSING_KEY = (
     "You didn't provide an API key. You need to provide your API key in an Authorization "
-    "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+    "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY), or in an x-api-key header."
 )
 
 
 def presented_key(headers: Headers) -> str:
     """The bearer token of `Authorization: Bearer <key>` (the scheme is case-insensitive, as
-    RFC 7235 says; the key is not). Any other scheme, or none, is a missing key."""
+    RFC 7235 says; the key is not), or else Anthropic's `x-api-key: <key>` (what its clients
+    send). Any other scheme, or none, is a missing key."""
+    if "authorization" not in headers and headers.get("x-api-key", "").strip():
+        return headers["x-api-key"].strip()
     scheme, _, token = headers.get("authorization", "").partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
