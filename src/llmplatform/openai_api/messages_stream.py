@@ -58,7 +58,7 @@ def tool_input(arguments: str) -> dict[str, Any]:
     what was written (parsed as partial JSON, as a streaming client parses the deltas);
     arguments that are no JSON object at all give ``{}``."""
     try:
-        value = from_json(arguments, allow_partial=True)
+        value = from_json(arguments, allow_partial="trailing-strings")
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
