@@ -17,10 +17,9 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmplatform.errors import LLMPlatformError
+from llmplatform.openai_api.auth import is_messages_path
 from llmplatform.openai_api.generation import Framing
 from llmplatform.protocol.anthropic import ErrorDetail, ErrorResponse, ErrorType
-
-MESSAGES_PATH = "/v1/messages"
 
 # Anthropic's documented codes: other 4xx are invalid_request_error with their own status.
 _CLIENT_ERRORS: dict[int, ErrorType] = {
@@ -29,10 +28,6 @@ _CLIENT_ERRORS: dict[int, ErrorType] = {
 }
 OVERLOADED_STATUS = 529
 """Anthropic's "overloaded": ours is 503 (no worker can take the request now)."""
-
-
-def is_messages_path(path: str) -> bool:
-    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
 
 
 def anthropic_status(status: int) -> tuple[int, ErrorType]:

@@ -110,7 +110,7 @@ class Tenants:
     def identify(self, scope: Scope) -> Tenant:
         if self._ids:
             try:
-                found = self._ids.get(key_digest(presented_key(Headers(scope=scope))))
+                found = self._ids.get(key_digest(presented_key(Headers(scope=scope), scope["path"])))
             except AuthenticationError:  # no key: only admin keys are configured (no key check)
                 found = None
             if found is not None:
