@@ -229,3 +229,25 @@ def test_unknown_model_and_route_refusals_are_anthropics(cluster: Cluster, clien
     assert response.json()["error"]["type"] in ("not_found_error", "invalid_request_error")
     counted = _raw(cluster, {"model": MODEL}, "/v1/messages/count_tokens")
     assert counted.status_code == 400 and "messages" in counted.json()["error"]["message"]
+
+
+def test_per_key_limits_and_a_stock_worker_answer_in_anthropics_shapes() -> None:
+    """The per-key limit counts /v1/messages (a second request in flight is Anthropic's 429), on
+    the fake stock worker (tests/fake_worker.py), which serves the Messages route too."""
+    from llmplatform.openai_api.settings import TenantLimits
+    from tests.security.test_tenant_limits import FAKE_MODEL, HOLD, tenant_cluster
+
+    with tenant_cluster(api_keys=(KEY,), tenant_limits=TenantLimits(max_concurrent_requests=1)) as cluster:
+        client = anthropic.Anthropic(base_url=cluster.gateway, api_key=KEY, max_retries=0, timeout=30)
+        with client.messages.stream(model=FAKE_MODEL, max_tokens=8,
+                                    messages=[{"role": "user", "content": HOLD}]) as held:
+            events = iter(held)
+            assert next(events).type == "message_start"
+            with pytest.raises(anthropic.RateLimitError) as limited:
+                client.messages.create(model=FAKE_MODEL, max_tokens=8, messages=QUESTION)
+            assert limited.value.body["error"]["type"] == "rate_limit_error"
+            assert int(limited.value.response.headers["retry-after"]) >= 1
+            cluster.worker.release.set()
+            assert held.get_final_message().stop_reason == "end_turn"
+        answer = client.messages.create(model=FAKE_MODEL, max_tokens=8, messages=QUESTION)
+        assert answer.content[0].type == "text" and answer.usage.input_tokens > 0
