@@ -255,7 +255,8 @@ def _add_routes(app: FastAPI) -> None:
         try:
             body = await _json_body(request, ApplyChatTemplateRequest)
             check_model(llm, body.model)
-            prompt = await llm.apply_chat_template(body.messages, body.add_generation_prompt)
+            tools = {"tools": body.tools} if body.tools else {}
+            prompt = await llm.apply_chat_template(body.messages, body.add_generation_prompt, **tools)
             count = await llm.count_tokens(prompt)
         except LLMPlatformError as exc:
             return _error_response(exc)

@@ -61,7 +61,7 @@ class CumulativeFrames(_Frames):
         return WorkerChunk(
             text=self._text, error_code=0, usage=self._usage(chunk), finish_reason=self._finish_reason(chunk),
             logprobs=self._logprobs.model_copy(deep=True) if self._logprobs is not None else None,
-            index=chunk.index)
+            index=chunk.index, stop_str=chunk.stop_str)
 
 
 class DeltaFrames(_Frames):
@@ -80,7 +80,7 @@ class DeltaFrames(_Frames):
         text, self._pending_echo = self._pending_echo + chunk.text, ""
         return WorkerChunk(text=text, error_code=0, usage=self._usage(chunk),
                            finish_reason=self._finish_reason(chunk), logprobs=logprobs, delta=True,
-                           index=chunk.index)
+                           index=chunk.index, stop_str=chunk.stop_str)
 
 
 def frames_for(params: WorkerParams, prompt: str, *, streamed: bool) -> CumulativeFrames | DeltaFrames:

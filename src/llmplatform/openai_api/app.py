@@ -26,6 +26,7 @@ from llmplatform.openai_api.auth import ApiKeyMiddleware
 from llmplatform.openai_api.errors import error_payload, install_exception_handlers
 from llmplatform.openai_api.lifecycle import Lifecycle
 from llmplatform.openai_api.limits import RequestBodyMiddleware
+from llmplatform.openai_api.messages_errors import AnthropicErrorMiddleware
 from llmplatform.openai_api.router import build_router
 from llmplatform.openai_api.tenants import TenantMiddleware, Tenants
 from llmplatform.openai_api.worker_routing import TableRefresher, max_table_age
@@ -118,6 +119,9 @@ def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | N
         app.add_middleware(RequestGuard, config=RequestGuardConfig(
             allowed_hosts=settings.allowed_hosts, same_origin_only=False, json_bodies_only=False,
             max_body_bytes=None, render=lambda exc: json.dumps(error_payload(exc)).encode()))
+    # Anthropic's envelope and status codes for every refusal on /v1/messages, the ones above
+    # included (they answer in OpenAI's first).
+    app.add_middleware(AnthropicErrorMiddleware)
     # Outermost: every answer (a refusal by the middlewares above included) is counted, and
     # carries its request id in the header and in every log line about it.
     app.add_middleware(GatewayMetricsMiddleware, metrics=app.state.metrics)

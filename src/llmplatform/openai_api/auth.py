@@ -30,9 +30,20 @@ _MISSING_KEY = (
 )
 
 
-def presented_key(headers: Headers) -> str:
+MESSAGES_PATH = "/v1/messages"
+"""Anthropic's Messages routes (this path and below): its clients send the key as `x-api-key`."""
+
+
+def is_messages_path(path: str) -> bool:
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+def presented_key(headers: Headers, path: str) -> str:
     """The bearer token of `Authorization: Bearer <key>` (the scheme is case-insensitive, as
-    RFC 7235 says; the key is not). Any other scheme, or none, is a missing key."""
+    RFC 7235 says; the key is not); on the Messages routes (`path`), also Anthropic's
+    `x-api-key: <key>`, as its clients send it. Any other scheme, or none, is a missing key."""
+    if is_messages_path(path) and "authorization" not in headers and headers.get("x-api-key", "").strip():
+        return headers["x-api-key"].strip()
     scheme, _, token = headers.get("authorization", "").partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
@@ -53,7 +64,7 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         try:
-            if not self._keys.matches(presented_key(Headers(scope=scope))):
+            if not self._keys.matches(presented_key(Headers(scope=scope), scope["path"])):
                 raise AuthenticationError("Incorrect API key provided.")
         except AuthenticationError as exc:
             await _send_401(send, exc)
@@ -76,7 +87,8 @@ async def require_api_key(request: Request) -> None:
     settings: GatewaySettings = request.app.state.settings
     if not settings.api_keys:
         return
-    if not KeySet(settings.api_keys + settings.admin_api_keys).matches(presented_key(request.headers)):
+    token = presented_key(request.headers, request.scope["path"])
+    if not KeySet(settings.api_keys + settings.admin_api_keys).matches(token):
         raise AuthenticationError("Incorrect API key provided.")
 
 
@@ -88,7 +100,7 @@ async def require_admin_key(request: Request) -> None:
     admin_keys = settings.admin_api_keys or settings.api_keys
     if not admin_keys:
         return
-    token = presented_key(request.headers)
+    token = presented_key(request.headers, request.scope["path"])
     if KeySet(admin_keys).matches(token):
         return
     if KeySet(settings.api_keys).matches(token):

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions."""
+"""POST /v1/chat/completions, and the chat path other dialects translate into (:func:`serve_chat`:
+/v1/messages builds a :class:`ChatCompletionRequest` and its own reply of the chunks)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from llmplatform.openai_api.deltas import (
 )
 from llmplatform.openai_api.constraints import WorkerConstraint, request_constraints
 from llmplatform.openai_api.fastchat_peer import for_peer
-from llmplatform.openai_api.generation import answer, route_request, tenants, worker_client
+from llmplatform.openai_api.generation import (
+    OPENAI_FRAMING, Framing, Reply, answer, route_request, tenants, worker_client,
+)
 from llmplatform.openai_api.worker_routing import chat_routing_text
 from llmplatform.openai_api.sse import sse_event
 from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_choices
@@ -51,6 +54,16 @@ from llmplatform.utils.request_id import worker_request_id_prefix
 
 async def create_chat_completion(request: Request) -> Response:
     body = parse_json_body(ChatCompletionRequest, await request.body())
+    response_id = new_id("chatcmpl")
+    return await serve_chat(request, body,
+                            lambda prepared: _ChatStream(body, response_id, prepared=prepared))
+
+
+async def serve_chat(request: Request, body: ChatCompletionRequest,
+                     reply: Callable[[Callable[[], ChatPrepared]], Reply[ChatPrepared]], *,
+                     framing: Framing = OPENAI_FRAMING) -> Response:
+    """Check `body`, start it on a worker (routing, tenants, failover) and answer with `reply`
+    (given a getter of what was prepared on the worker that answered) in `framing`."""
     messages = chat_messages(body.messages)
     check_chat_request(body)
     check_unsupported(body)
@@ -61,7 +74,7 @@ async def create_chat_completion(request: Request) -> Response:
     salt = tenants(request).cache_salt(request, body.cache_salt)
     tenant = tenants(request).worker_tenant(request)
 
-    async def start_on(address: str) -> tuple[_Prepared, ChoiceStreams]:
+    async def start_on(address: str) -> tuple[ChatPrepared, ChoiceStreams]:
         details = await client.model_details(address, body.model)
         details.check_generates(body.model)
         check_worker_extensions(body, details.extensions)
@@ -74,17 +87,15 @@ async def create_chat_completion(request: Request) -> Response:
             constraint=constraint, cache_salt=cache_salt, tenant=tenant)))
         params, prompt_tokens = await for_peer(client, address, body.model, params)
         streams = await start_choices(client, address, params, prompt_param="messages", early=bool(body.stream))
-        return _Prepared(prompt_tokens, constraint), streams
+        return ChatPrepared(prompt_tokens, constraint), streams
 
-    response_id = new_id("chatcmpl")
     # body.tools is the client's JSON as sent (checked later, in start_on): routing only hashes it.
     route = route_request(request, chat_routing_text(messages, body.tools), body.user, salt)
-    return await answer(request, body.model, start_on,
-                        lambda prepared: _ChatStream(body, response_id, prepared=prepared),
-                        stream=bool(body.stream), route=route)
+    return await answer(request, body.model, start_on, reply, stream=bool(body.stream),
+                        route=route, framing=framing)
 
 
-class _Prepared(NamedTuple):
+class ChatPrepared(NamedTuple):
     prompt_tokens: int
     """Counted by the gateway for a stock worker (0: the worker reports it)."""
     constraint: WorkerConstraint
@@ -96,7 +107,7 @@ class _ChatStream:
     (streamed as OpenAI's fragments) and the rest stays content."""
 
     def __init__(self, body: ChatCompletionRequest, response_id: str, *,
-                 prepared: Callable[[], _Prepared]) -> None:
+                 prepared: Callable[[], ChatPrepared]) -> None:
         self.body = body
         self.response_id = response_id
         self.created = int(time.time())
@@ -155,7 +166,7 @@ class _ChatStream:
         )
         return sse_event(chunk, exclude=None if self.include_usage else {"usage"})
 
-    async def events(self, streams: RequestStreams[_Prepared]) -> AsyncGenerator[bytes, None]:
+    async def events(self, streams: RequestStreams[ChatPrepared]) -> AsyncGenerator[bytes, None]:
         n = streams.num_choices
         trackers = [DeltaTracker() for _ in range(n)]
         parsers = [self._new_parser() for _ in range(n)]

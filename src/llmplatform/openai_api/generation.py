@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from fastapi import Request
@@ -44,6 +45,19 @@ P_contra = TypeVar("P_contra", contravariant=True)
 
 StartOn = Callable[[str], Awaitable[tuple[P, ChoiceStreams]]]
 """Starts a request's choices on the worker at an address: (what was prepared there, the streams)."""
+
+
+@dataclass(frozen=True)
+class Framing:
+    """What a dialect's event stream sends after its status line went out: a failure (the
+    dialect's error event) and the end of the stream."""
+
+    error_event: Callable[[LLMPlatformError], bytes]
+    end: bytes
+
+
+OPENAI_FRAMING = Framing(lambda exc: sse_event(error_payload(exc)), DONE)
+"""OpenAI's: the error envelope as a data event; ``[DONE]`` last."""
 
 
 class Reply(Protocol[P_contra]):
@@ -82,13 +96,14 @@ def route_request(request: Request, routing_text: str, user: str | None,
 
 async def answer(request: Request, model: str, start_on: StartOn[P],
                  reply: Callable[[Callable[[], P]], Reply[P]], *, stream: bool,
-                 route: RouteRequest | None = None) -> Response:
+                 route: RouteRequest | None = None, framing: Framing = OPENAI_FRAMING) -> Response:
     """Serve a checked generation request. `reply` is given a getter of what `start_on` prepared
     on the worker that answered (failover may change it until the first chunk). `route` informs
     the first pick only: a failover pick ranks by load (the preferred worker just failed).
 
     A model no worker serves that is launchable on demand is started first: waited for (up to
-    --on-demand-timeout), a streamed answer sending SSE keep-alive comments meanwhile."""
+    --on-demand-timeout), a streamed answer sending SSE keep-alive comments meanwhile. `framing`:
+    the dialect's stream errors and end."""
     client = worker_client(request)
     try:
         address = await client.worker_address(model, route=route)
@@ -99,7 +114,7 @@ async def answer(request: Request, model: str, start_on: StartOn[P],
             raise  # not launchable: the 404 or 503 stands
         if stream:
             return EventStreamResponse(_cold_event_stream(
-                request, lifecycle.wait_ready(starting), model, start_on, reply, route),
+                request, lifecycle.wait_ready(starting), model, start_on, reply, route, framing),
                 headers_first=True)
         await lifecycle.wait_ready(starting)
         address = await client.worker_address(model, route=route)
@@ -109,7 +124,7 @@ async def answer(request: Request, model: str, start_on: StartOn[P],
     replying = reply(lambda: streams.prepared)
     ticket = ticket_of(request)
     if stream:
-        return EventStreamResponse(_event_stream(replying, streams, ticket), on_close=streams.aclose,
+        return EventStreamResponse(_event_stream(replying, streams, ticket, framing), on_close=streams.aclose,
                                    headers_first=streams.accepted_early)
     try:
         final_chunks = await until_disconnected(request, streams.final_chunks())
@@ -121,7 +136,7 @@ async def answer(request: Request, model: str, start_on: StartOn[P],
 
 async def _cold_event_stream(request: Request, ready: Awaitable[None], model: str,
                              start_on: StartOn[P], reply: Callable[[Callable[[], P]], Reply[P]],
-                             route: RouteRequest | None) -> AsyncIterator[bytes]:
+                             route: RouteRequest | None, framing: Framing) -> AsyncIterator[bytes]:
     """A streamed answer from a model being started: keep-alive comments until it is ready
     (clients and proxies would otherwise time out an idle stream), then the answer. The status
     line (200) has gone out first, so a failure to start is an in-band error event."""
@@ -138,11 +153,11 @@ async def _cold_event_stream(request: Request, ready: Awaitable[None], model: st
         streams = RequestStreams(client, model, start_on)
         await streams.start(await client.worker_address(model, route=route))
         async for event in _event_stream(reply(lambda: streams.prepared), streams,
-                                         ticket_of(request)):
+                                         ticket_of(request), framing):
             yield event
     except LLMPlatformError as exc:
-        yield sse_event(error_payload(exc))
-        yield DONE
+        yield framing.error_event(exc)
+        yield framing.end
     finally:
         waiting.cancel()
         if streams is not None:
@@ -157,20 +172,20 @@ def _charge(ticket: Ticket | None, reply: Reply[P], streams: RequestStreams[P]) 
         ticket.charge(usage.prompt_tokens, usage.completion_tokens)
 
 
-async def _event_stream(reply: Reply[P], streams: RequestStreams[P],
-                        ticket: Ticket | None = None) -> AsyncIterator[bytes]:
-    """`reply`'s events, then ``[DONE]``. The status line has gone out with the first event, so
-    a failure after it is reported in-band, as an error event in OpenAI's envelope."""
+async def _event_stream(reply: Reply[P], streams: RequestStreams[P], ticket: Ticket | None,
+                        framing: Framing) -> AsyncIterator[bytes]:
+    """`reply`'s events, then the end (``[DONE]``). The status line has gone out with the
+    first event, so a failure after it is reported in-band, as the dialect's error event."""
     try:
         async with contextlib.aclosing(reply.events(streams)) as events:
             async for event in events:
                 yield event
     except LLMPlatformError as exc:
-        yield sse_event(error_payload(exc))
+        yield framing.error_event(exc)
     except Exception:
         logger.exception("stream %s failed", reply.response_id)
-        yield sse_event(error_payload(LLMPlatformError("The server had an error while streaming.")))
+        yield framing.error_event(LLMPlatformError("The server had an error while streaming."))
     finally:
         streams.cancel()
         _charge(ticket, reply, streams)
-    yield DONE
+    yield framing.end

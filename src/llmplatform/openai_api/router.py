@@ -27,6 +27,7 @@ from llmplatform.openai_api.embeddings import create_embeddings, model_tasks
 from llmplatform.openai_api.errors import EnvelopeRoute
 from llmplatform.openai_api.lifecycle import launch_model, list_model_states, stop_model
 from llmplatform.openai_api.lora import load_lora_adapter, unload_lora_adapter
+from llmplatform.openai_api.messages import count_message_tokens, create_message
 from llmplatform.protocol.lifecycle import ModelState
 from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.protocol.lora import LoRAAdapterCard
@@ -95,7 +96,8 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body)
 
 
-GENERATION_ROUTES = {"/v1/chat/completions": create_chat_completion, "/v1/completions": create_completion}
+GENERATION_ROUTES = {"/v1/chat/completions": create_chat_completion, "/v1/completions": create_completion,
+                     "/v1/messages": create_message}
 """The POST routes that generate (and may stream)."""
 
 
@@ -104,6 +106,7 @@ def build_router() -> APIRouter:
     v1.add_api_route("/models", list_models, methods=["GET"])
     v1.add_api_route("/models/{model:path}", retrieve_model, methods=["GET"])
     v1.add_api_route("/embeddings", create_embeddings, methods=["POST"])
+    v1.add_api_route("/messages/count_tokens", count_message_tokens, methods=["POST"])
     for path, handler in GENERATION_ROUTES.items():
         v1.add_api_route(path.removeprefix("/v1"), handler, methods=["POST"])
     # vLLM's paths, on the /v1 router like every /v1 route, and the admin key's besides: what the

@@ -48,7 +48,8 @@ from llmplatform.utils.request_guard import send_refusal
 
 logger = logging.getLogger("llmplatform.openai_api.tenants")
 
-LIMITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+LIMITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages",
+                           "/v1/messages/count_tokens"})
 """The POST routes that make workers work: the ones limited and metered per tenant."""
 ANONYMOUS = "anonymous"
 OTHER_KEYS = "other"
@@ -109,7 +110,7 @@ class Tenants:
     def identify(self, scope: Scope) -> Tenant:
         if self._ids:
             try:
-                found = self._ids.get(key_digest(presented_key(Headers(scope=scope))))
+                found = self._ids.get(key_digest(presented_key(Headers(scope=scope), scope["path"])))
             except AuthenticationError:  # no key: only admin keys are configured (no key check)
                 found = None
             if found is not None:

@@ -183,11 +183,17 @@ class WorkerChunk(BaseModel):
     (``logprobs.text_offset`` still counts from the start of the whole text); ``usage`` and
     ``finish_reason`` are as in a cumulative chunk. Sent only to a request with
     ``stream_deltas``."""
+    stop_str: str | None = None
+    """Our addition, on the final chunk of an output a stop string ended: which one (the text
+    leaves it out, so only this tells it from EOS). Sent only when set; a stock worker never
+    sends it."""
 
     def encode(self) -> bytes:
         exclude = set()
         if self.param is None:
             exclude.add("param")
+        if self.stop_str is None:
+            exclude.add("stop_str")
         if not self.index:
             exclude.add("index")
         if not self.delta:  # a cumulative chunk is exactly FastChat's
@@ -228,6 +234,9 @@ class ApplyChatTemplateRequest(BaseModel):
     model: str | None = None
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI function tools for the template, as in ``WorkerParams.tools``: the prompt (and its
+    count) is then the one a generation with these tools computes."""
 
 
 class ApplyChatTemplateResponse(BaseModel):

@@ -99,6 +99,7 @@ class OutputProcessor:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.output_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
+        self.stop_str: str | None = None  # the stop string that finished the output, if one did
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self._eos = frozenset(() if params.ignore_eos else eos_token_ids)
         self._stop_ids = frozenset(params.stop_token_ids)
@@ -140,6 +141,7 @@ class OutputProcessor:
             usage=self.usage,
             finish_reason=self.finish_reason,
             logprobs=chunk_logprobs,
+            stop_str=self.stop_str,
         )
 
     def finish(self, reason: FinishReason, error: str | None = None) -> GenerateChunk:
@@ -179,7 +181,7 @@ class OutputProcessor:
         for stop in self.params.stop:
             pos = self._text.find(stop, max(0, previous_len - len(stop) + 1))
             if pos != -1 and (best is None or pos < best):
-                best = pos
+                best, self.stop_str = pos, stop
         if best is not None:
             self._text = self._text[:best]
             self.finish_reason = FinishReason.STOP

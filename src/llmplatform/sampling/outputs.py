@@ -62,6 +62,9 @@ class GenerateChunk:
     usage: Usage
     finish_reason: FinishReason | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # On the finishing chunk of an output a stop string ended: which one (its text is cut off,
+    # so only this tells it from EOS; Anthropic's Messages API reports it as `stop_sequence`).
+    stop_str: str | None = None
     # Only on the first chunk, and only when SamplingParams.prompt_logprobs is set; one record per
     # prompt token.
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
