@@ -17,7 +17,7 @@ from llmplatform.openai_api.deltas import (
 )
 from llmplatform.openai_api.constraints import WorkerConstraint, request_constraints
 from llmplatform.openai_api.fastchat_peer import for_peer
-from llmplatform.openai_api.generation import answer, route_request, tenants, worker_client
+from llmplatform.openai_api.generation import Reply, answer, route_request, tenants, worker_client
 from llmplatform.openai_api.worker_routing import chat_routing_text
 from llmplatform.openai_api.sse import sse_event
 from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_choices
@@ -51,6 +51,14 @@ from llmplatform.utils.request_id import worker_request_id_prefix
 
 async def create_chat_completion(request: Request) -> Response:
     body = parse_json_body(ChatCompletionRequest, await request.body())
+    return await serve_chat(request, body)
+
+
+async def serve_chat(request: Request, body: ChatCompletionRequest,
+                     wrap: Callable[[Reply[Any]], Reply[Any]] | None = None) -> Response:
+    """Answer a parsed chat request. `wrap`, if given, is handed the chat reply (its chunks,
+    full response and usage) and returns the reply the client gets: another dialect served
+    on this same path (openai_api.responses)."""
     messages = chat_messages(body.messages)
     check_chat_request(body)
     check_unsupported(body)
@@ -79,9 +87,11 @@ async def create_chat_completion(request: Request) -> Response:
     response_id = new_id("chatcmpl")
     # body.tools is the client's JSON as sent (checked later, in start_on): routing only hashes it.
     route = route_request(request, chat_routing_text(messages, body.tools), body.user, salt)
-    return await answer(request, body.model, start_on,
-                        lambda prepared: _ChatStream(body, response_id, prepared=prepared),
-                        stream=bool(body.stream), route=route)
+    def reply(prepared: Callable[[], _Prepared]) -> Reply[Any]:
+        chat = _ChatStream(body, response_id, prepared=prepared)
+        return chat if wrap is None else wrap(chat)
+
+    return await answer(request, body.model, start_on, reply, stream=bool(body.stream), route=route)
 
 
 class _Prepared(NamedTuple):
