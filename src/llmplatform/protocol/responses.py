@@ -60,10 +60,11 @@ class ResponsesRequest(BaseModel):
     max_tool_calls: Any = None
     prompt: Any = None
     conversation: Any = None
+    context_management: Any = None
 
 
 REFUSED_FIELDS = ("reasoning", "background", "include", "truncation", "top_logprobs",
-                  "max_tool_calls", "prompt", "conversation")
+                  "max_tool_calls", "prompt", "conversation", "context_management")
 """Refused unless :func:`is_neutral` (a value that asks for nothing beyond what is served)."""
 
 
