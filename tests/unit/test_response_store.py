@@ -47,6 +47,7 @@ def test_a_response_is_seen_by_its_owner_only_and_survives_a_reopen(tmp_path: Pa
     async def second() -> None:
         store = ResponseStore(f"sqlite:///{path}", max_age_s=None, max_count=None)
         assert (await store.get("key:a", "resp_1")).response["id"] == "x"
+        await store.aclose()  # closed, then used again (an app's lifespan can run twice)
         await store.delete("key:a", "resp_1")
         with pytest.raises(ResponseNotFoundError):
             await store.get("key:a", "resp_1")

@@ -97,7 +97,7 @@ class ResponseStore:
         self._max_count = max_count
         self._clock = clock
         self._conn: sqlite3.Connection | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="responses-store")
+        self._executor: ThreadPoolExecutor | None = None  # started by the first call
 
     async def put(self, owner: str, response_id: str, stored: StoredResponse) -> None:
         await self._run(self._put, owner, response_id, stored)
@@ -114,10 +114,17 @@ class ResponseStore:
             raise ResponseNotFoundError(f"Response with id '{response_id}' not found.")
 
     async def aclose(self) -> None:
+        """Close the database and stop the thread (a later call starts them again: an app's
+        lifespan may run more than once)."""
+        if self._executor is None:
+            return
         await self._run(self._close)
         self._executor.shutdown(wait=False)
+        self._executor = None
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="responses-store")
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     # ---- on the store's thread ------------------------------------------------------------
