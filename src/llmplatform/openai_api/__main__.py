@@ -24,6 +24,8 @@ _LIMITS = "request limits (a request over one is a 400; the body cap a 413)"
 _TENANTS = ("per-key limits and isolation (per client address without --api-keys; a request "
             "over a limit is a 429 with Retry-After and x-ratelimit-* headers)")
 
+_RESPONSES = "stored responses (/v1/responses with store: true; GET and DELETE /v1/responses/ID)"
+
 
 class GatewayServiceSettings(ServerSettings):
     cli_prog = "python -m llmplatform.openai_api"
@@ -117,6 +119,16 @@ class GatewayServiceSettings(ServerSettings):
         None, "a request header (e.g. X-Session-Id) whose value keeps a conversation on one worker "
         "when the controller dispatches cache_aware; without it, or when a request lacks it, "
         "OpenAI's `user` field does (default: none)", metavar="NAME")
+    responses_store: OptionalText = option(
+        None, "where stored /v1/responses answers live: a SQLite file path or sqlite:///PATH "
+        "(only SQLite is implemented; default: responses/responses.sqlite3 in the cache folder, "
+        "$LLMPLATFORM_CACHE or ~/.cache/llmplatform)", metavar="PATH", group=_RESPONSES)
+    responses_max_age: float = option(
+        30 * 24 * 3600.0, "seconds a stored response is kept; 0: no limit (default: %(default)s, "
+        "OpenAI's 30 days)", metavar="SECONDS", group=_RESPONSES, ge=0)
+    responses_max_count: int = option(
+        100_000, "stored responses kept at most, the oldest deleted first; 0: no limit "
+        "(default: %(default)s)", metavar="N", group=_RESPONSES, ge=0)
 
     @cached_property
     def gateway_settings(self) -> GatewaySettings:
@@ -129,7 +141,9 @@ class GatewayServiceSettings(ServerSettings):
             max_tokens_per_minute=self.max_tokens_per_minute_per_key or None)
         return self.section(GatewaySettings, limits=self.section(RequestLimits),
                             allowed_hosts=self.allowed_host_names(),  # a name, another meaning
-                            tenant_limits=tenant_limits)
+                            tenant_limits=tenant_limits,
+                            responses_max_age=self.responses_max_age or None,
+                            responses_max_count=self.responses_max_count or None)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

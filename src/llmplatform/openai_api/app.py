@@ -27,6 +27,7 @@ from llmplatform.openai_api.errors import error_payload, install_exception_handl
 from llmplatform.openai_api.lifecycle import Lifecycle
 from llmplatform.openai_api.limits import RequestBodyMiddleware
 from llmplatform.openai_api.messages_errors import AnthropicErrorMiddleware
+from llmplatform.openai_api.response_store import ResponseStore
 from llmplatform.openai_api.router import build_router
 from llmplatform.openai_api.tenants import TenantMiddleware, Tenants
 from llmplatform.openai_api.worker_routing import TableRefresher, max_table_age
@@ -90,6 +91,7 @@ def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | N
                     yield
                 finally:
                     await client.aclose()
+                    await app.state.response_store.aclose()
 
     app = FastAPI(title="llmplatform OpenAI-compatible API", lifespan=lifespan)
     app.state.settings = settings
@@ -97,6 +99,10 @@ def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | N
     install_exception_handlers(app)
     app.state.metrics = GatewayMetrics()
     app.state.tenants = Tenants(settings, app.state.metrics)
+    # Opened on first use: a gateway never asked for a stored response never touches the disk.
+    app.state.response_store = ResponseStore(settings.responses_store,
+                                             max_age_s=settings.responses_max_age,
+                                             max_count=settings.responses_max_count)
     # Added innermost first: CORS (preflights answered before any key check), then the API key
     # check, then the per-key limits, then the body guard, so an unauthenticated body is never
     # read (nor a request counted against a key that is not one), nor the body of a request a

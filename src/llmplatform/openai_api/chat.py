@@ -54,9 +54,14 @@ from llmplatform.utils.request_id import worker_request_id_prefix
 
 async def create_chat_completion(request: Request) -> Response:
     body = parse_json_body(ChatCompletionRequest, await request.body())
+    return await serve_chat(request, body, chat_reply(body))
+
+
+def chat_reply(body: ChatCompletionRequest) -> Callable[[Callable[[], ChatPrepared]], Reply[ChatPrepared]]:
+    """The OpenAI chat reply to `body` (its chunks, full response and usage), for `serve_chat`;
+    other dialects wrap it (openai_api.responses)."""
     response_id = new_id("chatcmpl")
-    return await serve_chat(request, body,
-                            lambda prepared: _ChatStream(body, response_id, prepared=prepared))
+    return lambda prepared: _ChatStream(body, response_id, prepared=prepared)
 
 
 async def serve_chat(request: Request, body: ChatCompletionRequest,

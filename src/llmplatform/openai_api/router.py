@@ -28,6 +28,8 @@ from llmplatform.openai_api.errors import EnvelopeRoute
 from llmplatform.openai_api.lifecycle import launch_model, list_model_states, stop_model
 from llmplatform.openai_api.lora import load_lora_adapter, unload_lora_adapter
 from llmplatform.openai_api.messages import count_message_tokens, create_message
+from llmplatform.openai_api.responses import (create_response, delete_response, list_input_items,
+                                              retrieve_response)
 from llmplatform.protocol.lifecycle import ModelState
 from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.protocol.lora import LoRAAdapterCard
@@ -97,7 +99,7 @@ async def health(request: Request) -> JSONResponse:
 
 
 GENERATION_ROUTES = {"/v1/chat/completions": create_chat_completion, "/v1/completions": create_completion,
-                     "/v1/messages": create_message}
+                     "/v1/messages": create_message, "/v1/responses": create_response}
 """The POST routes that generate (and may stream)."""
 
 
@@ -109,6 +111,10 @@ def build_router() -> APIRouter:
     v1.add_api_route("/messages/count_tokens", count_message_tokens, methods=["POST"])
     for path, handler in GENERATION_ROUTES.items():
         v1.add_api_route(path.removeprefix("/v1"), handler, methods=["POST"])
+    # Stored responses (openai_api.responses), each visible to the key that made it only.
+    v1.add_api_route("/responses/{response_id}", retrieve_response, methods=["GET"])
+    v1.add_api_route("/responses/{response_id}", delete_response, methods=["DELETE"])
+    v1.add_api_route("/responses/{response_id}/input_items", list_input_items, methods=["GET"])
     # vLLM's paths, on the /v1 router like every /v1 route, and the admin key's besides: what the
     # cluster serves is the operator's choice.
     for path, handler in (("/load_lora_adapter", load_lora_adapter),

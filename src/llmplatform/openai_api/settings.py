@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from llmplatform.openai_api.response_store import database_path
 from llmplatform.utils.worker_addresses import parse_networks
 
 # What the worker itself accepts at most (llmplatform.sampling.params): a cap above it would only
@@ -160,6 +161,14 @@ class GatewaySettings:
     dialled (`utils.worker_addresses`): the controller checked it at registration, but a name's
     answers can change since."""
 
+    responses_store: str | None = None
+    """Where stored Responses (``store: true``) live: a SQLite file path or ``sqlite:///PATH``;
+    None: ``<cache folder>/responses/responses.sqlite3`` (openai_api.response_store)."""
+    responses_max_age: float | None = 30 * 24 * 3600.0
+    """Seconds a stored response is kept (OpenAI's 30 days); None: no age limit."""
+    responses_max_count: int | None = 100_000
+    """Stored responses kept at most (the oldest go first); None: no count limit."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "routing", RoutingMode(self.routing))
         object.__setattr__(self, "controller_address", self.controller_address.strip().rstrip("/"))
@@ -192,6 +201,14 @@ class GatewaySettings:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value}")
+
+        if self.responses_store is not None:
+            database_path(self.responses_store)  # an unsupported URL is refused at startup
+        if self.responses_max_age is not None and not self.responses_max_age > 0:
+            raise ValueError(f"responses_max_age must be > 0 seconds, got {self.responses_max_age}")
+        if self.responses_max_count is not None and (
+                isinstance(self.responses_max_count, bool) or self.responses_max_count < 1):
+            raise ValueError(f"responses_max_count must be >= 1, got {self.responses_max_count!r}")
 
     @property
     def isolates_prefix_caches(self) -> bool:
