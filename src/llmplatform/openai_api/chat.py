@@ -91,7 +91,7 @@ class _Prepared(NamedTuple):
     prompt_tokens: int
     """Counted by the gateway for a stock worker (0: the worker reports it)."""
     constraint: WorkerConstraint
-    reasoning: ReasoningMode | None
+    reasoning: ReasoningMode | None = None
     """The model's thoughts syntax (its worker's --reasoning-parser); None: all answer."""
 
 
