@@ -47,7 +47,7 @@ def test_split_at_every_position_matches_the_whole(text: str, cut: bool) -> None
 
 
 def test_the_rules() -> None:
-    assert split_reasoning("<think>\nhm\n</think>\n\nIt is 4.") == ("\nhm\n", "\n\nIt is 4.")
+    assert split_reasoning("<think>\nhm\n</think>\n\nIt is 4.") == ("\nhm\n", "It is 4.")
     # No start tag (deepseek_r1's template opens the block): thoughts until </think>.
     assert split_reasoning("hm</think>4") == ("hm", "4")
     # No end tag: all thoughts (the model never got to answer).

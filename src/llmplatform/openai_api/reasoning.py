@@ -10,7 +10,8 @@ the text was split: text that might be the start of a tag is held back until it 
 The rules (vLLM's): an optional ``<think>`` at the start of the output is dropped (a template
 may open the block itself, so the output may start inside the thoughts without it); everything
 up to ``</think>`` is reasoning, everything after it answer; an output without ``</think>`` is
-all reasoning. ``qwen3`` with ``chat_template_kwargs.enable_thinking`` false (the template wrote
+all reasoning. The whitespace between the thoughts and the answer is dropped (models write a
+blank line there; a constrained answer is then exactly what its grammar allows). ``qwen3`` with ``chat_template_kwargs.enable_thinking`` false (the template wrote
 an empty block into the prompt) is all answer. An output cut by ``max_tokens`` in the middle of
 a tag drops the partial tag: it is neither thoughts nor answer.
 
@@ -42,7 +43,7 @@ class ReasoningSplitter:
     @property
     def in_answer(self) -> bool:
         """The thoughts have ended (what follows is answer)."""
-        return self._state == "answer"
+        return self._state in ("answer_start", "answer")
 
     def feed(self, text: str) -> ReasoningDelta:
         return self._run(self._held + text, final=False, cut=False)
@@ -76,7 +77,11 @@ class ReasoningSplitter:
                     keep = 0  # the output ended on it: it was text after all
                 return ReasoningDelta(text[:len(text) - keep], "")
             reasoning, text = text[:end], text[end + len(THINK_END):]
-            self._state = "answer"
+            self._state = "answer_start"
+        if self._state == "answer_start":
+            text = text.lstrip()
+            if text:
+                self._state = "answer"
         return ReasoningDelta(reasoning, text)
 
 

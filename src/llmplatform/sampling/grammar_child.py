@@ -86,8 +86,10 @@ def _compile(state: _State, conn: Any, kind: str, source: str, strict: bool,
             thoughts = xgr.Grammar.from_structural_tag(json.dumps({
                 "type": "structural_tag", "format": {
                     "type": "tag", "begin": "", "content": {"type": "any_text"}, "end": after}}))
+            # Models write a blank line or so before the answer (the gateway drops it).
+            blank = xgr.Grammar.from_ebnf(f"root ::= [ \\t\\n\\r]{{0,{max_whitespace or 16}}}")
             answer = _grammar(kind, source, strict, max_whitespace)
-            grammar = compiler.compile_grammar(xgr.Grammar.concat(thoughts, answer))
+            grammar = compiler.compile_grammar(xgr.Grammar.concat(thoughts, blank, answer))
         elif kind == "json_schema":
             grammar = compiler.compile_json_schema(source, strict_mode=strict, any_whitespace=True,
                                                    max_whitespace_cnt=max_whitespace)
