@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from tests.integration.cluster import Cluster, running_cluster
 MODEL = "thinker"
 MESSAGES = [{"role": "user", "content": "What is two plus two?"}]
 SAMPLING = dict(temperature=1.0, seed=7, max_tokens=40)
+SEEDS = range(4)
 ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -142,12 +144,14 @@ def test_enable_thinking_false_reaches_the_template(client: openai.OpenAI, token
 
 def test_json_schema_applies_to_the_answer_after_thoughts(client: openai.OpenAI,
                                                            tokenizer: Any) -> None:
-    thoughts = []
-    for seed in range(4):
-        reply = client.chat.completions.create(
+    def one(seed: int) -> Any:
+        return client.chat.completions.create(
             model=MODEL, messages=MESSAGES, logit_bias=_end_bias(tokenizer), temperature=1.0,
             seed=seed, max_tokens=120, response_format={
                 "type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}})
+
+    thoughts = []
+    for reply in _concurrently(one, SEEDS):  # one batch on the engine
         choice = reply.choices[0]
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), ANSWER)
@@ -157,19 +161,27 @@ def test_json_schema_applies_to_the_answer_after_thoughts(client: openai.OpenAI,
 
 
 def test_a_forced_tool_call_after_thoughts(client: openai.OpenAI, tokenizer: Any) -> None:
-    thoughts = []
-    for seed in range(4):
-        reply = client.chat.completions.create(
+    def one(seed: int) -> Any:
+        return client.chat.completions.create(
             model=MODEL, messages=MESSAGES, logit_bias=_end_bias(tokenizer), temperature=1.0,
             seed=seed, max_tokens=120, tools=[WEATHER], tool_choice="required")
+
+    thoughts = []
+    for reply in _concurrently(one, SEEDS):
         choice = reply.choices[0]
         assert choice.finish_reason == "tool_calls"
         thoughts.append(choice.message.model_extra.get("reasoning_content"))
-        [call] = choice.message.tool_calls
-        assert call.function.name == "get_weather"
-        jsonschema.validate(json.loads(call.function.arguments),
-                            WEATHER["function"]["parameters"])
+        assert choice.message.tool_calls  # one or more ("required" allows parallel calls)
+        for call in choice.message.tool_calls:
+            assert call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments),
+                                WEATHER["function"]["parameters"])
     assert any(thoughts), thoughts
+
+
+def _concurrently(fn: Any, args: range) -> list[Any]:
+    with ThreadPoolExecutor(len(args)) as pool:
+        return list(pool.map(fn, args))
 
 
 @pytest.mark.parametrize("stream", [False, True])
