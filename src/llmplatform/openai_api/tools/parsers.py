@@ -308,13 +308,15 @@ class HermesToolParser(ToolParser):
                 keep = _held_prefix(self._buf, self.OPEN) if not final or self._cut else 0
                 self._content(self._buf[:len(self._buf) - keep])
                 self._buf = "" if final else self._buf[len(self._buf) - keep:]
+                if final and keep:
+                    self._held_ws = ""  # before the cut call: not content
                 return
             if self._state == "opening":
                 match = self._OPENING.match(self._buf, partial=True)
                 if match is not None and match.partial and not final:
                     return
                 if match is not None and match.partial and self._cut:
-                    self._buf = ""  # a call cut before its name was complete
+                    self._buf = self._held_ws = ""  # a call cut before its name was complete
                     return
                 if match is not None and not match.partial and self._try_start_call(match):
                     self._state = "arguments"
@@ -379,7 +381,7 @@ class Llama3JsonToolParser(ToolParser):
                 if match is not None and match.partial and not final:
                     return
                 if match is not None and match.partial and self._cut:
-                    self._buf = ""  # a call cut before its name was complete
+                    self._buf = self._held_ws = ""  # a call cut before its name was complete
                     return
                 if match is not None and not match.partial and self._try_start_call(match):
                     self._skipped = ""
