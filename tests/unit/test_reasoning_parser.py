@@ -110,3 +110,22 @@ def test_llama3_json_cut_inside_the_opening() -> None:
     assert parser.feed('<|python_tag|>{"na') + parser.finish(cut=True) == []
     parser = Llama3JsonToolParser(new_call_id=lambda: "call_1")
     assert parser.feed("<|python") + parser.finish(cut=True) == []
+
+
+def test_the_worker_flag_and_params() -> None:
+    from pydantic import ValidationError
+
+    from llmplatform.model_worker.settings import WorkerServiceSettings
+    from llmplatform.protocol.worker import WorkerParams
+
+    assert WorkerServiceSettings.parse([]).backend_config.reasoning_parser is None
+    settings = WorkerServiceSettings.parse(["--reasoning-parser", "deepseek_r1"])
+    assert settings.backend_config.reasoning_parser == "deepseek_r1"
+    with pytest.raises((SystemExit, ValueError)):
+        WorkerServiceSettings.parse(["--reasoning-parser", "gpt_oss"])
+    messages = [{"role": "user", "content": "x"}]
+    params = WorkerParams(messages=messages, chat_template_kwargs={"enable_thinking": False})
+    assert params.chat_template_kwargs == {"enable_thinking": False}
+    for reserved in ("chat_template", "tokenize", "tools", "add_generation_prompt"):
+        with pytest.raises(ValidationError, match=reserved):
+            WorkerParams(messages=messages, chat_template_kwargs={reserved: True})
