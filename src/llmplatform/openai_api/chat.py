@@ -129,9 +129,8 @@ class _ChatStream:
             text, thoughts = chunk.text, None
             splitter = self._new_splitter()
             if splitter is not None:
-                first, last = splitter.feed(text), splitter.finish(cut=cut)
-                thoughts = (first.reasoning + last.reasoning) or None
-                text = first.content + last.content
+                thoughts, text = splitter.step(text, final=True, cut=cut)
+                thoughts = thoughts or None
             message = ChatResponseMessage(content=text, reasoning_content=thoughts)
             parser = self._new_parser()
             if parser is not None:
@@ -194,12 +193,8 @@ class _ChatStream:
                         if self.want_logprobs and delta.has_tokens else None)
             cut = final and chunk.finish_reason == "length"
             text, splitter = delta.text, splitters[index]
-            if splitter is not None:
-                split = splitter.feed(text)
-                if final:
-                    last = splitter.finish(cut=cut)
-                    split = split._replace(reasoning=split.reasoning + last.reasoning,
-                                           content=split.content + last.content)
+            if splitter is not None:  # thoughts first, then the answer goes on as before
+                split = splitter.step(text, final=final, cut=cut)
                 if split.reasoning:
                     yield self._event(ChatCompletionStreamChoice(
                         index=index, delta=ChatDelta(reasoning_content=split.reasoning),

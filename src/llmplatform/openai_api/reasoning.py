@@ -52,6 +52,14 @@ class ReasoningSplitter:
         """The output ended; ``cut``: by ``max_tokens`` (a partial tag left is dropped)."""
         return self._run(self._held, final=True, cut=cut)
 
+    def step(self, text: str, *, final: bool, cut: bool = False) -> ReasoningDelta:
+        """One delta of the output, and when it is the last, the end of it (:meth:`finish`)."""
+        split = self.feed(text)
+        if not final:
+            return split
+        last = self.finish(cut=cut)
+        return ReasoningDelta(split.reasoning + last.reasoning, split.content + last.content)
+
     def _run(self, text: str, *, final: bool, cut: bool) -> ReasoningDelta:
         self._held = ""
         reasoning = ""
@@ -124,7 +132,5 @@ def split_reasoning(text: str, *, thinking: bool = True, cut: bool = False
                     ) -> tuple[str | None, str]:
     """A whole output as (reasoning, answer); reasoning None when there was none. For other
     dialects that read a worker's text themselves; the chat path streams the same splitter."""
-    splitter = ReasoningSplitter(thinking=thinking)
-    first, last = splitter.feed(text), splitter.finish(cut=cut)
-    reasoning = first.reasoning + last.reasoning
-    return reasoning or None, first.content + last.content
+    split = ReasoningSplitter(thinking=thinking).step(text, final=True, cut=cut)
+    return split.reasoning or None, split.content
