@@ -111,7 +111,7 @@ def test_status_count_token_details_conv_template(worker_url, tiny_llm):
     # Built directly, without build_backend's template choice: no tools announced.
     assert details == {"context_length": 512, "tasks": ["generate"],
                        "params": ["messages", "openai_max_tokens", "logit_bias", "structured_output",
-                                  "stream_deltas", "cache_salt"]}
+                                  "stream_deltas", "cache_salt", "chat_template_kwargs"]}
     conv = httpx.post(f"{worker_url}/worker_get_conv_template", json={"model": "tiny"},
                       timeout=10).json()["conv"]
     assert conv["sep_style"] == 9 and conv["sep"] == "<|im_end|>"

@@ -37,6 +37,9 @@ class Reply:
     argument_piece_chars: int = 3
     unsupported: tuple[str, ...] = ()
     """Request fields this model's worker cannot honour: a request with any of them gets a 400."""
+    reasoning: str = ""
+    """A reasoning model's thoughts, streamed before `text` as our gateway streams them
+    (``reasoning_content`` and ``reasoning`` deltas)."""
 
     @property
     def finish_reason(self) -> str:
@@ -90,6 +93,8 @@ def _call_id(index: int) -> str:
 
 def _completion(model: str, reply: Reply) -> JSONResponse:
     message: dict[str, Any] = {"role": "assistant", "content": reply.text or None}
+    if reply.reasoning:
+        message["reasoning_content"] = message["reasoning"] = reply.reasoning
     if reply.tool_calls:
         message["tool_calls"] = [
             {"id": _call_id(i), "type": "function",
@@ -103,6 +108,10 @@ def _completion(model: str, reply: Reply) -> JSONResponse:
 
 
 def _deltas(reply: Reply) -> Iterator[dict[str, Any]]:
+    step = max(1, -(-len(reply.reasoning) // reply.num_chunks))
+    for i in range(0, len(reply.reasoning), step):
+        piece = reply.reasoning[i:i + step]
+        yield {"reasoning_content": piece, "reasoning": piece}
     step = max(1, -(-len(reply.text) // reply.num_chunks))
     for i in range(0, len(reply.text), step):
         yield {"content": reply.text[i:i + step]}

@@ -164,6 +164,9 @@ class LLMBackend(abc.ABC):
     # template, and no tool calling.
     chat_template: str | None = None
     tool_call_parser: str | None = None
+    # The syntax of a reasoning model's thoughts (protocol.reasoning.REASONING_PARSERS; the
+    # worker's --reasoning-parser); None: its output is all answer.
+    reasoning_parser: str | None = None
     # Whether one request may ask for ``n`` > 1 outputs (computed from one prefill); a backend
     # without it refuses them, and a gateway sends such a worker one request per output.
     parallel_sampling: bool = False

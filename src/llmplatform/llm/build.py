@@ -70,6 +70,8 @@ class BackendConfig:
     # tool-call syntax; None: decided from the model's own template.
     chat_template: str | None = None
     tool_call_parser: str | None = None
+    # A reasoning model's thoughts syntax (protocol.reasoning), announced to the gateway.
+    reasoning_parser: str | None = None
     # Embedding models (encoder backend): cross-request batching (llm.embed_batcher).
     embed_max_batch_tokens: int | None = None  # None: by device (encoder_batch_tokens)
     embed_batch_wait_ms: float = 2.0
@@ -130,6 +132,7 @@ def build_backend(config: BackendConfig, *,
     llm.grammar_config = grammar_config
     configure_tool_support(llm, chat_template=template, template_source=config.chat_template,
                            tool_call_parser=config.tool_call_parser)
+    llm.reasoning_parser = config.reasoning_parser
     return llm
 
 

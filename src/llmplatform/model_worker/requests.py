@@ -34,7 +34,7 @@ from llmplatform.utils.logs import REQUEST_ID
 logger = logging.getLogger("llmplatform.worker")
 
 WORKER_PARAM_EXTENSIONS = ("messages", "openai_max_tokens", "logit_bias", "structured_output",
-                           "stream_deltas", "cache_salt")
+                           "stream_deltas", "cache_salt", "chat_template_kwargs")
 """The params-dict additions this worker understands beyond FastChat's (``/model_details``).
 ``n`` is listed by a worker whose backend samples several outputs of one prompt.
 ``stream_deltas`` (delta frames, :mod:`.framing`) needs no announcing: each frame says what it
@@ -57,6 +57,8 @@ def model_details_of(llm: LLMBackend) -> dict[str, Any]:
     if llm.tool_call_parser is not None:
         params.append("tools")
         details["tool_call_parser"] = llm.tool_call_parser
+    if llm.reasoning_parser is not None:
+        details["reasoning_parser"] = llm.reasoning_parser
     return details
 
 
@@ -81,10 +83,11 @@ async def render_prompt(llm: LLMBackend, params: WorkerParams) -> tuple[str, lis
     def render() -> tuple[str, list[int]]:
         if params.prompt is not None:
             text = params.prompt
-        elif params.tools:
-            text = llm.apply_chat_template_sync(params.messages or [], tools=params.tools)
         else:
-            text = llm.apply_chat_template_sync(params.messages or [])
+            extra = dict(params.chat_template_kwargs or {})
+            if params.tools:
+                extra["tools"] = params.tools
+            text = llm.apply_chat_template_sync(params.messages or [], **extra)
         return text, llm.encode_sync(text)
 
     if params.tools is not None:

@@ -24,6 +24,7 @@ from llmplatform.llm.build import (
     TASKS,
     BackendConfig,
 )
+from llmplatform.protocol.reasoning import REASONING_PARSERS
 from llmplatform.protocol.tool_calls import TOOL_CALL_SYNTAXES
 from llmplatform.utils.cluster_secret import SECRET_HEADER
 from llmplatform.utils.request_guard import RequestGuardConfig
@@ -39,6 +40,7 @@ ComputeDtype = Literal[COMPUTE_DTYPES]  # type: ignore[valid-type]
 DecodePath = Literal[DECODE_PATHS]  # type: ignore[valid-type]
 Quantization = Literal[QUANTIZATIONS]  # type: ignore[valid-type]
 ToolCallSyntax = Literal[TOOL_CALL_SYNTAXES]  # type: ignore[valid-type]
+ReasoningParser = Literal[REASONING_PARSERS]  # type: ignore[valid-type]
 _DEFAULT = BackendConfig()
 _ENGINE = "native engine (--backend paged)"
 _EMBED = "embedding models (--task embed; --backend encoder or paged)"
@@ -103,6 +105,12 @@ class WorkerServiceSettings(ServerSettings):
         _DEFAULT.tool_call_parser, "the syntax the model writes tool calls in (read from its "
         "output; forced for tool_choice required/named). Default: read from the chat template "
         "(<tool_call>: hermes); without one the model serves no tools")
+    reasoning_parser: ReasoningParser | None = option(
+        _DEFAULT.reasoning_parser, "the model thinks in <think>...</think> before answering: "
+        "the gateway returns the thoughts as reasoning_content, apart from the answer, and "
+        "applies structured outputs and tool calls to the answer only (deepseek_r1: the output "
+        "may start inside the thoughts; qwen3: likewise, and enable_thinking false in "
+        "chat_template_kwargs means no thoughts). Default: none (the output is all answer)")
     compute_dtype: ComputeDtype = option(
         _DEFAULT.compute_dtype, "dtype of the matrix products. auto: the model dtype, except "
         "bf16/fp16 on a CPU without bf16/fp16 matrix instructions (no AMX or AVX512-BF16), where "

@@ -21,6 +21,7 @@ from llmplatform.openai_api.fastchat_peer import for_peer
 from llmplatform.openai_api.generation import (
     OPENAI_FRAMING, Framing, Reply, answer, route_request, tenants, worker_client,
 )
+from llmplatform.openai_api.reasoning import ReasoningMode, ReasoningSplitter, reasoning_mode
 from llmplatform.openai_api.worker_routing import chat_routing_text
 from llmplatform.openai_api.sse import sse_event
 from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_choices
@@ -84,7 +85,9 @@ async def serve_chat(request: Request, body: ChatCompletionRequest,
         details.check_generates(body.model)
         check_worker_extensions(body, details.extensions)
         cache_salt = tenants(request).for_worker(salt, details.extensions, body.model, address)
-        constraint = constraints.for_worker(body.model, details.extensions, details.tool_call_parser)
+        reasoning = reasoning_mode(details.reasoning_parser, body.chat_template_kwargs)
+        constraint = constraints.for_worker(body.model, details.extensions, details.tool_call_parser,
+                                            thinking=reasoning is not None and reasoning.thinking)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         budget = OpenAIMaxTokens(requested=requested, default=None, param="messages")
         params = choice_params(body.n or 1, details.extensions, lambda i: params_dict(worker_params(
@@ -92,7 +95,7 @@ async def serve_chat(request: Request, body: ChatCompletionRequest,
             constraint=constraint, cache_salt=cache_salt, tenant=tenant)))
         params, prompt_tokens = await for_peer(client, address, body.model, params)
         streams = await start_choices(client, address, params, prompt_param="messages", early=bool(body.stream))
-        return ChatPrepared(prompt_tokens, constraint), streams
+        return ChatPrepared(prompt_tokens, constraint, reasoning), streams
 
     # body.tools is the client's JSON as sent (checked later, in start_on): routing only hashes it.
     route = route_request(request, chat_routing_text(messages, body.tools), body.user, salt)
@@ -104,6 +107,8 @@ class ChatPrepared(NamedTuple):
     prompt_tokens: int
     """Counted by the gateway for a stock worker (0: the worker reports it)."""
     constraint: WorkerConstraint
+    reasoning: ReasoningMode | None = None
+    """The model's thoughts syntax (its worker's --reasoning-parser); None: all answer."""
 
 
 class _ChatStream:
@@ -128,22 +133,33 @@ class _ChatStream:
     def _new_parser(self) -> ToolParser | None:
         return self._prepared().constraint.new_parser()
 
+    def _new_splitter(self) -> ReasoningSplitter | None:
+        reasoning = self._prepared().reasoning
+        return reasoning.new_splitter() if reasoning is not None else None
+
     def response(self, final_chunks: list[WorkerChunk]) -> ChatCompletionResponse:
         choices = []
         for index, chunk in enumerate(final_chunks):
-            message = ChatResponseMessage(content=chunk.text)
             reason = finish_reason(chunk.finish_reason)
+            cut = reason == "length"
+            text, thoughts = chunk.text, None
+            splitter = self._new_splitter()
+            if splitter is not None:
+                thoughts, text = splitter.step(text, final=True, cut=cut)
+                thoughts = thoughts or None
+            message = ChatResponseMessage(content=text, reasoning_content=thoughts)
             parser = self._new_parser()
             if parser is not None:
-                parsed = accumulate(parser.feed(chunk.text) + parser.finish())
+                parsed = accumulate(parser.feed(text) + parser.finish(cut=cut))
                 if parsed.tool_calls:
                     message = ChatResponseMessage(
-                        content=parsed.content or None,
+                        content=parsed.content or None, reasoning_content=thoughts,
                         tool_calls=[ResponseToolCall.model_validate(call.to_openai())
                                     for call in parsed.tool_calls])
                     reason = _with_calls(reason)
                 else:
-                    message = ChatResponseMessage(content=parsed.content)
+                    message = ChatResponseMessage(content=parsed.content,
+                                                  reasoning_content=thoughts)
             choices.append(ChatCompletionChoice(
                 index=index,
                 message=message,
@@ -175,6 +191,7 @@ class _ChatStream:
         n = streams.num_choices
         trackers = [DeltaTracker() for _ in range(n)]
         parsers = [self._new_parser() for _ in range(n)]
+        splitters = [self._new_splitter() for _ in range(n)]
         started = [False] * n
         final_chunks: list[WorkerChunk | None] = [None] * n
         async for index, chunk in streams.events():
@@ -190,12 +207,22 @@ class _ChatStream:
             parser = parsers[index]
             logprobs = (chat_logprobs(delta.logprobs, self.num_top_logprobs)
                         if self.want_logprobs and delta.has_tokens else None)
+            cut = final and chunk.finish_reason == "length"
+            text, splitter = delta.text, splitters[index]
+            if splitter is not None:  # thoughts first, then the answer goes on as before
+                split = splitter.step(text, final=final, cut=cut)
+                if split.reasoning:
+                    yield self._event(ChatCompletionStreamChoice(
+                        index=index, delta=ChatDelta(reasoning_content=split.reasoning),
+                        logprobs=None if split.content else logprobs))
+                    logprobs = logprobs if split.content else None
+                text = split.content
             if parser is not None:
-                for event in self._parsed_events(index, parser, delta.text, logprobs, final):
+                for event in self._parsed_events(index, parser, text, logprobs, final, cut):
                     yield event
-            elif delta.text or delta.has_tokens:
+            elif text or logprobs is not None:
                 yield self._event(
-                    ChatCompletionStreamChoice(index=index, delta=ChatDelta(content=delta.text), logprobs=logprobs)
+                    ChatCompletionStreamChoice(index=index, delta=ChatDelta(content=text), logprobs=logprobs)
                 )
             if final:
                 final_chunks[index] = chunk
@@ -209,13 +236,13 @@ class _ChatStream:
             yield self._event(None, usage=self.usage(final_chunks))
 
     def _parsed_events(self, index: int, parser: ToolParser, text: str, logprobs: Any,
-                       final: bool) -> list[bytes]:
+                       final: bool, cut: bool) -> list[bytes]:
         """A choice's text delta through its tool-call parser: the content it lets through in
         one chunk (with the delta's logprobs), then one chunk per tool-call fragment, as OpenAI
         streams them."""
         parsed = parser.feed(text) if text else []
         if final:
-            parsed += parser.finish()
+            parsed += parser.finish(cut=cut)
         content = "".join(e.text for e in parsed if isinstance(e, ContentDelta))
         events = []
         if content or logprobs is not None:

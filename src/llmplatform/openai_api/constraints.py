@@ -29,6 +29,7 @@ from llmplatform.openai_api.tools.calls import (
     tool_call_spec,
 )
 from llmplatform.openai_api.tools.parsers import ToolParser
+from llmplatform.protocol.reasoning import THINK_END
 from llmplatform.sampling.structured_output import StructuredOutputSpec
 
 
@@ -82,12 +83,14 @@ class RequestConstraints:
                     f"support {what} (it announced no '{extension}' in /model_details, or its "
                     "model has no tool-capable chat template).", param=param)
 
-    def for_worker(self, model: str, announced: frozenset[str], tool_call_parser: str | None
-                   ) -> WorkerConstraint:
-        """Raises InvalidRequestError naming the field when the worker cannot honour it."""
+    def for_worker(self, model: str, announced: frozenset[str], tool_call_parser: str | None,
+                   *, thinking: bool = False) -> WorkerConstraint:
+        """Raises InvalidRequestError naming the field when the worker cannot honour it.
+        ``thinking``: a reasoning model thinks first; the grammar leaves its thoughts free and
+        constrains what follows ``</think>`` (the answer)."""
         self.check_worker(model, announced)
         if not self.uses_tools:
-            wire = self.spec.to_wire() if self.spec is not None else None
+            wire = _wire(self.spec, thinking)
             return WorkerConstraint(wire, None, None)
         if tool_call_parser is None:
             raise InvalidRequestError(
@@ -101,9 +104,15 @@ class RequestConstraints:
                 f"syntax ({tool_call_parser[:40]!r}).", param="tools") from None
         spec = tool_call_spec(self.tools, self.choice, parallel_tool_calls=self.parallel_tool_calls,
                               tool_format=fmt) if self.choice.constrains else self.spec
-        return WorkerConstraint(spec.to_wire() if spec is not None else None,
+        return WorkerConstraint(_wire(spec, thinking),
                                 [tool.to_openai() for tool in self.tools], fmt,
                                 tuple(tool.name for tool in self.tools))
+
+
+def _wire(spec: StructuredOutputSpec | None, thinking: bool) -> dict[str, Any] | None:
+    if spec is None:
+        return None
+    return (spec.after_thoughts(THINK_END) if thinking else spec).to_wire()
 
 
 def request_constraints(body: ChatCompletionRequest | CompletionRequest) -> RequestConstraints:

@@ -20,7 +20,7 @@ from llmplatform.errors import InvalidRequestError
 from llmplatform.openai_api.constraints import WorkerConstraint
 from llmplatform.openai_api.settings import RequestLimits
 from llmplatform.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
-from llmplatform.protocol.worker import OpenAIMaxTokens, WorkerParams
+from llmplatform.protocol.worker import RESERVED_TEMPLATE_KWARGS, OpenAIMaxTokens, WorkerParams
 from llmplatform.sampling.params import MAX_LOGIT_BIAS_ENTRIES, MAX_SEED
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -141,6 +141,8 @@ def required_extensions(request: ChatCompletionRequest | CompletionRequest) -> f
         names.add("logit_bias")
     if request.cache_salt is not None:
         names.add("cache_salt")
+    if getattr(request, "chat_template_kwargs", None):
+        names.add("chat_template_kwargs")
     return frozenset(names)
 
 
@@ -156,13 +158,20 @@ def check_worker_extensions(request: ChatCompletionRequest | CompletionRequest,
 
 
 def check_chat_request(request: ChatCompletionRequest) -> None:
-    for name in ("chat_template", "chat_template_kwargs"):
-        if getattr(request, name) is not None:
+    if request.chat_template is not None:
+        raise InvalidRequestError(
+            "Invalid value for 'chat_template': a request may not supply a chat template; "
+            "prompts are rendered with the model's own template.", param="chat_template")
+    kwargs = request.chat_template_kwargs
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise InvalidRequestError("Invalid value for 'chat_template_kwargs': it must be an "
+                                      "object of template variables.", param="chat_template_kwargs")
+        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
             raise InvalidRequestError(
-                f"Invalid value for '{name}': a request may not supply or configure a chat "
-                "template; prompts are rendered with the model's own template.",
-                param=name,
-            )
+                f"Invalid value for 'chat_template_kwargs': {reserved[0]!r} is not a template "
+                "variable a request may set.", param="chat_template_kwargs")
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequestError(
             "Invalid value for 'top_logprobs': 'logprobs' must be set to true when "
@@ -295,6 +304,7 @@ def worker_params(
         tools=constraint.tools if constraint is not None else None,
         cache_salt=cache_salt,
         tenant=tenant,
+        chat_template_kwargs=getattr(request, "chat_template_kwargs", None) or None,
         **_returned_extras(request),
     )
 

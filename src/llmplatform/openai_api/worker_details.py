@@ -31,6 +31,8 @@ class ModelDetails:
     `openai_max_tokens`, ...); a stock FastChat worker lists none."""
     tool_call_parser: str | None
     """The syntax the model writes tool calls in; None: it serves no tools."""
+    reasoning_parser: str | None
+    """The syntax of the model's thoughts (protocol.reasoning); None: its output is all answer."""
     raw: Mapping[str, Any]
     """The answer as sent (ours adds `tasks`, `embedding`)."""
 
@@ -44,6 +46,8 @@ class ModelDetails:
             extensions=frozenset(e for e in extensions if isinstance(e, str))
             if isinstance(extensions, list) else frozenset(),
             tool_call_parser=parser if isinstance(parser, str) else None,
+            reasoning_parser=(data["reasoning_parser"]
+                              if isinstance(data.get("reasoning_parser"), str) else None),
             raw=data,
         )
 

@@ -207,13 +207,16 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ResponseToolCall] | None = None
+    reasoning_content: str | None = None
+    """A reasoning model's thoughts (the worker's --reasoning-parser), apart from ``content``;
+    also sent as ``reasoning``, the name newer vLLM uses. Absent when there were none."""
 
     @model_serializer(mode="wrap")
     def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
         if data.get("tool_calls") is None:
             data.pop("tool_calls", None)
-        return data
+        return _with_reasoning(data)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -241,9 +244,22 @@ class ChatDelta(BaseModel):
     """OpenAI's fragments: ``index``, then ``id``, ``type`` and ``function.name`` once per call,
     ``function.arguments`` in pieces (``ToolCallDelta.to_openai``)."""
 
+    reasoning_content: str | None = None
+    """A piece of a reasoning model's thoughts (also sent as ``reasoning``, as newer vLLM)."""
+
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {key: value for key, value in handler(self).items() if value is not None}
+        return _with_reasoning({key: value for key, value in handler(self).items()
+                                if value is not None})
+
+
+def _with_reasoning(data: dict[str, Any]) -> dict[str, Any]:
+    """``reasoning_content`` under both names when present (vLLM's old and new), else neither."""
+    if data.get("reasoning_content") is None:
+        data.pop("reasoning_content", None)
+    else:
+        data["reasoning"] = data["reasoning_content"]
+    return data
 
 
 class ChatCompletionStreamChoice(BaseModel):

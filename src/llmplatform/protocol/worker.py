@@ -41,6 +41,14 @@ token). Our workers send it on every stream; stock workers never do: their refus
 first chunk."""
 
 
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+    "add_generation_prompt", "continue_final_message", "return_tensors", "return_dict",
+    "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+"""Names of ``apply_chat_template``'s own parameters: ``chat_template_kwargs`` holds template
+variables only (a client choosing the template, or tokenizing, is not a variable)."""
+
+
 class OpenAIMaxTokens(BaseModel):
     """Our addition: size the completion by OpenAI's rules once the worker has counted the prompt
     (so the gateway needs no /count_token or /worker_apply_chat_template round trip first).
@@ -106,6 +114,9 @@ class WorkerParams(BaseModel):
     """OpenAI function tools, for the chat template to show the model (with ``messages`` only);
     sent only to a worker that lists it. Whether a call is forced travels in
     ``structured_output``."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's field: extra variables for the chat template (``enable_thinking``...), with
+    ``messages`` only; names the template call itself takes are refused."""
     tenant: str | None = Field(default=None, max_length=64)
     """Who the request is for (the gateway's id of the caller's API key, never the key): a
     worker shares what one tenant could monopolise (the grammar compile slots) fairly among
@@ -124,6 +135,14 @@ class WorkerParams(BaseModel):
     logprob entries that are new since the previous one (``WorkerChunk.delta`` set), so a long
     stream costs both ends the same per token throughout. A stock worker ignores it and keeps
     sending cumulative chunks, which the gateway tells apart by the missing ``delta``."""
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(set(value or ()) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}")
+        return value
 
     @field_validator("request_id")
     @classmethod

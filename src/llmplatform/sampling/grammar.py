@@ -344,7 +344,7 @@ class GrammarCompiler:
                   else spec.source)
         _, serialized, memory_size_bytes, _probe_s = self._processes.compile(
             ("compile", kind.value, source, spec.strict, config.max_whitespace_chars,
-             config.probe_tokens, config.token_budget_s, config.max_grammar_bytes),
+             config.probe_tokens, config.token_budget_s, config.max_grammar_bytes, spec.after),
             compile_timeout_s=config.compile_timeout_s, token_budget_s=config.token_budget_s)
         return CompiledGrammar(spec, serialized, memory_size_bytes, self.vocab_size,
                                self.tokenizer_info, self.tokenizer_info_json,

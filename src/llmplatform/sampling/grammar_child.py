@@ -9,7 +9,8 @@ when the call passes its deadline: the CPU it was burning is given back at once.
 The protocol is one request message, then replies on the same pipe (all plain tuples):
 
 - ``("setup", tokenizer_info_json)`` -> ``("ok",)``
-- ``("compile", kind, source, strict, max_whitespace, probe_tokens, budget_s, max_bytes)``
+- ``("compile", kind, source, strict, max_whitespace, probe_tokens, budget_s, max_bytes,
+  after)`` (``after``: a reasoning model's end-of-thoughts tag the constraint starts after, or "")
   -> ``("probe", position)`` before each mask the probe computes (the parent times each one
   and kills the process at the budget), then ``("compiled", grammar_json, memory_size_bytes,
   probe_s)`` | ``("refused", message)``
@@ -22,6 +23,7 @@ The protocol is one request message, then replies on the same pipe (all plain tu
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -72,13 +74,23 @@ def serve(conn: Any) -> None:
 
 def _compile(state: _State, conn: Any, kind: str, source: str, strict: bool,
              max_whitespace: int | None, probe_tokens: int, budget_s: float,
-             max_bytes: int) -> tuple:
+             max_bytes: int, after: str = "") -> tuple:
     if state.compiler is None:
         # One thread per compile: the parent runs several processes for parallelism.
         state.compiler = xgr.GrammarCompiler(state.info, max_threads=1, cache_enabled=False)
     compiler = state.compiler
     try:
-        if kind == "json_schema":
+        if after:
+            # Free text up to the end of the thoughts, then the constraint: one grammar, so the
+            # answer is constrained exactly as it would be without thoughts before it.
+            thoughts = xgr.Grammar.from_structural_tag(json.dumps({
+                "type": "structural_tag", "format": {
+                    "type": "tag", "begin": "", "content": {"type": "any_text"}, "end": after}}))
+            # Models write a blank line or so before the answer (the gateway drops it).
+            blank = xgr.Grammar.from_ebnf(f"root ::= [ \\t\\n\\r]{{0,{max_whitespace or 16}}}")
+            answer = _grammar(kind, source, strict, max_whitespace)
+            grammar = compiler.compile_grammar(xgr.Grammar.concat(thoughts, blank, answer))
+        elif kind == "json_schema":
             grammar = compiler.compile_json_schema(source, strict_mode=strict, any_whitespace=True,
                                                    max_whitespace_cnt=max_whitespace)
         elif kind == "json_object":
@@ -105,6 +117,19 @@ def _compile(state: _State, conn: Any, kind: str, source: str, strict: bool,
     if refusal is not None:
         return ("refused", refusal)
     return ("compiled", grammar.serialize_json(), size, probe_s)
+
+
+def _grammar(kind: str, source: str, strict: bool, max_whitespace: int | None) -> xgr.Grammar:
+    """The uncompiled grammar of one constraint (as the compile calls above build it)."""
+    if kind in _KINDS_JSON:
+        schema = source if kind == "json_schema" else '{"type":"object"}'
+        return xgr.Grammar.from_json_schema(schema, strict_mode=strict and kind == "json_schema",
+                                            any_whitespace=True, max_whitespace_cnt=max_whitespace)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(source)
+    if kind == "grammar":
+        return xgr.Grammar.from_ebnf(source)
+    return xgr.Grammar.from_structural_tag(source)
 
 
 def _probe(state: _State, conn: Any, grammar: xgr.CompiledGrammar, num_tokens: int,

@@ -16,6 +16,7 @@ compiles is decided by the compiler (:mod:`.grammar`), which raises the same
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 from dataclasses import dataclass, field
@@ -59,6 +60,9 @@ class StructuredOutputSpec:
     source: str
     strict: bool = True  # json_schema: properties the schema does not list are refused
     param: str = field(default="response_format", compare=False)
+    after: str = ""
+    """A reasoning model's end-of-thoughts tag (``</think>``): the output is free text up to and
+    including it, and the constraint applies to what follows (the answer). "": from the start."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, StructuredOutputKind):
@@ -66,6 +70,9 @@ class StructuredOutputSpec:
                                       param=self.param)
         if not isinstance(self.source, str):
             raise InvalidRequestError("structured output source must be a string",
+                                      param=self.param)
+        if not isinstance(self.after, str) or len(self.after) > 64:
+            raise InvalidRequestError("structured output 'after' must be a short string",
                                       param=self.param)
         if len(self.source) > MAX_SOURCE_CHARS:
             raise InvalidRequestError(
@@ -126,8 +133,15 @@ class StructuredOutputSpec:
 
     def to_wire(self) -> dict[str, Any]:
         """The params-dict form (``params["structured_output"]``): plain JSON."""
-        return {"type": self.kind.value, "source": self.source, "strict": self.strict,
+        wire = {"type": self.kind.value, "source": self.source, "strict": self.strict,
                 "param": self.param}
+        if self.after:
+            wire["after"] = self.after
+        return wire
+
+    def after_thoughts(self, end_tag: str) -> StructuredOutputSpec:
+        """This constraint, applied only after a reasoning model's ``end_tag``."""
+        return dataclasses.replace(self, after=end_tag)
 
     @classmethod
     def from_wire(cls, wire: Any) -> StructuredOutputSpec:
@@ -135,6 +149,12 @@ class StructuredOutputSpec:
         name = "structured_output"
         if not isinstance(wire, Mapping):
             raise InvalidRequestError(f"{name} must be an object", param=name)
+        spec = cls._from_wire(wire, name)
+        after = wire.get("after", "")
+        return dataclasses.replace(spec, after=after) if after != "" else spec
+
+    @classmethod
+    def _from_wire(cls, wire: Mapping[str, Any], name: str) -> StructuredOutputSpec:
         param = wire.get("param", name)
         param = param if isinstance(param, str) and param else name
         try:

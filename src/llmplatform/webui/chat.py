@@ -114,7 +114,7 @@ async def stream_answer(
         # Complete: JSON mode's code block, the tool calls' spinners gone, the finish reason.
         yield base + render(reply, json_mode=controls.json_mode)
         return
-    answered = render(reply) if reply.text or reply.tool_calls else []
+    answered = render(reply) if reply.text or reply.tool_calls or reply.reasoning else []
     yield base + answered + [error_message(shown)]
 
 

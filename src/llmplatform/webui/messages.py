@@ -13,6 +13,9 @@ browser, like the error's):
 - `TOOL_CALL_ID`: a tool call's block. Display only too: the UI runs no tools, so no `tool`
   message could ever answer the call, and OpenAI's rules refuse an assistant `tool_calls` message
   left unanswered. The next turn sends the conversation without it.
+- `REASONING_ID`: a reasoning model's thoughts (the gateway's `reasoning_content`), in a box
+  titled "Thinking" above the answer, folded once the answer starts. Display only: the model is
+  not sent its earlier thoughts back (reasoning models' templates drop them anyway).
 - `JSON_ID`: a JSON-mode answer shown in a ```` ```json ```` code block. The model gets its own
   text back, without the fence (`unfence_json`).
 """
@@ -29,6 +32,7 @@ ERROR_ID = "llmplatform-error"
 ERROR_PREFIX = "\u26a0\ufe0f Error: "
 TOOL_CALL_ID = "llmplatform-tool-call"
 JSON_ID = "llmplatform-json"
+REASONING_ID = "llmplatform-reasoning"
 
 _BACKTICK_RUNS = re.compile(r"`+")
 _JSON_FENCE = re.compile(r"(`{3,})json")
@@ -86,6 +90,10 @@ def is_tool_call(message: Message) -> bool:
     return _tag(message) == TOOL_CALL_ID
 
 
+def is_reasoning(message: Message) -> bool:
+    return _tag(message) == REASONING_ID
+
+
 def fenced(body: str, info: str = "") -> str:
     """`body` as a fenced code block whose fence no line of `body` can close: CommonMark closes
     a block only with a fence at least as long as the opening one, so it is one backtick longer
@@ -112,12 +120,12 @@ def to_openai_messages(
     system_prompt: str | None, history: Sequence[Message]
 ) -> list[dict[str, str]]:
     """The conversation as the model should see it: system prompt first; errors, tool-call
-    blocks and answers left empty by an early Stop dropped; JSON answers unfenced."""
+    blocks, thoughts and answers left empty by an early Stop dropped; JSON answers unfenced."""
     messages: list[dict[str, str]] = []
     if system_prompt and system_prompt.strip():
         messages.append({"role": "system", "content": system_prompt.strip()})
     for message in history:
-        if is_error(message) or is_tool_call(message):
+        if is_error(message) or is_tool_call(message) or is_reasoning(message):
             continue
         content = message["content"]
         if _tag(message) == JSON_ID:

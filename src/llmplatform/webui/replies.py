@@ -7,6 +7,9 @@ join exactly as OpenAI's clients join them; `reply_of` reads a whole (non-stream
 same way.
 
 `render` turns a snapshot into chat messages:
+- a reasoning model's thoughts (`reasoning_content`, which the accumulator joins like `content`)
+  first, in a box titled "Thinking" (`messages.REASONING_ID`): open with a spinner while only
+  thoughts have come, folded (status "done") once the answer starts or the reply is complete;
 - the text as written; in JSON mode, once the reply is complete and its text parses as JSON, the
   text inside a ```` ```json ```` code block (`messages.json_answer_message`: the model gets its
   own text back, unfenced);
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmplatform.webui.messages import (
+    REASONING_ID,
     TOOL_CALL_ID,
     Message,
     assistant_message,
@@ -39,6 +43,7 @@ from llmplatform.webui.messages import (
 )
 
 TOOL_CALL_TITLE = "Tool call"
+REASONING_TITLE = "Thinking"
 
 _BACKTICK_RUNS = re.compile(r"`+")
 
@@ -56,6 +61,8 @@ class Reply:
     text: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
     finish_reason: str | None = None
+    reasoning: str = ""
+    """A reasoning model's thoughts, apart from the answer (the gateway's reasoning_content)."""
 
 
 def reply_of(message: Any, finish_reason: str | None = None) -> Reply:
@@ -67,8 +74,11 @@ def reply_of(message: Any, finish_reason: str | None = None) -> Reply:
             continue
         calls.append(ToolCall(name=function.name or "", arguments=function.arguments or "",
                               call_id=getattr(call, "id", None)))
+    extra = getattr(message, "model_extra", None) or {}
+    # vLLM's two names for it; ours sends both, with the same text.
+    reasoning = extra.get("reasoning_content") or extra.get("reasoning") or ""
     return Reply(text=getattr(message, "content", None) or "", tool_calls=tuple(calls),
-                 finish_reason=finish_reason)
+                 finish_reason=finish_reason, reasoning=reasoning if isinstance(reasoning, str) else "")
 
 
 def pretty_arguments(arguments: str) -> tuple[str, bool]:
@@ -105,7 +115,12 @@ def render(reply: Reply, *, json_mode: bool = False, complete: bool = True) -> l
     """The chat messages that show `reply` (never an empty list: an answer with nothing yet is
     an empty message, which Gradio shows as a pending bubble)."""
     shown: list[Message] = []
-    if reply.text or not reply.tool_calls:
+    if reply.reasoning:
+        thinking = not complete and not reply.text and not reply.tool_calls
+        shown.append({"role": "assistant", "content": reply.reasoning, "metadata": {
+            "id": REASONING_ID, "title": REASONING_TITLE,
+            "status": "pending" if thinking else "done"}})
+    if reply.text or not (reply.tool_calls or reply.reasoning):
         if json_mode and complete and _parses(reply.text):
             shown.append(json_answer_message(reply.text))
         else:

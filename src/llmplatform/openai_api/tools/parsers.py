@@ -20,6 +20,9 @@ What counts as a call, and the fallbacks (never an exception):
   end of the object (found by bracket depth outside strings). If the output stops inside them
   (``max_tokens``), the call keeps what was written, as OpenAI's own truncated calls do; the
   client validates ``arguments`` in any case.
+- If the output is cut by ``max_tokens`` (``finish(cut=True)``) before a call's name is complete
+  (a partial ``<tool_call>`` tag, or an opening without its name), the partial call is dropped:
+  the reply's ``finish_reason`` "length" says it was cut, and it is no content.
 - Whitespace around calls is not content, except between content before a call and content
   after it; content between or after calls is kept.
 """
@@ -161,6 +164,7 @@ class ToolParser:
         self._args: _ValueEnd | None = None
         self._string_args: list[str] | None = None  # a call whose arguments are a JSON string
         self._finished = False
+        self._cut = False  # the output was cut by max_tokens (set by finish)
 
     @classmethod
     def parse(cls, text: str, **kwargs: Any) -> ParsedOutput:
@@ -179,10 +183,12 @@ class ToolParser:
         self._run(final=False)
         return self._take_events()
 
-    def finish(self) -> list[ParserEvent]:
-        """The output ended: settle whatever was held back."""
+    def finish(self, *, cut: bool = False) -> list[ParserEvent]:
+        """The output ended: settle whatever was held back. ``cut``: by ``max_tokens``, so a
+        call cut before its name is complete is dropped, not content."""
         if not self._finished:
             self._finished = True
+            self._cut = cut
             self._run(final=True)
             if self._held_ws and not self._after_call:
                 self._events.append(ContentDelta(self._held_ws))
@@ -299,13 +305,18 @@ class HermesToolParser(ToolParser):
                     self._buf = self._buf[i + len(self.OPEN):]
                     self._state = "opening"
                     continue
-                keep = 0 if final else _held_prefix(self._buf, self.OPEN)
+                keep = _held_prefix(self._buf, self.OPEN) if not final or self._cut else 0
                 self._content(self._buf[:len(self._buf) - keep])
-                self._buf = self._buf[len(self._buf) - keep:]
+                self._buf = "" if final else self._buf[len(self._buf) - keep:]
+                if final and keep:
+                    self._held_ws = ""  # before the cut call: not content
                 return
             if self._state == "opening":
                 match = self._OPENING.match(self._buf, partial=True)
                 if match is not None and match.partial and not final:
+                    return
+                if match is not None and match.partial and self._cut:
+                    self._buf = self._held_ws = ""  # a call cut before its name was complete
                     return
                 if match is not None and not match.partial and self._try_start_call(match):
                     self._state = "arguments"
@@ -351,6 +362,9 @@ class Llama3JsonToolParser(ToolParser):
                                          and rest != self.PYTHON_TAG)
                 if undecided and not final:
                     return
+                if undecided and self._cut and rest:
+                    self._buf = ""  # cut inside <|python_tag|>
+                    return
                 lead = len(self._buf) - len(rest)
                 if rest.startswith(self.PYTHON_TAG):
                     self._skipped = self._buf[:lead + len(self.PYTHON_TAG)]
@@ -365,6 +379,9 @@ class Llama3JsonToolParser(ToolParser):
             if self._state == "opening":
                 match = self._OPENING.match(self._buf, partial=True)
                 if match is not None and match.partial and not final:
+                    return
+                if match is not None and match.partial and self._cut:
+                    self._buf = self._held_ws = ""  # a call cut before its name was complete
                     return
                 if match is not None and not match.partial and self._try_start_call(match):
                     self._skipped = ""
