@@ -54,7 +54,7 @@ def test_workers_elsewhere_bind_and_advertise_their_node():
 def test_without_ray_the_message_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(SystemExit, match=r"llmplatform\[ray\]") as exc:
-        run_on_ray("local", [], None, [])
+        run_on_ray("local", [], None, [], None)  # type: ignore[arg-type]
     assert str(exc.value) == MISSING_RAY
 
 

@@ -1,0 +1,126 @@
+"""Models launched at runtime under `llmplatform serve --ray`: serve's local Ray instance runs a
+host agent as a Ray actor, which the controller asks for workers through the gateway's
+`POST /v1/admin/models`; the launched worker is a Ray actor's child process, answers the official
+`openai` client, is listed ready, and `DELETE` drains it and leaves neither its process nor its
+actor; a launch that does not fit the agent's memory, or whose CPUs Ray cannot give on the node,
+is a 409 that leaves nothing behind; serve's Ctrl-C stops a launched worker with the rest."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import openai
+import psutil
+import ray  # noqa: F401  (in the test extra: a missing or broken install fails here, never skips)
+
+from tests.integration.test_serve_cli import start_serve, wait_for_line
+from tests.polling import wait_until
+from tests.processes import alive, free_ports
+
+ADMIN = "admin-key"
+WORKER_ARGS = ["--dtype", "float32", "--device", "cpu", "--heartbeat-interval", "0.5"]
+
+
+def admin(api_port: int, method: str, path: str, **kwargs) -> httpx.Response:
+    return httpx.request(method, f"http://127.0.0.1:{api_port}/v1/admin{path}",
+                         headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60, **kwargs)
+
+
+def states(api_port: int) -> dict[str, dict]:
+    response = admin(api_port, "GET", "/models")
+    assert response.status_code == 200, response.text
+    return {m["name"]: m for m in response.json()["data"]}
+
+
+def worker_process(model_name: str) -> psutil.Process | None:
+    for proc in psutil.process_iter(["cmdline"]):
+        argv = proc.info["cmdline"] or []
+        if "llmplatform.model_worker" in argv and model_name in argv:
+            return proc
+    return None
+
+
+def test_a_model_launched_under_serve_ray_runs_as_a_ray_actor(tiny_model_dir, tmp_path,
+                                                             monkeypatch):
+    controller_port, api_port, worker_port = free_ports(3)
+    with monkeypatch.context() as env:
+        env.setenv("LLMPLATFORM_ADMIN_API_KEYS", ADMIN)  # serve hands it to the gateway
+        proc = start_serve(["--ray", "--controller-port", str(controller_port),
+                            "--api-port", str(api_port), "--shutdown-timeout", "5",
+                            "--log-dir", str(tmp_path), "--agent-memory-limit", "1GiB",
+                            "--worker", f"--model-path {tiny_model_dir} --model-names tiny "
+                            f"--port {worker_port} --dtype float32 --kv-cache-memory 64MiB"])
+    lines: list[str] = []
+    launched_pids: list[int] = []
+    try:
+        wait_for_line(proc, "OpenAI API at", lines)
+        assert any("host agent for" in line and "(Ray actor)" in line for line in lines), lines
+        listing = admin(api_port, "GET", "/models").json()
+        assert len(listing["hosts"]) == 1, listing
+
+        body = {"name": "tiny2", "model_path": str(tiny_model_dir), "backend": "paged",
+                "kv_cache_memory": "64MiB", "worker_args": WORKER_ARGS}
+        too_big = admin(api_port, "POST", "/models", json={**body, "kv_cache_memory": "2GiB"})
+        assert too_big.status_code == 409, too_big.text
+        assert "would fit" in too_big.json()["error"]["message"]
+        assert "tiny2" not in states(api_port) and worker_process("tiny2") is None
+        # Ray's CPUs: serve's local Ray has one per core, serve's own worker holds one, and a
+        # worker reserves one per tensor-parallel rank: this one is never placed.
+        ranks = str(os.cpu_count())
+        no_cpus = admin(api_port, "POST", "/models", json={
+            **body, "worker_args": WORKER_ARGS + ["--tensor-parallel-size", ranks]})
+        assert no_cpus.status_code == 409, no_cpus.text
+        assert "Ray could not place" in no_cpus.json()["error"]["message"]
+        assert "tiny2" not in states(api_port)
+
+        launched = admin(api_port, "POST", "/models", json=body)
+        assert launched.status_code == 202, launched.text
+        wait_until(lambda: states(api_port)["tiny2"]["state"] == "ready", timeout_s=120,
+                   interval_s=0.25, what="tiny2 ready",
+                   context=lambda: (states(api_port).get("tiny2"), lines[-20:]))
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{api_port}/v1", api_key="none",
+                               max_retries=0, timeout=120)
+        reply = client.chat.completions.create(
+            model="tiny2", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+        assert reply.choices[0].finish_reason == "length"
+
+        worker = worker_process("tiny2")
+        assert worker is not None
+        actor = worker.parent()
+        assert actor is not None and "WorkerActor" in " ".join(actor.cmdline()), actor.cmdline()
+        launched_pids = [worker.pid, actor.pid]
+
+        stopped = admin(api_port, "DELETE", "/models/tiny2")
+        assert stopped.status_code == 202 and stopped.json()["state"] == "draining", stopped.text
+        wait_until(lambda: "tiny2" not in states(api_port), timeout_s=60, interval_s=0.25,
+                   what="tiny2 stopped")
+        wait_until(lambda: not any(alive(pid) for pid in launched_pids), timeout_s=30,
+                   interval_s=0.2, what="the worker's process and its actor gone")
+        assert chat_ok(client, "tiny")  # serve's own worker kept serving
+
+        # One left running when serve stops: drained and gone with the rest.
+        assert admin(api_port, "POST", "/models", json={**body, "name": "tiny3"}).status_code == 202
+        wait_until(lambda: states(api_port)["tiny3"]["state"] == "ready", timeout_s=120,
+                   interval_s=0.25, what="tiny3 ready")
+        worker = worker_process("tiny3")
+        assert worker is not None and worker.parent() is not None
+        launched_pids = [worker.pid, worker.parent().pid]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        try:
+            proc.wait(timeout=90)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, "\n".join(lines[-40:])
+    wait_until(lambda: not any(alive(pid) for pid in launched_pids), timeout_s=30,
+               interval_s=0.2, what="the launched worker stopped with serve")
+
+
+def chat_ok(client: openai.OpenAI, model: str) -> bool:
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    return reply.choices[0].finish_reason == "length"
