@@ -10,8 +10,8 @@ Registration is closed by default: without a cluster secret (flag, variable or c
 serve makes a random one for the run. Secrets (that one, API keys, any secret flag of a
 service) reach the services in their environment, never on a command line (``secret_flags.py``).
 With ``--ray`` the same services run as Ray actors instead (``ray_launcher.py``). Beside them,
-serve runs this host's agent in its own process (``host_agent.py``): the controller asks it to
-start and stop the workers launched at runtime.
+serve runs this host's agent in its own process (``host_agent.py``; a Ray actor per node under
+--ray): the controller asks it to start and stop the workers launched at runtime.
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ one actor's resources always come from one node, which packs the ranks there and
 GPUs visible to the worker (a placement group of one bundle per rank would hand the worker's
 process one bundle's GPU only).
 
+Models launched at runtime (``POST /v1/admin/models``): instead of serve's own host agent, each
+node that may run workers gets one as a Ray actor (``ray_agents``, ``ray_agent``), whose workers
+are Ray actors on its node.
+
 Ray itself: bare ``--ray`` starts a local Ray instance for this run (``ray_local``: its files in a
 0700 folder of ours, its own 0600 token, its ports on loopback with a loopback ``--host``, bounded
 object store, no dashboard) and shuts it down at exit; ``--ray auto`` or ``--ray HOST:PORT`` joins a running
