@@ -3,16 +3,24 @@ host agent as a Ray actor, which the controller asks for workers through the gat
 `POST /v1/admin/models`; the launched worker is a Ray actor's child process, answers the official
 `openai` client, is listed ready, and `DELETE` drains it and leaves neither its process nor its
 actor; a launch that does not fit the agent's memory, or whose CPUs Ray cannot give on the node,
-is a 409 that leaves nothing behind; serve's Ctrl-C stops a launched worker with the rest."""
+is a 409 that leaves nothing behind; serve's Ctrl-C stops a launched worker with the rest. On a
+Ray cluster, a node that joins later gets its own agent, which launches there."""
 
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import httpx
 import openai
 import psutil
+import pytest
 import ray  # noqa: F401  (in the test extra: a missing or broken install fails here, never skips)
 
 from tests.integration.test_serve_cli import start_serve, wait_for_line
@@ -124,3 +132,85 @@ def chat_ok(client: openai.OpenAI, model: str) -> bool:
     reply = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
     return reply.choices[0].finish_reason == "length"
+
+
+CLUSTER = """
+import sys
+from ray.cluster_utils import Cluster
+args = dict(num_cpus=1, temp_dir=sys.argv[1], object_store_memory=128 * 2**20)
+cluster = Cluster(initialize_head=True, head_node_args={**args, "include_dashboard": False})
+print(cluster.address, flush=True)
+sys.stdin.readline()
+cluster.add_node(**args)
+print("added", flush=True)
+sys.stdin.readline()
+cluster.shutdown()
+"""
+"""A Ray cluster of one-CPU nodes on this machine, driven over stdin: a line adds a node, the
+next one shuts it down. In a process of its own: Ray reads its token settings once per process."""
+
+
+@pytest.mark.slow  # a two-node Ray cluster and serve on it: over a minute on 2 cores
+def test_a_node_that_joins_later_gets_an_agent_that_launches_there(tiny_model_dir, monkeypatch):
+    # Ray's files and token ours (not /tmp/ray, ~/.ray): serve and Ray's nodes read them here.
+    directory = Path(tempfile.mkdtemp(prefix="llmp-rt-"))
+    token = directory / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    cluster = subprocess.Popen([sys.executable, "-c", CLUSTER, str(directory / "ray")],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert cluster.stdin is not None and cluster.stdout is not None
+    controller_port, api_port, worker_port = free_ports(3)
+    proc = None
+    lines: list[str] = []
+    try:
+        address = cluster.stdout.readline().strip()
+        assert address, "the Ray cluster did not start"
+        with monkeypatch.context() as env:
+            env.setenv("LLMPLATFORM_ADMIN_API_KEYS", ADMIN)
+            # Not loopback: an agent on every node (serve's own worker fills the head's one CPU).
+            proc = start_serve(["--ray", address, "--host", "0.0.0.0",
+                                "--controller-port", str(controller_port),
+                                "--api-port", str(api_port), "--shutdown-timeout", "5",
+                                "--worker", f"--model-path {tiny_model_dir} --model-names tiny "
+                                f"--port {worker_port} --dtype float32 --kv-cache-memory 64MiB "
+                                "--device cpu"])
+        wait_for_line(proc, "OpenAI API at", lines)
+        assert len(admin(api_port, "GET", "/models").json()["hosts"]) == 1
+        cluster.stdin.write("add\n")
+        cluster.stdin.flush()
+        assert cluster.stdout.readline().strip() == "added"
+        wait_until(lambda: len(admin(api_port, "GET", "/models").json()["hosts"]) == 2,
+                   timeout_s=60, interval_s=0.5, what="the new node's agent registered",
+                   context=lambda: lines[-20:])
+
+        # The head's agent cannot reserve a CPU (409); the controller asks the new node's agent.
+        body = {"name": "tiny2", "model_path": str(tiny_model_dir), "backend": "paged",
+                "kv_cache_memory": "64MiB", "worker_args": WORKER_ARGS}
+        launched = admin(api_port, "POST", "/models", json=body)
+        assert launched.status_code == 202, launched.text
+        wait_until(lambda: states(api_port)["tiny2"]["state"] == "ready", timeout_s=120,
+                   interval_s=0.25, what="tiny2 ready")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{api_port}/v1", api_key="none",
+                               max_retries=0, timeout=120)
+        assert chat_ok(client, "tiny2")
+        raylets = [worker_process(name).parent().parent().pid for name in ("tiny", "tiny2")]
+        assert raylets[0] != raylets[1]  # each actor started by its own node's raylet
+    finally:
+        if proc is not None:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=90)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+        try:
+            cluster.communicate("stop\nstop\n", timeout=60)
+        finally:
+            if cluster.poll() is None:
+                cluster.kill()
+            shutil.rmtree(directory, ignore_errors=True)
+    assert proc.returncode == 0, "\n".join(lines[-40:])
