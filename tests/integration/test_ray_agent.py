@@ -3,7 +3,9 @@ host agent as a Ray actor, which the controller asks for workers through the gat
 `POST /v1/admin/models`; the launched worker is a Ray actor's child process, answers the official
 `openai` client, is listed ready, and `DELETE` drains it and leaves neither its process nor its
 actor; a launch that does not fit the agent's memory, or whose CPUs Ray cannot give on the node,
-is a 409 that leaves nothing behind; serve's Ctrl-C stops a launched worker with the rest. On a
+is a 409 that leaves nothing behind; a killed agent takes its workers along and is replaced at its
+address, and the controller fails their model; serve's Ctrl-C stops a launched worker with the
+rest. On a
 Ray cluster, a node that joins later gets its own agent, which launches there."""
 
 from __future__ import annotations
@@ -108,13 +110,25 @@ def test_a_model_launched_under_serve_ray_runs_as_a_ray_actor(tiny_model_dir, tm
                    interval_s=0.2, what="the worker's process and its actor gone")
         assert chat_ok(client, "tiny")  # serve's own worker kept serving
 
+        # The agent's actor killed: its workers go with it, its replacement comes back at the
+        # same address, and the controller fails the model it no longer runs.
+        agent_address = admin(api_port, "GET", "/models").json()["hosts"][0]["agent_address"]
+        launched_pids = launch_ready(api_port, {**body, "name": "tiny3"})
+        [agent] = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "AgentActor" in cmdline(p)]
+        agent.kill()
+        wait_until(lambda: not any(alive(pid) for pid in launched_pids), timeout_s=30,
+                   interval_s=0.2, what="the dead agent's worker and its actor gone")
+        failed = wait_until(lambda: (m := states(api_port)["tiny3"])["state"] == "failed" and m,
+                            timeout_s=60, interval_s=0.25, what="tiny3 failed",
+                            context=lambda: lines[-20:])
+        assert "no longer runs its workers" in failed["reason"], failed
+        assert [h["agent_address"] for h in admin(api_port, "GET", "/models").json()["hosts"]] \
+            == [agent_address]
+        assert admin(api_port, "DELETE", "/models/tiny3").status_code == 202
+
         # One left running when serve stops: drained and gone with the rest.
-        assert admin(api_port, "POST", "/models", json={**body, "name": "tiny3"}).status_code == 202
-        wait_until(lambda: states(api_port)["tiny3"]["state"] == "ready", timeout_s=120,
-                   interval_s=0.25, what="tiny3 ready")
-        worker = worker_process("tiny3")
-        assert worker is not None and worker.parent() is not None
-        launched_pids = [worker.pid, worker.parent().pid]
+        launched_pids = launch_ready(api_port, {**body, "name": "tiny4"})
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
@@ -126,6 +140,23 @@ def test_a_model_launched_under_serve_ray_runs_as_a_ray_actor(tiny_model_dir, tm
     assert proc.returncode == 0, "\n".join(lines[-40:])
     wait_until(lambda: not any(alive(pid) for pid in launched_pids), timeout_s=30,
                interval_s=0.2, what="the launched worker stopped with serve")
+
+
+def cmdline(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:  # gone meanwhile
+        return ""
+
+
+def launch_ready(api_port: int, body: dict) -> list[int]:
+    """Launch, wait until ready; the worker's process id and its actor's."""
+    assert admin(api_port, "POST", "/models", json=body).status_code == 202
+    wait_until(lambda: states(api_port)[body["name"]]["state"] == "ready", timeout_s=120,
+               interval_s=0.25, what=f"{body['name']} ready")
+    worker = worker_process(body["name"])
+    assert worker is not None and worker.parent() is not None
+    return [worker.pid, worker.parent().pid]
 
 
 def chat_ok(client: openai.OpenAI, model: str) -> bool:

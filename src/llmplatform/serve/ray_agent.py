@@ -260,7 +260,7 @@ class AgentActor:
     """One node's agent: the agent app served from this actor (on a thread), its workers Ray
     actors on this node (``RayWorkers``), registered with the controller as any agent is."""
 
-    def __init__(self, config: AgentConfig, env: dict[str, str]) -> None:
+    def __init__(self, config: AgentConfig, env: dict[str, str], port: int) -> None:
         import ray
 
         os.environ.update(env)  # serve's LLMPLATFORM_* variables, as its services get them
@@ -281,7 +281,7 @@ class AgentActor:
                                   node_gpus=resources.get("GPU", 0))
         self.stack = contextlib.ExitStack()
         try:
-            _, self.url = start_agent(self.stack, self.config, 0, self.workers,
+            _, self.url = start_agent(self.stack, self.config, port, self.workers,
                                       advertise_host=reach if host in WILDCARD_HOSTS else None)
         except BaseException:
             self.stack.close()

@@ -3,9 +3,10 @@ that may run workers, started once the controller is up, checked every ``CHECK_I
 
 Which nodes: with a loopback ``--host`` serve's node only (nothing elsewhere could reach a
 worker); otherwise every live node, and a node that joins the cluster later gets its agent at the
-next check. An agent that died (its node left, or its process was killed) is replaced on a live
-node by a new actor, under a new address; the controller forgets the old one once it stops
-registering, and the workers it ran went with it (Ray kills the actors an actor owns).
+next check. An agent that died (its process was killed) is replaced by a new actor on the same
+port, so at the same address: the workers it ran went with it (Ray kills the actors an actor
+owns), and the controller, finding them no longer in that agent's listing, fails their models as
+when a host agent restarts. When that port is taken meanwhile, the new agent takes a free one.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class _Agent:
     pending: Any
     """The answer awaited from it: its address (first its start, then each check's ping)."""
     url: str | None = None
+    port: int = 0
 
 
 class RayAgents:
@@ -38,6 +40,8 @@ class RayAgents:
         self.startup_timeout_s = startup_timeout_s
         self.agents: dict[str, _Agent] = {}  # by Ray node id
         self._retry_at: dict[str, float] = {}
+        self._ports: dict[str, int] = {}
+        """The port a node's dead agent had: its replacement's, once."""
         self._next_check = 0.0
 
     def _nodes(self) -> list[str]:
@@ -47,7 +51,7 @@ class RayAgents:
             return [ray.get_runtime_context().get_node_id()]
         return [n["NodeID"] for n in ray.nodes() if n["Alive"]]
 
-    def _start(self, node_id: str) -> None:
+    def _start(self, node_id: str, port: int = 0) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -57,8 +61,8 @@ class RayAgents:
         actor = ray.remote(AgentActor).options(
             num_cpus=0, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(self.config, forwarded_env())
-        self.agents[node_id] = _Agent(actor, actor.address.remote())
+        ).remote(self.config, forwarded_env(), port)
+        self.agents[node_id] = _Agent(actor, actor.address.remote(), port=port)
 
     def start(self) -> None:
         """An agent on each node now, waiting until each registered with the controller (so a
@@ -101,11 +105,16 @@ class RayAgents:
                 url, host_name = ray.get(agent.pending)
             except ray.exceptions.RayActorError as exc:
                 del self.agents[node_id]
-                self._retry_at[node_id] = now + (0 if agent.url else RETRY_AFTER_FAILURE_S)
+                # Died: again at once, at its address. Could not start there: at once, on any
+                # port. Could not start at all: later.
+                again_now = agent.url is not None or agent.port != 0
+                self._retry_at[node_id] = now + (0 if again_now else RETRY_AFTER_FAILURE_S)
+                if agent.url is not None:
+                    self._ports[node_id] = int(agent.url.rsplit(":", 1)[1])
+                why = (str(exc).strip().splitlines() or [""])[0]
                 print(f"llmplatform serve: error: the host agent on Ray node {node_id} "
-                      f"{'died' if agent.url else 'could not start'}: "
-                      f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc}",
-                      file=sys.stderr, flush=True)
+                      f"{'died' if agent.url else 'could not start'}: {why}", file=sys.stderr,
+                      flush=True)
                 continue
             if agent.url is None:
                 print(f"llmplatform serve: host agent for {host_name} ready at {url} (Ray "
@@ -113,7 +122,7 @@ class RayAgents:
             agent.url, agent.pending = url, agent.actor.address.remote()
         for node_id in self._nodes():
             if node_id not in self.agents and now >= self._retry_at.get(node_id, 0):
-                self._start(node_id)
+                self._start(node_id, self._ports.pop(node_id, 0))
 
     def stopping(self) -> list[Any]:
         """Ask every agent to drain its workers; the answers to wait for."""
