@@ -9,7 +9,8 @@ import pytest
 
 from llmplatform.serve.launcher import ClusterSpec, _bare_ray_flag, services_for
 from llmplatform.serve.ray_launcher import (
-    MISSING_RAY, on_node, placements, run_on_ray, workers_reach_controller)
+    MISSING_RAY, controller_for_workers, on_node, placements, run_on_ray, worker_resources,
+    workers_reach_controller)
 
 
 def test_bare_ray_flag_means_a_local_instance():
@@ -51,10 +52,25 @@ def test_workers_elsewhere_bind_and_advertise_their_node():
     assert api_flags["--controller-address"] == "http://127.0.0.1:21001"  # same node
 
 
+def test_a_launched_workers_resources_read_its_flags_in_either_form(monkeypatch):
+    monkeypatch.delenv("LLMPLATFORM_DEVICE", raising=False)
+    monkeypatch.delenv("LLMPLATFORM_TENSOR_PARALLEL_SIZE", raising=False)
+    assert worker_resources(["--dtype", "float32"], has_gpus=True) == (1, 1)
+    assert worker_resources(["--device=cpu"], has_gpus=True) == (1, 0)
+    assert worker_resources(["--device", "cuda", "--tensor-parallel-size=2"],
+                            has_gpus=False) == (2, 2)
+    monkeypatch.setenv("LLMPLATFORM_DEVICE", "cpu")  # serve's environment reaches every node
+    assert worker_resources([], has_gpus=True) == (1, 0)
+    assert controller_for_workers("http://127.0.0.1:21001", host="0.0.0.0",
+                                  driver_ip="10.0.0.1") == "http://10.0.0.1:21001"
+    assert controller_for_workers("http://127.0.0.1:21001", host="127.0.0.1",
+                                  driver_ip="10.0.0.1") == "http://127.0.0.1:21001"
+
+
 def test_without_ray_the_message_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(SystemExit, match=r"llmplatform\[ray\]") as exc:
-        run_on_ray("local", [], None, [])
+        run_on_ray("local", [], None, [], None)  # type: ignore[arg-type]
     assert str(exc.value) == MISSING_RAY
 
 

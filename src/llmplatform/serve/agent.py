@@ -24,6 +24,7 @@ import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 from fastapi import FastAPI, Request
@@ -31,6 +32,7 @@ from fastapi.responses import JSONResponse
 
 from llmplatform.errors import InvalidRequestError
 from llmplatform.protocol.lifecycle import (
+    AgentProcess,
     AgentStatus,
     LaunchWorkersRequest,
     LaunchWorkersResponse,
@@ -48,6 +50,7 @@ from llmplatform.serve.launch_checks import (
 )
 from llmplatform.utils.cluster_secret import ClusterSecretMiddleware, secret_headers
 from llmplatform.utils.json_body import parse_json_body
+from llmplatform.utils.server import serve_in_thread
 
 logger = logging.getLogger("llmplatform.serve.agent")
 
@@ -70,7 +73,20 @@ class AgentConfig:
     log_args: tuple[str, ...] = ()
 
 
-def free_bytes(config: AgentConfig, processes: WorkerProcesses, worker_args: list[str]) -> int:
+class Workers(Protocol):
+    """What an agent starts its workers with: processes of its own (``WorkerProcesses``), or
+    Ray actors on its node under `serve --ray` (``ray_agent.RayWorkers``)."""
+
+    def reserved_bytes(self) -> int: ...
+    def listing(self) -> list[AgentProcess]: ...
+    def knows(self, address: str) -> bool: ...
+    async def launch(self, request: LaunchWorkersRequest,
+                     per_worker_bytes: int) -> list[AgentProcess]: ...
+    async def stop(self, address: str) -> AgentProcess: ...
+    async def stop_all(self) -> None: ...
+
+
+def free_bytes(config: AgentConfig, processes: Workers, worker_args: list[str]) -> int:
     free = host_free_bytes(worker_args)
     if config.memory_limit_bytes is not None:
         free = min(free, config.memory_limit_bytes - processes.reserved_bytes())
@@ -98,11 +114,13 @@ async def register_periodically(app: FastAPI, config: AgentConfig, client: httpx
         await asyncio.sleep(config.register_interval)
 
 
-def create_app(config: AgentConfig) -> FastAPI:
-    processes = WorkerProcesses(
-        host=config.host, controller_address=config.controller_address,
-        cluster_secret=config.cluster_secret, log_dir=config.log_dir,
-        shutdown_timeout=config.worker_shutdown_timeout, log_args=list(config.log_args))
+def create_app(config: AgentConfig, processes: Workers | None = None) -> FastAPI:
+    """The agent's app; its workers are processes of its own unless `processes` says otherwise."""
+    if processes is None:
+        processes = WorkerProcesses(
+            host=config.host, controller_address=config.controller_address,
+            cluster_secret=config.cluster_secret, log_dir=config.log_dir,
+            shutdown_timeout=config.worker_shutdown_timeout, log_args=list(config.log_args))
     launch_lock = asyncio.Lock()
 
     @contextlib.asynccontextmanager
@@ -145,12 +163,7 @@ def create_app(config: AgentConfig) -> FastAPI:
         async with launch_lock:
             free = await asyncio.to_thread(free_bytes, config, processes, body.worker_args)
             fit = await asyncio.to_thread(check_fit, body, free)
-            # On the loop's own thread: a child's parent-death signal follows the thread that
-            # forked it, and a pool thread may end while the worker runs.
-            try:
-                started = processes.start(body, fit.per_worker_bytes)
-            except OSError as exc:
-                raise LaunchRefused(f"the workers could not be started: {exc}", 503) from None
+            started = await processes.launch(body, fit.per_worker_bytes)
         return LaunchWorkersResponse(workers=started)
 
     @app.post("/stop_worker")
@@ -173,3 +186,31 @@ def create_app(config: AgentConfig) -> FastAPI:
         return {"status": "ok"}
 
     return app
+
+
+def start_agent(stack: contextlib.ExitStack, config: AgentConfig, port: int,
+                processes: Workers | None = None, *,
+                advertise_host: str | None = None) -> tuple[FastAPI, str]:
+    """Serve an agent on a thread (`stack` stops it) and register it with the controller once
+    at once, so that a launch right after its start finds it (then every few seconds, from its
+    lifespan). Returns the app and the address it registered under: where it listens, with
+    `advertise_host` instead of the bind address when given (a wildcard bind). RuntimeError
+    when it cannot start or register."""
+    app = create_app(config, processes)
+    try:
+        url = stack.enter_context(serve_in_thread(app, config.host, port))
+    except RuntimeError as exc:
+        raise RuntimeError(f"the host agent could not start: {exc}") from None
+    if advertise_host is not None:
+        url = f"http://{advertise_host}:{url.rsplit(':', 1)[1]}"
+    app.state.agent_address = url  # its registration loop starts once it is known
+    try:
+        response = httpx.post(f"{config.controller_address}/register_agent",
+                              json={"agent_address": url, "host_name": config.host_name},
+                              headers=secret_headers(config.cluster_secret), timeout=10)
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"the host agent could not register with the controller: {exc}") from None
+    if response.status_code != 200:
+        raise RuntimeError(f"the controller answered {response.status_code} to the host "
+                           f"agent's registration: {response.text[:200]}")
+    return app, url

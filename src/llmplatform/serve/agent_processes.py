@@ -28,6 +28,7 @@ from llmplatform.protocol.lifecycle import (
     LaunchWorkersRequest,
     ProcessState,
 )
+from llmplatform.serve.launch_checks import LaunchRefused
 from llmplatform.serve.supervisor import STOP_MARGIN_S, die_with_parent, exit_description
 from llmplatform.utils.cluster_secret import SECRET_ENV
 
@@ -55,30 +56,70 @@ class _Worker:
             reserved_bytes=self.reserved_bytes if code is None else 0, spec=self.spec)
 
     def exit_reason(self, code: int) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-        except OSError:
-            lines = []
-        tail = " | ".join(line.strip() for line in lines if line.strip())
-        return f"worker exited ({exit_description(code)}); its log ends: {tail or '(empty)'}"
+        return exit_reason(code, self.log_path)
 
 
-def _free_port(host: str) -> int:
+def exit_reason(code: int, log_path: Path) -> str:
+    """How a worker ended and the last lines of its log."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+    except OSError:
+        lines = []
+    tail = " | ".join(line.strip() for line in lines if line.strip())
+    return f"worker exited ({exit_description(code)}); its log ends: {tail or '(empty)'}"
+
+
+def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class WorkerCommand:
+    """How an agent starts each worker on its host: the parts every worker shares."""
+
+    host: str
+    """Where workers bind."""
+    reach: str
+    """The host part of the address workers register under (their node's, for a wildcard bind)."""
+    controller_address: str
+    cluster_secret: str | None
+    log_dir: Path
+    shutdown_timeout: float
+    log_args: tuple[str, ...]
+
+    def argv(self, request: LaunchWorkersRequest, port: int) -> tuple[list[str], str]:
+        """One worker's command line on `port`, and the address it registers under."""
+        address = f"http://{self.reach}:{port}"
+        argv = [sys.executable, "-m", "llmplatform.model_worker", "--host", self.host,
+                "--port", str(port), "--worker-address", address, "--controller-address",
+                self.controller_address, "--shutdown-timeout", f"{self.shutdown_timeout:g}",
+                *self.log_args, "--model-path", request.model_path, "--model-names",
+                request.model_name, "--backend", request.backend, *request.worker_args]
+        if request.kv_cache_memory is not None:
+            argv += ["--kv-cache-memory", request.kv_cache_memory]
+        return argv, address
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.cluster_secret is not None:
+            env[SECRET_ENV] = self.cluster_secret  # never on the command line (secret_flags.py)
+        return env
+
+    def log_path(self, request: LaunchWorkersRequest, port: int) -> Path:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        return self.log_dir / f"worker-{request.model_name.replace('/', '_')}-{port}.log"
+
+
 class WorkerProcesses:
     def __init__(self, *, host: str, controller_address: str, cluster_secret: str | None,
                  log_dir: Path, shutdown_timeout: float, log_args: list[str]) -> None:
-        self._host = host
-        self._reach = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        self._controller = controller_address
-        self._secret = cluster_secret
-        self._log_dir = log_dir
+        self._command = WorkerCommand(
+            host=host, reach="127.0.0.1" if host in ("0.0.0.0", "::") else host,
+            controller_address=controller_address, cluster_secret=cluster_secret,
+            log_dir=log_dir, shutdown_timeout=shutdown_timeout, log_args=tuple(log_args))
         self._shutdown_timeout = shutdown_timeout
-        self._log_args = log_args
         self._workers: dict[str, _Worker] = {}
 
     def reserved_bytes(self) -> int:
@@ -104,21 +145,21 @@ class WorkerProcesses:
             raise
         return [worker.describe() for worker in started]
 
+    async def launch(self, request: LaunchWorkersRequest,
+                     per_worker_bytes: int) -> list[AgentProcess]:
+        """The agent's launch (``agent.py``): `start`, its OSError a 503."""
+        # On the loop's own thread: a child's parent-death signal follows the thread that
+        # forked it, and a pool thread may end while the worker runs.
+        try:
+            return self.start(request, per_worker_bytes)
+        except OSError as exc:
+            raise LaunchRefused(f"the workers could not be started: {exc}", 503) from None
+
     def _spawn(self, request: LaunchWorkersRequest, per_worker_bytes: int) -> _Worker:
-        port = _free_port(self._host)
-        address = f"http://{self._reach}:{port}"
-        argv = [sys.executable, "-m", "llmplatform.model_worker", "--host", self._host,
-                "--port", str(port), "--worker-address", address, "--controller-address",
-                self._controller, "--shutdown-timeout", f"{self._shutdown_timeout:g}",
-                *self._log_args, "--model-path", request.model_path, "--model-names",
-                request.model_name, "--backend", request.backend, *request.worker_args]
-        if request.kv_cache_memory is not None:
-            argv += ["--kv-cache-memory", request.kv_cache_memory]
-        env = dict(os.environ)
-        if self._secret is not None:
-            env[SECRET_ENV] = self._secret  # never on the command line (secret_flags.py)
-        self._log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self._log_dir / f"worker-{request.model_name.replace('/', '_')}-{port}.log"
+        port = free_port(self._command.host)
+        argv, address = self._command.argv(request, port)
+        env = self._command.env()
+        log_path = self._command.log_path(request, port)
         log = open(log_path, "ab")  # noqa: SIM115 (the child writes to it until it exits)
         try:
             proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -14,12 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from llmplatform.serve.agent import AgentConfig, create_app
+from llmplatform.serve.agent import AgentConfig, start_agent
 from llmplatform.serve.supervisor import STOP_MARGIN_S, Supervisor
-from llmplatform.utils.cluster_secret import secret_headers
-from llmplatform.utils.server import serve_in_thread
 from llmplatform.utils.sizes import parse_size
 
 
@@ -50,23 +46,7 @@ class WithHostAgent:
 
     def start(self) -> None:
         self._supervisor.start()
-        self._app = create_app(self._config)
-        try:
-            url = self._stack.enter_context(serve_in_thread(self._app, self._config.host,
-                                                            self._port))
-        except RuntimeError as exc:
-            raise RuntimeError(f"the host agent could not start: {exc}") from None
-        self._app.state.agent_address = url  # its registration loop starts once it is known
-        # Once now as well, so that a launch right after serve's announcement finds it.
-        try:
-            response = httpx.post(f"{self._config.controller_address}/register_agent",
-                                  json={"agent_address": url, "host_name": self._config.host_name},
-                                  headers=secret_headers(self._config.cluster_secret), timeout=10)
-        except httpx.HTTPError as exc:
-            raise RuntimeError(f"the host agent could not register with the controller: {exc}") from None
-        if response.status_code != 200:
-            raise RuntimeError(f"the controller answered {response.status_code} to the host "
-                               f"agent's registration: {response.text[:200]}")
+        self._app, url = start_agent(self._stack, self._config, self._port)
         print(f"llmplatform serve: host agent ready at {url}", flush=True)
 
     def run(self) -> int:

@@ -10,8 +10,8 @@ Registration is closed by default: without a cluster secret (flag, variable or c
 serve makes a random one for the run. Secrets (that one, API keys, any secret flag of a
 service) reach the services in their environment, never on a command line (``secret_flags.py``).
 With ``--ray`` the same services run as Ray actors instead (``ray_launcher.py``). Beside them,
-serve runs this host's agent in its own process (``host_agent.py``): the controller asks it to
-start and stop the workers launched at runtime.
+serve runs this host's agent in its own process (``host_agent.py``; a Ray actor per node under
+--ray): the controller asks it to start and stop the workers launched at runtime.
 """
 
 from __future__ import annotations
@@ -378,12 +378,13 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("made a random cluster secret for this run (registration is closed; give "
                     "--cluster-secret or $%s to add workers started elsewhere)", SECRET_ENV)
     services = services_for(spec)
+    controller = next(s for s in services if s.name == "controller")
     if settings.ray is not None:
         from llmplatform.serve.ray_launcher import run_on_ray
 
         raise SystemExit(run_on_ray(settings.ray, services, settings,
-                                    ["--worker-address" in w for w in spec.workers]))
-    controller = next(s for s in services if s.name == "controller")
+                                    ["--worker-address" in w for w in spec.workers],
+                                    host_agent_config(settings, spec, controller.url)))
     supervisor = Supervisor(
         services, startup_timeout=settings.startup_timeout, shutdown_timeout=spec.shutdown_timeout,
         policy=restart_policy(settings),

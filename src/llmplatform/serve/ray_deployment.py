@@ -1,18 +1,19 @@
 """The driver of ``serve --ray`` (``ray_launcher``): starts the services' actors in serve's order,
-watches them with the local supervisor's restart policy, tears them all down."""
+then the nodes' host agents (``ray_agents``), watches them with the local supervisor's restart
+policy, tears them all down."""
 
 from __future__ import annotations
 
 import logging
-import os
 import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from llmplatform.serve.ray_agents import RayAgents
 from llmplatform.serve.ray_launcher import (
-    FORWARDED_ENV_PREFIX, POLL_INTERVAL_S, Placement, ServiceActor,
+    POLL_INTERVAL_S, Placement, ServiceActor, forwarded_env,
 )
 from llmplatform.serve.restarts import ExitDecision, RestartHistory, RestartPolicy, Verdict
 from llmplatform.serve.supervisor import STOP_MARGIN_S, ServiceSpec, StateHook
@@ -23,8 +24,8 @@ logger = logging.getLogger("llmplatform.serve")
 class RayDeployment:
     """The driver: starts the actors in serve's order, watches restarts, tears it all down."""
 
-    def __init__(self, services: list[ServiceSpec], placements_: list[Placement], *,
-                 startup_timeout_s: float, shutdown_timeout_s: float,
+    def __init__(self, services: list[ServiceSpec], placements_: list[Placement],
+                 agents: RayAgents, *, startup_timeout_s: float, shutdown_timeout_s: float,
                  policy: RestartPolicy, log_dir: Path | None,
                  on_state: StateHook = lambda spec, reason, retry_in_s: None) -> None:
         self.services = services
@@ -34,6 +35,7 @@ class RayDeployment:
         self.policy = policy
         self.log_dir = log_dir
         self.on_state = on_state
+        self.agents = agents
         self.actors: list[Any] = []
 
     def start(self) -> None:
@@ -66,6 +68,7 @@ class RayDeployment:
                                        "Ray cluster? `ray status`)") from None
                 print(f"llmplatform serve: {service.name} ready at {service.url} (Ray actor)",
                       flush=True)
+        self.agents.start()  # the controller is up: they register with it
 
     def _new_actor(self, i: int) -> Any:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -75,11 +78,10 @@ class RayDeployment:
                     shlex.join(service.shown_argv or service.argv))
         strategy = (NodeAffinitySchedulingStrategy(self._here, soft=False)
                     if placement.pin_to_driver_node else "DEFAULT")
-        forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIX)}
         return self._remote.options(
             num_cpus=placement.num_cpus, num_gpus=placement.num_gpus,
             max_restarts=-1, max_task_retries=-1, scheduling_strategy=strategy,
-        ).remote(service, placement, {**forwarded, **service.env}, self.startup_timeout_s,
+        ).remote(service, placement, {**forwarded_env(), **service.env}, self.startup_timeout_s,
                  self.shutdown_timeout_s, str(self.log_dir) if self.log_dir else None)
 
     def run(self) -> int:
@@ -102,6 +104,7 @@ class RayDeployment:
         retrying: dict[int, Any] = {}  # a retried actor's readiness
         while True:
             time.sleep(POLL_INTERVAL_S)
+            self.agents.check()
             now = time.monotonic()
             for i, when in list(retry_at.items()):
                 if now >= when:
@@ -173,9 +176,12 @@ class RayDeployment:
     def stop(self) -> None:
         import ray
 
-        # All at once, as the local supervisor does: each drains its own in-flight requests.
-        pending = [a.stop.remote() for a in reversed(self.actors)]
+        # All at once, as the local supervisor does: each drains its own in-flight requests, and
+        # the agents' runtime workers drain beside the others.
+        pending = self.agents.stopping() + [a.stop.remote() for a in reversed(self.actors)]
         ray.wait(pending, num_returns=len(pending),
-                 timeout=self.shutdown_timeout_s + 2 * STOP_MARGIN_S)
+                 timeout=max(self.shutdown_timeout_s + 2 * STOP_MARGIN_S,
+                             self.agents.stop_timeout_s()))
+        self.agents.kill()
         for actor in self.actors:
             ray.kill(actor, no_restart=True)

@@ -19,6 +19,10 @@ one actor's resources always come from one node, which packs the ranks there and
 GPUs visible to the worker (a placement group of one bundle per rank would hand the worker's
 process one bundle's GPU only).
 
+Models launched at runtime (``POST /v1/admin/models``): instead of serve's own host agent, each
+node that may run workers gets one as a Ray actor (``ray_agents``, ``ray_agent``), whose workers
+are Ray actors on its node.
+
 Ray itself: bare ``--ray`` starts a local Ray instance for this run (``ray_local``: its files in a
 0700 folder of ours, its own 0600 token, its ports on loopback with a loopback ``--host``, bounded
 object store, no dashboard) and shuts it down at exit; ``--ray auto`` or ``--ray HOST:PORT`` joins a running
@@ -28,6 +32,7 @@ shutdown timeout), kills every actor and disconnects.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -39,12 +44,15 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from llmplatform.serve.ray_local import LOOPBACK_HOSTS, WILDCARD_HOSTS, LocalRay, tighten_token_file
 from llmplatform.serve.supervisor import STOP_MARGIN_S, ServiceSpec, run_until_stopped
+
+if TYPE_CHECKING:
+    from llmplatform.serve.agent import AgentConfig
 
 logger = logging.getLogger("llmplatform.serve")
 
@@ -57,9 +65,12 @@ FORWARDED_ENV_PREFIX = "LLMPLATFORM_"
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:
-    """The value of the last ``flag`` in argv (argparse's winner), None when absent."""
-    for i in range(len(argv) - 2, -1, -1):
-        if argv[i] == flag:
+    """The value of the last ``flag`` in argv, as ``flag value`` or ``flag=value`` (argparse's
+    winner), None when absent."""
+    for i in range(len(argv) - 1, -1, -1):
+        if argv[i].startswith(flag + "="):
+            return argv[i].partition("=")[2]
+        if argv[i] == flag and i + 1 < len(argv):
             return argv[i + 1]
     return None
 
@@ -88,6 +99,23 @@ class Placement:
     """serve chose --worker-address (not the user): rewrite it to the node's address."""
 
 
+def worker_resources(argv: list[str], *, has_gpus: bool) -> tuple[int, int]:
+    """The CPUs and GPUs a worker's actor reserves: one CPU per tensor-parallel rank, and a GPU
+    per rank when its --device is cuda, or auto where there are GPUs (its flags, else the
+    forwarded LLMPLATFORM_* variables)."""
+    device = _flag_value(argv, "--device") or os.environ.get(
+        FORWARDED_ENV_PREFIX + "DEVICE", "auto")
+    gpus = 1 if device == "cuda" or (device == "auto" and has_gpus) else 0
+    ranks = int(_flag_value(argv, "--tensor-parallel-size") or os.environ.get(
+        FORWARDED_ENV_PREFIX + "TENSOR_PARALLEL_SIZE", "1"))
+    return ranks, gpus * ranks
+
+
+def forwarded_env() -> dict[str, str]:
+    """The LLMPLATFORM_* variables set where serve runs: every service gets them, on any node."""
+    return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIX)}
+
+
 def placements(services: list[ServiceSpec], *, host: str, user_worker_addresses: list[bool],
                cluster_has_gpus: bool) -> list[Placement]:
     one_host = host in LOOPBACK_HOSTS
@@ -96,27 +124,28 @@ def placements(services: list[ServiceSpec], *, host: str, user_worker_addresses:
         if not service.name.startswith("worker"):
             result.append(Placement(0, 0, True, False, False))
             continue
-        device = _flag_value(service.argv, "--device") or os.environ.get(
-            FORWARDED_ENV_PREFIX + "DEVICE", "auto")
-        gpus = 1 if device == "cuda" or (device == "auto" and cluster_has_gpus) else 0
-        ranks = int(_flag_value(service.argv, "--tensor-parallel-size") or os.environ.get(
-            FORWARDED_ENV_PREFIX + "TENSOR_PARALLEL_SIZE", "1"))
-        result.append(Placement(ranks, gpus * ranks, one_host, not one_host,
+        cpus, gpus = worker_resources(service.argv, has_gpus=cluster_has_gpus)
+        result.append(Placement(cpus, gpus, one_host, not one_host,
                                 not user_worker_addresses[worker_index]))
         worker_index += 1
     return result
 
 
-def workers_reach_controller(services: list[ServiceSpec], *, host: str, driver_ip: str) -> None:
+def controller_for_workers(url: str, *, host: str, driver_ip: str) -> str:
     """Bound to the wildcard, serve tells its services the controller is at 127.0.0.1: true on
-    serve's node only. Workers placed elsewhere are told serve's node IP instead."""
-    if host not in WILDCARD_HOSTS:
-        return
+    serve's node only. What runs elsewhere (a worker, a node's agent) is told serve's node IP."""
+    if host in WILDCARD_HOSTS and "//127.0.0.1:" in url:
+        return url.replace("//127.0.0.1:", f"//{driver_ip}:", 1)
+    return url
+
+
+def workers_reach_controller(services: list[ServiceSpec], *, host: str, driver_ip: str) -> None:
+    """Each worker's --controller-address as it reaches the controller from any node."""
     for service in services:
         url = _flag_value(service.argv, "--controller-address")
-        if service.name.startswith("worker") and url and "//127.0.0.1:" in url:
+        if service.name.startswith("worker") and url:
             service.argv = _set_flag(service.argv, "--controller-address",
-                                     url.replace("//127.0.0.1:", f"//{driver_ip}:", 1))
+                                     controller_for_workers(url, host=host, driver_ip=driver_ip))
 
 
 def on_node(service: ServiceSpec, placement: Placement, node_ip: str) -> tuple[list[str], str]:
@@ -220,7 +249,7 @@ def _wait_port_free(health_url: str, timeout_s: float) -> None:
 
 
 def run_on_ray(address: str, services: list[ServiceSpec], settings: Any,
-               user_worker_addresses: list[bool]) -> int:
+               user_worker_addresses: list[bool], agent_config: AgentConfig) -> int:
     """serve's main under --ray: connect (or start Ray), deploy, print, run, tear down."""
     # Not imported yet: Ray reads some of what LocalRay sets in the environment at import.
     if importlib.util.find_spec("ray") is None:
@@ -246,16 +275,22 @@ def run_on_ray(address: str, services: list[ServiceSpec], settings: Any,
                              "docs/multihost.md)") from None
     from llmplatform.serve.down_report import DownReporter
     from llmplatform.serve.launcher import print_addresses, restart_policy
+    from llmplatform.serve.ray_agents import RayAgents
     from llmplatform.serve.ray_deployment import RayDeployment
     from llmplatform.utils.cluster_secret import SECRET_ENV
 
     controller = next(s for s in services if s.name == "controller")
-    workers_reach_controller(services, host=settings.host,
-                             driver_ip=ray.util.get_node_ip_address())
+    driver_ip = ray.util.get_node_ip_address()
+    workers_reach_controller(services, host=settings.host, driver_ip=driver_ip)
+    agents = RayAgents(
+        dataclasses.replace(agent_config, controller_address=controller_for_workers(
+            agent_config.controller_address, host=settings.host, driver_ip=driver_ip)),
+        one_node=settings.host in LOOPBACK_HOSTS, startup_timeout_s=settings.startup_timeout)
     deployment = RayDeployment(
         services, placements(services, host=settings.host,
                              user_worker_addresses=user_worker_addresses,
                              cluster_has_gpus=ray.cluster_resources().get("GPU", 0) > 0),
+        agents,
         startup_timeout_s=settings.startup_timeout, shutdown_timeout_s=settings.shutdown_timeout,
         policy=restart_policy(settings), log_dir=settings.log_dir,
         on_state=DownReporter(controller.url, controller.env.get(SECRET_ENV)))
