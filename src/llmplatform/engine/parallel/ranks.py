@@ -40,6 +40,7 @@ from llmplatform.engine.parallel import rank_process
 from llmplatform.engine.parallel.group import (GroupCollectives, Rendezvous, new_process_group,
                                                open_store)
 from llmplatform.engine.parallel.messages import RankMessage, Stop
+from llmplatform.engine.parallel.pipeline import RankGroups, Topology, join_groups
 from llmplatform.models.parallel import ShardGroup
 
 logger = logging.getLogger("llmplatform.engine")
@@ -57,13 +58,16 @@ class RankFailedError(RuntimeError):
 class TensorParallelRanks:
     """Ranks 1..N-1 of one engine. ``shard`` is rank 0's place in the group, for its model's
     layers. Construct, load rank 0's own shard, then ``wait_ready`` (the ranks load theirs
-    meanwhile)."""
+    meanwhile). With pipeline parallelism N is stages x tensor ranks (``pipeline.Topology``),
+    rank 0 is tensor rank 0 of the first stage and ``groups`` its process groups."""
 
     def __init__(self, parallel: ParallelConfig, model: ModelConfig, *, device: torch.device,
                  max_model_len: int, block_size: int) -> None:
         self.config = parallel
-        self.size = parallel.tensor_parallel_size
-        self.shard = ShardGroup(0, self.size)
+        self.topology = Topology(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        self.size = self.topology.world_size
+        self.shard = ShardGroup(0, parallel.tensor_parallel_size)
+        self.groups: RankGroups | None = None  # with pipeline parallelism
         self._model = model
         self._device = device
         self._max_model_len = max_model_len
@@ -101,7 +105,8 @@ class TensorParallelRanks:
                     max_model_len=self._max_model_len, block_size=self._block_size,
                     rank_timeout_s=config.rank_timeout_s,
                     start_timeout_s=config.rank_start_timeout_s, num_threads=threads,
-                    log_level=logging.getLogger("llmplatform").getEffectiveLevel())
+                    log_level=logging.getLogger("llmplatform").getEffectiveLevel(),
+                    pipeline_parallel_size=self.topology.pipeline_parallel_size)
                 proc = context.Process(target=rank_process.main, args=(spec, theirs),
                                        name=f"llmplatform-tp-rank{rank}", daemon=True)
                 proc.start()
@@ -109,16 +114,24 @@ class TensorParallelRanks:
                 self._procs.append(proc)
                 self._conns.append(ours)
             self._expect("joining")
-            group = new_process_group(self._store, 0, self.size, self._device,
-                                      config.rank_timeout_s, self._generation)
-            collectives = GroupCollectives(group, 0, self.size, self._device)
+            if self.topology.pipeline_parallel_size > 1:
+                self.groups = join_groups(self._store, 0, self.topology, self._device,
+                                          config.rank_timeout_s, self._generation)
+                collectives = self.groups.collectives
+            else:
+                group = new_process_group(self._store, 0, self.size, self._device,
+                                          config.rank_timeout_s, self._generation)
+                collectives = GroupCollectives(group, 0, self.size, self._device)
         except BaseException:
             self.close()
             raise
-        self.widened = collectives.widened
-        self.shard.bind(collectives)
-        logger.info("tensor parallel: %d ranks (%s), ranks 1-%d are pids %s; loading their shards",
-                    self.size, "nccl" if self._device.type == "cuda" else "gloo", self.size - 1,
+        if collectives is not None:
+            self.widened = collectives.widened
+            self.shard.bind(collectives)
+        logger.info("%s: %d ranks (%s), ranks 1-%d are pids %s; loading their shards",
+                    "tensor parallel" if self.topology.pipeline_parallel_size == 1 else
+                    f"{self.topology.pipeline_parallel_size} pipeline stages x "
+                    f"{self.topology.tensor_parallel_size} tensor ranks", self.size, "nccl" if self._device.type == "cuda" else "gloo", self.size - 1,
                     ", ".join(str(p.pid) for p in self._procs))
 
     def wait_ready(self) -> None:
@@ -195,8 +208,9 @@ class TensorParallelRanks:
         if self._failure is not None:
             return RankFailedError(self._failure)
         if isinstance(exc, (dist.DistError, OSError)) or _from_the_group(exc):
+            kind = "tensor-parallel" if self.topology.pipeline_parallel_size == 1 else "pipeline"
             return RankFailedError(
-                f"no answer from the other tensor-parallel ranks ({type(exc).__name__}: {exc}); "
+                f"no answer from the other {kind} ranks ({type(exc).__name__}: {exc}); "
                 f"every rank is still running, so one hangs or is too slow (the timeout is "
                 f"{self.config.rank_timeout_s:g} s, --tensor-parallel-timeout)")
         return exc
@@ -210,7 +224,7 @@ class TensorParallelRanks:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise RankFailedError(
-                        f"tensor-parallel rank {rank} (pid {proc.pid}) did not start within "
+                        f"{self.topology.describe(rank)} (pid {proc.pid}) did not start within "
                         f"{self.config.rank_start_timeout_s:g} s")
                 ready = wait([conn, proc.sentinel], timeout=remaining)
                 if conn in ready:
@@ -218,15 +232,15 @@ class TensorParallelRanks:
                         message_kind, payload = conn.recv()
                     except (EOFError, OSError):
                         proc.join(STOP_GRACE_S)
-                        raise RankFailedError(_ended(rank, proc, None)) from None
+                        raise RankFailedError(_ended(self.topology.describe(rank), proc, None)) from None
                     if message_kind == "error":
                         proc.join(STOP_GRACE_S)
-                        raise RankFailedError(_ended(rank, proc, payload))
+                        raise RankFailedError(_ended(self.topology.describe(rank), proc, payload))
                     if message_kind == kind:
                         break
                 elif ready:
                     proc.join(STOP_GRACE_S)
-                    raise RankFailedError(_ended(rank, proc, None))
+                    raise RankFailedError(_ended(self.topology.describe(rank), proc, None))
 
     def _watch(self, generation: int) -> None:
         """Waits for any rank to end (or to report an error first); records why."""
@@ -253,7 +267,7 @@ class TensorParallelRanks:
                     return
                 proc = procs[rank - 1]
                 proc.join(STOP_GRACE_S)
-                self._failure = _ended(rank, proc, errors.get(rank))
+                self._failure = _ended(self.topology.describe(rank), proc, errors.get(rank))
                 logger.error("%s; the engine fails its step and starts the ranks again (or "
                              "stops, see the restart budget)", self._failure)
                 if self.on_failure is not None:
@@ -269,7 +283,7 @@ def _from_the_group(exc: BaseException) -> bool:
         mark in text for mark in ("gloo", "NCCL", "Timed out", "Connection closed"))
 
 
-def _ended(rank: int, proc: Any, error: str | None) -> str:
+def _ended(rank: str, proc: Any, error: str | None) -> str:
     code = proc.exitcode
     if code is None:
         how = "stopped answering"
@@ -280,7 +294,7 @@ def _ended(rank: int, proc: Any, error: str | None) -> str:
             how = f"was killed by signal {-code}"
     else:
         how = f"exited with status {code}"
-    text = f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"
+    text = f"{rank} (pid {proc.pid}) {how}"
     if error:
         text += f": {error.strip().splitlines()[0]}"
     return text
