@@ -245,6 +245,12 @@ class LLMEngine:
         return [self._finished_update(seq.seq_id, FinishReason.ABORT)
                 for seq in self.scheduler.abort_request(request_id)]
 
+    @property
+    def virtual_engines(self) -> list[LLMEngine]:
+        """The engines the async engine runs a step loop for: this one (``engine.virtual_engines``
+        has several)."""
+        return [self]
+
     def has_unfinished(self) -> bool:
         """Sequences to step, or a tensor-parallel rank gone (the next step raises why)."""
         return self.scheduler.has_unfinished() or self.runner.ranks_failed

@@ -146,3 +146,11 @@ class _Schedulers:
 
     def lora_ids_in_use(self) -> set[int]:
         return set().union(*(scheduler.lora_ids_in_use() for scheduler in self._schedulers))
+
+
+def build_engine(config: EngineConfig, tokenizer: Any | None = None, *,
+                 runner_factory: RunnerFactory = ModelRunner.from_config) -> LLMEngine | VirtualEngines:
+    """The engine ``config`` asks for: one, or with pipeline stages one per stage."""
+    if config.parallel.pipeline_parallel_size > 1:
+        return VirtualEngines(config, tokenizer, runner_factory=runner_factory)
+    return LLMEngine(config, tokenizer, runner_factory=runner_factory)

@@ -100,7 +100,9 @@ def placements(services: list[ServiceSpec], *, host: str, user_worker_addresses:
             FORWARDED_ENV_PREFIX + "DEVICE", "auto")
         gpus = 1 if device == "cuda" or (device == "auto" and cluster_has_gpus) else 0
         ranks = int(_flag_value(service.argv, "--tensor-parallel-size") or os.environ.get(
-            FORWARDED_ENV_PREFIX + "TENSOR_PARALLEL_SIZE", "1"))
+            FORWARDED_ENV_PREFIX + "TENSOR_PARALLEL_SIZE", "1")) * int(
+            _flag_value(service.argv, "--pipeline-parallel-size") or os.environ.get(
+                FORWARDED_ENV_PREFIX + "PIPELINE_PARALLEL_SIZE", "1"))
         result.append(Placement(ranks, gpus * ranks, one_host, not one_host,
                                 not user_worker_addresses[worker_index]))
         worker_index += 1
