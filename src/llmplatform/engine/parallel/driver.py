@@ -14,6 +14,7 @@ naming the rank (``ranks.TensorParallelRanks.explain``).
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,6 +50,7 @@ class PipelineDriver:
                  block_size: int, timeout_s: float) -> None:
         self.ranks, self.model, self.device, self.timeout_s = ranks, model, device, timeout_s
         self.block_size = block_size
+        self.busy_s = 0.0  # seconds rank 0 spent computing the first stage
 
     def launch(self, inputs: StepInputs, kv_caches: list) -> Pending:
         assert inputs.logit_rows is not None
@@ -63,7 +65,9 @@ class PipelineDriver:
         ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
         dtype = self.model.dtype
+        started = time.perf_counter()
         x, residual = self.model(ids, positions, kv_caches, metadata)  # [T, hidden] each
+        self.busy_s += time.perf_counter() - started
         tag = inputs.virtual_engine
         results = PendingResults(groups, len(inputs.logit_rows), int(self.model.vocab_size),
                                  dtype, self.device, tag)

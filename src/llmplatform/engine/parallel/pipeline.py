@@ -22,8 +22,10 @@ one step in flight, so its messages on a link are never mistaken for another's.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -168,12 +170,13 @@ class StageStep:
     on the link waits for it first (one micro-batch buffered per link)."""
 
     def __init__(self, model: torch.nn.Module, stage: PipelineStage, groups: RankGroups,
-                 device: torch.device, timeout_s: float) -> None:
+                 device: torch.device, timeout_s: float, busy: Any = None) -> None:
         self.model, self.stage, self.groups = model, stage, groups
         self.device, self.timeout_s = device, timeout_s
         self.dtype: torch.dtype = model.dtype
         self.hidden_size: int = model.config.hidden_size
         self._outgoing: PendingSend | None = None
+        self._busy = busy  # a shared double (``ranks``): this stage's compute seconds
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
             metadata: object, logit_rows: list[int] | None, tag: int) -> None:
@@ -181,17 +184,26 @@ class StageStep:
         if not self.stage.is_first:
             intermediate = receive_from_previous(self.groups, ids.shape[0], self.hidden_size,
                                                  self.dtype, self.device, tag, self.timeout_s)
+        started = time.perf_counter()
         out = self.model(ids, positions, kv_caches, metadata, intermediate)
         if not self.stage.is_last:
+            self._add_busy(started)
             self._flush()
             x, residual = out
             self._outgoing = send_to_next(self.groups, x.to(self.dtype), residual.to(self.dtype), tag)
-        elif logit_rows:
+            return
+        logits = None
+        if logit_rows:
             rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(out[rows])  # [N, vocab] on tensor rank 0
-            if self.groups.results is not None:
-                self._flush()
-                self._outgoing = send_results(self.groups, logits, tag)
+        self._add_busy(started)
+        if logits is not None and self.groups.results is not None:
+            self._flush()
+            self._outgoing = send_results(self.groups, logits, tag)
+
+    def _add_busy(self, started: float) -> None:
+        if self._busy is not None:
+            self._busy.value += time.perf_counter() - started
 
     def _flush(self) -> None:
         if self._outgoing is not None:

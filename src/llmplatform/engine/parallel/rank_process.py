@@ -22,6 +22,7 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
+from typing import Any
 from multiprocessing.connection import Connection
 
 from llmplatform.engine.config import ModelConfig
@@ -47,12 +48,13 @@ class RankSpec:
     pipeline_parallel_size: int = 1  # stages; ``size`` is stages x tensor ranks (``pipeline``)
 
 
-def main(spec: RankSpec, conn: Connection) -> None:
-    """The process's entry point (``multiprocessing`` target)."""
+def main(spec: RankSpec, conn: Connection, busy: Any = None) -> None:
+    """The process's entry point (``multiprocessing`` target). ``busy``: a shared double the
+    pipeline stage adds its compute seconds to."""
     logging.basicConfig(level=spec.log_level, stream=sys.stderr,
                         format=f"%(asctime)s tp-rank{spec.rank} %(levelname)s %(name)s: %(message)s")
     try:
-        shard = _Shard(spec, conn)
+        shard = _Shard(spec, conn, busy)
     except BaseException as exc:
         _report(conn, f"rank {spec.rank} could not start: {type(exc).__name__}: {exc}\n"
                       f"{traceback.format_exc()}")
@@ -76,7 +78,7 @@ def _report(conn: Connection, text: str) -> None:
 
 
 class _Shard:
-    def __init__(self, spec: RankSpec, conn: Connection) -> None:
+    def __init__(self, spec: RankSpec, conn: Connection, busy: Any) -> None:
         import torch
 
         from llmplatform.engine.model_setup import prepare_model
@@ -121,7 +123,7 @@ class _Shard:
         prepared = prepare_model(spec.model, device, dtype, spec.max_model_len, self.shard, stage)
         self.model = prepared.model
         if stage is not None:
-            self.stage_step = StageStep(self.model, stage, groups, device, spec.rank_timeout_s)
+            self.stage_step = StageStep(self.model, stage, groups, device, spec.rank_timeout_s, busy)
         self.kv_pools: list[list] = []  # one per virtual engine
         self.hidden = None
         conn.send(("ready", {"decode_path": prepared.decode_path}))

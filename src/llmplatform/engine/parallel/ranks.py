@@ -75,6 +75,7 @@ class TensorParallelRanks:
         self._generation = 0
         self._procs: list[Any] = []  # rank r at index r - 1
         self._conns: list[Connection] = []
+        self._busy: list[Any] = []  # a shared double per rank: seconds its stage computed
         self._rendezvous: Rendezvous | None = None
         self._store: dist.Store | None = None
         self._failure: str | None = None
@@ -107,12 +108,14 @@ class TensorParallelRanks:
                     start_timeout_s=config.rank_start_timeout_s, num_threads=threads,
                     log_level=logging.getLogger("llmplatform").getEffectiveLevel(),
                     pipeline_parallel_size=self.topology.pipeline_parallel_size)
-                proc = context.Process(target=rank_process.main, args=(spec, theirs),
+                busy = context.Value("d", 0.0, lock=False)  # pipeline stages add their compute time
+                proc = context.Process(target=rank_process.main, args=(spec, theirs, busy),
                                        name=f"llmplatform-tp-rank{rank}", daemon=True)
                 proc.start()
                 theirs.close()  # only the child holds its end: our exit gives it end-of-file
                 self._procs.append(proc)
                 self._conns.append(ours)
+                self._busy.append(busy)
             self._expect("joining")
             if self.topology.pipeline_parallel_size > 1:
                 self.groups = join_groups(self._store, 0, self.topology, self._device,
@@ -148,7 +151,7 @@ class TensorParallelRanks:
     def restart(self) -> None:
         """A fresh set of ranks (after a failed step: the old ones' state is unknown)."""
         self.close()
-        self._procs, self._conns = [], []
+        self._procs, self._conns, self._busy = [], [], []
         self._start()
         self.wait_ready()
 
@@ -175,6 +178,11 @@ class TensorParallelRanks:
     @property
     def pids(self) -> list[int]:
         return [proc.pid for proc in self._procs]
+
+    def busy_seconds(self) -> list[float]:
+        """Seconds each rank 1..N-1 has spent computing its pipeline stage (layers and logits),
+        since it started (benchmarks/pipeline.py reads each stage's busy fraction from them)."""
+        return [busy.value for busy in self._busy]
 
     # ---- operations --------------------------------------------------------------------------
 
