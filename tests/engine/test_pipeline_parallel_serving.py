@@ -10,6 +10,8 @@ import asyncio
 import os
 import signal
 
+import pytest
+
 from llmplatform.engine.virtual_engines import VirtualEngines
 from llmplatform.llm.base import GenerateRequest
 from llmplatform.llm.paged import PagedLLM
@@ -99,3 +101,24 @@ def test_with_no_restarts_a_killed_stage_leaves_the_engine_dead_with_the_reason(
 
     reason = asyncio.run(scenario())
     assert "rank 1 (pipeline stage 1, tensor rank 0)" in reason and "SIGKILL" in reason, reason
+
+
+def test_a_stage_that_hangs_fails_the_step_within_the_timeout(deep_model_dir):
+    """SIGSTOP of stage 1: the next request waits at most the timeout (3 s here) for the last
+    stage, then the engine fails saying no stage answered; closing still reaps the stopped rank."""
+    async def scenario() -> tuple[str, int]:
+        llm = PagedLLM(engine_config(deep_model_dir, pp=2, restart=0, rank_timeout_s=3))
+        try:
+            await llm.start()
+            prompt = llm.tokenizer("one two three four")["input_ids"]
+            (pid,) = llm.engine.runner.tp.pids
+            os.kill(pid, signal.SIGSTOP)
+            with pytest.raises(Exception):
+                await tokens_of(llm, prompt, "hung", 4)
+            return await asyncio.wait_for(llm.wait_failed(), timeout=60), pid
+        finally:
+            await llm.shutdown()
+
+    reason, pid = asyncio.run(scenario())
+    assert "no answer from the other pipeline ranks" in reason and "3 s" in reason, reason
+    assert not alive(pid)
