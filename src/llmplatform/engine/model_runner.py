@@ -50,7 +50,8 @@ from llmplatform.engine.model_setup import copy_kv_blocks, prepare_model
 from llmplatform.engine.outputs import ModelOutput, SchedulerOutput
 from llmplatform.engine.parallel.messages import AllocateKV, ComputeLogits, StepInputs
 from llmplatform.engine.parallel.driver import InFlightStep, PipelineDriver
-from llmplatform.engine.parallel.ranks import RankFailedError, TensorParallelRanks
+from llmplatform.engine.parallel.ranks import (RankFailedError, TensorParallelRanks, num_layers,
+                                               start_ranks)
 from llmplatform.engine.pooler import PoolingSpan, pool_spans
 from llmplatform.engine.runner_state import RunnerSequence, RunnerStates
 from llmplatform.kernels import AttentionMetadata
@@ -99,9 +100,9 @@ class ModelRunner:
         self.tp: TensorParallelRanks | None = None
         self.num_pools = 1 if parallel is None else parallel.pipeline_parallel_size
         if parallel is not None and parallel.world_size > 1:
-            self.tp = _start_ranks(parallel, model_config, self.device, max_model_len, self.block_size)
+            self.tp = start_ranks(parallel, model_config, self.device, max_model_len, self.block_size)
         try:
-            stage = None if self.num_pools == 1 else self.tp.topology.stage(0, _num_layers(model_config))
+            stage = None if self.num_pools == 1 else self.tp.topology.stage(0, num_layers(model_config))
             prepared = prepare_model(model_config, self.device, self.dtype, max_model_len,
                                      self.tp.shard if self.tp is not None else None, stage)
             if self.tp is not None:
@@ -418,25 +419,3 @@ class _Batch:
     prompt_logprob_spans: list[tuple[RunnerSequence, int, int, int]]
     pooling_spans: list[PoolingSpan] = field(default_factory=list)
     lora_spans: list[RowSpan] = field(default_factory=list)
-
-
-def _num_layers(model_config: ModelConfig) -> int:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_config.model_path).num_hidden_layers
-
-
-def _start_ranks(parallel: ParallelConfig, model_config: ModelConfig, device: torch.device,
-                 max_model_len: int, block_size: int) -> TensorParallelRanks:
-    """Checks that the model splits over the ranks, heads and layers (before any is started),
-    then starts them."""
-    from transformers import AutoConfig
-
-    from llmplatform.models.parallel import check_divisible
-    from llmplatform.models.pipeline import check_pipeline_divisible
-
-    config = AutoConfig.from_pretrained(model_config.model_path)
-    check_divisible(config, parallel.tensor_parallel_size)
-    check_pipeline_divisible(config, parallel.pipeline_parallel_size)
-    return TensorParallelRanks(parallel, model_config, device=device, max_model_len=max_model_len,
-                               block_size=block_size)

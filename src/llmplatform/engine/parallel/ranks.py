@@ -306,3 +306,25 @@ def _ended(rank: str, proc: Any, error: str | None) -> str:
     if error:
         text += f": {error.strip().splitlines()[0]}"
     return text
+
+
+def num_layers(model_config: ModelConfig) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_config.model_path).num_hidden_layers
+
+
+def start_ranks(parallel: ParallelConfig, model_config: ModelConfig, device: torch.device,
+                max_model_len: int, block_size: int) -> TensorParallelRanks:
+    """Checks that the model splits over the ranks, heads and layers (before any is started),
+    then starts them."""
+    from transformers import AutoConfig
+
+    from llmplatform.models.parallel import check_divisible
+    from llmplatform.models.pipeline import check_pipeline_divisible
+
+    config = AutoConfig.from_pretrained(model_config.model_path)
+    check_divisible(config, parallel.tensor_parallel_size)
+    check_pipeline_divisible(config, parallel.pipeline_parallel_size)
+    return TensorParallelRanks(parallel, model_config, device=device, max_model_len=max_model_len,
+                               block_size=block_size)
