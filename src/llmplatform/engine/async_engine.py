@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable, TypeVar
 
 from llmplatform.engine.config import RestartConfig
-from llmplatform.engine.llm_engine import LLMEngine
+from llmplatform.engine.llm_engine import LaunchedStep, LLMEngine
 from llmplatform.engine.outputs import SequenceUpdate
 from llmplatform.engine.pooling import PoolingParams
 from llmplatform.engine.step_gate import StepGate
@@ -100,6 +100,15 @@ class _RestartBudget:
     def describe(self) -> str:
         return (f"{len(self._times)} restart(s) within {RESTART_WINDOW_S:.0f} s already, "
                 f"{self._max} allowed")
+
+
+def _launch(engine: LLMEngine) -> tuple[LaunchedStep | None, list[SequenceUpdate]]:
+    """On the step thread: launches the step and, when its model work is done already (no
+    pipeline stages), completes it in the same hop; else returns it in flight."""
+    launched = engine.launch()
+    if launched.ready:
+        return None, engine.complete(launched)
+    return launched, []
 
 
 class AsyncEngine:
@@ -312,10 +321,10 @@ class AsyncEngine:
                     await virtual.wakeup.wait()
                 continue
             async with self._gate.step():
-                launched = await loop.run_in_executor(self._executor, engine.launch)
-                if not launched.ready:  # in the pipeline: the step thread is free meanwhile
+                launched, updates = await loop.run_in_executor(self._executor, _launch, engine)
+                if launched is not None:  # in the pipeline: the step thread is free meanwhile
                     await asyncio.to_thread(launched.wait)
-                updates = await loop.run_in_executor(self._executor, engine.complete, launched)
+                    updates = await loop.run_in_executor(self._executor, engine.complete, launched)
             for update in updates:
                 self._deliver(update)
             # Let request handlers run (new arrivals, disconnects) before the next step.

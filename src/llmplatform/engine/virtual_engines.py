@@ -26,7 +26,6 @@ from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.engine.model_runner import ModelRunner, RunnerFactory
 from llmplatform.engine.outputs import SequenceUpdate, StepStats
 from llmplatform.engine.prefix_cache import PrefixCacheStats
-from llmplatform.sampling.grammar_sandbox import GrammarSandbox
 
 
 def load(engine: LLMEngine) -> int:
@@ -36,18 +35,17 @@ def load(engine: LLMEngine) -> int:
 
 class VirtualEngines:
     def __init__(self, config: EngineConfig, tokenizer: Any | None = None,
-                 runner: ModelRunner | None = None, grammars: GrammarSandbox | None = None,
+                 runner: ModelRunner | None = None,
                  *, runner_factory: RunnerFactory = ModelRunner.from_config) -> None:
-        first = LLMEngine(config, tokenizer, runner, grammars, runner_factory=runner_factory)
+        first = LLMEngine(config, tokenizer, runner, runner_factory=runner_factory)
         self.virtual_engines: list[LLMEngine] = [first] + [
-            LLMEngine(config, first.tokenizer, first.runner, grammars, virtual_engine=index)
+            LLMEngine(config, first.tokenizer, first.runner, virtual_engine=index)
             for index in range(1, config.parallel.pipeline_parallel_size)]
         self.config = config
         self.tokenizer = first.tokenizer
         self.eos_token_ids = first.eos_token_ids
         self.runner = first.runner
         self.max_model_len = first.max_model_len
-        self.grammars = grammars
         self.validate = first.validate  # the same model and limits for all
         self.validate_pooling = first.validate_pooling
         self.block_manager = _Pools(self.virtual_engines)
@@ -78,7 +76,10 @@ class VirtualEngines:
         """Fresh virtual engines over the same weights (``LLMEngine.rebuild``): new KV pools,
         block managers and schedulers, the other ranks started again."""
         self.runner.reset_kv_cache()
-        return VirtualEngines(self.config, self.tokenizer, runner=self.runner, grammars=self.grammars)
+        fresh = VirtualEngines(self.config, self.tokenizer, runner=self.runner)
+        for new, old in zip(fresh.virtual_engines, self.virtual_engines, strict=True):
+            new.grammars = old.grammars  # each one's grammar process (made on its first grammar)
+        return fresh
 
     @property
     def stats(self) -> StepStats:
