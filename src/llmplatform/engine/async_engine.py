@@ -13,6 +13,14 @@ fresh KV pool, block manager and scheduler) while ``is_healthy`` is False, then 
 When it may not be rebuilt (no config, more restarts within a minute than allowed) or the rebuild
 fails, the engine is dead for good: ``is_healthy`` stays False and :meth:`AsyncEngine.wait_dead`
 returns, so a worker can exit and let its supervisor start a fresh process.
+
+With pipeline parallelism the engine is a set of virtual engines (``engine.virtual_engines``) and
+there is one step loop per virtual engine, as in vLLM's async engine: each launches its step,
+waits for the pipeline off the step thread (so the step thread launches another virtual engine's
+step meanwhile: the stages overlap), then completes it. A new request goes to the least loaded
+virtual engine; its adds and aborts are applied by that engine's loop between its steps. Calls
+between steps wait until no step is in flight (``step_gate``). A failure in any loop stops them
+all and rebuilds the whole set. Without stages there is one loop, the engine itself.
 """
 
 from __future__ import annotations
@@ -23,13 +31,15 @@ import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Callable, TypeVar
 
 from llmplatform.engine.config import RestartConfig
-from llmplatform.engine.llm_engine import LLMEngine
+from llmplatform.engine.llm_engine import LaunchedStep, LLMEngine
 from llmplatform.engine.outputs import SequenceUpdate
 from llmplatform.engine.pooling import PoolingParams
+from llmplatform.engine.step_gate import StepGate
+from llmplatform.engine.virtual_engines import load
 from llmplatform.errors import EngineDeadError, EngineRestartingError
 from llmplatform.sampling.params import SamplingParams
 from llmplatform.utils.logs import request_context
@@ -48,6 +58,26 @@ RESTART_WINDOW_S = 60.0
 class _Stream:
     queue: asyncio.Queue[SequenceUpdate | BaseException]
     num_unfinished: int
+    loop: _VirtualLoop  # the virtual engine that holds the request
+
+
+# (request id, prompt, sampling params and grammar | pooling params and None, cache salt, LoRA id)
+_Add = tuple[str, list[int], "SamplingParams | PoolingParams", "CompiledGrammar | None", "str | None",
+             "int | None"]
+
+
+@dataclass
+class _VirtualLoop:
+    """One virtual engine's step loop state: what to apply between its steps."""
+
+    engine: LLMEngine
+    pending_adds: list[_Add] = field(default_factory=list)
+    pending_aborts: list[str] = field(default_factory=list)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def load(self) -> int:
+        return load(self.engine) + len(self.pending_adds)
 
 
 class _RestartBudget:
@@ -72,6 +102,15 @@ class _RestartBudget:
                 f"{self._max} allowed")
 
 
+def _launch(engine: LLMEngine) -> tuple[LaunchedStep | None, list[SequenceUpdate]]:
+    """On the step thread: launches the step and, when its model work is done already (no
+    pipeline stages), completes it in the same hop; else returns it in flight."""
+    launched = engine.launch()
+    if launched.ready:
+        return None, engine.complete(launched)
+    return launched, []
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, executor: ThreadPoolExecutor | None = None,
                  restart: RestartConfig | None = None,
@@ -81,13 +120,8 @@ class AsyncEngine:
         whole, within this bound; None: such a failure is final."""
         self.engine = engine
         self._streams: dict[str, _Stream] = {}
-        # (request id, prompt, sampling params and grammar | pooling params and None, cache salt,
-        # LoRA adapter id)
-        self._pending_adds: list[tuple[str, list[int], SamplingParams | PoolingParams,
-                                       CompiledGrammar | None, str | None, int | None]] = []
-        self._pending_aborts: list[str] = []
-        self._pending_calls: list[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = []
-        self._wakeup = asyncio.Event()
+        self._loops = [_VirtualLoop(e) for e in engine.virtual_engines]
+        self._gate = StepGate()
         self._owns_executor = executor is None
         self._executor = executor or torch_thread("engine-step")
         self._task: asyncio.Task | None = None
@@ -130,7 +164,18 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        return self.engine.scheduler.num_waiting + len(self._pending_adds)
+        return self.engine.scheduler.num_waiting + sum(len(v.pending_adds) for v in self._loops)
+
+    def _admit(self, request_id: str, add: _Add, num_outputs: int) -> _Stream:
+        """Queues the request on the least loaded virtual engine."""
+        self.check_serving()
+        assert request_id not in self._streams, f"request id {request_id!r} admitted twice"
+        target = min(self._loops, key=lambda v: v.load)
+        stream = _Stream(asyncio.Queue(), num_outputs, target)
+        self._streams[request_id] = stream
+        target.pending_adds.append(add)
+        target.wakeup.set()
+        return stream
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -146,12 +191,8 @@ class AsyncEngine:
 
         The request has been admitted (``LLMEngine.validate`` passed, its id is not running):
         the caller's admission is the one place that checks it."""
-        self.check_serving()
-        assert request_id not in self._streams, f"request id {request_id!r} admitted twice"
-        stream = _Stream(asyncio.Queue(), params.n)
-        self._streams[request_id] = stream
-        self._pending_adds.append((request_id, prompt_token_ids, params, grammar, cache_salt, lora_id))
-        self._wakeup.set()
+        stream = self._admit(request_id, (request_id, prompt_token_ids, params, grammar,
+                                          cache_salt, lora_id), params.n)
         try:
             while stream.num_unfinished:
                 item = await stream.queue.get()
@@ -162,7 +203,7 @@ class AsyncEngine:
                 yield item
         finally:
             if self._streams.pop(request_id, None) is not None and stream.num_unfinished:
-                self._abort_soon(request_id)
+                self._abort_soon(request_id, stream.loop)
 
     async def pool(self, request_id: str, prompt_token_ids: list[int],
                    pooling: PoolingParams) -> SequenceUpdate:
@@ -171,12 +212,7 @@ class AsyncEngine:
         the engine failed the request. Cancelling the call aborts the request and frees its
         blocks before the next step. Admitted already (``LLMEngine.validate_pooling``, a
         unique id), like :meth:`generate`'s requests."""
-        self.check_serving()
-        assert request_id not in self._streams, f"request id {request_id!r} admitted twice"
-        stream = _Stream(asyncio.Queue(), 1)
-        self._streams[request_id] = stream
-        self._pending_adds.append((request_id, prompt_token_ids, pooling, None, None, None))
-        self._wakeup.set()
+        stream = self._admit(request_id, (request_id, prompt_token_ids, pooling, None, None, None), 1)
         try:
             item = await stream.queue.get()
             if isinstance(item, BaseException):
@@ -185,7 +221,7 @@ class AsyncEngine:
             return item
         finally:
             if self._streams.pop(request_id, None) is not None and stream.num_unfinished:
-                self._abort_soon(request_id)
+                self._abort_soon(request_id, stream.loop)
 
     async def call_between_steps(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs ``fn(engine)`` between two steps (e.g. a prefix-cache reset) and returns its
@@ -193,10 +229,13 @@ class AsyncEngine:
         runs on the new engine."""
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine has failed: {self.dead_reason}")
-        future: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._pending_calls.append((fn, future))
-        self._wakeup.set()
-        return await future
+        async with self._gate.alone():
+            if self.dead_reason is not None:
+                raise EngineDeadError(f"the engine has failed: {self.dead_reason}")
+            result = fn(self.engine)
+        for virtual in self._loops:  # an idle loop looks again (e.g. finds a rank gone)
+            virtual.wakeup.set()
+        return result
 
     def check_serving(self) -> None:
         """Raises the typed error for a request that cannot start now (restarting, dead)."""
@@ -205,24 +244,25 @@ class AsyncEngine:
         if self.restarting:
             raise EngineRestartingError("the engine failed and is restarting; retry the request")
 
-    def _abort_soon(self, request_id: str) -> None:
-        self._pending_aborts.append(request_id)
-        self._wakeup.set()
+    def _abort_soon(self, request_id: str, virtual: _VirtualLoop) -> None:
+        virtual.pending_aborts.append(request_id)
+        virtual.wakeup.set()
 
     # ---- the loop ----------------------------------------------------------------------------
 
-    def _apply_pending(self) -> None:
-        """Applies queued adds and aborts (only ever between steps)."""
-        adds, self._pending_adds = self._pending_adds, []
+    def _apply_pending(self, virtual: _VirtualLoop) -> None:
+        """Applies a virtual engine's queued adds and aborts (only ever between its steps)."""
+        engine = virtual.engine
+        adds, virtual.pending_adds = virtual.pending_adds, []
         for request_id, prompt_token_ids, params, grammar, cache_salt, lora_id in adds:
             if request_id not in self._streams:  # the client left before it was added
                 continue
             with request_context(request_id):
                 try:
                     if isinstance(params, PoolingParams):
-                        self.engine.add_pooling_request(request_id, prompt_token_ids, params)
+                        engine.add_pooling_request(request_id, prompt_token_ids, params)
                         continue
-                    self.engine.add_request(request_id, prompt_token_ids, params, grammar,
+                    engine.add_request(request_id, prompt_token_ids, params, grammar,
                                             cache_salt=cache_salt, lora_id=lora_id)
                 except Exception as exc:  # admitted already: a bug, but this request's alone
                     logger.exception("adding the request failed")
@@ -230,23 +270,15 @@ class AsyncEngine:
                     continue
                 logger.debug("queued: %d prompt tokens, max_tokens=%d, n=%d",
                              len(prompt_token_ids), params.max_tokens, params.n)
-        aborts, self._pending_aborts = self._pending_aborts, []
+        aborts, virtual.pending_aborts = virtual.pending_aborts, []
         for request_id in aborts:
-            updates = self.engine.abort(request_id)
+            updates = engine.abort(request_id)
             if updates:
                 with request_context(request_id):
                     logger.debug("aborted: %d unfinished outputs stopped, their blocks freed",
                                  len(updates))
             for update in updates:
                 self._deliver(update)
-        calls, self._pending_calls = self._pending_calls, []
-        for fn, future in calls:
-            if future.cancelled():
-                continue
-            try:
-                future.set_result(fn(self.engine))
-            except Exception as exc:
-                future.set_exception(exc)
 
     def _deliver(self, update: SequenceUpdate) -> None:
         stream = self._streams.get(update.request_id)
@@ -256,7 +288,7 @@ class AsyncEngine:
     async def _run(self) -> None:
         while True:
             try:
-                await self._step_loop()
+                await self._step_loops()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -266,16 +298,33 @@ class AsyncEngine:
                 self._die(f"{type(exc).__name__}: {exc}")
                 raise
 
-    async def _step_loop(self) -> None:
+    async def _step_loops(self) -> None:
+        """Runs every virtual engine's loop until one fails (the others are stopped first)."""
+        tasks = [asyncio.create_task(self._step_loop(v), name=f"engine-loop-{i}")
+                 for i, v in enumerate(self._loops)]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        raise next(task.exception() for task in done if task.exception() is not None)
+
+    async def _step_loop(self, virtual: _VirtualLoop) -> None:
         loop = asyncio.get_running_loop()
+        engine = virtual.engine
         while True:
-            self._apply_pending()
-            if not self.engine.has_unfinished():
-                self._wakeup.clear()
-                if not (self._pending_adds or self._pending_aborts or self._pending_calls):
-                    await self._wakeup.wait()
+            self._apply_pending(virtual)
+            if not engine.has_unfinished():
+                virtual.wakeup.clear()
+                if not (virtual.pending_adds or virtual.pending_aborts):
+                    await virtual.wakeup.wait()
                 continue
-            updates = await loop.run_in_executor(self._executor, self.engine.step)
+            async with self._gate.step():
+                launched, updates = await loop.run_in_executor(self._executor, _launch, engine)
+                if launched is not None:  # in the pipeline: the step thread is free meanwhile
+                    await asyncio.to_thread(launched.wait)
+                    updates = await loop.run_in_executor(self._executor, engine.complete, launched)
             for update in updates:
                 self._deliver(update)
             # Let request handlers run (new arrivals, disconnects) before the next step.
@@ -299,8 +348,10 @@ class AsyncEngine:
         started = time.monotonic()
         self._restarts.spend()
         try:
-            self.engine = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.engine.rebuild)
+            async with self._gate.alone():
+                self.engine = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self.engine.rebuild)
+            self._loops = [_VirtualLoop(e) for e in self.engine.virtual_engines]
         except Exception as rebuild_exc:
             logger.error("the engine could not be rebuilt", exc_info=rebuild_exc)
             return self._die(f"{reason}; then the rebuild failed: "
@@ -323,13 +374,11 @@ class AsyncEngine:
         for a step boundary stay queued for the next engine."""
         for stream in list(self._streams.values()):
             stream.queue.put_nowait(error)
-        self._pending_adds.clear()
-        self._pending_aborts.clear()
+        for virtual in self._loops:
+            virtual.pending_adds.clear()
+            virtual.pending_aborts.clear()
 
     def _fail_all(self, error: BaseException) -> None:
+        """Calls waiting for a step boundary see ``dead_reason`` once they run, and raise."""
         self._fail_in_flight(error)
-        calls, self._pending_calls = self._pending_calls, []
-        for _, future in calls:
-            if not future.done():
-                future.set_exception(error)
 

@@ -137,15 +137,27 @@ class ParallelConfig:
         stalling it (a rank that dies is noticed at once); default 60 s.
     rank_start_timeout_s: how long starting the other ranks (importing torch, loading their
         shards) may take (default 600 s; a rank that exits meanwhile fails the start at once).
+    pipeline_parallel_size: stages the decoder layers are split into, each an equal contiguous
+        range on ``tensor_parallel_size`` ranks of its own (P x T ranks in all), with as many
+        virtual engines (schedulers with their share of the KV cache) whose steps overlap in
+        the stages (default 1: no stages). The layers must divide by it.
     """
 
     tensor_parallel_size: int = 1
     rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S
     rank_start_timeout_s: float = DEFAULT_RANK_START_TIMEOUT_S
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all (1: this process alone)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be at least 1, got {self.pipeline_parallel_size}")
         if self.rank_timeout_s <= 0 or self.rank_start_timeout_s <= 0:
             raise ValueError("rank_timeout_s and rank_start_timeout_s must be positive")
 
@@ -196,6 +208,12 @@ class EngineConfig:
     restart: RestartConfig = RestartConfig()
     parallel: ParallelConfig = ParallelConfig()
     lora: LoRAConfig = LoRAConfig()
+
+    def __post_init__(self) -> None:
+        if self.lora.enabled and self.parallel.pipeline_parallel_size > 1:
+            # Each stage would need its layers' adapter shares and each step's adapter rows.
+            raise ValueError("LoRA adapters are not served with pipeline parallelism yet "
+                             "(--pipeline-parallel-size 1, or no --enable-lora / --lora-modules)")
 
 
 __all__ = ["COMPUTE_DTYPES", "DECODE_PATHS", "CacheConfig", "SchedulerConfig", "ModelConfig", "EngineConfig",

@@ -34,6 +34,7 @@ from llmplatform.engine.block_manager import BlockManager
 from llmplatform.engine.config import EngineConfig
 from llmplatform.engine.isolation import pinned_fault
 from llmplatform.engine.model_runner import ModelRunner, RunnerFactory
+from llmplatform.engine.parallel.driver import InFlightStep
 from llmplatform.engine.outputs import Failure, ModelOutput, SchedulerOutput, SequenceUpdate, StepStats
 from llmplatform.engine.pooling import PoolingParams
 from llmplatform.engine.prefix_cache import PrefixCacheStats
@@ -76,14 +77,35 @@ class OutputState:
         return self.seq.index
 
 
+@dataclass
+class LaunchedStep:
+    """A step between :meth:`LLMEngine.launch` and :meth:`LLMEngine.complete`: what it
+    scheduled, its model work (None: nothing to run) and the rejections it already made."""
+
+    scheduled: SchedulerOutput
+    in_flight: InFlightStep | None
+    updates: list[SequenceUpdate]
+
+    @property
+    def ready(self) -> bool:
+        return self.in_flight is None or self.in_flight.ready
+
+    def wait(self) -> None:
+        """Blocks until the model work is done (any thread; pipeline stages: the last answered)."""
+        if self.in_flight is not None:
+            self.in_flight.wait()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any | None = None,
                  runner: ModelRunner | None = None, grammars: GrammarSandbox | None = None,
-                 *, runner_factory: RunnerFactory = ModelRunner.from_config) -> None:
+                 *, runner_factory: RunnerFactory = ModelRunner.from_config,
+                 virtual_engine: int = 0) -> None:
         """``runner``: an existing model runner to reuse, weights and all (see :meth:`rebuild`);
         otherwise ``runner_factory(config, tokenizer)`` builds one. ``grammars``: the grammar
         process of the constrained sequences, likewise (made on the first constrained request
-        otherwise)."""
+        otherwise). ``virtual_engine``: which of the runner's KV pools this engine's blocks
+        are (pipeline parallelism: ``engine.virtual_engines``)."""
         from transformers import AutoTokenizer, GenerationConfig
 
         self.config = config
@@ -97,6 +119,7 @@ class LLMEngine:
         sched = config.scheduler
         self.max_model_len = sched.max_model_len
         self.runner = runner if runner is not None else runner_factory(config, self.tokenizer)
+        self.virtual_engine = virtual_engine
         self.grammars = grammars
         self._outputs: dict[int, OutputState] = {}  # by seq id, until the sequence finishes
         layout = self.runner.layout
@@ -222,6 +245,12 @@ class LLMEngine:
         return [self._finished_update(seq.seq_id, FinishReason.ABORT)
                 for seq in self.scheduler.abort_request(request_id)]
 
+    @property
+    def virtual_engines(self) -> list[LLMEngine]:
+        """The engines the async engine runs a step loop for: this one (``engine.virtual_engines``
+        has several)."""
+        return [self]
+
     def has_unfinished(self) -> bool:
         """Sequences to step, or a tensor-parallel rank gone (the next step raises why)."""
         return self.scheduler.has_unfinished() or self.runner.ranks_failed
@@ -241,13 +270,24 @@ class LLMEngine:
     # ---- the step loop -----------------------------------------------------------------------
 
     def step(self) -> list[SequenceUpdate]:
+        return self.complete(self.launch())
+
+    def launch(self) -> LaunchedStep:
+        """Schedules and starts the model work (with pipeline stages it is still in flight when
+        this returns: see :class:`LaunchedStep`); nothing changes this engine until ``complete``."""
         self.runner.raise_if_ranks_failed()  # a dead rank fails the step (rebuild: new ranks)
         scheduled = self.scheduler.schedule()
         updates = self._reject(scheduled)
         if scheduled.is_empty:
-            return updates
+            return LaunchedStep(scheduled, None, updates)
         self._note_first_scheduled(scheduled)
-        model_output = self.runner.execute(scheduled)
+        return LaunchedStep(scheduled, self.runner.launch(scheduled, self.virtual_engine), updates)
+
+    def complete(self, launched: LaunchedStep) -> list[SequenceUpdate]:
+        scheduled, updates = launched.scheduled, launched.updates
+        if launched.in_flight is None:
+            return updates
+        model_output = self.runner.finish(launched.in_flight)
         updates += self._fail_pinned(scheduled, model_output)
         self.scheduler.update(scheduled, model_output)
         self._record_stats(scheduled)

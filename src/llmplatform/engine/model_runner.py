@@ -25,13 +25,21 @@ pass, a logits computation) is first sent to the other ranks (``engine.parallel`
 the same on their shards; the logits arrive whole on rank 0, which samples alone. Each rank's KV
 pool has the same blocks, holding its own key/value heads; each rank's adapter slots hold its
 share of the same adapters (engine.lora).
+
+With pipeline parallelism (``pipeline_parallel_size`` P > 1) this runner is rank 0 of the first
+stage, and a step is launched and finished apart (``launch`` -> ``InFlightStep`` -> ``finish``):
+launching runs the first stage and sends its output on (``engine.parallel.driver``), the last stage
+sends back the logits of the rows this step samples and scores, and finishing samples from them.
+Each of the P virtual engines (``engine.virtual_engines``) has its own KV pool (``kv_pools``) on
+every stage and at most one step in flight, so P steps are in the stages at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,7 +50,9 @@ from llmplatform.engine.lora import LoRAManager, RowSpan
 from llmplatform.engine.model_setup import copy_kv_blocks, prepare_model
 from llmplatform.engine.outputs import ModelOutput, SchedulerOutput
 from llmplatform.engine.parallel.messages import AllocateKV, ComputeLogits, StepInputs
-from llmplatform.engine.parallel.ranks import RankFailedError, TensorParallelRanks
+from llmplatform.engine.parallel.driver import InFlightStep, PipelineDriver
+from llmplatform.engine.parallel.ranks import (RankFailedError, TensorParallelRanks, num_layers,
+                                               start_ranks)
 from llmplatform.engine.pooler import PoolingSpan, pool_spans
 from llmplatform.engine.runner_state import RunnerSequence, RunnerStates
 from llmplatform.kernels import AttentionMetadata
@@ -71,6 +81,9 @@ class CacheLayout:
     tensor_parallel_size: int = 1
     num_kv_heads_per_rank: int | None = None
     attention_window: int | None = None
+    # Pipeline parallelism: stages, and virtual engines each with a pool of ``num_blocks``
+    # (``bytes_per_block`` is the first stage's: its layers' share).
+    pipeline_parallel_size: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -84,21 +97,27 @@ class ModelRunner:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.block_size = cache_config.block_size
-        # The other tensor-parallel ranks (None: this process runs the whole model).
+        # The other ranks, tensor-parallel and pipeline (None: this process runs the whole model).
         self.tp: TensorParallelRanks | None = None
-        if parallel is not None and parallel.tensor_parallel_size > 1:
-            self.tp = _start_ranks(parallel, model_config, self.device, max_model_len, self.block_size,
-                                   lora if lora is not None and lora.enabled else None)
+        self.num_pools = 1 if parallel is None else parallel.pipeline_parallel_size
+        if parallel is not None and parallel.world_size > 1:
+            self.tp = start_ranks(parallel, model_config, self.device, max_model_len, self.block_size,
+                                  lora if lora is not None and lora.enabled else None)
         try:
+            stage = None if self.num_pools == 1 else self.tp.topology.stage(0, num_layers(model_config))
             prepared = prepare_model(model_config, self.device, self.dtype, max_model_len,
-                                     self.tp.shard if self.tp is not None else None)
+                                     self.tp.shard if self.tp is not None else None, stage)
             if self.tp is not None:
                 self.tp.wait_ready()
         except BaseException:
             self.close()
             raise
         self.model = prepared.model
-        # Adapter slots on the projections (engine.lora; the other ranks' follow it); None: no LoRA.
+        # Rank 0's side of the pipeline (None without stages).
+        self.pipeline = (PipelineDriver(self.tp, self.model, self.device, self.block_size,
+                                        parallel.rank_timeout_s) if stage is not None else None)
+        # Adapter slots on the projections (engine.lora; the other tensor-parallel ranks' follow
+        # it); None: no LoRA (EngineConfig refuses it with pipeline parallelism).
         self.loras = (LoRAManager(self.model, lora.max_loras, lora.max_lora_rank, self.device, self.tp)
                       if lora is not None and lora.enabled else None)
         self.ops = prepared.ops  # the kernels the model runs (kernels.ops), chosen before it was built
@@ -111,11 +130,14 @@ class ModelRunner:
         self.states = RunnerStates(self.device)
         bytes_per_block = self.model.kv_cache_bytes_per_block(self.block_size)
         try:
-            num_blocks = self._num_blocks(cache_config, bytes_per_block, max_num_batched_tokens)
+            # Each virtual engine gets an equal share of the blocks, in a pool of its own.
+            num_blocks = self._num_blocks(cache_config, bytes_per_block,
+                                          max_num_batched_tokens) // self.num_pools
             self.layout = CacheLayout(num_blocks, self.block_size, bytes_per_block,
-                                      1 if self.tp is None else self.tp.size,
-                                      self.model.num_kv_heads, self.model.attention_window)
-            self.kv_caches = self._allocate_kv_caches(num_blocks)
+                                      1 if self.tp is None else self.tp.shard.size,
+                                      self.model.num_kv_heads, self.model.attention_window,
+                                      self.num_pools)
+            self.kv_pools = self._allocate_kv_pools(num_blocks, self.num_pools)
         except BaseException:
             self.close()
             raise
@@ -134,10 +156,16 @@ class ModelRunner:
 
     # ---- what every tensor-parallel rank does: sent to the others first ------------------------
 
-    def _allocate_kv_caches(self, num_blocks: int) -> list:
+    def _allocate_kv_pools(self, num_blocks: int, num_pools: int = 1) -> list[list]:
         if self.tp is not None:
-            self.tp.send(AllocateKV(num_blocks))
-        return self.model.allocate_kv_caches(num_blocks, self.block_size, device=self.device)
+            self.tp.send(AllocateKV(num_blocks, num_pools))
+        return [self.model.allocate_kv_caches(num_blocks, self.block_size, device=self.device)
+                for _ in range(num_pools)]
+
+    @property
+    def kv_caches(self) -> list:
+        """The (first virtual engine's) KV pool."""
+        return self.kv_pools[0]
 
     def _forward(self, inputs: StepInputs, kv_caches: list,
                  lora: LoRABatch | None = None) -> torch.Tensor:  # [T, hidden]
@@ -186,16 +214,15 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = max_num_batched_tokens
         num_blocks = (num_tokens + self.block_size - 1) // self.block_size
-        caches = self._allocate_kv_caches(num_blocks)
+        caches = self._allocate_kv_pools(num_blocks)[0]
         inputs = StepInputs(input_ids=[0] * num_tokens,
                             positions=[p % self.model.max_position for p in range(num_tokens)],
                             context_lens=[0], query_lens=[num_tokens],
                             block_tables=[list(range(num_blocks))])
-        hidden = self._forward(inputs, caches)
-        self._logits(hidden, [num_tokens - 1])
+        self._run_once(inputs, caches, [num_tokens - 1])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        del caches, hidden
+        del caches
         torch.cuda.empty_cache()
         _, total = torch.cuda.mem_get_info(self.device)
         available = total * cache_config.gpu_memory_utilization - peak
@@ -213,7 +240,7 @@ class ModelRunner:
         the device still works (a CUDA error that poisoned the context raises here). Under
         tensor parallelism the other ranks are started again first (their state after a failed
         step is unknown; they load their shards again)."""
-        self.kv_caches = []  # the old pool goes first, so the two never coexist in memory
+        self.kv_pools = []  # the old pools go first, so the two never coexist in memory
         self.states.clear()  # the new engine's scheduler starts from nothing
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -221,7 +248,7 @@ class ModelRunner:
             self.tp.restart()
             if self.loras is not None:
                 self.loras.send_to_ranks()  # the fresh ranks hold no adapter yet
-        self.kv_caches = self._allocate_kv_caches(self.layout.num_blocks)
+        self.kv_pools = self._allocate_kv_pools(self.layout.num_blocks, self.num_pools)
         self._probe()
 
     @torch.inference_mode()
@@ -229,23 +256,69 @@ class ModelRunner:
         """One token through the model into block 0 (whose contents no sequence owns yet)."""
         inputs = StepInputs(input_ids=[0], positions=[0], context_lens=[0], query_lens=[1],
                             block_tables=[[0]])
-        hidden = self._forward(inputs, self.kv_caches)
-        self._logits(hidden, None).cpu()  # waits for the device
+        self._run_once(inputs, self.kv_caches, [0]).cpu()  # waits for the device
+
+    def _run_once(self, inputs: StepInputs, kv_caches: list, rows: list[int]) -> torch.Tensor:
+        """Logits of ``rows`` of one forward pass outside any step (through every stage)."""
+        if self.pipeline is not None:
+            return self.pipeline.launch(replace(inputs, logit_rows=rows), kv_caches).wait()
+        return self._logits(self._forward(inputs, kv_caches), rows)
+
+    def launch(self, scheduled: SchedulerOutput, virtual_engine: int = 0) -> InFlightStep:
+        """Starts the step; without stages it runs whole here (``execute``) and comes back done.
+        ``InFlightStep.wait`` (any thread) waits for the last stage; ``finish`` samples."""
+        if self.pipeline is None:
+            return InFlightStep.done(self.execute(scheduled))
+        with torch.inference_mode(), self._explained():
+            batch = self._flatten(scheduled, virtual_engine)
+            rows = sorted(set(batch.sample_rows).union(
+                *(range(first, first + (min(start + num, seq.num_prompt_tokens - 1) - start))
+                  for seq, first, start, num in batch.prompt_logprob_spans)))
+            inputs = replace(batch.inputs, virtual_engine=virtual_engine, logit_rows=rows)
+            assert not batch.pooling_spans, "pooling is refused with pipeline parallelism"
+            return InFlightStep(self.pipeline.launch(inputs, self.kv_pools[virtual_engine]),
+                                batch, rows)
+
+    def finish(self, step: InFlightStep) -> ModelOutput:
+        """The launched step's output (after ``step.wait``: its logits are here)."""
+        if step.output is not None:
+            return step.output
+        with torch.inference_mode(), self._explained():
+            logits = step.wait()  # [len(rows), vocab]; returns at once once waited
+            index = {row: i for i, row in enumerate(step.rows)}
+            return self._outputs(step.batch, lambda rows: logits[[index[r] for r in rows]], None)
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
-        if self.tp is None:
+        with self._explained():
             return self._execute(scheduled)
+
+    @contextlib.contextmanager
+    def _explained(self) -> Iterator[None]:
+        """A collective or a send that failed: say which rank, and how."""
         try:
-            return self._execute(scheduled)
+            yield
         except RankFailedError:
             raise
-        except Exception as exc:  # a collective that failed: say which rank, and how
+        except Exception as exc:
+            if self.tp is None:
+                raise
             raise self.tp.explain(exc) from exc
 
     def _execute(self, scheduled: SchedulerOutput) -> ModelOutput:
+        batch = self._flatten(scheduled)
+        lora = (None if self.loras is None
+                else self.loras.batch(batch.lora_spans, len(batch.inputs.input_ids),
+                                      self.states.lora_ids()))
+        inputs = (batch.inputs if lora is None
+                  else replace(batch.inputs, lora=self.loras.step_for_ranks(batch.lora_spans)))
+        hidden = self._forward(inputs, self.kv_caches, lora)  # [num_tokens, hidden]
+        return self._outputs(batch, lambda rows: self._logits(hidden, rows), hidden)
+
+    def _flatten(self, scheduled: SchedulerOutput, virtual_engine: int = 0) -> _Batch:
+        """The step's chunks as one batch (the layout drawn at the top), block copies applied."""
         self.states.apply(scheduled)
-        copy_kv_blocks(self.kv_caches, scheduled.blocks_to_copy, self.device)
+        copy_kv_blocks(self.kv_pools[virtual_engine], scheduled.blocks_to_copy, self.device)
         input_ids: list[int] = []
         positions: list[int] = []
         context_lens: list[int] = []
@@ -277,16 +350,20 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
 
-        lora = (None if self.loras is None
-                else self.loras.batch(lora_spans, len(input_ids), self.states.lora_ids()))
         inputs = StepInputs(input_ids, positions, context_lens, query_lens, block_tables,
-                            scheduled.blocks_to_copy,
-                            None if lora is None else self.loras.step_for_ranks(lora_spans))
-        hidden = self._forward(inputs, self.kv_caches, lora)  # [num_tokens, hidden]
+                            scheduled.blocks_to_copy)
+        return _Batch(inputs, sample_rows, sample_seqs, prompt_logprob_spans, pooling_spans,
+                      lora_spans)
 
+    def _outputs(self, batch: _Batch, logits_of: Callable[[list[int]], torch.Tensor],
+                 hidden: torch.Tensor | None) -> ModelOutput:
+        """Samples, scores prompts and pools, given the logits of any rows (``logits_of``) and
+        the final hidden states (None under pipeline parallelism: no pooling there)."""
+        sample_rows, sample_seqs = batch.sample_rows, batch.sample_seqs
+        prompt_logprob_spans, pooling_spans = batch.prompt_logprob_spans, batch.pooling_spans
         output = ModelOutput(seq_ids=[], token_ids=[], logprobs=[])
         if sample_rows:
-            logits = self._logits(hidden, sample_rows)  # [num_sampling, vocab]
+            logits = logits_of(sample_rows)  # [num_sampling, vocab]
             sampled = self._sample(logits, [seq.sampling_row() for seq in sample_seqs],
                                    sample_seqs)
             for i, seq in enumerate(sample_seqs):
@@ -302,18 +379,19 @@ class ModelRunner:
             if seq.seq_id in output.errors:
                 continue
             try:
-                output.prompt_logprobs[seq.seq_id] = self._prompt_logprobs(seq, hidden, first_row,
+                output.prompt_logprobs[seq.seq_id] = self._prompt_logprobs(seq, logits_of, first_row,
                                                                            start, num_new)
             except Exception as exc:
                 output.errors[seq.seq_id] = pinned_fault(seq, "prompt logprobs", exc)
         if pooling_spans:
+            assert hidden is not None
             pooled, errors = pool_spans(hidden, pooling_spans)
             output.pooled.update(pooled)
             output.errors.update(errors)
         return output
 
-    def _prompt_logprobs(self, seq: RunnerSequence, hidden: torch.Tensor, first_row: int, start: int,
-                         num_new: int) -> list[TokenLogprob]:
+    def _prompt_logprobs(self, seq: RunnerSequence, logits_of: Callable[[list[int]], torch.Tensor],
+                         first_row: int, start: int, num_new: int) -> list[TokenLogprob]:
         """Records for the prompt tokens this chunk scores. The row of position q scores the
         token at q + 1, so a chunk [start, end) scores prompt tokens start+1 .. end (the last one
         only if it is still a prompt token); position 0 has nothing before it (logprob None)."""
@@ -324,7 +402,7 @@ class ModelRunner:
         last_q = min(start + num_new, len(prompt) - 1)
         if last_q > start:
             rows = list(range(first_row, first_row + (last_q - start)))
-            logprobs = torch.log_softmax(self._logits(hidden, rows).float(), dim=-1)
+            logprobs = torch.log_softmax(logits_of(rows).float(), dim=-1)
             records.extend(self.sampler.logprob_records(logprobs, prompt[start + 1:last_q + 1],
                                                         seq.params.prompt_logprobs or 0))
         return records
@@ -336,13 +414,14 @@ gets its runner (``LLMEngine(..., runner_factory=...)``, ``PagedLLM(..., runner_
 The default is :meth:`ModelRunner.from_config`; tests pass a subclass that injects faults."""
 
 
-def _start_ranks(parallel: ParallelConfig, model_config: ModelConfig, device: torch.device,
-                 max_model_len: int, block_size: int, lora: LoRAConfig | None) -> TensorParallelRanks:
-    """Checks that the model splits over the ranks (before any is started), then starts them."""
-    from transformers import AutoConfig
+@dataclass
+class _Batch:
+    """One step's chunks flattened (``ModelRunner._flatten``), and which rows each use has."""
 
-    from llmplatform.models.parallel import check_divisible
-
-    check_divisible(AutoConfig.from_pretrained(model_config.model_path), parallel.tensor_parallel_size)
-    return TensorParallelRanks(parallel, model_config, device=device, max_model_len=max_model_len,
-                               block_size=block_size, lora=lora)
+    inputs: StepInputs
+    sample_rows: list[int]
+    sample_seqs: list[RunnerSequence]
+    # (seq, its first row, its first position, its number of new tokens)
+    prompt_logprob_spans: list[tuple[RunnerSequence, int, int, int]]
+    pooling_spans: list[PoolingSpan] = field(default_factory=list)
+    lora_spans: list[RowSpan] = field(default_factory=list)

@@ -20,6 +20,7 @@ from llmplatform.kernels.ops import ModelOps
 from llmplatform.models.layers import Linear
 from llmplatform.models.loader import load_model
 from llmplatform.models.parallel import ShardGroup
+from llmplatform.models.pipeline import PipelineStage
 from llmplatform.models.rope import is_partial_rotary
 from llmplatform.utils.torch_utils import resolve_compute_dtype
 
@@ -50,7 +51,9 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def prepare_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                  max_model_len: int, shard: ShardGroup | None = None) -> PreparedModel:
+                  max_model_len: int, shard: ShardGroup | None = None,
+                  stage: PipelineStage | None = None) -> PreparedModel:
+    """``shard``: this tensor-parallel rank's shard; ``stage``: this pipeline stage's layers."""
     compute_dtype = resolve_compute_dtype(model_config.compute_dtype, dtype, device)
     if compute_dtype != dtype:
         logger.info("matrix products in %s over %s weights (%s)", _name(compute_dtype),
@@ -62,7 +65,7 @@ def prepare_model(model_config: ModelConfig, device: torch.device, dtype: torch.
     partial_rotary = is_partial_rotary(AutoConfig.from_pretrained(model_config.model_path))
     ops = model_ops(model_config, device, dtype, compute_dtype, partial_rotary=partial_rotary)
     model = load_model(model_config.model_path, dtype=dtype, device=device, max_model_len=max_model_len,
-                       shard=shard, quantized_gguf=model_config.quantized_gguf, ops=ops)
+                       shard=shard, quantized_gguf=model_config.quantized_gguf, ops=ops, stage=stage)
     prepared = PreparedModel(model, ops)
     if prepared.onednn_linears:
         logger.info("%s projections run on oneDNN with prepacked weights (%d)", _name(compute_dtype),

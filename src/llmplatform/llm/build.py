@@ -57,6 +57,7 @@ class BackendConfig:
     # Native engine (paged backend) only.
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     tensor_parallel_timeout: float = ParallelConfig.rank_timeout_s  # seconds a step waits on the other ranks
+    pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size  # stages (engine.virtual_engines)
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     block_size: int = CacheConfig.block_size
@@ -155,6 +156,8 @@ def _load(config: BackendConfig, runner_factory: RunnerFactory | None) -> LLMBac
     gguf = quantized_gguf(resolved, config.quantization)  # None unless --quantization gguf
     if gguf is not None and config.tensor_parallel_size > 1:
         raise ValueError("--quantization gguf does not combine with --tensor-parallel-size > 1 yet")
+    if gguf is not None and config.pipeline_parallel_size > 1:
+        raise ValueError("--quantization gguf does not combine with --pipeline-parallel-size > 1 yet")
     names = config.model_names or (resolved.name,)
     backend = config.backend
     model_config, reason = (_paged_config(config, resolved.path) if backend in ("auto", "paged")
@@ -175,8 +178,9 @@ def _load(config: BackendConfig, runner_factory: RunnerFactory | None) -> LLMBac
                              "(--task generate)")
         _no_pooling_flags(config, "the encoder backend follows the folder's sentence-transformers "
                                   "configuration")
-        if config.tensor_parallel_size > 1:
-            raise ValueError("--tensor-parallel-size runs on the paged backend, not encoder")
+        if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+            raise ValueError("--tensor-parallel-size and --pipeline-parallel-size run on the paged "
+                             "backend, not encoder")
         return _build_encoder(config, str(resolved.path), names)
     if task == "embed" and backend == "hf":
         raise ValueError("--task embed runs on the paged backend (decoders) or the encoder "
@@ -193,6 +197,11 @@ def _load(config: BackendConfig, runner_factory: RunnerFactory | None) -> LLMBac
             backend = "hf"
     if backend != "paged" and config.tensor_parallel_size > 1:
         raise ValueError(f"--tensor-parallel-size runs on the paged backend, not {backend}")
+    if backend != "paged" and config.pipeline_parallel_size > 1:
+        raise ValueError(f"--pipeline-parallel-size runs on the paged backend, not {backend}")
+    if task == "embed" and config.pipeline_parallel_size > 1:
+        # The last stage returns only the rows' logits, never the hidden states pooling reads.
+        raise ValueError("--task embed does not combine with --pipeline-parallel-size > 1 yet")
     if backend == "paged":
         return _build_paged(config, str(resolved.path), names, embed=task == "embed",
                             quantized_gguf=None if gguf is None else str(gguf),
@@ -329,6 +338,7 @@ def _engine_config(config: BackendConfig, path: str, names: tuple[str, ...], *,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_model_len=model_len),
         parallel=ParallelConfig(tensor_parallel_size=config.tensor_parallel_size,
-                                rank_timeout_s=config.tensor_parallel_timeout),
+                                rank_timeout_s=config.tensor_parallel_timeout,
+                                pipeline_parallel_size=config.pipeline_parallel_size),
         lora=LoRAConfig(enabled=config.lora_enabled, max_loras=config.max_loras,
                         max_lora_rank=config.max_lora_rank))

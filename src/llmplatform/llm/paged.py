@@ -29,6 +29,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from llmplatform.engine.async_engine import AsyncEngine
 from llmplatform.engine.config import EngineConfig
 from llmplatform.engine.llm_engine import LLMEngine
+from llmplatform.engine.virtual_engines import VirtualEngines, build_engine
 from llmplatform.engine.lora import LoRAManager
 from llmplatform.engine.model_runner import ModelRunner, RunnerFactory
 from llmplatform.errors import EngineDeadError, InvalidRequestError, LLMPlatformError, ModelNotFoundError
@@ -59,7 +60,7 @@ class PagedLLM(LLMBackend):
         self._thread = torch_thread("engine-step")
         self._async: AsyncEngine | None = None  # from start(); owns the engine from then on
         try:
-            self._engine = self._thread.submit(LLMEngine, config,
+            self._engine = self._thread.submit(build_engine, config,
                                                runner_factory=runner_factory).result()
         except BaseException:
             self._thread.shutdown(wait=True)
@@ -94,7 +95,7 @@ class PagedLLM(LLMBackend):
         return self._facts
 
     @property
-    def engine(self) -> LLMEngine:
+    def engine(self) -> LLMEngine | VirtualEngines:
         """The current engine (a new one after each rebuild)."""
         return self._async.engine if self._async is not None else self._engine
 

@@ -138,6 +138,13 @@ class WorkerServiceSettings(ServerSettings):
         "on the other ranks before it fails (a rank that hangs; one that dies is noticed at once). "
         "The engine then starts the ranks again, or the worker exits for its supervisor (default: "
         "%(default)s)", metavar='SECONDS', group=_ENGINE, gt=0)
+    pipeline_parallel_size: int = option(
+        _DEFAULT.pipeline_parallel_size, "split the model's decoder layers into this many stages "
+        "(pipeline parallelism: each stage an equal, contiguous range of layers and their KV cache "
+        "on --tensor-parallel-size ranks of its own, so P x T ranks in all; hidden states pass stage "
+        "to stage point to point). As many virtual engines, each with its own scheduler and share "
+        "of the KV cache, keep the stages busy at once. The layer count must divide by it "
+        "(default: %(default)s)", group=_ENGINE, ge=1)
     max_num_seqs: int = option(
         _DEFAULT.max_num_seqs, "sequences batched together at most", group=_ENGINE, ge=1)
     max_num_batched_tokens: int = option(

@@ -51,6 +51,7 @@ from llmplatform.models.parallel import (
     row_linear,
     vocab_embedding,
 )
+from llmplatform.models.pipeline import PipelineStage
 from llmplatform.models.rope import RotaryEmbedding, rope_max_position, rope_parameters
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -248,14 +249,17 @@ class LlamaModel(nn.Module):
         self, config: Any, *, dtype: torch.dtype, device: torch.device | str, max_position: int,
         shard: ShardGroup | None = None, ops: ModelOps | None = None, qk_norm: bool = False,
         make_mlp: Callable[[int], nn.Module | None] | None = None,  # layer index -> its MLP (None: dense)
+        stage: PipelineStage | None = None,  # a pipeline stage's layers only (models.pipeline)
     ) -> None:
         super().__init__()
-        self.embed_tokens = vocab_embedding(shard, config.vocab_size, config.hidden_size, dtype=dtype,
-                                            device=device)
+        self.stage = stage
+        self.embed_tokens: nn.Module | None = vocab_embedding(
+            shard, config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        first, end = (0, config.num_hidden_layers) if stage is None else (stage.start_layer, stage.end_layer)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, dtype=dtype, device=device, shard=shard, ops=ops, qk_norm=qk_norm,
                               sliding_window=window, mlp=None if make_mlp is None else make_mlp(index))
-            for index, window in enumerate(layer_windows(config))
+            for index, window in enumerate(layer_windows(config)) if first <= index < end
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device, ops=ops)
         self.rotary_emb = RotaryEmbedding(
@@ -270,14 +274,19 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[KVCache],  # one per layer
+        kv_caches: list[KVCache],  # one per layer (of this stage)
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,  # the previous stage's (x, residual)
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, hidden]; a stage not last: (x, residual)
+        if intermediate is None:
+            x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        else:
+            x, residual = intermediate  # [T, hidden] each
         cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)  # [T, 1, head_dim] each, shared by all layers
-        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, self.rotary_emb, kv_cache, attn_metadata)
+        if self.stage is not None and not self.stage.is_last:
+            return x, residual
         x, _ = self.norm(x, residual)  # [T, hidden]
         return x
 
@@ -315,6 +324,7 @@ class LlamaForCausalLM(nn.Module):
         max_model_len: int | None = None,
         shard: ShardGroup | None = None,
         ops: ModelOps | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         super().__init__()
         ops = ops or reference_ops(dtype, device)
@@ -327,7 +337,9 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.shard = shard
         self.vocab_size = config.vocab_size  # the logits' width (every rank's slice gathered)
-        self.num_layers = config.num_hidden_layers
+        # ``stage``: one pipeline stage's layers (and KV cache) only (models.pipeline).
+        self.stage = stage if stage is not None and stage.size > 1 else None
+        self.num_layers = config.num_hidden_layers if self.stage is None else self.stage.num_layers
         self.num_kv_heads = num_kv_heads_of(config) // (1 if shard is None else shard.size)  # this rank's
         self.head_dim = head_dim_of(config)
         max_position = rope_max_position(config)
@@ -337,10 +349,14 @@ class LlamaForCausalLM(nn.Module):
         self.model = self.decoder_class(
             config, dtype=dtype, device=device, max_position=max_position, shard=shard, ops=ops,
             qk_norm=self.qk_norm,
-            make_mlp=lambda index: self.make_mlp(index, dtype=dtype, device=device, shard=shard, ops=ops))
+            make_mlp=lambda index: self.make_mlp(index, dtype=dtype, device=device, shard=shard, ops=ops),
+            **({} if self.stage is None else {"stage": self.stage}))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.has_head = self.stage is None or self.stage.is_last
+        if self.stage is not None and not (self.stage.is_first or (self.has_head and self.tie_word_embeddings)):
+            self.model.embed_tokens = None  # neither its input nor (tied) its head
         self.lm_head = (
-            None if self.tie_word_embeddings
+            None if self.tie_word_embeddings or not self.has_head
             else lm_head_linear(shard, config.hidden_size, config.vocab_size, dtype=dtype, device=device, ops=ops)
         )
         # --quantization gguf (models.quantized): the output projection kept in GGUF blocks, for
@@ -357,7 +373,8 @@ class LlamaForCausalLM(nn.Module):
     def attention_window(self) -> int | None:
         """How far back any layer attends: None when some layer sees the whole context (keep all
         KV), else the largest window of its layers (the engine frees KV older than that)."""
-        windows = [layer.self_attn.sliding_window for layer in self.model.layers]
+        windows = (layer_windows(self.config) if self.stage is not None  # every stage's layers
+                   else [layer.self_attn.sliding_window for layer in self.model.layers])
         return None if None in windows else max(windows)
 
     def process_weights_after_loading(self) -> None:
@@ -366,7 +383,7 @@ class LlamaForCausalLM(nn.Module):
         with tied embeddings the output projection becomes a ``Linear`` over the embedding matrix
         (its own copy only where the plan needs another dtype or layout)."""
         process_weights_after_loading(self)
-        if self.lm_head is None:
+        if self.lm_head is None and self.has_head:
             head = Linear(self.config.hidden_size, [self.lm_head_weight.shape[0]], bias=False,
                           dtype=self.dtype, device="meta", ops=self.ops, prepack=False)
             head.weight = self.model.embed_tokens.weight
@@ -384,10 +401,13 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64, the new tokens of all sequences, flattened
         positions: torch.Tensor,  # [T] int64, each token's position in its sequence
-        kv_caches: list[KVCache],  # one (k_cache, v_cache) per layer
+        kv_caches: list[KVCache],  # one (k_cache, v_cache) per layer (of this stage)
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,  # a later stage's input
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, hidden]; a stage not last: (x, residual)
+        if intermediate is None:
+            return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         """Logits (model dtype) of the rows the caller samples from. Sharded: a collective that
@@ -412,7 +432,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> list[KVCache]:
         """Zeroed caches for every layer (zeros, not empty: padding slots are read and masked,
         and a NaN bit pattern would survive the mask)."""
-        device = device if device is not None else self.model.embed_tokens.weight.device
+        device = device if device is not None else next(self.parameters()).device
         shape = self.kv_cache_shape(num_blocks, block_size)
         return [
             (torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))

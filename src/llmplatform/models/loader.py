@@ -32,6 +32,7 @@ from llmplatform.kernels.ops import ModelOps, plan_ops
 from llmplatform.models.layers import Linear
 from llmplatform.models.moe import StackedExperts, moe_checkpoint_name
 from llmplatform.models.parallel import ShardGroup
+from llmplatform.models.pipeline import PipelineStage, stage_weight_name
 from llmplatform.models.registry import get_model_class, is_headless
 from llmplatform.utils.logs import progress
 
@@ -55,12 +56,14 @@ def load_model(
     shard: ShardGroup | None = None,
     quantized_gguf: str | Path | None = None,
     ops: ModelOps | None = None,
+    stage: PipelineStage | None = None,
 ) -> nn.Module:
     """Build the registered model class for ``model_dir``'s config.json with the kernels ``ops``
     names (``kernels.ops``; None: the eager path on what builds here, as ``plan_ops`` resolves it)
     and load its weights (``shard``: only this rank's shard of them; ``quantized_gguf``: the GGUF
     ``model_dir`` was converted from, whose projection blocks then replace the dense projections:
-    ``models.quantized``). The model comes back finished: nothing changes its kernels later."""
+    ``models.quantized``; ``stage``: only one pipeline stage's layers, ``models.pipeline``). The
+    model comes back finished: nothing changes its kernels later."""
     from transformers import AutoConfig
 
     if quantized_gguf is not None and shard is not None and shard.size > 1:
@@ -74,10 +77,12 @@ def load_model(
         ops = plan_ops(torch.device(device).type, dtype, quantized=quantized_gguf is not None, onednn=False)
     if ops.quantized != (quantized_gguf is not None):
         raise ValueError(f"the ops plan says quantized={ops.quantized}, the model {quantized_gguf=}")
+    parts: dict[str, Any] = {}  # only what splits the model: every family takes the plain call
     if shard is not None and shard.size > 1:
-        model = model_class(config, dtype=dtype, device=device, max_model_len=max_model_len, shard=shard, ops=ops)
-    else:
-        model = model_class(config, dtype=dtype, device=device, max_model_len=max_model_len, ops=ops)
+        parts["shard"] = shard
+    if stage is not None and stage.size > 1:
+        parts["stage"] = stage
+    model = model_class(config, dtype=dtype, device=device, max_model_len=max_model_len, ops=ops, **parts)
     load_weights(model, model_dir, headless=headless)
     if quantized_gguf is not None:
         from llmplatform.models.quantized import keep_gguf_quantized
@@ -95,6 +100,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, *, headless: bool = Fa
     lm_head_fallback: torch.Tensor | None = None
     tied = _EMBED in params and "lm_head.weight" not in params
     sliced = getattr(model, "shard", None) is not None  # read lazily, each module its slice
+    stage = getattr(model, "stage", None)
 
     # A big checkpoint takes a while: show it moving (on a terminal; see utils.logs.progress).
     tensors = progress(_iter_checkpoint(Path(model_dir), lazy=sliced), total=_num_tensors(Path(model_dir)),
@@ -104,6 +110,10 @@ def load_weights(model: nn.Module, model_dir: str | Path, *, headless: bool = Fa
             continue  # old checkpoints store the rotary table; we compute our own
         if headless and not checkpoint_name.startswith("model."):
             checkpoint_name = "model." + checkpoint_name
+        if stage is not None:  # a pipeline stage: only its own layers (models.pipeline)
+            checkpoint_name = stage_weight_name(checkpoint_name, stage, keeps_embedding=_EMBED in params)
+            if checkpoint_name is None:
+                continue
         if checkpoint_name == "lm_head.weight" and tied:
             lm_head_fallback = _read_part(model, _EMBED, 0, tensor)  # now: the file closes
             continue

@@ -100,14 +100,16 @@ class Placement:
 
 
 def worker_resources(argv: list[str], *, has_gpus: bool) -> tuple[int, int]:
-    """The CPUs and GPUs a worker's actor reserves: one CPU per tensor-parallel rank, and a GPU
-    per rank when its --device is cuda, or auto where there are GPUs (its flags, else the
-    forwarded LLMPLATFORM_* variables)."""
+    """The CPUs and GPUs a worker's actor reserves: one CPU per rank (tensor-parallel times
+    pipeline ranks), and a GPU per rank when its --device is cuda, or auto where there are GPUs
+    (its flags, else the forwarded LLMPLATFORM_* variables)."""
     device = _flag_value(argv, "--device") or os.environ.get(
         FORWARDED_ENV_PREFIX + "DEVICE", "auto")
     gpus = 1 if device == "cuda" or (device == "auto" and has_gpus) else 0
     ranks = int(_flag_value(argv, "--tensor-parallel-size") or os.environ.get(
-        FORWARDED_ENV_PREFIX + "TENSOR_PARALLEL_SIZE", "1"))
+        FORWARDED_ENV_PREFIX + "TENSOR_PARALLEL_SIZE", "1")) * int(
+        _flag_value(argv, "--pipeline-parallel-size") or os.environ.get(
+            FORWARDED_ENV_PREFIX + "PIPELINE_PARALLEL_SIZE", "1"))
     return ranks, gpus * ranks
 
 

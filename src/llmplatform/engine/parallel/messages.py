@@ -37,6 +37,10 @@ class StepInputs:
     block_tables: list[list[int]]
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     lora: LoRAStep | None = None  # None: no row runs an adapter
+    # Pipeline parallelism (``pipeline``): whose KV pool, and the rows whose logits the last
+    # stage sends rank 0 (instead of a ``ComputeLogits``).
+    virtual_engine: int = 0
+    logit_rows: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -48,9 +52,11 @@ class ComputeLogits:
 
 @dataclass(frozen=True)
 class AllocateKV:
-    """A fresh, zeroed KV pool of ``num_blocks`` blocks (the previous one is dropped first)."""
+    """Fresh, zeroed KV pools of ``num_blocks`` blocks, one per virtual engine (the previous
+    ones are dropped first)."""
 
     num_blocks: int
+    num_pools: int = 1
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
+from typing import Any
 from multiprocessing.connection import Connection
 
 from llmplatform.engine.config import LoRAConfig, ModelConfig
@@ -46,14 +47,16 @@ class RankSpec:
     num_threads: int  # torch CPU threads (the ranks share the host's cores)
     log_level: int
     lora: LoRAConfig | None = None  # adapter slots on the projections, as on rank 0
+    pipeline_parallel_size: int = 1  # stages; ``size`` is stages x tensor ranks (``pipeline``)
 
 
-def main(spec: RankSpec, conn: Connection) -> None:
-    """The process's entry point (``multiprocessing`` target)."""
+def main(spec: RankSpec, conn: Connection, busy: Any = None) -> None:
+    """The process's entry point (``multiprocessing`` target). ``busy``: a shared double the
+    pipeline stage adds its compute seconds to."""
     logging.basicConfig(level=spec.log_level, stream=sys.stderr,
                         format=f"%(asctime)s tp-rank{spec.rank} %(levelname)s %(name)s: %(message)s")
     try:
-        shard = _Shard(spec, conn)
+        shard = _Shard(spec, conn, busy)
     except BaseException as exc:
         _report(conn, f"rank {spec.rank} could not start: {type(exc).__name__}: {exc}\n"
                       f"{traceback.format_exc()}")
@@ -77,13 +80,16 @@ def _report(conn: Connection, text: str) -> None:
 
 
 class _Shard:
-    def __init__(self, spec: RankSpec, conn: Connection) -> None:
+    def __init__(self, spec: RankSpec, conn: Connection, busy: Any) -> None:
         import torch
 
         from llmplatform.engine.lora import LoRAManager
         from llmplatform.engine.model_setup import prepare_model
+        from transformers import AutoConfig
+
         from llmplatform.engine.parallel.group import (GroupCollectives, new_process_group,
                                                        open_store)
+        from llmplatform.engine.parallel.pipeline import StageStep, Topology, join_groups
         from llmplatform.models.parallel import ShardGroup
         from llmplatform.utils.torch_utils import resolve_device, resolve_dtype
 
@@ -99,17 +105,32 @@ class _Shard:
         dtype = resolve_dtype(spec.model.dtype, device)
         store = open_store(spec.store_path, spec.size, spec.start_timeout_s)
         conn.send(("joining", os.getpid()))
-        group = new_process_group(store, spec.rank, spec.size, device, spec.rank_timeout_s,
-                                  spec.generation)
-        self.shard = ShardGroup(spec.rank, spec.size)
-        self.shard.bind(GroupCollectives(group, spec.rank, spec.size, device))
-        self._store, self._group = store, group  # kept alive with the process
-        prepared = prepare_model(spec.model, device, dtype, spec.max_model_len, self.shard)
+        self.stage_step: StageStep | None = None
+        if spec.pipeline_parallel_size > 1:
+            topology = Topology(spec.size // spec.pipeline_parallel_size, spec.pipeline_parallel_size)
+            groups = join_groups(store, spec.rank, topology, device, spec.rank_timeout_s,
+                                 spec.generation)
+            self.shard = ShardGroup(topology.tensor_rank(spec.rank), topology.tensor_parallel_size)
+            if groups.collectives is not None:
+                self.shard.bind(groups.collectives)
+            stage = topology.stage(spec.rank, AutoConfig.from_pretrained(
+                spec.model.model_path).num_hidden_layers)
+            self._store, self._group = store, groups  # kept alive with the process
+        else:
+            group = new_process_group(store, spec.rank, spec.size, device, spec.rank_timeout_s,
+                                      spec.generation)
+            self.shard = ShardGroup(spec.rank, spec.size)
+            self.shard.bind(GroupCollectives(group, spec.rank, spec.size, device))
+            self._store, self._group = store, group  # kept alive with the process
+            stage = None
+        prepared = prepare_model(spec.model, device, dtype, spec.max_model_len, self.shard, stage)
         self.model = prepared.model
         # This rank's share of each adapter, in the slots rank 0 names each step (engine.lora).
         self.loras = (LoRAManager(self.model, spec.lora.max_loras, spec.lora.max_lora_rank, device)
                       if spec.lora is not None and spec.lora.enabled else None)
-        self.kv_caches: list = []
+        if stage is not None:
+            self.stage_step = StageStep(self.model, stage, groups, device, spec.rank_timeout_s, busy)
+        self.kv_pools: list[list] = []  # one per virtual engine
         self.hidden = None
         conn.send(("ready", {"decode_path": prepared.decode_path}))
 
@@ -127,25 +148,31 @@ class _Shard:
             while True:
                 message = self.conn.recv()  # EOFError when the parent is gone
                 if isinstance(message, StepInputs):
-                    copy_kv_blocks(self.kv_caches, message.blocks_to_copy, device)
+                    kv_caches = self.kv_pools[message.virtual_engine]
+                    copy_kv_blocks(kv_caches, message.blocks_to_copy, device)
                     metadata = AttentionMetadata.build(
                         context_lens=message.context_lens, query_lens=message.query_lens,
                         block_tables=message.block_tables, block_size=block_size, device=device)
                     ids = torch.tensor(message.input_ids, dtype=torch.long, device=device)
                     positions = torch.tensor(message.positions, dtype=torch.long, device=device)
+                    if self.stage_step is not None:  # a pipeline stage: its layers, then pass on
+                        self.stage_step.run(ids, positions, kv_caches, metadata,
+                                            message.logit_rows, message.virtual_engine)
+                        continue
                     lora = (None if message.lora is None
                             else self.loras.follow(message.lora, len(message.input_ids)))
                     with lora_batch(lora):
-                        self.hidden = model(ids, positions, self.kv_caches, metadata)
+                        self.hidden = model(ids, positions, kv_caches, metadata)
                 elif isinstance(message, ComputeLogits):
                     hidden = self.hidden
                     if message.rows is not None:
                         hidden = hidden[torch.tensor(message.rows, dtype=torch.long, device=device)]
                     model.compute_logits(hidden)  # this rank's part of the gather
                 elif isinstance(message, AllocateKV):
-                    self.kv_caches = []  # the old pool goes first
-                    self.kv_caches = model.allocate_kv_caches(message.num_blocks, block_size,
+                    self.kv_pools = []  # the old pools go first
+                    self.kv_pools = [model.allocate_kv_caches(message.num_blocks, block_size,
                                                               device=device)
+                                     for _ in range(message.num_pools)]
                 elif isinstance(message, HoldLoRA):
                     self.loras.hold(message.lora_id, message.weights)
                 elif isinstance(message, DropLoRA):

@@ -40,6 +40,7 @@ from llmplatform.engine.parallel import rank_process
 from llmplatform.engine.parallel.group import (GroupCollectives, Rendezvous, new_process_group,
                                                open_store)
 from llmplatform.engine.parallel.messages import RankMessage, Stop
+from llmplatform.engine.parallel.pipeline import RankGroups, Topology, join_groups
 from llmplatform.models.parallel import ShardGroup
 
 logger = logging.getLogger("llmplatform.engine")
@@ -57,13 +58,16 @@ class RankFailedError(RuntimeError):
 class TensorParallelRanks:
     """Ranks 1..N-1 of one engine. ``shard`` is rank 0's place in the group, for its model's
     layers. Construct, load rank 0's own shard, then ``wait_ready`` (the ranks load theirs
-    meanwhile)."""
+    meanwhile). With pipeline parallelism N is stages x tensor ranks (``pipeline.Topology``),
+    rank 0 is tensor rank 0 of the first stage and ``groups`` its process groups."""
 
     def __init__(self, parallel: ParallelConfig, model: ModelConfig, *, device: torch.device,
                  max_model_len: int, block_size: int, lora: LoRAConfig | None = None) -> None:
         self.config = parallel
-        self.size = parallel.tensor_parallel_size
-        self.shard = ShardGroup(0, self.size)
+        self.topology = Topology(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        self.size = self.topology.world_size
+        self.shard = ShardGroup(0, parallel.tensor_parallel_size)
+        self.groups: RankGroups | None = None  # with pipeline parallelism
         self._model = model
         self._device = device
         self._max_model_len = max_model_len
@@ -72,6 +76,7 @@ class TensorParallelRanks:
         self._generation = 0
         self._procs: list[Any] = []  # rank r at index r - 1
         self._conns: list[Connection] = []
+        self._busy: list[Any] = []  # a shared double per rank: seconds its stage computed
         self._rendezvous: Rendezvous | None = None
         self._store: dist.Store | None = None
         self._failure: str | None = None
@@ -102,24 +107,35 @@ class TensorParallelRanks:
                     max_model_len=self._max_model_len, block_size=self._block_size,
                     rank_timeout_s=config.rank_timeout_s,
                     start_timeout_s=config.rank_start_timeout_s, num_threads=threads,
-                    log_level=logging.getLogger("llmplatform").getEffectiveLevel(), lora=self._lora)
-                proc = context.Process(target=rank_process.main, args=(spec, theirs),
+                    log_level=logging.getLogger("llmplatform").getEffectiveLevel(), lora=self._lora,
+                    pipeline_parallel_size=self.topology.pipeline_parallel_size)
+                busy = context.Value("d", 0.0, lock=False)  # pipeline stages add their compute time
+                proc = context.Process(target=rank_process.main, args=(spec, theirs, busy),
                                        name=f"llmplatform-tp-rank{rank}", daemon=True)
                 proc.start()
                 theirs.close()  # only the child holds its end: our exit gives it end-of-file
                 self._procs.append(proc)
                 self._conns.append(ours)
+                self._busy.append(busy)
             self._expect("joining")
-            group = new_process_group(self._store, 0, self.size, self._device,
-                                      config.rank_timeout_s, self._generation)
-            collectives = GroupCollectives(group, 0, self.size, self._device)
+            if self.topology.pipeline_parallel_size > 1:
+                self.groups = join_groups(self._store, 0, self.topology, self._device,
+                                          config.rank_timeout_s, self._generation)
+                collectives = self.groups.collectives
+            else:
+                group = new_process_group(self._store, 0, self.size, self._device,
+                                          config.rank_timeout_s, self._generation)
+                collectives = GroupCollectives(group, 0, self.size, self._device)
         except BaseException:
             self.close()
             raise
-        self.widened = collectives.widened
-        self.shard.bind(collectives)
-        logger.info("tensor parallel: %d ranks (%s), ranks 1-%d are pids %s; loading their shards",
-                    self.size, "nccl" if self._device.type == "cuda" else "gloo", self.size - 1,
+        if collectives is not None:
+            self.widened = collectives.widened
+            self.shard.bind(collectives)
+        logger.info("%s: %d ranks (%s), ranks 1-%d are pids %s; loading their shards",
+                    "tensor parallel" if self.topology.pipeline_parallel_size == 1 else
+                    f"{self.topology.pipeline_parallel_size} pipeline stages x "
+                    f"{self.topology.tensor_parallel_size} tensor ranks", self.size, "nccl" if self._device.type == "cuda" else "gloo", self.size - 1,
                     ", ".join(str(p.pid) for p in self._procs))
 
     def wait_ready(self) -> None:
@@ -136,7 +152,7 @@ class TensorParallelRanks:
     def restart(self) -> None:
         """A fresh set of ranks (after a failed step: the old ones' state is unknown)."""
         self.close()
-        self._procs, self._conns = [], []
+        self._procs, self._conns, self._busy = [], [], []
         self._start()
         self.wait_ready()
 
@@ -163,6 +179,11 @@ class TensorParallelRanks:
     @property
     def pids(self) -> list[int]:
         return [proc.pid for proc in self._procs]
+
+    def busy_seconds(self) -> list[float]:
+        """Seconds each rank 1..N-1 has spent computing its pipeline stage (layers and logits),
+        since it started (benchmarks/pipeline.py reads each stage's busy fraction from them)."""
+        return [busy.value for busy in self._busy]
 
     # ---- operations --------------------------------------------------------------------------
 
@@ -205,8 +226,9 @@ class TensorParallelRanks:
         if self._failure is not None:
             return RankFailedError(self._failure)
         if isinstance(exc, (dist.DistError, OSError)) or _from_the_group(exc):
+            kind = "tensor-parallel" if self.topology.pipeline_parallel_size == 1 else "pipeline"
             return RankFailedError(
-                f"no answer from the other tensor-parallel ranks ({type(exc).__name__}: {exc}); "
+                f"no answer from the other {kind} ranks ({type(exc).__name__}: {exc}); "
                 f"every rank is still running, so one hangs or is too slow (the timeout is "
                 f"{self.config.rank_timeout_s:g} s, --tensor-parallel-timeout)")
         return exc
@@ -220,7 +242,7 @@ class TensorParallelRanks:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise RankFailedError(
-                        f"tensor-parallel rank {rank} (pid {proc.pid}) did not start within "
+                        f"{self.topology.describe(rank)} (pid {proc.pid}) did not start within "
                         f"{self.config.rank_start_timeout_s:g} s")
                 ready = wait([conn, proc.sentinel], timeout=remaining)
                 if conn in ready:
@@ -228,15 +250,15 @@ class TensorParallelRanks:
                         message_kind, payload = conn.recv()
                     except (EOFError, OSError):
                         proc.join(STOP_GRACE_S)
-                        raise RankFailedError(_ended(rank, proc, None)) from None
+                        raise RankFailedError(_ended(self.topology.describe(rank), proc, None)) from None
                     if message_kind == "error":
                         proc.join(STOP_GRACE_S)
-                        raise RankFailedError(_ended(rank, proc, payload))
+                        raise RankFailedError(_ended(self.topology.describe(rank), proc, payload))
                     if message_kind == kind:
                         break
                 elif ready:
                     proc.join(STOP_GRACE_S)
-                    raise RankFailedError(_ended(rank, proc, None))
+                    raise RankFailedError(_ended(self.topology.describe(rank), proc, None))
 
     def _watch(self, generation: int) -> None:
         """Waits for any rank to end (or to report an error first); records why."""
@@ -263,7 +285,7 @@ class TensorParallelRanks:
                     return
                 proc = procs[rank - 1]
                 proc.join(STOP_GRACE_S)
-                self._failure = _ended(rank, proc, errors.get(rank))
+                self._failure = _ended(self.topology.describe(rank), proc, errors.get(rank))
                 logger.error("%s; the engine fails its step and starts the ranks again (or "
                              "stops, see the restart budget)", self._failure)
                 if self.on_failure is not None:
@@ -279,7 +301,7 @@ def _from_the_group(exc: BaseException) -> bool:
         mark in text for mark in ("gloo", "NCCL", "Timed out", "Connection closed"))
 
 
-def _ended(rank: int, proc: Any, error: str | None) -> str:
+def _ended(rank: str, proc: Any, error: str | None) -> str:
     code = proc.exitcode
     if code is None:
         how = "stopped answering"
@@ -290,7 +312,30 @@ def _ended(rank: int, proc: Any, error: str | None) -> str:
             how = f"was killed by signal {-code}"
     else:
         how = f"exited with status {code}"
-    text = f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"
+    text = f"{rank} (pid {proc.pid}) {how}"
     if error:
         text += f": {error.strip().splitlines()[0]}"
     return text
+
+
+def num_layers(model_config: ModelConfig) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_config.model_path).num_hidden_layers
+
+
+def start_ranks(parallel: ParallelConfig, model_config: ModelConfig, device: torch.device,
+                max_model_len: int, block_size: int,
+                lora: LoRAConfig | None = None) -> TensorParallelRanks:
+    """Checks that the model splits over the ranks, heads and layers (before any is started),
+    then starts them."""
+    from transformers import AutoConfig
+
+    from llmplatform.models.parallel import check_divisible
+    from llmplatform.models.pipeline import check_pipeline_divisible
+
+    config = AutoConfig.from_pretrained(model_config.model_path)
+    check_divisible(config, parallel.tensor_parallel_size)
+    check_pipeline_divisible(config, parallel.pipeline_parallel_size)
+    return TensorParallelRanks(parallel, model_config, device=device, max_model_len=max_model_len,
+                               block_size=block_size, lora=lora)
