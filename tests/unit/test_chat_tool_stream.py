@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from openai.types.chat import ChatCompletionChunk
 
-from llmplatform.openai_api.chat import _ChatStream, _Prepared
+from llmplatform.openai_api.chat import _ChatStream, ChatPrepared
 from llmplatform.openai_api.constraints import request_constraints
 from llmplatform.protocol.openai import ChatCompletionRequest
 from llmplatform.protocol.worker import ChunkUsage, WorkerChunk
@@ -50,7 +50,7 @@ def _stream(tool_choice: Any = "auto") -> _ChatStream:
          "tool_choice": tool_choice})
     constraint = request_constraints(body).for_worker(
         "m", frozenset({"structured_output", "tools"}), "hermes")
-    prepared = _Prepared(3, constraint)
+    prepared = ChatPrepared(3, constraint)
     return _ChatStream(body, "chatcmpl-1", prepared=lambda: prepared)
 
 
