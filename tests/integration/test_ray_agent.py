@@ -127,7 +127,8 @@ def test_a_model_launched_under_serve_ray_runs_as_a_ray_actor(tiny_model_dir, tm
             == [agent_address]
         assert admin(api_port, "DELETE", "/models/tiny3").status_code == 202
 
-        # One left running when serve stops: drained and gone with the rest.
+        # One left running when serve stops: drained and gone with the rest. It needs the CPU
+        # the dead agent's placement group held: serve removed that group.
         launched_pids = launch_ready(api_port, {**body, "name": "tiny4"})
     finally:
         if proc.poll() is None:
@@ -151,7 +152,8 @@ def cmdline(process: psutil.Process) -> str:
 
 def launch_ready(api_port: int, body: dict) -> list[int]:
     """Launch, wait until ready; the worker's process id and its actor's."""
-    assert admin(api_port, "POST", "/models", json=body).status_code == 202
+    launched = admin(api_port, "POST", "/models", json=body)
+    assert launched.status_code == 202, launched.text
     wait_until(lambda: states(api_port)[body["name"]]["state"] == "ready", timeout_s=120,
                interval_s=0.25, what=f"{body['name']} ready")
     worker = worker_process(body["name"])
@@ -190,6 +192,7 @@ def test_a_node_that_joins_later_gets_an_agent_that_launches_there(tiny_model_di
     token.chmod(0o600)
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    monkeypatch.setenv("RAY_TMPDIR", str(directory))  # where Ray writes the cluster's address
     cluster = subprocess.Popen([sys.executable, "-c", CLUSTER, str(directory / "ray")],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert cluster.stdin is not None and cluster.stdout is not None

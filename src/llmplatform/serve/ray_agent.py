@@ -32,6 +32,7 @@ import signal
 import socket
 import subprocess
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,10 +113,14 @@ class RayWorkers:
     """An agent's workers as Ray actors on its node (``agent.Workers``)."""
 
     def __init__(self, command: WorkerCommand, *, node_id: str, node_cpus: float,
-                 node_gpus: float, placement_timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
+                 node_gpus: float, group_prefix: str = "",
+                 placement_timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
         import ray
 
         self._command = command
+        # Each placement group is named with it: if the agent dies, serve removes its groups
+        # (a group outlives the actor that made it; its lifetime is serve's job).
+        self._group_prefix = group_prefix
         self._node_id = node_id
         self._node_cpus = node_cpus
         self._node_gpus = node_gpus
@@ -181,7 +186,8 @@ class RayWorkers:
                                 f"{gpus} GPU(s) from Ray; this node has {self._node_cpus:g} and "
                                 f"{self._node_gpus:g}", 409)
         bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-        groups = [placement_group([bundle], bundle_label_selector=[{NODE_LABEL: self._node_id}])
+        groups = [placement_group([bundle], bundle_label_selector=[{NODE_LABEL: self._node_id}],
+                                  name=f"{self._group_prefix}{uuid.uuid4().hex}")
                   for _ in range(request.replicas)]
         refs = [group.ready() for group in groups]
         ready, _ = await asyncio.to_thread(ray.wait, refs, num_returns=len(refs),
@@ -260,7 +266,8 @@ class AgentActor:
     """One node's agent: the agent app served from this actor (on a thread), its workers Ray
     actors on this node (``RayWorkers``), registered with the controller as any agent is."""
 
-    def __init__(self, config: AgentConfig, env: dict[str, str], port: int) -> None:
+    def __init__(self, config: AgentConfig, env: dict[str, str], port: int,
+                 group_prefix: str = "") -> None:
         import ray
 
         os.environ.update(env)  # serve's LLMPLATFORM_* variables, as its services get them
@@ -278,7 +285,7 @@ class AgentActor:
             shutdown_timeout=config.worker_shutdown_timeout, log_args=tuple(config.log_args))
         self.workers = RayWorkers(command, node_id=node_id,
                                   node_cpus=resources.get("CPU", 0),
-                                  node_gpus=resources.get("GPU", 0))
+                                  node_gpus=resources.get("GPU", 0), group_prefix=group_prefix)
         self.stack = contextlib.ExitStack()
         try:
             _, self.url = start_agent(self.stack, self.config, port, self.workers,

@@ -5,14 +5,16 @@ Which nodes: with a loopback ``--host`` serve's node only (nothing elsewhere cou
 worker); otherwise every live node, and a node that joins the cluster later gets its agent at the
 next check. An agent that died (its process was killed) is replaced by a new actor on the same
 port, so at the same address: the workers it ran went with it (Ray kills the actors an actor
-owns), and the controller, finding them no longer in that agent's listing, fails their models as
-when a host agent restarts. When that port is taken meanwhile, the new agent takes a free one.
+owns), their placement groups are removed here (they belong to serve's job, not the agent),
+and the controller, finding them no longer in that agent's listing, fails their models as when
+a host agent restarts. When that port is taken meanwhile, the new agent takes a free one.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,8 @@ class _Agent:
     """The answer awaited from it: its address (first its start, then each check's ping)."""
     url: str | None = None
     port: int = 0
+    group_prefix: str = ""
+    """The names of its workers' placement groups start with it (``remove_groups``)."""
 
 
 class RayAgents:
@@ -58,11 +62,13 @@ class RayAgents:
         from llmplatform.serve.ray_agent import AgentActor
 
         # No CPU of its own (it mostly waits), and pinned: an agent speaks for its node only.
+        group_prefix = f"llmplatform-agent-{uuid.uuid4().hex[:12]}-"
         actor = ray.remote(AgentActor).options(
             num_cpus=0, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(self.config, forwarded_env(), port)
-        self.agents[node_id] = _Agent(actor, actor.address.remote(), port=port)
+        ).remote(self.config, forwarded_env(), port, group_prefix)
+        self.agents[node_id] = _Agent(actor, actor.address.remote(), port=port,
+                                      group_prefix=group_prefix)
 
     def start(self) -> None:
         """An agent on each node now, waiting until each registered with the controller (so a
@@ -105,6 +111,7 @@ class RayAgents:
                 url, host_name = ray.get(agent.pending)
             except ray.exceptions.RayActorError as exc:
                 del self.agents[node_id]
+                remove_groups(agent.group_prefix)  # its workers' CPUs and GPUs, free again
                 # Died: again at once, at its address. Could not start there: at once, on any
                 # port. Could not start at all: later.
                 again_now = agent.url is not None or agent.port != 0
@@ -136,3 +143,18 @@ class RayAgents:
 
     def stop_timeout_s(self) -> float:
         return self.config.worker_shutdown_timeout + 2 * STOP_MARGIN_S
+
+
+def remove_groups(prefix: str) -> None:
+    """Removes the placement groups whose names start with ``prefix``: a dead agent's. Its
+    worker actors died with it, but the groups it made belong to serve's job and would hold
+    their CPUs and GPUs until serve exits."""
+    import ray
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    for info in ray.util.placement_group_table().values():
+        if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED":
+            try:
+                remove_placement_group(get_placement_group(info["name"]))
+            except ValueError:  # removed meanwhile
+                pass
