@@ -49,9 +49,10 @@ async def create_message(request: Request) -> Response:
 
 async def count_message_tokens(request: Request) -> Response:
     """The prompt's tokens as a generation would count them: rendered by a worker serving the
-    model, with its template and the tools it would be shown."""
+    model, with its template, the tools it would be shown and its ``thinking`` switch."""
     body = parse_json_body(CountTokensRequest, await request.body())
     chat = chat_request(body)
+    thinking = thinking_of(body)
     messages = chat_messages(chat.messages)
     constraints = request_constraints(chat)
     client = worker_client(request)
@@ -59,8 +60,10 @@ async def count_message_tokens(request: Request) -> Response:
     address = await client.worker_address(body.model, route=route)
     details = await client.model_details(address, body.model)
     details.check_generates(body.model)
+    chat = chat_for_worker(chat, thinking, details)
     constraint = constraints.for_worker(body.model, details.extensions, details.tool_call_parser)
-    rendered = await client.apply_chat_template(address, body.model, messages, tools=constraint.tools)
+    rendered = await client.apply_chat_template(address, body.model, messages, tools=constraint.tools,
+                                                chat_template_kwargs=chat.chat_template_kwargs)
     if rendered is None:
         raise InvalidRequestError(
             f"Invalid value for 'model': the worker serving {body.model!r} cannot count tokens "
