@@ -6,8 +6,8 @@ The model and cluster are test_reasoning_served's (a tiny random Llama whose tok
 ``<think>`` and ``</think>``, a template that opens the thoughts in the prompt), with one change.
 A random model never ends its thoughts by itself; chat's stand-in for a thinking model is seeded
 sampling with a ``logit_bias`` on ``</think>``, but a Messages request has neither a seed nor a
-logit bias (and the gateway passes no fields Anthropic's API lacks). So this module serves a
-variant whose weights do what the bias did, under greedy decoding: the ``</think>`` row of the
+logit bias (the gateway ignores fields Anthropic's API lacks). So this module serves a variant
+whose weights do what the bias did, under greedy decoding: the ``</think>`` row of the
 (tied) output embedding gets a component along the hidden state of one early step, chosen so that
 ``</think>`` wins that step by a clear margin and loses every earlier one (the steps before it
 do not see the row, so they are unchanged). :func:`model_dir` searches the steps and checks with
