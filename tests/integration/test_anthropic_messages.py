@@ -196,8 +196,11 @@ def _raw(cluster: Cluster, body: dict[str, Any], path: str = "/v1/messages") -> 
         {"type": "text", "text": "What is this?"},
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]},
      "messages[0].content[1].type"),
+    # A budget that constrains nothing, but the model does not think (no reasoning parser).
     ({"model": MODEL, "max_tokens": 5, "messages": QUESTION, "thinking": {"type": "enabled", "budget_tokens": 1024}},
-     "thinking"),
+     "thinking.type"),
+    ({"model": MODEL, "max_tokens": 2048, "messages": QUESTION,
+      "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.budget_tokens"),
     ({"model": MODEL, "max_tokens": 5, "messages": [*QUESTION, {"role": "assistant", "content": "The"}]},
      "messages[1].role"),
     ({"model": MODEL, "max_tokens": 5, "messages": QUESTION, "tools": [{"type": "web_search_20250305",

@@ -255,8 +255,10 @@ def _add_routes(app: FastAPI) -> None:
         try:
             body = await _json_body(request, ApplyChatTemplateRequest)
             check_model(llm, body.model)
-            tools = {"tools": body.tools} if body.tools else {}
-            prompt = await llm.apply_chat_template(body.messages, body.add_generation_prompt, **tools)
+            extra = dict(body.chat_template_kwargs or {})
+            if body.tools:
+                extra["tools"] = body.tools
+            prompt = await llm.apply_chat_template(body.messages, body.add_generation_prompt, **extra)
             count = await llm.count_tokens(prompt)
         except LLMPlatformError as exc:
             return _error_response(exc)

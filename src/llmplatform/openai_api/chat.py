@@ -22,6 +22,7 @@ from llmplatform.openai_api.generation import (
     OPENAI_FRAMING, Framing, Reply, answer, route_request, tenants, worker_client,
 )
 from llmplatform.openai_api.reasoning import ReasoningMode, ReasoningSplitter, reasoning_mode
+from llmplatform.openai_api.worker_details import ModelDetails
 from llmplatform.openai_api.worker_routing import chat_routing_text
 from llmplatform.openai_api.sse import sse_event
 from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_choices
@@ -67,9 +68,13 @@ def chat_reply(body: ChatCompletionRequest) -> Callable[[Callable[[], ChatPrepar
 
 async def serve_chat(request: Request, body: ChatCompletionRequest,
                      reply: Callable[[Callable[[], ChatPrepared]], Reply[ChatPrepared]], *,
-                     framing: Framing = OPENAI_FRAMING) -> Response:
+                     framing: Framing = OPENAI_FRAMING,
+                     per_worker: Callable[[ModelDetails], ChatCompletionRequest] | None = None,
+                     ) -> Response:
     """Check `body`, start it on a worker (routing, tenants, failover) and answer with `reply`
-    (given a getter of what was prepared on the worker that answered) in `framing`."""
+    (given a getter of what was prepared on the worker that answered) in `framing`.
+    `per_worker`: `body` as the worker with these details is to serve it (a dialect's setting
+    that depends on the worker: Messages' ``thinking``); it may refuse the request."""
     messages = chat_messages(body.messages)
     check_chat_request(body)
     check_unsupported(body)
@@ -83,15 +88,16 @@ async def serve_chat(request: Request, body: ChatCompletionRequest,
     async def start_on(address: str) -> tuple[ChatPrepared, ChoiceStreams]:
         details = await client.model_details(address, body.model)
         details.check_generates(body.model)
-        check_worker_extensions(body, details.extensions)
+        asked = body if per_worker is None else per_worker(details)
+        check_worker_extensions(asked, details.extensions)
         cache_salt = tenants(request).for_worker(salt, details.extensions, body.model, address)
-        reasoning = reasoning_mode(details.reasoning_parser, body.chat_template_kwargs)
+        reasoning = reasoning_mode(details.reasoning_parser, asked.chat_template_kwargs)
         constraint = constraints.for_worker(body.model, details.extensions, details.tool_call_parser,
                                             thinking=reasoning is not None and reasoning.thinking)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         budget = OpenAIMaxTokens(requested=requested, default=None, param="messages")
         params = choice_params(body.n or 1, details.extensions, lambda i: params_dict(worker_params(
-            body, messages=messages, budget=budget, request_id=f"{trace_id}-{i}", choice_index=i,
+            asked, messages=messages, budget=budget, request_id=f"{trace_id}-{i}", choice_index=i,
             constraint=constraint, cache_salt=cache_salt, tenant=tenant)))
         params, prompt_tokens = await for_peer(client, address, body.model, params)
         streams = await start_choices(client, address, params, prompt_param="messages", early=bool(body.stream))

@@ -1,9 +1,13 @@
 """The chat path's worker chunks -> an Anthropic message, whole or as its stream of events.
 
 One reply (:class:`MessagesReply`) for ``/v1/messages``, on the chat path's streams (one choice).
-The text goes through the model's tool-call parser when the request has tools, as chat's does:
-content becomes ``text`` blocks and each call a ``tool_use`` block (its id ``toolu_...``, its
-arguments the ``input`` object; streamed as ``input_json_delta`` pieces as generated).
+A reasoning model's thoughts (its worker's ``--reasoning-parser``, split as chat splits them:
+:mod:`.reasoning`) become a ``thinking`` block ahead of the answer's blocks (``signature`` ``""``:
+this server signs nothing); streamed as ``thinking_delta`` pieces, then a ``signature_delta``
+before its ``content_block_stop``. The answer goes through the model's tool-call parser when the
+request has tools, as chat's does: content becomes ``text`` blocks and each call a ``tool_use``
+block (its id ``toolu_...``, its arguments the ``input`` object; streamed as ``input_json_delta``
+pieces as generated).
 
 A stream is::
 
@@ -16,9 +20,7 @@ A stream is::
 ended it (the worker says which: ``WorkerChunk.stop_str``; a stock FastChat worker does not, and
 its stops read as ``end_turn``), ``end_turn`` otherwise.
 
-The blocks are opened by kind (:class:`_BlockStream`), so thoughts separated by a reasoning
-parser would be one more kind (a ``thinking`` block with ``thinking_delta`` pieces, opened ahead
-of the answer's blocks) beside ``text`` and ``tool_use``.
+The blocks are opened by kind (:class:`_BlockStream`): ``thinking``, ``text``, ``tool_use``.
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ from pydantic_core import from_json
 from llmplatform.openai_api.chat import ChatPrepared
 from llmplatform.openai_api.deltas import DeltaTracker, sum_usage
 from llmplatform.openai_api.messages_errors import sse
+from llmplatform.openai_api.reasoning import ReasoningSplitter
 from llmplatform.openai_api.streams import RequestStreams
 from llmplatform.openai_api.tools.parsers import ContentDelta, ParserEvent, ToolCallDelta, ToolParser, accumulate
 from llmplatform.protocol.anthropic import (
     ContentBlock, ContentBlockDeltaEvent, ContentBlockStartEvent, ContentBlockStopEvent,
     InputJsonDelta, MessageDelta, MessageDeltaEvent, MessageDeltaUsage, MessageResponse,
-    MessageStartEvent, MessagesRequest, MessagesUsage, MessageStopEvent, PingEvent, StopReason,
-    TextBlock, TextDelta, ToolUseBlock,
+    MessageStartEvent, MessagesRequest, MessagesUsage, MessageStopEvent, PingEvent, SignatureDelta,
+    StopReason, TextBlock, TextDelta, ThinkingBlock, ThinkingDelta, ToolUseBlock,
 )
 from llmplatform.protocol.openai import Usage
 from llmplatform.protocol.worker import WorkerChunk
@@ -84,9 +87,10 @@ class _BlockStream:
     """The content blocks of a streamed message: opens a block when the kind of what arrives
     changes (each call is a block of its own), closes the open one before the next."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, omit_thoughts: bool = False) -> None:
         self._index = -1
-        self._open: str | None = None  # "text", or "tool_use:<call index>"
+        self._open: str | None = None  # "thinking", "text", or "tool_use:<call index>"
+        self._omit_thoughts = omit_thoughts
 
     def _start(self, kind: str, block: ContentBlock) -> list[bytes]:
         events = self.close()
@@ -94,8 +98,15 @@ class _BlockStream:
         self._open = kind
         return events + [_event(ContentBlockStartEvent(index=self._index, content_block=block))]
 
-    def _delta(self, delta: TextDelta | InputJsonDelta) -> bytes:
+    def _delta(self, delta: ThinkingDelta | SignatureDelta | TextDelta | InputJsonDelta) -> bytes:
         return _event(ContentBlockDeltaEvent(index=self._index, delta=delta))
+
+    def thinking(self, text: str) -> list[bytes]:
+        if not text:
+            return []
+        events = ([] if self._open == "thinking"
+                  else self._start("thinking", ThinkingBlock(thinking="", signature="")))
+        return events if self._omit_thoughts else events + [self._delta(ThinkingDelta(thinking=text))]
 
     def text(self, text: str) -> list[bytes]:
         if not text:
@@ -115,19 +126,26 @@ class _BlockStream:
     def close(self) -> list[bytes]:
         if self._open is None:
             return []
+        signed = [self._delta(SignatureDelta(signature=""))] if self._open == "thinking" else []
         self._open = None
-        return [_event(ContentBlockStopEvent(index=self._index))]
+        return signed + [_event(ContentBlockStopEvent(index=self._index))]
 
 
 class MessagesReply:
     """Builds the message (or its events) of one ``/v1/messages`` request (one choice)."""
 
     def __init__(self, body: MessagesRequest, message_id: str, *,
-                 prepared: Callable[[], ChatPrepared]) -> None:
+                 prepared: Callable[[], ChatPrepared], omit_thoughts: bool = False) -> None:
+        """``omit_thoughts``: ``thinking.display`` ``"omitted"`` (thinking blocks without text)."""
         self.body = body
         self.response_id = message_id
         self._prepared = prepared  # that of the worker that answered (failover may change it)
         self._stop_sequences = list(body.stop_sequences or [])
+        self._omit_thoughts = omit_thoughts
+
+    def _new_splitter(self) -> ReasoningSplitter | None:
+        reasoning = self._prepared().reasoning
+        return reasoning.new_splitter() if reasoning is not None else None
 
     def _new_parser(self) -> ToolParser | None:
         constraint = self._prepared().constraint
@@ -148,12 +166,20 @@ class MessagesReply:
 
     def response(self, final_chunks: list[WorkerChunk]) -> MessageResponse:
         chunk = final_chunks[0]
+        cut = chunk.finish_reason == "length"
+        thoughts, text = "", chunk.text
+        splitter = self._new_splitter()
+        if splitter is not None:
+            thoughts, text = splitter.step(text, final=True, cut=cut)
         parser = self._new_parser()
-        text, calls = chunk.text, []
+        calls = []
         if parser is not None:
-            parsed = accumulate(parser.feed(chunk.text) + parser.finish())
+            parsed = accumulate(parser.feed(text) + parser.finish(cut=cut))
             text, calls = parsed.content, parsed.tool_calls
-        content: list[ContentBlock] = [TextBlock(text=text)] if text else []
+        content: list[ContentBlock] = []
+        if thoughts:
+            content.append(ThinkingBlock(thinking="" if self._omit_thoughts else thoughts))
+        content += [TextBlock(text=text)] if text else []
         content += [ToolUseBlock(id=call.id, name=call.name, input=tool_input(call.arguments))
                     for call in calls]
         reason, sequence = stop_reason(chunk, bool(calls), self._stop_sequences)
@@ -161,8 +187,9 @@ class MessagesReply:
 
     async def events(self, streams: RequestStreams[ChatPrepared]) -> AsyncGenerator[bytes, None]:
         tracker = DeltaTracker()
+        splitter = self._new_splitter()
         parser = self._new_parser()
-        blocks = _BlockStream()
+        blocks = _BlockStream(omit_thoughts=self._omit_thoughts)
         started = False
         async for _, chunk in streams.events():
             if not started:
@@ -170,9 +197,16 @@ class MessagesReply:
                 yield _event(MessageStartEvent(message=self._message([], self.usage([chunk]))))
                 yield _event(PingEvent())
             final = chunk.finish_reason is not None
+            cut = chunk.finish_reason == "length"
             text = tracker.take(chunk, want_logprobs=False).text
-            parsed: list[ParserEvent] = ([ContentDelta(text)] if parser is None
-                                         else parser.feed(text) + (parser.finish() if final else []))
+            if splitter is not None:  # the thoughts first, then the answer goes on
+                split = splitter.step(text, final=final, cut=cut)
+                for event in blocks.thinking(split.reasoning):
+                    yield event
+                text = split.content
+            parsed: list[ParserEvent] = (
+                [ContentDelta(text)] if parser is None
+                else parser.feed(text) + (parser.finish(cut=cut) if final else []))
             for fragment in parsed:
                 for event in (blocks.text(fragment.text) if isinstance(fragment, ContentDelta)
                               else blocks.call(fragment)):

@@ -16,20 +16,28 @@ unchanged. The translation:
   and ``disable_parallel_tool_use`` ``parallel_tool_calls: false``.
 - ``stop_sequences`` are chat's ``stop``; ``max_tokens``, ``temperature``, ``top_p``, ``top_k``
   keep their names; ``metadata.user_id`` is the session key (chat's ``user``).
+- ``thinking`` (:func:`thinking_of`) applies per worker (:func:`chat_for_worker`): ``disabled``
+  is chat's ``chat_template_kwargs: {"enable_thinking": false}`` (the qwen3 convention,
+  ``reasoning.thinking_enabled``), refused for a model that always thinks; ``adaptive`` and
+  omitted leave the model its default; ``enabled`` needs a model that thinks and a
+  ``budget_tokens`` no smaller than ``max_tokens`` (no budget is enforced here, so only one that
+  constrains nothing is accepted).
 
 Anything that would change the generation and is not served is refused with a 400 naming it:
 image, document and other block types, server tools, a final assistant message (prefill),
-``thinking``, ``output_config`` / ``output_format``, ``mcp_servers``, ``container``,
+a thinking budget, ``output_config`` / ``output_format``, ``mcp_servers``, ``container``,
 ``context_management``.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 from llmplatform.errors import InvalidRequestError
+from llmplatform.openai_api.reasoning import thinking_enabled
 from llmplatform.openai_api.settings import RequestLimits
+from llmplatform.openai_api.worker_details import ModelDetails
 from llmplatform.protocol.anthropic import (
     CountTokensRequest, MessageParam, MessagesRequest, RequestBlock, ToolChoiceParam, ToolParam,
 )
@@ -37,17 +45,79 @@ from llmplatform.protocol.openai import ChatCompletionRequest
 
 _DROPPED_HISTORY_BLOCKS = frozenset({"thinking", "redacted_thinking"})
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+THINKING_OFF = {"enable_thinking": False}
+"""The template variable that tells a model not to think (Qwen3's; ``reasoning.thinking_enabled``)."""
 
 
 def _refuse(param: str, message: str) -> InvalidRequestError:
     return InvalidRequestError(f"Invalid value for '{param}': {message}", param=param)
 
 
+class Thinking(NamedTuple):
+    """What a request's ``thinking`` asks of the model."""
+
+    mode: Literal["default", "off", "on"]
+    """``default``: omitted or ``adaptive`` (the model's own choice: a reasoning model thinks);
+    ``off``: ``disabled``; ``on``: ``enabled`` (the model must be one that thinks)."""
+    omit: bool = False
+    """``display: "omitted"``: thinking blocks come back without their text."""
+
+
+def thinking_of(body: CountTokensRequest | MessagesRequest) -> Thinking:
+    """The request's ``thinking``, checked. A budget can only be honoured where it constrains
+    nothing (``budget_tokens`` >= ``max_tokens``: the thoughts are part of the output); any other
+    is refused, as this server cannot end a model's thoughts at a budget. count_tokens has no
+    ``max_tokens``: its budget changes no prompt and is only checked to be a count."""
+    thinking = body.thinking
+    if thinking is None:
+        return Thinking("default")
+    if not isinstance(thinking, dict) or not isinstance(thinking.get("type"), str):
+        raise _refuse("thinking", 'thinking is an object with a "type" ("enabled", "adaptive" '
+                      'or "disabled").')
+    kind = thinking["type"]
+    if kind == "disabled":
+        return Thinking("off")
+    if kind not in ("enabled", "adaptive"):
+        raise _refuse("thinking.type", f'{kind!r} is not served; thinking is "enabled", '
+                      '"adaptive" or "disabled".')
+    display = thinking.get("display")
+    if display not in (None, "summarized", "omitted"):
+        raise _refuse("thinking.display", f'{display!r} is not one of "summarized", "omitted".')
+    omit = display == "omitted"
+    if kind == "adaptive":
+        return Thinking("default", omit)
+    budget = thinking.get("budget_tokens")
+    if type(budget) is not int or budget < 1:
+        raise _refuse("thinking.budget_tokens", "a thinking budget is a positive number of tokens.")
+    if isinstance(body, MessagesRequest) and budget < body.max_tokens:
+        raise _refuse("thinking.budget_tokens", f"this server cannot end a model's thoughts at a "
+                      f"budget of {budget} tokens; a budget_tokens of at least max_tokens "
+                      f"({body.max_tokens}) constrains nothing and is accepted, as is thinking "
+                      '{"type": "adaptive"} (the model thinks as long as it does).')
+    return Thinking("on", omit)
+
+
+def chat_for_worker(chat: ChatCompletionRequest, thinking: Thinking,
+                    details: ModelDetails) -> ChatCompletionRequest:
+    """The chat request as the worker with `details` is to serve it, given the Messages
+    request's `thinking` (whether and how a model can be told not to think is its worker's)."""
+    parser = details.reasoning_parser
+    if thinking.mode == "on" and parser is None:
+        raise _refuse("thinking.type", f"model {chat.model!r} does not think (its worker has no "
+                      'reasoning parser), so thinking {"type": "enabled"} cannot be honoured.')
+    if thinking.mode != "off":
+        return chat
+    if parser is not None and thinking_enabled(parser, THINKING_OFF):
+        raise _refuse("thinking.type", f"model {chat.model!r} always thinks (its worker's "
+                      f"reasoning parser is {parser!r}); its thinking cannot be disabled.")
+    if "chat_template_kwargs" not in details.extensions:
+        return chat  # a stock FastChat worker: announces no thoughts, takes no template variables
+    return chat.model_copy(update={"chat_template_kwargs": THINKING_OFF})
+
+
 def check_unserved(body: CountTokensRequest | MessagesRequest) -> None:
     """Fields that change the generation and are not served: refused by name."""
-    thinking = body.thinking
-    if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
-        raise _refuse("thinking", "extended thinking is not supported by this server.")
+    thinking_of(body)
     for name in ("output_config", "output_format", "container", "context_management"):
         if getattr(body, name) not in (None, {}):
             raise _refuse(name, f"{name} is not supported by this server.")

@@ -203,15 +203,18 @@ class WorkerClient:
     # ---- prompts -----------------------------------------------------------------------------
 
     async def apply_chat_template(self, address: str, model: str, messages: Sequence[Mapping[str, Any]],
-                                  tools: Sequence[Mapping[str, Any]] | None = None
+                                  tools: Sequence[Mapping[str, Any]] | None = None,
+                                  chat_template_kwargs: Mapping[str, Any] | None = None,
                                   ) -> tuple[str, int, int] | None:
-        """``/worker_apply_chat_template`` (ours): the prompt (with `tools` shown to the model),
-        its token count and the context length; None from a stock FastChat worker, which lacks
-        the route (fastchat_peer.py)."""
+        """``/worker_apply_chat_template`` (ours): the prompt (with `tools` shown to the model,
+        and `chat_template_kwargs` as template variables), its token count and the context
+        length; None from a stock FastChat worker, which lacks the route (fastchat_peer.py)."""
         url = f"{address}/worker_apply_chat_template"
         payload: dict[str, Any] = {"model": model, "messages": list(messages), "add_generation_prompt": True}
         if tools:
             payload["tools"] = list(tools)
+        if chat_template_kwargs:
+            payload["chat_template_kwargs"] = dict(chat_template_kwargs)
         response = await self._post(url, payload)
         if response.status_code == 404 and not has_error_code(response.content):
             return None

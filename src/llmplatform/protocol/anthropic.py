@@ -83,8 +83,10 @@ class _MessagesBase(_Request):
     system: str | list[RequestBlock] | None = None
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoiceParam | None = None
-    # Not served: parsed only to be refused by name (messages_translate.check_unserved).
     thinking: Any = None
+    """``{"type": "disabled" | "adaptive" | "enabled", ...}``: read by
+    ``messages_translate.thinking_of`` (refused by name where it cannot be honoured)."""
+    # Not served: parsed only to be refused by name (messages_translate.check_unserved).
     output_config: Any = None
     output_format: Any = None
     mcp_servers: Any = None
@@ -121,7 +123,17 @@ class ToolUseBlock(BaseModel):
     input: dict[str, Any]
 
 
-ContentBlock = Union[TextBlock, ToolUseBlock]
+class ThinkingBlock(BaseModel):
+    """A reasoning model's thoughts, ahead of the answer's blocks."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+    """Anthropic's proves the thoughts came from its model; this server signs nothing (always
+    ``""``), and drops thinking blocks sent back, so no client can mistake it for a proof."""
+
+
+ContentBlock = Union[ThinkingBlock, TextBlock, ToolUseBlock]
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
@@ -160,7 +172,8 @@ class ContentBlockStartEvent(BaseModel):
     type: Literal["content_block_start"] = "content_block_start"
     index: int
     content_block: ContentBlock
-    """Empty: ``text`` "" or ``tool_use`` with ``input`` {} (its JSON follows in deltas)."""
+    """Empty: ``thinking`` "" (and ``signature`` ""), ``text`` "" or ``tool_use`` with ``input``
+    {} (its JSON follows in deltas)."""
 
 
 class TextDelta(BaseModel):
@@ -173,10 +186,22 @@ class InputJsonDelta(BaseModel):
     partial_json: str
 
 
+class ThinkingDelta(BaseModel):
+    type: Literal["thinking_delta"] = "thinking_delta"
+    thinking: str
+
+
+class SignatureDelta(BaseModel):
+    """The thinking block's signature, just before its ``content_block_stop``."""
+
+    type: Literal["signature_delta"] = "signature_delta"
+    signature: str
+
+
 class ContentBlockDeltaEvent(BaseModel):
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int
-    delta: Union[TextDelta, InputJsonDelta]
+    delta: Union[ThinkingDelta, SignatureDelta, TextDelta, InputJsonDelta]
 
 
 class ContentBlockStopEvent(BaseModel):

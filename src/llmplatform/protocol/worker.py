@@ -139,10 +139,7 @@ class WorkerParams(BaseModel):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        reserved = sorted(set(value or ()) & RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}")
-        return value
+        return _template_variables(value)
 
     @field_validator("request_id")
     @classmethod
@@ -246,6 +243,13 @@ class AbortRequest(BaseModel):
     request_id: str
 
 
+def _template_variables(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    reserved = sorted(set(value or ()) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved[0]!r}")
+    return value
+
+
 class ApplyChatTemplateRequest(BaseModel):
     """Our addition: render messages with the worker's own chat template."""
 
@@ -256,6 +260,13 @@ class ApplyChatTemplateRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     """OpenAI function tools for the template, as in ``WorkerParams.tools``: the prompt (and its
     count) is then the one a generation with these tools computes."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra template variables, as in ``WorkerParams.chat_template_kwargs``."""
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _template_variables(value)
 
 
 class ApplyChatTemplateResponse(BaseModel):
