@@ -126,3 +126,17 @@ def test_max_tokens_is_required_and_positive() -> None:
         MessagesRequest.model_validate({"model": "m", "messages": [USER]})
     with pytest.raises(ValidationError):
         request(max_tokens=0)
+
+
+def test_fields_anthropic_does_not_define_are_refused_by_name_and_informational_ones_ignored() -> None:
+    from llmplatform.utils.json_body import parse_json_body
+
+    for extra in ("seed", "logit_bias", "frequency_penalty", "n"):
+        for model, body in ((MessagesRequest, {"max_tokens": 16}), (CountTokensRequest, {})):
+            raw = json.dumps({"model": "m", "messages": [USER], **body, extra: 1}).encode()
+            with pytest.raises(InvalidRequestError) as caught:
+                parse_json_body(model, raw)
+            assert caught.value.param == extra and extra in caught.value.message
+    informational = {"service_tier": "auto", "inference_geo": "us", "speed": "standard",
+                     "diagnostics": {}, "cache_control": {"type": "ephemeral"}}
+    assert chat_request(request(**informational)).messages[0].content == "Hi"

@@ -1,8 +1,10 @@
 """Anthropic's Messages API as the gateway speaks it (``/v1/messages``): request, response, stream
 event and error models (contracts only).
 
-Requests parse strictly (a string is not a number) and ignore unknown fields, as the OpenAI models
-do. Content blocks parse loosely (``type`` plus whatever a block of that type carries) so that a
+Requests parse strictly (a string is not a number). A field Anthropic does not define is refused
+by name (``seed``, ``logit_bias``: OpenAI's extensions have no meaning here, and dropping one
+would change what the client asked for), as Anthropic refuses it; the informational fields it
+defines (``service_tier`` ...) are declared and ignored. Content blocks parse loosely (``type`` plus whatever a block of that type carries) so that a
 block the gateway does not serve (an image, a document) is refused by name by the translation
 (``openai_api.messages_translate``) rather than with a schema error. Fields that would change the
 generation and are not served are parsed only to be refused by name.
@@ -92,9 +94,17 @@ class _MessagesBase(_Request):
     mcp_servers: Any = None
     container: Any = None
     context_management: Any = None
+    # Informational: accepted and ignored (they change no token).
+    service_tier: Any = None
+    cache_control: Any = None
+    inference_geo: Any = None
+    speed: Any = None
+    diagnostics: Any = None
 
 
 class MessagesRequest(_MessagesBase):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     stream: bool | None = None
@@ -106,6 +116,8 @@ class MessagesRequest(_MessagesBase):
 
 class CountTokensRequest(_MessagesBase):
     """``/v1/messages/count_tokens``: the prompt of a Messages request, nothing about its output."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # ---- responses ------------------------------------------------------------------------------------
