@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from llmplatform.openai_api.chat import _ChatStream, _Prepared
+from llmplatform.openai_api.chat import ChatPrepared, _ChatStream
 from llmplatform.openai_api.constraints import request_constraints
 from llmplatform.openai_api.reasoning import reasoning_mode
 from llmplatform.protocol.openai import ChatCompletionRequest
@@ -49,7 +49,7 @@ def _stream(tools: bool = True, kwargs: dict[str, Any] | None = None) -> _ChatSt
     reasoning = reasoning_mode("qwen3", kwargs)
     constraint = request_constraints(body).for_worker(
         "m", frozenset({"structured_output", "tools"}), "hermes", thinking=reasoning.thinking)
-    prepared = _Prepared(3, constraint, reasoning)
+    prepared = ChatPrepared(3, constraint, reasoning)
     return _ChatStream(body, "chatcmpl-1", prepared=lambda: prepared)
 
 

@@ -22,6 +22,7 @@ from llmplatform.openai_api.generation import (
     OPENAI_FRAMING, Framing, Reply, answer, route_request, tenants, worker_client,
 )
 from llmplatform.openai_api.reasoning import ReasoningMode, ReasoningSplitter, reasoning_mode
+from llmplatform.openai_api.worker_details import ModelDetails
 from llmplatform.openai_api.worker_routing import chat_routing_text
 from llmplatform.openai_api.sse import sse_event
 from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_choices
@@ -67,9 +68,12 @@ def chat_reply(body: ChatCompletionRequest) -> Callable[[Callable[[], ChatPrepar
 
 async def serve_chat(request: Request, body: ChatCompletionRequest,
                      reply: Callable[[Callable[[], ChatPrepared]], Reply[ChatPrepared]], *,
-                     framing: Framing = OPENAI_FRAMING) -> Response:
+                     framing: Framing = OPENAI_FRAMING,
+                     check_worker: Callable[[ModelDetails], None] | None = None) -> Response:
     """Check `body`, start it on a worker (routing, tenants, failover) and answer with `reply`
-    (given a getter of what was prepared on the worker that answered) in `framing`."""
+    (given a getter of what was prepared on the worker that answered) in `framing`.
+    `check_worker`: what the calling dialect asks of the chosen worker beyond chat (it raises
+    the dialect's refusal before anything starts there)."""
     messages = chat_messages(body.messages)
     check_chat_request(body)
     check_unsupported(body)
@@ -83,6 +87,8 @@ async def serve_chat(request: Request, body: ChatCompletionRequest,
     async def start_on(address: str) -> tuple[ChatPrepared, ChoiceStreams]:
         details = await client.model_details(address, body.model)
         details.check_generates(body.model)
+        if check_worker is not None:
+            check_worker(details)
         check_worker_extensions(body, details.extensions)
         cache_salt = tenants(request).for_worker(salt, details.extensions, body.model, address)
         reasoning = reasoning_mode(details.reasoning_parser, body.chat_template_kwargs)
