@@ -4,8 +4,8 @@ A Responses request is served on the chat path (:func:`chat.serve_chat`): transl
 request (openai_api.responses_input), whose continued conversation (``previous_response_id``)
 is read from the store first; the chat reply is wrapped (:class:`ResponsesReply`) so its result
 becomes a response object, or its stream the Responses events (openai_api.responses_stream).
-Everything chat does (tool calls, structured outputs, routing, per-key limits, failover) applies
-unchanged. A response with ``store`` (the default) is written to the store before the client
+Everything chat does (tool calls, structured outputs, routing, per-key limits, failover, a
+reasoning model's thoughts, which become a reasoning item) applies unchanged. A response with ``store`` (the default) is written to the store before the client
 gets it (non-streamed) or its ``response.completed`` (streamed), so a continuation sent as
 soon as the answer arrives finds it.
 """
