@@ -8,7 +8,9 @@ its thoughts cannot be asked for here. The stand-in is instead a model whose wei
 decoding think a few tokens, write ``</think>``, answer a few tokens and stop
 (thinking_model.save_steered_thinker): ``temperature: 0`` is all a request needs, in every
 dialect. What it writes is still random text; what is checked is that the Responses items carry
-exactly what chat's ``reasoning_content`` and ``content`` carry for the same conversation.
+exactly what chat's ``reasoning_content`` and ``content`` carry for the same conversation. A
+second worker serves the same model read with ``deepseek_r1`` (a model that always thinks), where
+``reasoning.effort: "none"`` cannot be honoured.
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ from tests.integration.thinking_model import (
     NUM_THOUGHT_TOKENS,
     chat_prompt,
     save_steered_thinker,
+    thinker_backend,
     thinker_cluster,
 )
 
+ALWAYS_THINKS = "r1"
+"""The same model read with the deepseek_r1 parser: a syntax without a switch to turn thinking off."""
 GREEDY = dict(model=MODEL, temperature=0.0)
 MAX_TOKENS = 24
 
@@ -51,6 +56,7 @@ def tokenizer(model_dir: Path) -> Any:
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     store = tmp_path_factory.mktemp("responses") / "responses.sqlite3"
     with thinker_cluster(model_dir, responses_store=str(store)) as cluster:
+        cluster.add_worker(thinker_backend(model_dir, ALWAYS_THINKS, "deepseek_r1"))
         yield cluster
 
 
@@ -138,6 +144,18 @@ def test_an_effort_it_cannot_honour_is_a_400(client: openai.OpenAI, stream: bool
         with pytest.raises(openai.BadRequestError) as caught:
             client.responses.create(input=MESSAGES, reasoning=reasoning, stream=stream, **GREEDY)
         assert caught.value.param == param, caught.value
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_effort_none_is_refused_where_the_model_always_thinks(client: openai.OpenAI,
+                                                              stream: bool) -> None:
+    thinking = client.responses.create(input=MESSAGES, max_output_tokens=MAX_TOKENS,
+                                       **{**GREEDY, "model": ALWAYS_THINKS})
+    assert [item.type for item in thinking.output] == ["reasoning", "message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(input=MESSAGES, reasoning={"effort": "none"}, stream=stream,
+                                **{**GREEDY, "model": ALWAYS_THINKS})
+    assert caught.value.param == "reasoning.effort" and ALWAYS_THINKS in str(caught.value)
 
 
 def test_a_continuation_keeps_the_reasoning_item_and_hides_it_from_the_model(

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from llmplatform.llm.base import LLMBackend
 from llmplatform.llm.build import BackendConfig, build_backend
 from llmplatform.templates import __file__ as _templates_init
 from tests.conftest import TINY_LLAMA
@@ -153,14 +154,18 @@ def chat_prompt(tokenizer: Any, model_dir: Path, messages: list[dict[str, Any]] 
                                          chat_template=(model_dir / TEMPLATE).read_text(), **kwargs)
 
 
+def thinker_backend(model_dir: Path, name: str = MODEL, reasoning_parser: str = "qwen3") -> LLMBackend:
+    """The thinker in `model_dir` on the paged backend (CPU, float32), with hermes tools."""
+    return build_backend(BackendConfig(
+        model_path=str(model_dir), model_names=(name,), backend="paged", device="cpu",
+        dtype="float32", kv_cache_memory="64MiB", chat_template=str(model_dir / TEMPLATE),
+        tool_call_parser="hermes", reasoning_parser=reasoning_parser))
+
+
 @contextlib.contextmanager
 def thinker_cluster(model_dir: Path, **gateway: Any) -> Iterator[Cluster]:
-    """A controller, a gateway (`gateway`: its settings) and one paged worker serving the
-    thinker in `model_dir` as :data:`MODEL`, with hermes tools and the qwen3 reasoning parser."""
-    llm = build_backend(BackendConfig(
-        model_path=str(model_dir), model_names=(MODEL,), backend="paged", device="cpu",
-        dtype="float32", kv_cache_memory="64MiB", chat_template=str(model_dir / TEMPLATE),
-        tool_call_parser="hermes", reasoning_parser="qwen3"))
+    """A controller, a gateway (`gateway`: its settings) and one worker serving the thinker in
+    `model_dir` as :data:`MODEL`, read with the qwen3 reasoning parser."""
     with running_cluster(**gateway) as cluster:
-        cluster.add_worker(llm)
+        cluster.add_worker(thinker_backend(model_dir))
         yield cluster
