@@ -5,9 +5,9 @@ request (openai_api.responses_input), whose continued conversation (``previous_r
 is read from the store first; the chat reply is wrapped (:class:`ResponsesReply`) so its result
 becomes a response object, or its stream the Responses events (openai_api.responses_stream).
 Everything chat does (tool calls, structured outputs, routing, per-key limits, failover, a
-reasoning model's thoughts, which become a reasoning item) applies unchanged. A response with ``store`` (the default) is written to the store before the client
-gets it (non-streamed) or its ``response.completed`` (streamed), so a continuation sent as
-soon as the answer arrives finds it.
+reasoning model's thoughts, which become a reasoning item) applies unchanged. A response with
+``store`` (the default) is written to the store before the client gets it (non-streamed) or its
+``response.completed`` (streamed), so a continuation sent as soon as the answer arrives finds it.
 """
 
 from __future__ import annotations

@@ -68,7 +68,8 @@ class _Output:
         self._pieces: list[str] = []
 
     def take(self, choice: ChatCompletionStreamChoice) -> list[bytes]:
-        frames = self._thoughts(choice.delta.reasoning_content) if choice.delta.reasoning_content else []
+        thoughts = choice.delta.reasoning_content
+        frames = self._thoughts(thoughts) if thoughts else []
         if choice.delta.content:
             frames += self._text(choice.delta.content)
         for fragment in choice.delta.tool_calls or ():

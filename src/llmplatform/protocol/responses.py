@@ -6,8 +6,9 @@ checked item by item where they are translated to the chat request (openai_api.r
 so that an error names the item at fault (``input[2].content[0].type``).
 
 Fields that would change generation and are not served are declared only to be refused by name
-(:data:`REFUSED_FIELDS`); ``reasoning`` is served in part (:class:`ReasoningConfig`); fields that do not change generation (``metadata``, ``user``,
-``service_tier``, ``prompt_cache_key``...) are accepted, and ``metadata`` is stored and echoed.
+(:data:`REFUSED_FIELDS`); ``reasoning`` is served in part (:class:`ReasoningConfig`); fields
+that do not change generation (``metadata``, ``user``, ``service_tier``, ``prompt_cache_key``...)
+are accepted, and ``metadata`` is stored and echoed.
 """
 
 from __future__ import annotations
