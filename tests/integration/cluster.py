@@ -71,12 +71,13 @@ def wait_for_models(controller_url: str, names: list[str], timeout_s: float = DE
 
 
 @contextlib.contextmanager
-def running_cluster(*, api_keys: tuple[str, ...] = (), heartbeat_expiration: float = 10.0
-                    ) -> Iterator[Cluster]:
+def running_cluster(*, api_keys: tuple[str, ...] = (), heartbeat_expiration: float = 10.0,
+                    **gateway: Any) -> Iterator[Cluster]:
+    """`gateway`: more of the gateway's settings (GatewaySettings' fields)."""
     with contextlib.ExitStack() as stack:
         controller_url = stack.enter_context(serve_in_thread(create_controller_app(
             ControllerConfig(heartbeat_expiration=heartbeat_expiration))))
         gateway_url = stack.enter_context(serve_in_thread(create_gateway_app(
-            GatewaySettings(controller_address=controller_url, api_keys=api_keys))))
+            GatewaySettings(controller_address=controller_url, api_keys=api_keys, **gateway))))
         # Workers are entered on the same stack after the gateway, so they stop first.
         yield Cluster(controller_url, gateway_url, stack=stack)

@@ -3,11 +3,11 @@ controller and gateway, driven with the official openai client.
 
 The model is a tiny random Llama whose tokenizer (the default model's) has ``<think>`` and
 ``</think>`` as single tokens, as Qwen3's has, and whose chat template opens the thoughts block
-in the prompt (or writes an empty one when ``enable_thinking`` is false). A random model never
-ends its thoughts by itself; the stand-in for a thinking model is seeded sampling with a
-``logit_bias`` on ``</think>``, so that it ends them after a few tokens. What it writes is random;
-what is checked is how it is split, against the raw text the completions endpoint returns for the
-same prompt and seed.
+in the prompt (or writes an empty one when ``enable_thinking`` is false): see
+tests/integration/thinking_model.py. A random model never ends its thoughts by itself; the
+stand-in for a thinking model is seeded sampling with a ``logit_bias`` on ``</think>``, so that
+it ends them after a few tokens. What it writes is random; what is checked is how it is split,
+against the raw text the completions endpoint returns for the same prompt and seed.
 """
 
 from __future__ import annotations
@@ -22,13 +22,15 @@ import jsonschema
 import openai
 import pytest
 
-from llmplatform.llm.build import BackendConfig, build_backend
-from llmplatform.templates import __file__ as _templates_init
-from tests.conftest import TINY_LLAMA
-from tests.integration.cluster import Cluster, running_cluster
+from tests.integration.cluster import Cluster
+from tests.integration.thinking_model import (
+    MESSAGES,
+    MODEL,
+    chat_prompt,
+    save_thinker,
+    thinker_cluster,
+)
 
-MODEL = "thinker"
-MESSAGES = [{"role": "user", "content": "What is two plus two?"}]
 SAMPLING = dict(temperature=1.0, seed=7, max_tokens=40)
 SEEDS = range(4)
 ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
@@ -36,34 +38,11 @@ ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Oslo", "Paris"]}},
     "required": ["city"], "additionalProperties": False}}}
-_GENERATION_PROMPT = "{{- '<|im_start|>assistant\\n' -}}"
-_THINKING_PROMPT = (
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}"
-    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- else -%}{{- '<think>\\n' -}}{%- endif -%}")
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from llmplatform.llm.resolve import load_tokenizer
-
-    out = tmp_path_factory.mktemp("tiny-thinker")
-    tokenizer = load_tokenizer(default_model_dir)
-    tokenizer.add_tokens(["<think>", "</think>"])  # one token each, as in Qwen3's vocabulary
-    tokenizer.model_max_length = TINY_LLAMA["max_position_embeddings"]
-    tokenizer.save_pretrained(str(out))
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config = LlamaConfig(**TINY_LLAMA, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(str(out), safe_serialization=True)
-    shipped = (Path(_templates_init).parent / "chatml_hermes_tools.jinja").read_text()
-    assert _GENERATION_PROMPT in shipped
-    (out / "thinking.jinja").write_text(shipped.replace(_GENERATION_PROMPT, _THINKING_PROMPT))
-    return out
+    return save_thinker(tmp_path_factory.mktemp("tiny-thinker"), default_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +54,7 @@ def tokenizer(model_dir: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path) -> Iterator[Cluster]:
-    llm = build_backend(BackendConfig(
-        model_path=str(model_dir), model_names=(MODEL,), backend="paged", device="cpu",
-        dtype="float32", kv_cache_memory="64MiB", chat_template=str(model_dir / "thinking.jinja"),
-        tool_call_parser="hermes", reasoning_parser="qwen3"))
-    with running_cluster() as cluster:
-        cluster.add_worker(llm)
+    with thinker_cluster(model_dir) as cluster:
         yield cluster
 
 
@@ -90,9 +64,7 @@ def client(cluster: Cluster) -> openai.OpenAI:
 
 
 def _prompt(tokenizer: Any, model_dir: Path, **kwargs: Any) -> str:
-    return tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True,
-                                         chat_template=(model_dir / "thinking.jinja").read_text(),
-                                         **kwargs)
+    return chat_prompt(tokenizer, model_dir, **kwargs)
 
 
 def _end_bias(tokenizer: Any, bias: float = 9.0) -> dict[str, float]:

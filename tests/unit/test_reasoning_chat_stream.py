@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from llmplatform.openai_api.chat import _ChatStream, ChatPrepared
+from llmplatform.openai_api.chat import ChatPrepared, _ChatStream
 from llmplatform.openai_api.constraints import request_constraints
 from llmplatform.openai_api.reasoning import reasoning_mode
 from llmplatform.protocol.openai import ChatCompletionRequest

@@ -68,7 +68,7 @@ def test_items_become_chat_messages() -> None:
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"reasoning": {"effort": "low"}}, "reasoning.effort"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"truncation": "auto"}, "truncation"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),

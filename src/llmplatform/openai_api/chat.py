@@ -74,7 +74,8 @@ async def serve_chat(request: Request, body: ChatCompletionRequest,
     """Check `body`, start it on a worker (routing, tenants, failover) and answer with `reply`
     (given a getter of what was prepared on the worker that answered) in `framing`.
     `per_worker`: `body` as the worker with these details is to serve it (a dialect's setting
-    that depends on the worker: Messages' ``thinking``); it may refuse the request."""
+    that depends on the worker: Messages' ``thinking``, Responses' ``reasoning.effort``); it may
+    refuse the request."""
     messages = chat_messages(body.messages)
     check_chat_request(body)
     check_unsupported(body)

@@ -4,10 +4,10 @@ A Responses request is served on the chat path (:func:`chat.serve_chat`): transl
 request (openai_api.responses_input), whose continued conversation (``previous_response_id``)
 is read from the store first; the chat reply is wrapped (:class:`ResponsesReply`) so its result
 becomes a response object, or its stream the Responses events (openai_api.responses_stream).
-Everything chat does (tool calls, structured outputs, routing, per-key limits, failover) applies
-unchanged. A response with ``store`` (the default) is written to the store before the client
-gets it (non-streamed) or its ``response.completed`` (streamed), so a continuation sent as
-soon as the answer arrives finds it.
+Everything chat does (tool calls, structured outputs, routing, per-key limits, failover, a
+reasoning model's thoughts, which become a reasoning item) applies unchanged. A response with
+``store`` (the default) is written to the store before the client gets it (non-streamed) or its
+``response.completed`` (streamed), so a continuation sent as soon as the answer arrives finds it.
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ from llmplatform.openai_api.response_store import ResponseNotFoundError, Respons
 from llmplatform.openai_api.responses_input import (
     chat_request,
     check_refused,
+    thinking_off_for_worker,
     item_id,
     normalise_items,
     renamed,
+    thinking_off,
 )
 from llmplatform.openai_api.responses_stream import response_events
 from llmplatform.openai_api.streams import RequestStreams
@@ -41,6 +43,8 @@ from llmplatform.protocol.responses import (
     OutputItem,
     OutputMessage,
     OutputText,
+    ReasoningItem,
+    ReasoningText,
     ResponseObject,
     ResponsesRequest,
     ResponseStatus,
@@ -95,7 +99,8 @@ async def create_response(request: Request) -> Response:
         return replies[-1]
 
     try:
-        answer = await serve_chat(request, chat, reply)
+        answer = await serve_chat(request, chat, reply, per_worker=(
+            thinking_off_for_worker(chat) if thinking_off(body) else None))
     except InvalidRequestError as exc:
         raise renamed(exc) from None
     if not body.stream and shell.store:
@@ -133,7 +138,9 @@ def _shell(body: ResponsesRequest, model: str) -> ResponseObject:
         text={"format": (body.text.format if body.text is not None and body.text.format
                          else {"type": "text"})},
         tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
-        tools=body.tools or [], user=body.user, metadata=body.metadata or {})
+        tools=body.tools or [], user=body.user, metadata=body.metadata or {},
+        reasoning={"effort": body.reasoning.effort if body.reasoning is not None else None,
+                   "summary": None})
 
 
 def finished(shell: ResponseObject, output: list[OutputItem], usage: Usage | None,
@@ -150,13 +157,19 @@ def finished(shell: ResponseObject, output: list[OutputItem], usage: Usage | Non
 
 
 def output_items(message: ChatResponseMessage, status: ResponseStatus) -> list[OutputItem]:
-    """A chat reply's message as output items: its text as one message item, then one
-    function_call item per call (the order a streamed reply announces them in). A reasoning
-    model's thoughts, once chat carries them, become a reasoning item ahead of these."""
+    """A chat reply's message as output items, in the order a streamed reply announces them: a
+    reasoning model's thoughts as a reasoning item, its text as one message item, then one
+    function_call item per call. `status` is the last text item's (a reply cut by
+    ``max_output_tokens`` was cut there); the items before it were finished."""
     items: list[OutputItem] = []
+    if message.reasoning_content:
+        items.append(ReasoningItem(id=item_id("rs"), status="completed",
+                                   content=[ReasoningText(text=message.reasoning_content)]))
     if message.content:
-        items.append(OutputMessage(id=item_id("msg"), status=status,
+        items.append(OutputMessage(id=item_id("msg"), status="completed",
                                    content=[OutputText(text=message.content)]))
+    if items and not message.tool_calls:
+        items[-1].status = status
     for call in message.tool_calls or ():
         items.append(FunctionCallItem(id=item_id("fc"), call_id=call.id, name=call.function.name,
                                       arguments=call.function.arguments, status="completed"))

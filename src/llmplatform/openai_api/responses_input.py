@@ -3,7 +3,9 @@
 Input items become chat messages: ``message`` items (``input_text`` / ``output_text`` parts) by
 role, a ``function_call`` joins the assistant message before it as a tool call (or starts one),
 a ``function_call_output`` is a ``tool`` message. Flat function tools become chat's nested ones,
-``text.format`` becomes ``response_format``, ``max_output_tokens`` ``max_completion_tokens``.
+``text.format`` becomes ``response_format``, ``max_output_tokens`` ``max_completion_tokens``,
+``reasoning.effort: "none"`` the template variable ``enable_thinking: false`` (Qwen3's switch,
+which the chat path's reasoning parser reads too).
 The chat path then checks and serves the request as it would a chat one (tools, structured
 outputs, routing, limits, failover). What cannot be translated is a 400 naming the field.
 
@@ -16,24 +18,34 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
 
 from llmplatform.errors import InvalidRequestError
+from llmplatform.openai_api.reasoning import thinking_enabled
+from llmplatform.openai_api.worker_details import ModelDetails
 from llmplatform.protocol.openai import ChatCompletionRequest
-from llmplatform.protocol.responses import REFUSED_FIELDS, ResponsesRequest, is_neutral
+from llmplatform.protocol.responses import (
+    REASONING_EFFORTS,
+    REFUSED_FIELDS,
+    ReasoningConfig,
+    ResponsesRequest,
+    is_neutral,
+)
 from llmplatform.utils.json_body import body_error
 
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text")
 # The chat request's names for what a Responses client sent (its errors are renamed).
 _CHAT_PARAMS = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens",
-                "messages": "input"}
+                "messages": "input", "chat_template_kwargs": "reasoning.effort"}
+_THINKING_OFF = {"enable_thinking": False}
 
 
 def item_id(prefix: str) -> str:
-    """OpenAI's ids: ``resp_``, ``msg_``, ``fc_`` and 32 hex digits."""
+    """OpenAI's ids: ``resp_``, ``rs_``, ``msg_``, ``fc_`` and 32 hex digits."""
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
@@ -46,6 +58,55 @@ def check_refused(body: ResponsesRequest) -> None:
     if body.text is not None and body.text.verbosity not in (None, "medium"):
         raise InvalidRequestError("Invalid value for 'text.verbosity': only 'medium' (the "
                                   "default) is supported.", param="text.verbosity")
+    if body.reasoning is not None:
+        _check_reasoning(body.reasoning)
+
+
+def _check_reasoning(reasoning: ReasoningConfig) -> None:
+    """``effort: "none"`` is served (the model is told not to think); a budget of thought is
+    not (no engine here counts a model's thinking against a limit), nor a summary."""
+    effort = reasoning.effort
+    if effort not in (None, "none"):
+        if effort in REASONING_EFFORTS:
+            raise _bad("reasoning.effort", f"{effort!r} cannot be honoured: this server has no "
+                       "budget for a model's thinking. Use 'none' (do not think) or leave it unset "
+                       "(the model thinks as it was trained to).")
+        raise _bad("reasoning.effort", f"{effort!r} is not one of {', '.join(REASONING_EFFORTS)}.")
+    for name in ("summary", "generate_summary"):
+        if getattr(reasoning, name) is not None:
+            raise _bad(f"reasoning.{name}", "no model served here summarises its thoughts; they "
+                       "are returned whole, as the content of a reasoning item.")
+    if reasoning.context not in (None, "auto", "current_turn"):
+        raise _bad("reasoning.context", "earlier turns' thoughts are never shown to the model "
+                   "again: only 'auto' or 'current_turn' is supported.")
+    if reasoning.mode not in (None, "standard"):
+        raise _bad("reasoning.mode", "only 'standard' is supported.")
+
+
+def thinking_off(body: ResponsesRequest) -> bool:
+    """The request asks the model not to think (``reasoning.effort: "none"``)."""
+    return body.reasoning is not None and body.reasoning.effort == "none"
+
+
+def thinking_off_for_worker(chat: ChatCompletionRequest) -> Callable[[ModelDetails], ChatCompletionRequest]:
+    """For a request that asks for no thinking (its chat request carries ``enable_thinking:
+    false``): the chat request as the chosen worker is to serve it. Refused (before anything
+    starts) where its model thinks whatever it is told (DeepSeek-R1's syntax has no switch), so
+    a reply never carries the thoughts it was asked not to have; a stock FastChat worker, which
+    announces no thoughts and takes no template variables, gets the request without them (as
+    Messages' ``thinking: disabled``)."""
+
+    def for_worker(details: ModelDetails) -> ChatCompletionRequest:
+        syntax = details.reasoning_parser
+        if syntax is not None and thinking_enabled(syntax, _THINKING_OFF):
+            raise _bad("reasoning.effort", f"'none' cannot be honoured: model {chat.model!r} "
+                       f"thinks on every request (its worker reads its thoughts as {syntax}, "
+                       "which has no switch to turn them off).")
+        if "chat_template_kwargs" not in details.extensions:
+            return chat.model_copy(update={"chat_template_kwargs": None})
+        return chat
+
+    return for_worker
 
 
 def _bad(param: str, message: str) -> InvalidRequestError:
@@ -187,6 +248,7 @@ def chat_request(body: ResponsesRequest, model: str,
         "parallel_tool_calls": body.parallel_tool_calls, "response_format": response_format(body),
         "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature,
         "top_p": body.top_p, "user": body.user, "stream": bool(body.stream),
+        "chat_template_kwargs": dict(_THINKING_OFF) if thinking_off(body) else None,
         # The usage arrives in the stream's last chunk: response.completed carries it.
         "stream_options": {"include_usage": True} if body.stream else None,
     }

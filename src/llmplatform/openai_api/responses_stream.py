@@ -3,7 +3,8 @@
 The chat reply's chunks (already through the tool-call parser: content deltas, then OpenAI's
 tool-call fragments) are read back and re-told as OpenAI streams a response:
 ``response.created``, ``response.in_progress``; per output item ``response.output_item.added``,
-its deltas (``response.content_part.added`` and ``response.output_text.delta`` for text,
+its deltas (``response.content_part.added`` and ``response.reasoning_text.delta`` for a reasoning
+model's thoughts, the same with ``response.output_text.delta`` for text,
 ``response.function_call_arguments.delta`` for a call), its ``.done`` events and
 ``response.output_item.done``; then ``response.completed`` (``response.incomplete`` when cut by
 ``max_output_tokens``). A failure once the stream has begun is an ``error`` event followed by
@@ -31,6 +32,8 @@ from llmplatform.protocol.responses import (
     OutputItem,
     OutputMessage,
     OutputText,
+    ReasoningItem,
+    ReasoningText,
     ResponseError,
     ResponseObject,
     ResponseStatus,
@@ -55,8 +58,8 @@ class _Events:
 
 
 class _Output:
-    """The output items as the deltas build them: one open item at a time (a text message or a
-    function call), closed when the next one starts or the reply ends."""
+    """The output items as the deltas build them: one open item at a time (the thoughts, a text
+    message or a function call), closed when the next one starts or the reply ends."""
 
     def __init__(self, event: _Events) -> None:
         self._event = event
@@ -65,7 +68,10 @@ class _Output:
         self._pieces: list[str] = []
 
     def take(self, choice: ChatCompletionStreamChoice) -> list[bytes]:
-        frames = self._text(choice.delta.content) if choice.delta.content else []
+        thoughts = choice.delta.reasoning_content
+        frames = self._thoughts(thoughts) if thoughts else []
+        if choice.delta.content:
+            frames += self._text(choice.delta.content)
         for fragment in choice.delta.tool_calls or ():
             frames += self._call(fragment)
         return frames
@@ -76,6 +82,17 @@ class _Output:
         self._open, self._pieces = item, []
         return frames + [self._event("response.output_item.added", output_index=len(self.items) - 1,
                                      item=item.model_dump())]
+
+    def _thoughts(self, delta: str) -> list[bytes]:
+        frames: list[bytes] = []
+        if not isinstance(self._open, ReasoningItem):
+            frames += self._start(ReasoningItem(id=item_id("rs"), status="in_progress", content=[]))
+            frames.append(self._event("response.content_part.added", **self._where(),
+                                      content_index=0, part=ReasoningText(text="").model_dump()))
+        self._pieces.append(delta)
+        frames.append(self._event("response.reasoning_text.delta", **self._where(),
+                                  content_index=0, delta=delta))
+        return frames
 
     def _text(self, delta: str) -> list[bytes]:
         frames: list[bytes] = []
@@ -113,7 +130,14 @@ class _Output:
             return []
         where, joined = self._where(), "".join(self._pieces)
         frames = []
-        if isinstance(item, OutputMessage):
+        if isinstance(item, ReasoningItem):
+            thoughts = ReasoningText(text=joined)
+            item.content, item.status = [thoughts], status
+            frames.append(self._event("response.reasoning_text.done", **where, content_index=0,
+                                      text=joined))
+            frames.append(self._event("response.content_part.done", **where, content_index=0,
+                                      part=thoughts.model_dump()))
+        elif isinstance(item, OutputMessage):
             part = OutputText(text=joined)
             item.content, item.status = [part], status
             frames.append(self._event("response.output_text.done", **where, content_index=0,

@@ -6,13 +6,14 @@ checked item by item where they are translated to the chat request (openai_api.r
 so that an error names the item at fault (``input[2].content[0].type``).
 
 Fields that would change generation and are not served are declared only to be refused by name
-(:data:`REFUSED_FIELDS`); fields that do not change generation (``metadata``, ``user``,
-``service_tier``, ``prompt_cache_key``...) are accepted, and ``metadata`` is stored and echoed.
+(:data:`REFUSED_FIELDS`); ``reasoning`` is served in part (:class:`ReasoningConfig`); fields
+that do not change generation (``metadata``, ``user``, ``service_tier``, ``prompt_cache_key``...)
+are accepted, and ``metadata`` is stored and echoed.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -27,6 +28,28 @@ class TextConfig(BaseModel):
     "schema", "strict", "description"}``."""
     verbosity: Any = None
     """Parsed only to be refused: no model here knows how to be terse or wordy on demand."""
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+"""OpenAI's ``reasoning.effort`` values (of which only ``none`` is served: no thinking budget
+exists here, but a template can be told not to think)."""
+
+
+class ReasoningConfig(BaseModel):
+    """``reasoning``: how much a reasoning model thinks and what it shows of it. Only
+    ``effort: "none"`` (do not think) is served; the rest is checked where the request is
+    translated (openai_api.responses_input), so the error names the setting."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+    """Deprecated spelling of ``summary``."""
+    context: str | None = None
+    """Which past thoughts the model sees: ``current_turn`` is what is done (past reasoning items
+    are kept, never shown to the model again)."""
+    mode: str | None = None
 
 
 class ResponsesRequest(BaseModel):
@@ -51,8 +74,8 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = Field(default=None, max_length=128)
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     user: str | None = None
+    reasoning: ReasoningConfig | None = None
     # Generation-changing fields this server does not serve: refused by name, never dropped.
-    reasoning: Any = None
     background: Any = None
     include: Any = None
     truncation: Any = None
@@ -63,7 +86,7 @@ class ResponsesRequest(BaseModel):
     context_management: Any = None
 
 
-REFUSED_FIELDS = ("reasoning", "background", "include", "truncation", "top_logprobs",
+REFUSED_FIELDS = ("background", "include", "truncation", "top_logprobs",
                   "max_tool_calls", "prompt", "conversation", "context_management")
 """Refused unless :func:`is_neutral` (a value that asks for nothing beyond what is served)."""
 
@@ -76,8 +99,6 @@ def is_neutral(name: str, value: Any) -> bool:
     """Whether `value` of the refused field `name` asks for nothing this server does not do."""
     if value is None:
         return True
-    if name == "reasoning":  # an object whose every setting is left to the default
-        return isinstance(value, dict) and all(v is None for v in value.values())
     neutral = _NEUTRAL.get(name)
     return neutral is not None and type(value) is type(neutral) and value == neutral
 
@@ -90,6 +111,23 @@ class OutputText(BaseModel):
     text: str
     annotations: list[Any] = Field(default_factory=list)
     logprobs: list[Any] = Field(default_factory=list)
+
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """A reasoning model's thoughts (chat's ``reasoning_content``), ahead of the answer's items.
+    No ``summary`` is written (no model here summarises its thoughts) and no
+    ``encrypted_content`` (the thoughts are returned in the clear, as text)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: ResponseStatus
 
 
 class OutputMessage(BaseModel):
@@ -110,7 +148,7 @@ class FunctionCallItem(BaseModel):
     status: ResponseStatus
 
 
-OutputItem = OutputMessage | FunctionCallItem
+OutputItem = Annotated[ReasoningItem | OutputMessage | FunctionCallItem, Field(discriminator="type")]
 
 
 class InputTokensDetails(BaseModel):
@@ -119,6 +157,9 @@ class InputTokensDetails(BaseModel):
 
 class OutputTokensDetails(BaseModel):
     reasoning_tokens: int = 0
+    """Always 0: a worker reports how many tokens it wrote, not where its thoughts ended (the
+    split is made on text, which cannot be counted back into tokens exactly); the thoughts'
+    tokens are in ``output_tokens``."""
 
 
 class ResponseUsage(BaseModel):
