@@ -159,3 +159,15 @@ def test_a_failure_mid_stream_is_response_failed() -> None:
     assert events[-2]["message"] == "the worker went silent"
     assert events[-1]["response"]["status"] == "failed"
     assert events[-1]["response"]["error"]["message"] == "the worker went silent"
+
+
+def test_fields_the_responses_api_does_not_define_are_refused_by_name() -> None:
+    from llmplatform.utils.json_body import parse_json_body
+
+    for extra in ("seed", "logit_bias", "max_tokens", "n"):
+        with pytest.raises(InvalidRequestError) as caught:
+            parse_json_body(ResponsesRequest, json.dumps({"model": "m", "input": "x", extra: 1}).encode())
+        assert caught.value.param == extra and extra in caught.value.message
+    informational = {"service_tier": "auto", "prompt_cache_key": "k", "safety_identifier": "u",
+                     "stream_options": {"include_obfuscation": False}}
+    parse_json_body(ResponsesRequest, json.dumps({"model": "m", "input": "x", **informational}).encode())

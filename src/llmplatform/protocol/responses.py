@@ -53,7 +53,10 @@ class ReasoningConfig(BaseModel):
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    """A field OpenAI's Responses API does not define (``seed``, ``logit_bias``: chat's
+    extensions) is a 400 naming it, as OpenAI answers; dropping it would change what was asked."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     """Required, unless ``previous_response_id`` names a stored response (its model is used)."""
@@ -84,6 +87,12 @@ class ResponsesRequest(BaseModel):
     prompt: Any = None
     conversation: Any = None
     context_management: Any = None
+    # Informational: accepted and ignored (they change no token).
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    safety_identifier: Any = None
+    stream_options: Any = None
 
 
 REFUSED_FIELDS = ("background", "include", "truncation", "top_logprobs",
