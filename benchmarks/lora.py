@@ -14,11 +14,19 @@ and times from the first add to the last token. Each configuration runs ``--repe
 interleaved with the others, and keeps its best time (on a shared machine other processes only
 ever slow a run down). Reported: output tokens/s and its ratio to the base model's (target of
 issue 37: 16 adapters at >= 0.7x). The last line, ``RESULT_JSON {...}``, is machine readable.
+
+``--compare-torch`` adds, for each adapter count, a run whose adapter products are torch's grouped
+matrix products (``models.lora``'s path for eager decoding and GPUs) instead of the C kernel the
+ops plan picks on the fused CPU decode path (``kernels.cpu_lora``): the kernel's gain, in the
+same run. That run overrides the plan in this process only (``ModelOps.lora``); serving has no
+such switch.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import random
 import sys
@@ -63,20 +71,43 @@ def write_adapter(folder: Path, config, rank: int, seed: int) -> Path:
     return folder
 
 
-def run(path: str, args, adapter_dirs: list[Path], prompts: list[list[int]]) -> dict:
+@contextlib.contextmanager
+def torch_lora_products(enabled: bool):
+    """While open, engines built here plan torch's grouped products for the adapters."""
+    from llmplatform.kernels import ops
+
+    original = ops.resolve_ops
+    if enabled:
+        ops.resolve_ops = lambda *a, **k: dataclasses.replace(original(*a, **k),
+                                                              lora=ops.RowImpl.TORCH)
+    try:
+        yield
+    finally:
+        ops.resolve_ops = original
+
+
+def _engine(path: str, args, num_adapters: int):
     from llmplatform.engine.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
                                            SchedulerConfig)
     from llmplatform.engine.llm_engine import LLMEngine
-    from llmplatform.sampling.params import SamplingParams
 
-    num_adapters = len(adapter_dirs)
-    engine = LLMEngine(EngineConfig(
+    return LLMEngine(EngineConfig(
         model=ModelConfig(path, ("bench",), device=args.device, dtype=args.dtype),
         cache=CacheConfig(kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=args.streams, max_num_batched_tokens=2048,
                                   max_model_len=args.prompt_len + args.output_len + 16),
         lora=LoRAConfig(enabled=num_adapters > 0, max_loras=max(1, num_adapters),
                         max_lora_rank=args.rank)))
+
+
+def run(path: str, args, adapter_dirs: list[Path], prompts: list[list[int]],
+        torch_products: bool = False) -> dict:
+    from llmplatform.sampling.params import SamplingParams
+
+    num_adapters = len(adapter_dirs)
+    with torch_lora_products(torch_products):
+        engine = _engine(path, args, num_adapters)
+    assert engine.runner.loras is None or engine.runner.loras.uses_kernel != torch_products
     ids = []
     for i, folder in enumerate(adapter_dirs):
         loras = engine.runner.loras
@@ -90,7 +121,7 @@ def run(path: str, args, adapter_dirs: list[Path], prompts: list[list[int]]) -> 
         for update in engine.step():
             num_tokens += len(update.chunk.token_ids)
     elapsed = time.perf_counter() - started
-    name = "base model" if not ids else f"{num_adapters} adapter(s)"
+    name = "base model" if not ids else f"{num_adapters} adapter(s)" + (", torch" if torch_products else "")
     log(f"{name}: {num_tokens} output tokens in {elapsed:.2f} s = {num_tokens / elapsed:.1f} tok/s")
     return {"name": name, "adapters": num_adapters, "output_tokens": num_tokens, "seconds": elapsed,
             "tokens_per_s": num_tokens / elapsed}
@@ -108,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=3, help="runs per configuration (best kept)")
+    parser.add_argument("--compare-torch", action="store_true",
+                        help="also run each adapter count on torch's grouped products (the kernel's gain)")
     args = parser.parse_args(argv)
 
     from transformers import AutoConfig
@@ -123,16 +156,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
         dirs = [write_adapter(Path(tmp) / f"a{i}", config, args.rank, args.seed + i)
                 for i in range(max(counts))]
-        configurations = [[]] + [dirs[:k] for k in counts]
-        tries = [[run(path, args, adapters, prompts) for adapters in configurations]
+        configurations = [([], False)] + [(dirs[:k], False) for k in counts]
+        if args.compare_torch:
+            configurations += [(dirs[:k], True) for k in counts]
+        tries = [[run(path, args, adapters, prompts, torch_products)
+                  for adapters, torch_products in configurations]
                  for _ in range(args.repeat)]
         runs = [max(results, key=lambda r: r["tokens_per_s"]) for results in zip(*tries)]
     base = runs[0]["tokens_per_s"]
     print(f"{args.streams} streams x {args.output_len} output tokens, rank {args.rank}, "
           f"{Path(path).name} {args.dtype} on {args.device}")
-    print(f"{'run':<16}{'output tok/s':>14}{'x base':>8}")
+    print(f"{'run':<23}{'output tok/s':>14}{'x base':>8}")
     for r in runs:
-        print(f"{r['name']:<16}{r['tokens_per_s']:>14.1f}{r['tokens_per_s'] / base:>8.2f}")
+        print(f"{r['name']:<23}{r['tokens_per_s']:>14.1f}{r['tokens_per_s'] / base:>8.2f}")
     print("RESULT_JSON " + json.dumps({"streams": args.streams, "rank": args.rank,
                                        "output_len": args.output_len, "device": args.device,
                                        "dtype": args.dtype, "runs": runs}))
