@@ -171,3 +171,11 @@ def test_a_worker_with_two_ranks_serves_adapters_given_at_start_and_loaded_at_ru
             assert [generate(name)["text"] for name in ("r16", "tiny")] == [want["r16"], want["tiny"]]
     finally:
         llm.engine.runner.close()
+
+
+def test_adapters_combine_with_tensor_parallelism_but_not_yet_with_pipeline_stages() -> None:
+    model = ModelConfig("unused", ("m",))
+    lora = LoRAConfig(enabled=True)
+    EngineConfig(model=model, lora=lora, parallel=ParallelConfig(tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        EngineConfig(model=model, lora=lora, parallel=ParallelConfig(pipeline_parallel_size=2))
