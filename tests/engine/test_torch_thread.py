@@ -34,19 +34,26 @@ async def test_the_engine_is_built_and_stepped_on_one_thread(
     built_on: list[int] = []
     built_by: list[threading.Thread] = []
     stepped_on: set[int] = set()
-    original_init, original_step = LLMEngine.__init__, LLMEngine.step
+    original_init = LLMEngine.__init__
+    original_launch, original_complete = LLMEngine.launch, LLMEngine.complete
 
-    def init(self: LLMEngine, config: EngineConfig, **kwargs) -> None:
+    def init(self: LLMEngine, config: EngineConfig, *args, **kwargs) -> None:
         built_on.append(threading.get_ident())
         built_by.append(threading.current_thread())
-        original_init(self, config, **kwargs)
+        original_init(self, config, *args, **kwargs)
 
-    def step(self: LLMEngine):
+    # A step is launched, then completed (async_engine; LLMEngine.step is the two in a row).
+    def launch(self: LLMEngine):
         stepped_on.add(threading.get_ident())
-        return original_step(self)
+        return original_launch(self)
+
+    def complete(self: LLMEngine, launched):
+        stepped_on.add(threading.get_ident())
+        return original_complete(self, launched)
 
     monkeypatch.setattr(LLMEngine, "__init__", init)
-    monkeypatch.setattr(LLMEngine, "step", step)
+    monkeypatch.setattr(LLMEngine, "launch", launch)
+    monkeypatch.setattr(LLMEngine, "complete", complete)
 
     llm = PagedLLM(_config(tiny_model_dir))
     await llm.start()
