@@ -99,12 +99,13 @@ def make_scheduler(*, num_blocks=16, block_size=4, max_num_seqs=4, max_num_batch
 
 
 def add(sched: Scheduler, prompt: int | list[int], n: int = 1,
-        params: SamplingParams | None = None) -> list[Sequence]:
+        params: SamplingParams | None = None, priority: int = 0) -> list[Sequence]:
     """A request of ``n`` sequences: ``prompt`` is its token ids, or how many (1000, 1001, ...)."""
     request_id = f"req-{next(_request_ids)}"
     if isinstance(prompt, int):
         prompt = list(range(1000, 1000 + prompt))
-    seqs = [Sequence(request_id, list(prompt), params or SamplingParams(), index=i) for i in range(n)]
+    seqs = [Sequence(request_id, list(prompt), params or SamplingParams(), index=i, priority=priority)
+            for i in range(n)]
     sched.add_request(seqs)
     return seqs
 
@@ -119,10 +120,16 @@ def check(sched: Scheduler, *, after_update: bool) -> None:
             assert len(seq.block_table) == bm.num_blocks_for(seq.num_computed_tokens)
             assert seq.num_uncomputed_tokens >= 1
     if after_update:
-        # Decodes first: only the last running sequence may have an unfinished prefill (a parent
-        # before its fork point has one token left when its children fork).
-        for seq in sched.running[:-1]:
-            assert seq.num_uncomputed_tokens == 1, f"a prefill under way before {sched.running[-1]}"
+        # Decodes first: at most one running sequence has an unfinished prefill (a parent before
+        # its fork point has one token left when its children fork), and only worse priorities
+        # follow it (with one priority throughout, it is the last).
+        under_way = [i for i, seq in enumerate(sched.running) if seq.num_uncomputed_tokens > 1]
+        assert len(under_way) <= 1, f"prefills under way: {under_way}"
+        for seq in sched.running[under_way[0] + 1:] if under_way else ():
+            assert seq.priority > sched.running[under_way[0]].priority, "a prefill before a decode"
+    # Both queues in priority order (engine.priority).
+    for queue in (sched.running, list(sched.waiting)):
+        assert [s.priority for s in queue] == sorted(s.priority for s in queue)
     for seq in sched.waiting:
         assert seq.status is SequenceStatus.WAITING and not seq.block_table
         assert seq.num_computed_tokens == 0

@@ -7,20 +7,24 @@ tokens, and at most ``max_num_seqs`` sequences run at once:
 0. Sequences that can never run are rejected (listed in ``rejected`` with the reason, finished):
    more tokens than ``max_model_len`` or than the whole KV pool holds, or a request wanting more
    parallel sequences than ``max_num_seqs``.
-1. Running sequences, in admission order, each get ``min(uncomputed tokens, budget left)``
-   tokens: 1 for a decode, a chunk for a prefill still under way. When the KV pool lacks blocks
-   for one, the most recently admitted running sequence is preempted (possibly the one asking):
-   its blocks are freed, its ``num_computed_tokens`` goes back to 0 and it goes to the FRONT of
-   the waiting queue. Its output tokens stay: it will be recomputed over prompt + output, which
-   are simply more uncomputed tokens. The oldest running sequence can always take blocks from
-   newer ones, so it always progresses.
-2. Unless step 1 preempted (then the pool is full and the head of the queue is the sequence just
-   preempted), waiting sequences are admitted in FCFS order while the budget, ``max_num_seqs``
-   and the free blocks allow. A prefill larger than the budget left is chunked. Admission stops at
+1. Running sequences, in order (priority, then admission: below), each get
+   ``min(uncomputed tokens, budget left)`` tokens: 1 for a decode, a chunk for a prefill still
+   under way. When the KV pool lacks blocks for one, the LAST running sequence (the worst
+   priority's most recently admitted) is preempted, possibly the one asking: its blocks are
+   freed, its ``num_computed_tokens`` goes back to 0 and it goes to the FRONT of the waiting
+   sequences of its priority. Its output tokens stay: it will be recomputed over prompt +
+   output, which are simply more uncomputed tokens. The first running sequence can always take
+   blocks from those after it, so it always progresses; and a victim is never one already
+   served this step (it comes after the sequence asking).
+2. Unless step 1 preempted (then the pool is full), waiting sequences are admitted in queue order
+   (priority, then FCFS) while the budget, ``max_num_seqs`` and the free blocks allow. A prefill larger than the budget left is chunked. Admission stops at
    the first sequence that does not fit: nobody skips ahead of it. The exceptions are a
    sequence deferred for an in-flight prefix (below), and one whose LoRA adapter would make the
    running sequences' adapters outnumber the runner's slots (``max_loras``, engine.lora): each
    stays in its place and the next is considered.
+
+Priority (``Sequence.priority``, lower first) orders both queues; engine.priority says how, and
+why a waiting sequence never preempts a running one. With every priority equal it is plain FCFS.
 
 A chunk that reaches a sequence's last token ``samples``: the model appends one token, which
 leaves the sequence one uncomputed token (its next decode).
@@ -28,10 +32,11 @@ leaves the sequence one uncomputed token (its next decode).
 Decodes first, then prefill chunks. A sequence left with its prefill unfinished by a step got the
 last of that step's budget, so nothing was admitted after it; while it stays unfinished, every step
 ends its budget at it again and admits nothing. Forked children are placed right after their
-parent. Hence at most one sequence has an unfinished prefill and it is the last in ``running``:
-step 1 serves every decode before any prefill chunk, and a long prompt arriving is computed in
-the budget the running decodes leave, over as many steps as it takes, without ever delaying them
-(with ``max_num_batched_tokens`` >= ``max_num_seqs``, every running decode runs every step).
+parent. Hence at most one sequence has an unfinished prefill, and only sequences of a worse
+priority follow it in ``running`` (with equal priorities it is the last): step 1 serves every
+decode of its priority or better before any prefill chunk, and a long prompt arriving is computed
+in the budget those decodes leave, over as many steps as it takes, without ever delaying them
+(with ``max_num_batched_tokens`` >= ``max_num_seqs``, every such decode runs every step).
 
 Prefix caching (when the block manager has it). A sequence being admitted with nothing computed
 (new, preempted, or a child that runs on its own) first takes the blocks of its longest cached
@@ -94,6 +99,7 @@ from llmplatform.engine.block_manager import BlockManager
 from llmplatform.engine.config import SchedulerConfig
 from llmplatform.engine.outputs import (CachedSequenceData, ModelOutput, NewSequenceData,
                                         ScheduledChunk, SchedulerOutput)
+from llmplatform.engine.priority import enqueue, insert_running
 from llmplatform.engine.sequence import Sequence, SequenceStatus
 
 
@@ -103,9 +109,10 @@ class Scheduler:
         self.config = config
         self.max_loras = max_loras
         self.block_manager = block_manager
-        # Schedulable, not admitted: new sequences at the back, preempted ones at the front.
+        # Schedulable, not admitted, in priority order (lower first); among equals, new sequences
+        # at the back, preempted ones at the front.
         self.waiting: deque[Sequence] = deque()
-        # Admitted, in admission order: the last one is the first to be preempted.
+        # Admitted, in priority order, then admission order: the last is the first preempted.
         self.running: list[Sequence] = []
         # Parent seq_id -> its children waiting for the parent's prefill to reach the fork point.
         self._pending_children: dict[int, list[Sequence]] = {}
@@ -133,9 +140,10 @@ class Scheduler:
         self._live.update((seq.seq_id, seq) for seq in seqs)
         if children and parent.num_prompt_tokens > 1:
             self._pending_children[parent.seq_id] = list(children)
-            self.waiting.append(parent)
+            enqueue(self.waiting, parent)
         else:
-            self.waiting.extend(seqs)
+            for seq in seqs:
+                enqueue(self.waiting, seq)
 
     def finish(self, seq: Sequence) -> None:
         """Mark ``seq`` finished wherever it is and free its blocks (no-op if already finished)."""
@@ -149,7 +157,8 @@ class Scheduler:
             self._finished_in_runner.append(seq.seq_id)
         self.block_manager.free(seq)
         # Children still waiting to share this parent's prefill now run on their own.
-        self.waiting.extendleft(reversed(self._pending_children.pop(seq.seq_id, [])))
+        for child in reversed(self._pending_children.pop(seq.seq_id, [])):
+            enqueue(self.waiting, child, front=True)
         if all(s.is_finished for s in self._requests.get(seq.request_id, ())):
             self._requests.pop(seq.request_id, None)
 
@@ -204,7 +213,7 @@ class Scheduler:
                     self.finish(s)
                     rejected.append((s.seq_id, reason))
 
-        # 1. Running sequences, oldest first; the newest are preempted to make room.
+        # 1. Running sequences, best priority and oldest first; the last are preempted for room.
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -226,7 +235,7 @@ class Scheduler:
                 num_prompt_tokens += self._num_prompt_tokens_in(seq, num_new_tokens)
                 budget -= num_new_tokens
 
-        # 2. Waiting sequences, FCFS but for deferrals, unless step 1 found the pool full.
+        # 2. Waiting sequences in queue order but for deferrals, unless step 1 found the pool full.
         index = 0  # into self.waiting: the sequences before it are deferred this step
         while index < len(self.waiting) and budget > 0 and not preempted:
             seq = self.waiting[index]  # holds no blocks, has nothing computed
@@ -255,7 +264,7 @@ class Scheduler:
             del self.waiting[index]
             self._deferred_seq_ids.discard(seq.seq_id)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            insert_running(self.running, seq)
             num_new_tokens = num_total_tokens - seq.num_computed_tokens
             new_seqs.append(self._new_data(seq))  # new, or resumed after preemption
             scheduled.append(self._chunk(seq, num_new_tokens))
@@ -354,7 +363,7 @@ class Scheduler:
 
     def _allocate_or_preempt(self, seq: Sequence, num_new_tokens: int,
                              blocks_to_copy: list[tuple[int, int]], preempted: list[Sequence]) -> bool:
-        """Give running ``seq`` slots for its chunk, preempting the newest running sequences until
+        """Give running ``seq`` slots for its chunk, preempting the last running sequences until
         they fit. False if ``seq`` itself had to be preempted."""
         bm = self.block_manager
         num_total_tokens = seq.num_computed_tokens + num_new_tokens
@@ -369,13 +378,14 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        # Victims go newest first, each to the front: the queue keeps their admission order.
+        # Victims go from the back of ``running`` (its worst priority, newest first), each to the
+        # front of its priority's waiting sequences: those keep their admission order.
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        enqueue(self.waiting, seq, front=True)
 
     def _fork_children(self, parent: Sequence) -> None:
         # Right after the parent: they were admitted with it (and this keeps every decode ahead of

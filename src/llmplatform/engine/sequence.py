@@ -65,6 +65,9 @@ class Sequence:
     # A pooling sequence (engine.pooling): it computes its prompt for a pooled vector and never
     # samples; None for generation.
     pooling: PoolingParams | None = None
+    # The request's priority (vLLM's field): lower runs first; every output of a request has its
+    # request's. The scheduler keeps its queues in this order (engine.scheduler).
+    priority: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
