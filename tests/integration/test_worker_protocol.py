@@ -92,6 +92,17 @@ def test_errors_travel_in_the_stream_with_http_200(worker_url, params, code):
     assert ok[-1]["error_code"] == 0
 
 
+def test_the_hf_backend_refuses_a_priority_it_would_not_honour(worker_url):
+    # It runs each request as a slot frees, in arrival order: a priority would be dropped.
+    objects, _ = stream_objects(worker_url, {"model": "tiny", "prompt": PROMPT, "max_new_tokens": 2,
+                                             "priority": -1})
+    assert len(objects) == 1 and objects[0]["error_code"] != 0
+    assert "priority" in objects[0]["text"]
+    ok, _ = stream_objects(worker_url, {"model": "tiny", "prompt": PROMPT, "max_new_tokens": 2,
+                                        "priority": 0})
+    assert ok[-1]["error_code"] == 0
+
+
 def test_malformed_json_is_an_error_chunk(worker_url):
     response = httpx.post(f"{worker_url}/worker_generate_stream", content=b"{oops",
                           headers={"Content-Type": "application/json"}, timeout=30)

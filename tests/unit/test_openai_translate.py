@@ -299,6 +299,27 @@ def test_a_clients_cache_salt_needs_a_worker_that_announced_it() -> None:
         assert info.value.param == "cache_salt" and "does not support cache_salt" in info.value.message
 
 
+def test_a_priority_needs_a_worker_that_announced_it() -> None:
+    check_worker_extensions(chat(priority=-5), frozenset({"messages", "priority"}))
+    check_worker_extensions(chat(priority=0), frozenset())  # everyone's default: nothing to drop
+    for request in (chat(priority=3), completion(priority=-1)):
+        with pytest.raises(InvalidRequestError) as info:
+            check_worker_extensions(request, frozenset({"messages", "cache_salt", "n"}))
+        assert info.value.param == "priority" and "does not support priority" in info.value.message
+    assert params_dict(worker_params(chat(priority=-7), prompt="P", budget=BUDGET, request_id="r",
+                                     choice_index=0))["priority"] == -7
+    assert "priority" not in params_dict(worker_params(chat(priority=0), prompt="P", budget=BUDGET,
+                                                       request_id="r", choice_index=0))
+
+
+@pytest.mark.parametrize("value", [1.5, "1", True, 2**31])
+def test_a_priority_is_a_32_bit_integer(value: object) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        chat(priority=value)
+    assert info.value.param == "priority"
+    assert chat(priority=-(2**31)).priority == -(2**31)
+
+
 def test_seeds_stay_in_the_workers_range_for_every_choice() -> None:
     top = 2**64 - 1
     seeds = [params_dict(worker_params(chat(seed=top), prompt="PROMPT", budget=BUDGET, request_id="r",

@@ -61,9 +61,10 @@ class _Stream:
     loop: _VirtualLoop  # the virtual engine that holds the request
 
 
-# (request id, prompt, sampling params and grammar | pooling params and None, cache salt, LoRA id)
+# (request id, prompt, sampling params and grammar | pooling params and None, cache salt, LoRA id,
+# priority)
 _Add = tuple[str, list[int], "SamplingParams | PoolingParams", "CompiledGrammar | None", "str | None",
-             "int | None"]
+             "int | None", int]
 
 
 @dataclass
@@ -181,18 +182,19 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, grammar: CompiledGrammar | None = None, *,
-                       cache_salt: str | None = None,
-                       lora_id: int | None = None) -> AsyncIterator[SequenceUpdate]:
+                       cache_salt: str | None = None, lora_id: int | None = None,
+                       priority: int = 0) -> AsyncIterator[SequenceUpdate]:
         """Yields the request's updates (for all n outputs) until each has finished. Closing the
         iterator early (or cancelling its consumer) is how a request is aborted: its blocks are
         freed before the next step.
         ``grammar``: the request's compiled output constraint, ``cache_salt`` its prefix-cache
-        salt, ``lora_id`` its adapter (``LLMEngine.add_request``).
+        salt, ``lora_id`` its adapter, ``priority`` its place in the queues
+        (``LLMEngine.add_request``).
 
         The request has been admitted (``LLMEngine.validate`` passed, its id is not running):
         the caller's admission is the one place that checks it."""
         stream = self._admit(request_id, (request_id, prompt_token_ids, params, grammar,
-                                          cache_salt, lora_id), params.n)
+                                          cache_salt, lora_id, priority), params.n)
         try:
             while stream.num_unfinished:
                 item = await stream.queue.get()
@@ -212,7 +214,7 @@ class AsyncEngine:
         the engine failed the request. Cancelling the call aborts the request and frees its
         blocks before the next step. Admitted already (``LLMEngine.validate_pooling``, a
         unique id), like :meth:`generate`'s requests."""
-        stream = self._admit(request_id, (request_id, prompt_token_ids, pooling, None, None, None), 1)
+        stream = self._admit(request_id, (request_id, prompt_token_ids, pooling, None, None, None, 0), 1)
         try:
             item = await stream.queue.get()
             if isinstance(item, BaseException):
@@ -254,7 +256,7 @@ class AsyncEngine:
         """Applies a virtual engine's queued adds and aborts (only ever between its steps)."""
         engine = virtual.engine
         adds, virtual.pending_adds = virtual.pending_adds, []
-        for request_id, prompt_token_ids, params, grammar, cache_salt, lora_id in adds:
+        for request_id, prompt_token_ids, params, grammar, cache_salt, lora_id, priority in adds:
             if request_id not in self._streams:  # the client left before it was added
                 continue
             with request_context(request_id):
@@ -263,7 +265,8 @@ class AsyncEngine:
                         engine.add_pooling_request(request_id, prompt_token_ids, params)
                         continue
                     engine.add_request(request_id, prompt_token_ids, params, grammar,
-                                            cache_salt=cache_salt, lora_id=lora_id)
+                                            cache_salt=cache_salt, lora_id=lora_id,
+                                            priority=priority)
                 except Exception as exc:  # admitted already: a bug, but this request's alone
                     logger.exception("adding the request failed")
                     self._streams[request_id].queue.put_nowait(exc)

@@ -198,13 +198,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, grammar: CompiledGrammar | None = None,
-                    *, cache_salt: str | None = None, lora_id: int | None = None) -> list[Sequence]:
+                    *, cache_salt: str | None = None, lora_id: int | None = None,
+                    priority: int = 0) -> list[Sequence]:
         """Queues the request's ``params.n`` outputs (their prompt computed once, see the module
         docstring); returns their sequences, output ``i`` at index ``i``. ``grammar``: the output
         constraint, compiled already (compiling is no step's work); each output walks it with a
         matcher of its own. ``cache_salt``: only sequences with the same salt share prefix-cache
         blocks (engine.prefix_cache). ``lora_id``: the loaded adapter it runs with (engine.lora;
-        None: the base model).
+        None: the base model). ``priority``: lower is scheduled first (engine.priority).
 
         The request has been admitted (:meth:`validate`, a unique id): only the invariants the
         scheduler relies on are asserted here."""
@@ -223,6 +224,7 @@ class LLMEngine:
             # With a seed, output i draws from seed + i: reproducible, and the n outputs differ.
             seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                            params=params, index=index, cache_salt=cache_salt, lora_id=lora_id,
+                           priority=priority,
                            seed=None if params.seed is None else params.seed + index,
                            stop_token_ids=stop_token_ids, grammar=matcher)
             self._outputs[seq.seq_id] = OutputState(seq, OutputProcessor(

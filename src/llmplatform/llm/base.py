@@ -49,6 +49,9 @@ class GenerateRequest:
     # The LoRA adapter the request names in ``model`` (None: the base model); the backend checks
     # that it is loaded (:meth:`LLMBackend.check_request`).
     lora_name: str | None = None
+    # vLLM's request priority: lower is scheduled first. Only a backend with
+    # ``priority_scheduling`` is given one other than 0 (the worker refuses it otherwise).
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,12 +71,13 @@ class AdmittedRequest:
     # The loaded LoRA adapter it runs with, as its backend names it (the native engine: its id,
     # unique per load); None: the base model.
     lora: Any = None
+    priority: int = 0  # lower is scheduled first (``GenerateRequest.priority``)
 
     @classmethod
     def of(cls, request: GenerateRequest, lora: Any = None) -> AdmittedRequest:
         """For a backend's ``check_request``, once its checks have passed."""
         return cls(request.request_id, request.params, request.prompt_token_ids,
-                   request.cache_salt, lora=lora)
+                   request.cache_salt, lora=lora, priority=request.priority)
 
     def with_grammar(self, grammar: CompiledGrammar | None) -> AdmittedRequest:
         return replace(self, grammar=grammar)
@@ -170,6 +174,10 @@ class LLMBackend(abc.ABC):
     # Whether one request may ask for ``n`` > 1 outputs (computed from one prefill); a backend
     # without it refuses them, and a gateway sends such a worker one request per output.
     parallel_sampling: bool = False
+    # Whether requests are queued (and preempted) by their ``priority`` (vLLM's field); a
+    # backend without it refuses a priority other than 0 (the worker does, before admission), and
+    # a gateway sends priorities only to workers that announce ``priority``.
+    priority_scheduling: bool = False
     # Structured outputs' limits (the worker's --grammar-* flags); None: GrammarConfig's defaults.
     grammar_config: GrammarConfig | None = None
     _grammar_compiler: GrammarCompiler | None = None

@@ -50,6 +50,7 @@ class PagedLLM(LLMBackend):
     default_concurrency = 1024  # the engine queues and batches requests itself
     backend_name = "paged"
     parallel_sampling = True  # n outputs fork one prompt's blocks (engine.llm_engine)
+    priority_scheduling = True  # the scheduler's queues are in priority order (engine.priority)
 
     def __init__(self, config: EngineConfig, embedding: DecoderEmbedding | None = None, *,
                  runner_factory: RunnerFactory = ModelRunner.from_config) -> None:
@@ -252,7 +253,8 @@ class PagedLLM(LLMBackend):
         self._async.check_serving()  # the engine's state now, not the request's
         updates = self._async.generate(request.request_id, list(request.prompt_token_ids),
                                        request.params, request.grammar,
-                                       cache_salt=request.cache_salt, lora_id=request.lora)
+                                       cache_salt=request.cache_salt, lora_id=request.lora,
+                                       priority=request.priority)
         try:
             async for update in updates:
                 # The engine's chunks name their request; which output is the update's.

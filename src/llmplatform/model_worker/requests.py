@@ -36,7 +36,9 @@ logger = logging.getLogger("llmplatform.worker")
 WORKER_PARAM_EXTENSIONS = ("messages", "openai_max_tokens", "logit_bias", "structured_output",
                            "stream_deltas", "cache_salt", "chat_template_kwargs")
 """The params-dict additions this worker understands beyond FastChat's (``/model_details``).
-``n`` is listed by a worker whose backend samples several outputs of one prompt.
+``n`` is listed by a worker whose backend samples several outputs of one prompt, ``priority``
+by one whose backend queues requests by priority (the native engine; the hf backend runs each
+request on its own as a slot frees, in arrival order, and refuses one).
 ``stream_deltas`` (delta frames, :mod:`.framing`) needs no announcing: each frame says what it
 is, so a gateway may ask any worker; it is listed for operators and tests.
 A gateway sends a field that changes what must be generated (``logit_bias``,
@@ -54,6 +56,8 @@ def model_details_of(llm: LLMBackend) -> dict[str, Any]:
     details: dict[str, Any] = {"context_length": llm.context_length, "params": params}
     if llm.parallel_sampling and ModelTask.GENERATE in llm.facts.tasks:
         params.append("n")  # one request, n outputs of one prefill
+    if llm.priority_scheduling and ModelTask.GENERATE in llm.facts.tasks:
+        params.append("priority")  # the engine's queues are in priority order
     if llm.tool_call_parser is not None:
         params.append("tools")
         details["tool_call_parser"] = llm.tool_call_parser
@@ -130,6 +134,17 @@ def sampling_params_from(params: WorkerParams, max_new_tokens: int | None = None
         skip_special_tokens=params.skip_special_tokens, logit_bias=params.logit_bias, n=params.n or 1)
 
 
+def check_priority(llm: LLMBackend, params: WorkerParams) -> int:
+    """The request's priority (0 when unset); one other than 0 is refused by a backend that
+    does not schedule by priority: it would run the request in arrival order anyway."""
+    priority = params.priority or 0
+    if priority and not llm.priority_scheduling:
+        raise InvalidRequestError(
+            f"the {llm.backend_name} backend does not schedule requests by priority; send "
+            "priority 0 (or none)", param="priority")
+    return priority
+
+
 async def compile_constraint(llm: LLMBackend, params: WorkerParams) -> Any:
     """The request's compiled output grammar (``structured_output`` set); a spec that is
     malformed, does not compile or compiles too slowly is a 400 naming the client's field."""
@@ -164,11 +179,12 @@ async def accept(llm: LLMBackend, params: WorkerParams, ticket: Ticket, *,
     try:
         lora_name = check_model(llm, params.model)
         ticket.reserve_id(request_id)
+        priority = check_priority(llm, params)
         prompt, prompt_ids, max_new_tokens = await render_prompt(llm, params)
         admitted = llm.check_request(GenerateRequest(
             request_id=request_id, params=sampling_params_from(params, max_new_tokens),
             prompt_token_ids=tuple(prompt_ids), prompt=prompt, cache_salt=params.cache_salt,
-            lora_name=lora_name))
+            lora_name=lora_name, priority=priority))
         if params.structured_output is not None:
             admitted = admitted.with_grammar(await compile_constraint(llm, params))
     except LLMPlatformError as exc:

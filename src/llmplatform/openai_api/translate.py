@@ -141,6 +141,8 @@ def required_extensions(request: ChatCompletionRequest | CompletionRequest) -> f
         names.add("logit_bias")
     if request.cache_salt is not None:
         names.add("cache_salt")
+    if request.priority:  # 0 is every request's priority: it asks for nothing a worker may drop
+        names.add("priority")
     if getattr(request, "chat_template_kwargs", None):
         names.add("chat_template_kwargs")
     return frozenset(names)
@@ -303,6 +305,7 @@ def worker_params(
         structured_output=constraint.structured_output if constraint is not None else None,
         tools=constraint.tools if constraint is not None else None,
         cache_salt=cache_salt,
+        priority=request.priority or None,
         tenant=tenant,
         chat_template_kwargs=getattr(request, "chat_template_kwargs", None) or None,
         **_returned_extras(request),

@@ -101,6 +101,10 @@ class _SamplingRequest(_Request):
         default=None, min_length=1, max_length=256, description="vLLM's field: only requests with "
         "the same salt share cached prompt prefixes on a worker (the gateway may add its key's "
         "id, --prefix-cache-isolation); refused for a worker that cannot honour it.")
+    priority: int | None = Field(
+        default=None, ge=-_INT32_MAX - 1, le=_INT32_MAX, strict=True, description="vLLM's field: "
+        "the request's place in its worker's queue, lower first; default 0. Refused (unless 0) for "
+        "a worker that does not schedule by priority.")
     # vLLM's token lists, parsed only to be refused (translate.check_unsupported): dropping them
     # silently would generate tokens the client banned or did not allow.
     allowed_token_ids: Any = None

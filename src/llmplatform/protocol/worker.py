@@ -32,6 +32,10 @@ MAX_CACHE_SALT_LENGTH = 512
 """Longest ``cache_salt`` a worker takes (characters). The gateway's own (its key id and the
 client's salt of up to 256 characters) stays under it."""
 
+MAX_PRIORITY = 2**31 - 1
+"""The largest ``priority`` a worker takes (its least urgent); the smallest is ``-MAX_PRIORITY - 1``:
+a 32-bit signed integer, which every peer reads exactly."""
+
 ACCEPTED_HEADER = "x-llmplatform-accepted"
 """Our addition, on a ``/worker_generate_stream`` answer: the worker checked the whole request
 (model, prompt, context room, sampling) before answering, so the stream's first chunk is output,
@@ -126,6 +130,11 @@ class WorkerParams(BaseModel):
     the first block's hash, engine.prefix_cache), so one tenant's cached prefix is never a hit,
     and a timing oracle, for another. Sent only to a worker that lists it: a stock worker would
     drop it and share its cache anyway."""
+    priority: StrictInt | None = Field(default=None, ge=-MAX_PRIORITY - 1, le=MAX_PRIORITY)
+    """vLLM's field: the request's place in the engine's queues, lower first (None: 0, every
+    request's default). It orders the waiting requests and picks who is preempted when the KV
+    cache runs out (the worst priority's newest); it never preempts a running request for a
+    waiting one. Sent only to a worker that lists it: a stock worker would drop it."""
     n: int | None = Field(default=None, ge=1)
     """Outputs to sample from the one prompt (OpenAI's ``n``): the worker computes the prompt once
     and forks its KV blocks, and each frame carries its output's ``index``. Sent only to a worker
