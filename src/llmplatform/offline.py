@@ -124,10 +124,16 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+                 *, use_tqdm: bool = True,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generates for every prompt in one continuous batch; returns the outputs in prompt
-        order. ``use_tqdm`` shows a progress bar over the prompts as they finish."""
+        order. ``use_tqdm`` shows a progress bar over the prompts as they finish. ``priority``
+        (vLLM's): one integer per prompt, lower scheduled first (engine.priority); default all 0."""
         pairs = normalize_prompts(prompts)
+        priorities = [0] * len(pairs) if priority is None else list(priority)
+        if len(priorities) != len(pairs) or not all(
+                isinstance(p, int) and not isinstance(p, bool) for p in priorities):
+            raise ValueError(f"give priority as one integer per prompt ({len(pairs)})")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -147,10 +153,10 @@ class LLM:
             self.engine.validate(ids, p)
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for (text, _), ids, p in zip(pairs, token_ids, param_list):
+        for (text, _), ids, p, rank in zip(pairs, token_ids, param_list, priorities):
             request_id = f"offline-{self._counter}"
             self._counter += 1
-            self.engine.add_request(request_id, ids, p)
+            self.engine.add_request(request_id, ids, p, priority=rank)
             results[request_id] = RequestOutput(request_id, text, ids,
                                                 [CompletionOutput(i) for i in range(p.n)])
             order.append(request_id)

@@ -68,3 +68,13 @@ def test_normalize_prompts_shapes():
     assert normalize_prompts([1, 2]) == [(None, [1, 2])]
     assert normalize_prompts([[1], "b"]) == [(None, [1]), ("b", None)]
     assert normalize_prompts([]) == []
+
+
+def test_priorities_reorder_the_queue_not_the_outputs(llm: LLM):
+    prompts = ["The quick brown fox", "Once upon a time", "In the beginning"]
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    ranked = llm.generate(prompts, GREEDY, use_tqdm=False, priority=[3, -1, 0])
+    assert [o.outputs[0].token_ids for o in ranked] == plain  # still in prompt order
+    for bad in ([0, 1], [0, 1, 2.5], [0, True, 1]):
+        with pytest.raises(ValueError, match="one integer per prompt"):
+            llm.generate(prompts, GREEDY, use_tqdm=False, priority=bad)
