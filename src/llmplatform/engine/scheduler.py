@@ -7,7 +7,7 @@ tokens, and at most ``max_num_seqs`` sequences run at once:
 0. Sequences that can never run are rejected (listed in ``rejected`` with the reason, finished):
    more tokens than ``max_model_len`` or than the whole KV pool holds, or a request wanting more
    parallel sequences than ``max_num_seqs``.
-1. Running sequences, in order (priority, then admission: below), each get
+1. Running sequences, in order (priority, then admission; see Priority below), each get
    ``min(uncomputed tokens, budget left)`` tokens: 1 for a decode, a chunk for a prefill still
    under way. When the KV pool lacks blocks for one, the LAST running sequence (the worst
    priority's most recently admitted) is preempted, possibly the one asking: its blocks are
@@ -17,8 +17,9 @@ tokens, and at most ``max_num_seqs`` sequences run at once:
    blocks from those after it, so it always progresses; and a victim is never one already
    served this step (it comes after the sequence asking).
 2. Unless step 1 preempted (then the pool is full), waiting sequences are admitted in queue order
-   (priority, then FCFS) while the budget, ``max_num_seqs`` and the free blocks allow. A prefill larger than the budget left is chunked. Admission stops at
-   the first sequence that does not fit: nobody skips ahead of it. The exceptions are a
+   (priority, then FCFS) while the budget, ``max_num_seqs`` and the free blocks allow. A prefill
+   larger than the budget left is chunked. Admission stops at the first sequence that does not
+   fit: nobody skips ahead of it. The exceptions are a
    sequence deferred for an in-flight prefix (below), and one whose LoRA adapter would make the
    running sequences' adapters outnumber the runner's slots (``max_loras``, engine.lora): each
    stays in its place and the next is considered.
