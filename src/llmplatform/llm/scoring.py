@@ -24,11 +24,6 @@ from dataclasses import dataclass
 
 from llmplatform.errors import ContextLengthExceededError, InvalidRequestError
 
-MAX_SCORE_PAIRS = 1024
-"""Pairs one rerank or score request may carry (documents, or ``text_2`` entries), at the gateway
-and the worker."""
-
-
 @dataclass(frozen=True)
 class PairTokens:
     """One pair as the cross-encoder reads it. ``len()`` is its token count (the batcher plans
