@@ -205,3 +205,36 @@ def test_a_generation_model_serves_no_scores(cluster: Cluster) -> None:
     assert "cross-encoder" in refused(chat, "model")
     assert "cross-encoder" in refused(post(cluster, "/v1/embeddings", model=RERANK, input="hi"),
                                       "model")
+
+
+# ---- real processes: the worker's command line ------------------------------------------------
+
+
+def test_a_cross_encoder_worker_process_serves_rerank(tiny_cross_encoder_dir: Path, cross_encoder,
+                                                      tmp_path_factory: pytest.TempPathFactory) -> None:
+    from tests.integration.test_fastchat_interop import list_models, services_in
+    from tests.processes import free_port
+
+    controller_url, worker_port, gateway_url = (f"http://127.0.0.1:{free_port()}", free_port(),
+                                                f"http://127.0.0.1:{free_port()}")
+    with services_in(tmp_path_factory.mktemp("rerank-processes")) as services:
+        services.start("controller", "-m", "llmplatform.controller",
+                       "--port", controller_url.rsplit(":", 1)[1])
+        services.start("gateway", "-m", "llmplatform.openai_api", "--port",
+                       gateway_url.rsplit(":", 1)[1], "--controller-address", controller_url)
+        services.wait_until("the controller up", lambda: httpx.get(
+            f"{controller_url}/health", timeout=5).status_code == 200)
+        services.start("worker", "-m", "llmplatform.model_worker", "--model-path",
+                       str(tiny_cross_encoder_dir), "--model-names", RERANK, "--task", "score",
+                       "--port", str(worker_port), "--controller-address", controller_url,
+                       "--device", "cpu")
+        services.wait_until("the worker registered", lambda: list_models(controller_url) == [RERANK])
+        services.wait_until("the gateway up", lambda: httpx.get(
+            f"{gateway_url}/health", timeout=5).status_code == 200)
+        response = httpx.post(f"{gateway_url}/v1/rerank", timeout=TIMEOUT_S, json={
+            "model": RERANK, "query": QUERY, "documents": DOCUMENTS[:4], "top_n": 2})
+    body = ok(response)
+    expected = cross_encoder.predict([(QUERY, doc) for doc in DOCUMENTS[:4]])
+    assert [r["index"] for r in body["results"]] == list(np.argsort(-expected, kind="stable")[:2])
+    for result in body["results"]:
+        assert abs(result["relevance_score"] - float(expected[result["index"]])) < 1e-5

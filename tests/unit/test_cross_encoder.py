@@ -100,3 +100,11 @@ def test_activation_comes_from_the_config(tmp_path: Path) -> None:
         read_activation(folder(sentence_transformers={"activation_fn": "torch.nn.Tanh"}))
     with pytest.raises(EmbeddingConfigError, match="3 labels"):
         read_activation(folder(id2label={"0": "a", "1": "b", "2": "c"}))
+
+
+def test_tasks_that_do_not_fit_the_folder_are_refused(tiny_cross_encoder_dir: Path,
+                                                      embedding_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="cross-encoder.*--task embed"):
+        build_backend(BackendConfig(model_path=str(tiny_cross_encoder_dir), task="embed", device="cpu"))
+    with pytest.raises(ValueError, match="--task score serves cross-encoders"):
+        build_backend(BackendConfig(model_path=str(embedding_model_dir), task="score", device="cpu"))
