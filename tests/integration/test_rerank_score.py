@@ -238,3 +238,23 @@ def test_a_cross_encoder_worker_process_serves_rerank(tiny_cross_encoder_dir: Pa
     assert [r["index"] for r in body["results"]] == list(np.argsort(-expected, kind="stable")[:2])
     for result in body["results"]:
         assert abs(result["relevance_score"] - float(expected[result["index"]])) < 1e-5
+
+
+def test_scores_count_against_a_keys_tokens_per_minute(tiny_cross_encoder_dir: Path) -> None:
+    from llmplatform.openai_api.settings import TenantLimits
+
+    key = "sk-rerank-test"
+    limits = TenantLimits(max_concurrent_requests=None, max_tokens_per_minute=60)
+    with running_cluster(api_keys=(key,), tenant_limits=limits) as cluster:
+        cluster.add_worker(build_backend(BackendConfig(model_path=str(tiny_cross_encoder_dir),
+                                                       model_names=(RERANK,), device="cpu")))
+        headers = {"Authorization": f"Bearer {key}"}
+        for path in ("/v1/rerank", "/v2/rerank"):  # no key: no scores, on vLLM's paths too
+            assert httpx.post(f"{cluster.gateway_url}{path}", timeout=TIMEOUT_S, json={
+                "model": RERANK, "query": QUERY, "documents": ["a"]}).status_code == 401
+        first = httpx.post(f"{cluster.gateway_url}/v1/rerank", headers=headers, timeout=TIMEOUT_S,
+                           json={"model": RERANK, "query": QUERY, "documents": DOCUMENTS})
+        assert ok(first)["usage"]["total_tokens"] > 60  # charged: the bucket is below zero now
+        second = httpx.post(f"{cluster.gateway_url}/score", headers=headers, timeout=TIMEOUT_S,
+                            json={"model": RERANK, "text_1": "a", "text_2": "b"})
+        assert second.status_code == 429 and int(second.headers["retry-after"]) >= 1
