@@ -258,3 +258,16 @@ def test_scores_count_against_a_keys_tokens_per_minute(tiny_cross_encoder_dir: P
         second = httpx.post(f"{cluster.gateway_url}/score", headers=headers, timeout=TIMEOUT_S,
                             json={"model": RERANK, "text_1": "a", "text_2": "b"})
         assert second.status_code == 429 and int(second.headers["retry-after"]) >= 1
+
+
+def test_a_stock_fastchat_worker_serves_no_scores() -> None:
+    """A stock worker (tests/fake_worker.py: FastChat's /model_details, no ``tasks``) has no
+    /worker_score: a 400 naming ``model``, before anything is sent to it."""
+    from tests.security.test_tenant_limits import FAKE_MODEL, tenant_cluster
+
+    with tenant_cluster() as cluster:
+        for path, body in (("/v1/rerank", {"query": QUERY, "documents": ["a"]}),
+                           ("/v1/score", {"text_1": "a", "text_2": "b"})):
+            response = httpx.post(f"{cluster.gateway}{path}", json={"model": FAKE_MODEL, **body},
+                                  timeout=TIMEOUT_S)
+            assert "stock FastChat worker" in refused(response, "model")
