@@ -74,14 +74,20 @@ def test_scores_match_sentence_transformers(tiny_cross_encoder_dir: Path,
     assert float(np.std(ours)) > 1e-3  # the random model tells the pairs apart
 
 
-def test_long_pairs_are_refused_or_cut(llm: CrossEncoderLLM) -> None:
-    long_document = " ".join(["river"] * (TINY_CROSS_ENCODER_POSITIONS + 10))
+def test_long_pairs_are_refused_or_cut_as_sentence_transformers_cuts(
+        tiny_cross_encoder_dir: Path, llm: CrossEncoderLLM) -> None:
+    from sentence_transformers import CrossEncoder
+
+    long_document = " ".join(_texts(1, seed=4, max_words=1)[0] for _ in range(200))
+    long_query = " ".join(WORDS * 6)
+    text_1, text_2 = ["a query", long_query, "q"], [long_document, long_document, "short"]
     with pytest.raises(ContextLengthExceededError) as refused:
-        _score(llm, ["a query", "q"], [long_document, "short"])
+        _score(llm, text_1, text_2)
     assert refused.value.param == "text_2"
-    scores = _score(llm, ["a query", "q"], [long_document, "short"],
-                    max_tokens=TINY_CROSS_ENCODER_POSITIONS)
-    assert len(scores) == 2 and all(0 < s < 1 for s in scores)
+    cut = _score(llm, text_1, text_2, max_tokens=TINY_CROSS_ENCODER_POSITIONS)
+    # CrossEncoder cuts every pair to the tokenizer's limit, longest text first.
+    reference = CrossEncoder(str(tiny_cross_encoder_dir), device="cpu").predict(list(zip(text_1, text_2)))
+    assert np.abs(np.array(cut) - reference).max() < 1e-5
 
 
 def test_activation_comes_from_the_config(tmp_path: Path) -> None:
