@@ -271,3 +271,20 @@ def test_a_stock_fastchat_worker_serves_no_scores() -> None:
             response = httpx.post(f"{cluster.gateway}{path}", json={"model": FAKE_MODEL, **body},
                                   timeout=TIMEOUT_S)
             assert "stock FastChat worker" in refused(response, "model")
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/rerank", {"query": 3, "documents": ["a"]}, "query"),
+    ("/v1/rerank", {"query": "q", "documents": "a"}, "documents"),
+    ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": "2"}, "top_n"),
+    ("/v1/rerank", {"query": "q", "documents": ["a"], "return_documents": 1}, "return_documents"),
+    ("/v1/rerank", {"query": "q", "documents": ["a"], "truncate_prompt_tokens": -2},
+     "truncate_prompt_tokens"),
+    ("/v1/rerank", {"documents": ["a"]}, "query"),
+    ("/v1/score", {"text_1": "a", "text_2": [1, 2]}, "text_2"),
+    ("/v1/score", {"text_1": None, "text_2": "b"}, "text_1"),
+    ("/v1/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 0},
+     "truncate_prompt_tokens"),
+])
+def test_bad_fields_are_400s_naming_them(cluster: Cluster, path: str, body: dict, param: str) -> None:
+    refused(post(cluster, path, model=RERANK, **body), param)
