@@ -144,6 +144,10 @@ def test_the_worker_announces_and_serves_scores(cluster: Cluster) -> None:
                                                           "text_2": ["c", "d"]},
                         timeout=TIMEOUT_S).json()
     assert answer["scoring"] == "cross-encoder" and len(answer["scores"]) == 2
+    # FastChat's embeddings route, as a stock gateway would call it: refused, saying why.
+    embeddings = httpx.post(f"{worker}/worker_get_embeddings", json={"model": RERANK, "input": ["a"]},
+                            timeout=TIMEOUT_S).json()
+    assert embeddings["error_code"] and "cross-encoder" in embeddings["text"]
     models = {m["id"]: m for m in httpx.get(f"{cluster.gateway_url}/v1/models",
                                              timeout=TIMEOUT_S).json()["data"]}
     assert models[RERANK]["tasks"] == ["score"] and models[EMBED]["tasks"] == ["embed"]
