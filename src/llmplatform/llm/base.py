@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 from llmplatform.errors import InvalidRequestError, ModelNotFoundError
 from llmplatform.llm.embedding import (EmbeddingFacts, EmbeddingResult, ModelTask,
                                         not_an_embedding_model)
+from llmplatform.llm.scoring import PairTokens, not_a_scoring_model
 from llmplatform.sampling.outputs import (  # noqa: F401  (the interface's result types)
     FinishReason, GenerateChunk, TokenLogprob, TopLogprob, Usage,
 )
@@ -293,6 +294,23 @@ class LLMBackend(abc.ABC):
         cut). Blocking: call it in a thread."""
         cut: dict[str, Any] = {"truncation": True, "max_length": max_tokens} if max_tokens else {}
         return [list(ids) for ids in self.tokenizer(list(texts), **cut)["input_ids"]]
+
+    # ---- scores (llm.scoring): a backend has them when its facts list ModelTask.SCORE ----------
+
+    async def score(self, pairs: Sequence[PairTokens], *, request_id: str | None = None) -> list[float]:
+        """One relevance score per pair, in order (a cross-encoder's; see ``llm.scoring``).
+        Raises :class:`InvalidRequestError` when this backend is no cross-encoder (the base)."""
+        raise not_a_scoring_model(self.model_names[0])
+
+    def score_token_ids_sync(self, text_1: Sequence[str], text_2: Sequence[str],
+                             max_tokens: int | None) -> list[PairTokens]:
+        """Each pair ``(text_1[i], text_2[i])`` as the cross-encoder reads it, cut to
+        ``max_tokens`` (longest text first, as sentence-transformers cuts) when given. Blocking."""
+        cut: dict[str, Any] = ({"truncation": "longest_first", "max_length": max_tokens}
+                               if max_tokens else {})
+        encoded = self.tokenizer(list(text_1), list(text_2), return_token_type_ids=True, **cut)
+        return [PairTokens(tuple(ids), tuple(types)) for ids, types in
+                zip(encoded["input_ids"], encoded["token_type_ids"])]
 
     # ---- structured outputs, shared by every backend -------------------------------------------
 

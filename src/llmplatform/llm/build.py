@@ -39,7 +39,7 @@ __all__ = ["BACKENDS", "COMPUTE_DTYPES", "DECODE_PATHS", "NORMALIZE_CHOICES", "P
 logger = logging.getLogger("llmplatform.worker")
 
 BACKENDS = ("auto", "paged", "hf", "encoder")
-TASKS = ("auto", "generate", "embed")
+TASKS = ("auto", "generate", "embed", "score")
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,19 @@ def _load(config: BackendConfig, runner_factory: RunnerFactory | None) -> LLMBac
                             else (None, None))
     # A bare decoder (MistralModel: e5-mistral) has no LM head: it can only embed.
     headless = reason is None and model_config is not None and _is_headless(model_config)
+    if backend in ("auto", "encoder") and _is_cross_encoder(resolved.path):
+        if config.task not in ("auto", "score"):
+            raise ValueError(f"{resolved.path} is a cross-encoder (reranker): it serves scores "
+                             f"(--task score), not --task {config.task}")
+        _no_pooling_flags(config, "a cross-encoder pools nothing")
+        if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+            raise ValueError("--tensor-parallel-size and --pipeline-parallel-size run on the paged "
+                             "backend, not encoder")
+        return _build_encoder(config, str(resolved.path), names, cross_encoder=True)
+    if config.task == "score":
+        raise ValueError(f"--task score serves cross-encoders (BertForSequenceClassification and "
+                         f"its family); {resolved.path} is none (an embedding model scores "
+                         "without it, by cosine)")
     embedding_folder = headless or _is_embedding_model(resolved.path)
     task = config.task if config.task != "auto" else "embed" if embedding_folder else "generate"
     if headless and task == "generate":
@@ -256,16 +269,25 @@ def _is_embedding_model(path: object) -> bool:
     return is_embedding_model(str(path))
 
 
-def _build_encoder(config: BackendConfig, path: str, names: tuple[str, ...]) -> LLMBackend:
+def _is_cross_encoder(path: object) -> bool:
+    from llmplatform.llm.encoder_config import is_cross_encoder
+
+    return is_cross_encoder(str(path))
+
+
+def _build_encoder(config: BackendConfig, path: str, names: tuple[str, ...], *,
+                   cross_encoder: bool = False) -> LLMBackend:
+    from llmplatform.llm.cross_encoder import CrossEncoderLLM
     from llmplatform.llm.embed_batcher import BatchingConfig
     from llmplatform.llm.encoder import EncoderEmbeddingLLM
 
     batching = BatchingConfig(
         max_batch_tokens=config.embed_max_batch_tokens or encoder_batch_tokens(config.device),
         max_wait_s=config.embed_batch_wait_ms / 1000)
-    return EncoderEmbeddingLLM(path, names, device=config.device, dtype=config.dtype,
-                               max_model_len=config.max_model_len, batching=batching,
-                               trust_remote_code=config.trust_remote_code)
+    backend_class = CrossEncoderLLM if cross_encoder else EncoderEmbeddingLLM
+    return backend_class(path, names, device=config.device, dtype=config.dtype,
+                         max_model_len=config.max_model_len, batching=batching,
+                         trust_remote_code=config.trust_remote_code)
 
 
 CPU_ENCODER_BATCH_TOKENS = 1024

@@ -104,6 +104,8 @@ class EmbedBatcher:
         """The most inputs one batch held."""
 
     async def start(self) -> None:
+        """Starts the batching task on the running loop (again after a shutdown)."""
+        self._closed = False
         self._arrived = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="embed-batcher")
 

@@ -30,10 +30,12 @@ from llmplatform.errors import ContextLengthExceededError, InvalidRequestError
 
 
 class ModelTask(str, enum.Enum):
-    """What a backend serves: ``generate`` (chat and completions), ``embed`` (embeddings)."""
+    """What a backend serves: ``generate`` (chat and completions), ``embed`` (embeddings),
+    ``score`` (a cross-encoder's relevance of text pairs: rerank and score, ``llm.scoring``)."""
 
     GENERATE = "generate"
     EMBED = "embed"
+    SCORE = "score"
 
     def __str__(self) -> str:
         return self.value

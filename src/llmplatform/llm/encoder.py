@@ -79,7 +79,7 @@ class EncoderEmbeddingLLM(LLMBackend):
         self.model = self._executor.submit(self._load, model_path, trust_remote_code).result()
         self._accepts_token_types = "token_type_ids" in self.tokenizer.model_input_names
         self._pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        limit = _max_input_tokens(self.pipeline, self.tokenizer, config)
+        limit = max_input_tokens(self.pipeline.max_seq_length, self.tokenizer, config)
         if max_model_len is not None:
             limit = min(limit, max_model_len)
         width = config.hidden_size * len(self.pipeline.pooling_modes)
@@ -262,8 +262,10 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torc
     return torch.cat(parts, dim=1)
 
 
-def _max_input_tokens(pipeline: EncoderPipeline, tokenizer: Any, config: Any) -> int:
-    limits = [pipeline.max_seq_length]
+def max_input_tokens(max_seq_length: int | None, tokenizer: Any, config: Any) -> int:
+    """The longest input the encoder reads: the least of sentence-transformers' cap, the
+    tokenizer's and the model's position limits (512 when none is stated)."""
+    limits = [max_seq_length]
     model_max = getattr(tokenizer, "model_max_length", None)
     if isinstance(model_max, int) and model_max < _UNBOUNDED:
         limits.append(model_max)

@@ -68,6 +68,21 @@ def is_embedding_model(path: str | Path) -> bool:
     return config.get("model_type") in _ENCODER_MODEL_TYPES
 
 
+_CROSS_ENCODER_ARCHITECTURES = tuple(arch.removesuffix("Model") + "ForSequenceClassification"
+                                     for arch in _ENCODER_ARCHITECTURES)
+
+
+def is_cross_encoder(path: str | Path) -> bool:
+    """True for a BERT-family sequence classifier (``BertForSequenceClassification``...): a
+    cross-encoder, as sentence-transformers' ``CrossEncoder`` saves one (``--backend auto``)."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        return False
+    architectures = _read_json(config_path).get("architectures") or []
+    return bool(architectures) and all(arch in _CROSS_ENCODER_ARCHITECTURES
+                                       for arch in architectures)
+
+
 def read_pipeline(path: str | Path) -> EncoderPipeline:
     folder = Path(path)
     modules = _read_json(folder / "modules.json") if (folder / "modules.json").is_file() else None

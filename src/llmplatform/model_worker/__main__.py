@@ -67,7 +67,8 @@ def worker_summary(llm: LLMBackend, settings: WorkerSettings, listen: str) -> di
         kv = (f"{info.num_kv_blocks} blocks x {info.kv_block_size} tokens = "
               f"{info.kv_capacity_tokens} tokens")
     elif "generate" not in tasks:
-        kv = "none (embeddings only)"  # an encoder: one forward pass per batch, nothing kept
+        # An encoder: one forward pass per batch, nothing kept.
+        kv = f"none ({'embeddings' if 'embed' in tasks else 'scores'} only)"
     else:
         kv = "per request (no shared pool)"
     registered = settings.register and settings.controller_address

@@ -36,6 +36,7 @@ from llmplatform.metrics.worker import WorkerLoad, WorkerMetrics
 from llmplatform.model_worker.admission import WorkerState
 from llmplatform.model_worker.conv import conv_template_for
 from llmplatform.model_worker.embeddings import add_embedding_route, embedding_details
+from llmplatform.model_worker.scoring import add_score_route
 from llmplatform.model_worker.lora_routes import add_lora_routes
 from llmplatform.model_worker.failure import FailureHandler, watch_backend
 from llmplatform.model_worker.generation import generate, json_object, streamed, whole
@@ -151,7 +152,7 @@ def _status(app: FastAPI) -> dict[str, Any]:
         "num_waiting": load.num_waiting + max(0, app.state.worker.num_accepted - load.num_running - load.num_waiting),
         "kv_cache_usage": load.kv_cache_usage,
         "backend": llm.backend_name,
-        "tasks": [task.value for task in llm.facts.tasks],  # ours: generate, embed
+        "tasks": [task.value for task in llm.facts.tasks],  # ours: generate, embed, score
         # Batch capacity for least_load: the backend's, unless the worker lets fewer through.
         "max_num_running": min(app.state.settings.limit_worker_concurrency,
                                llm.max_num_running or app.state.settings.limit_worker_concurrency),
@@ -214,6 +215,7 @@ def _add_routes(app: FastAPI) -> None:
         return await generate(app, request, refuse=json_object, answer=whole)
 
     add_embedding_route(app, _json_body)
+    add_score_route(app, _json_body)
     add_lora_routes(app, _json_body, _error_response)
 
     @app.post("/worker_get_status")

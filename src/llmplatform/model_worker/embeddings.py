@@ -53,6 +53,9 @@ async def embeddings_answer(llm: LLMBackend, body: WorkerEmbeddingsRequest) -> d
     facts = llm.facts
     model = body.model or llm.model_names[0]
     if ModelTask.EMBED not in facts.tasks or facts.embedding is None:
+        if ModelTask.SCORE in facts.tasks:
+            raise InvalidRequestError(f"model {model!r} is a cross-encoder (reranker): it serves "
+                                      "/v1/rerank and /v1/score, not embeddings", param="model")
         raise not_an_embedding_model(model)
     check_dimensions(facts.embedding, model, body.dimensions)
     limit = truncation_limit(body.truncate_prompt_tokens, facts.embedding.max_input_tokens)

@@ -60,9 +60,10 @@ class WorkerServiceSettings(ServerSettings):
         _DEFAULT.backend, "inference backend (auto picks the best available; an embedding model "
         "folder gets encoder)")
     task: Task = option(
-        _DEFAULT.task, "what the worker serves: generate (chat, completions) or embed "
-        "(embeddings). auto: embed for an embedding model folder (sentence-transformers files, or "
-        "a BERT-family encoder), else generate. A Llama/Mistral/Qwen2 decoder with embed runs the "
+        _DEFAULT.task, "what the worker serves: generate (chat, completions), embed "
+        "(embeddings) or score (rerank and score: a cross-encoder). auto: score for a BERT-family "
+        "sequence classifier, embed for an embedding model folder (sentence-transformers files, "
+        "or a BERT-family encoder), else generate. A Llama/Mistral/Qwen2 decoder with embed runs the "
         "native engine's pooling mode (see --pooling)")
     port: int = option(21002, "bind port; 0 picks a free one (default: %(default)s)")
     worker_address: str | None = option(

@@ -75,10 +75,12 @@ async def create_embeddings(request: Request) -> Response:
         tasks = details.get("tasks")
         if isinstance(tasks, list):  # ours
             if "embed" not in tasks:
+                what = ("a cross-encoder (reranker): it serves /v1/rerank and /v1/score, not "
+                        "embeddings" if "score" in tasks else
+                        "a generation model and serves no embeddings")
                 raise InvalidRequestError(
-                    f"model {body.model!r} is a generation model and serves no embeddings; use "
-                    "an embedding model (GET /v1/models lists what each model serves)",
-                    param="model")
+                    f"model {body.model!r} is {what}; use an embedding model (GET /v1/models "
+                    "lists what each model serves)", param="model")
             payload = {"model": body.model, "input": inputs, "encoding_format": "base64",
                        "dimensions": body.dimensions,
                        "truncate_prompt_tokens": body.truncate_prompt_tokens,

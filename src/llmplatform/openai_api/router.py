@@ -24,6 +24,7 @@ from llmplatform.openai_api.auth import require_admin_key, require_api_key
 from llmplatform.openai_api.chat import create_chat_completion
 from llmplatform.openai_api.completions import create_completion
 from llmplatform.openai_api.embeddings import create_embeddings, model_tasks
+from llmplatform.openai_api.scoring import create_rerank, create_score
 from llmplatform.openai_api.errors import EnvelopeRoute
 from llmplatform.openai_api.lifecycle import launch_model, list_model_states, stop_model
 from llmplatform.openai_api.lora import load_lora_adapter, unload_lora_adapter
@@ -42,7 +43,7 @@ def _client(request: Request) -> WorkerClient:
 
 async def list_models(request: Request) -> JSONResponse:
     models = await _client(request).list_models()
-    tasks = await model_tasks(_client(request))  # what each serves: generate, embed
+    tasks = await model_tasks(_client(request))  # what each serves: generate, embed, score
     adapters = await _lora_adapters(_client(request))
     created = request.app.state.created
     cards = [ModelCard(id=model, created=created, tasks=tasks.get(model),
@@ -108,6 +109,8 @@ def build_router() -> APIRouter:
     v1.add_api_route("/models", list_models, methods=["GET"])
     v1.add_api_route("/models/{model:path}", retrieve_model, methods=["GET"])
     v1.add_api_route("/embeddings", create_embeddings, methods=["POST"])
+    v1.add_api_route("/rerank", create_rerank, methods=["POST"])
+    v1.add_api_route("/score", create_score, methods=["POST"])
     v1.add_api_route("/messages/count_tokens", count_message_tokens, methods=["POST"])
     for path, handler in GENERATION_ROUTES.items():
         v1.add_api_route(path.removeprefix("/v1"), handler, methods=["POST"])
@@ -126,8 +129,14 @@ def build_router() -> APIRouter:
     admin.add_api_route("/models", launch_model, methods=["POST"])
     admin.add_api_route("/models", list_model_states, methods=["GET"])
     admin.add_api_route("/models/{name:path}", stop_model, methods=["DELETE"])
+    # vLLM serves rerank and score at these paths too (Jina's clients post to /v2/rerank).
+    scoring = APIRouter(dependencies=[Depends(require_api_key)], route_class=EnvelopeRoute)
+    for path, handler in (("/rerank", create_rerank), ("/v2/rerank", create_rerank),
+                          ("/score", create_score)):
+        scoring.add_api_route(path, handler, methods=["POST"])
     router = APIRouter(route_class=EnvelopeRoute)
     router.include_router(admin)
     router.include_router(v1)
+    router.include_router(scoring)
     router.add_api_route("/health", health, methods=["GET"])
     return router

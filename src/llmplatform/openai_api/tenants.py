@@ -49,7 +49,8 @@ from llmplatform.utils.request_guard import send_refusal
 logger = logging.getLogger("llmplatform.openai_api.tenants")
 
 LIMITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages",
-                           "/v1/messages/count_tokens", "/v1/responses"})
+                           "/v1/messages/count_tokens", "/v1/responses", "/v1/rerank", "/v1/score",
+                           "/rerank", "/v2/rerank", "/score"})
 """The POST routes that make workers work: the ones limited and metered per tenant."""
 ANONYMOUS = "anonymous"
 OTHER_KEYS = "other"

@@ -57,9 +57,11 @@ class ModelDetails:
         refuses too. A stock FastChat worker announces no tasks and is taken at its word."""
         tasks = self.raw.get("tasks")
         if isinstance(tasks, list) and "generate" not in tasks:
+            what = ("a cross-encoder (reranker): it serves /v1/rerank and /v1/score"
+                    if "score" in tasks else "an embedding model: it serves /v1/embeddings")
             raise InvalidRequestError(
-                f"model {model!r} is an embedding model: it serves /v1/embeddings, not chat or "
-                "completions (GET /v1/models lists what each model serves)", param="model")
+                f"model {model!r} is {what}, not chat or completions (GET /v1/models lists what "
+                "each model serves)", param="model")
 
 
 K = TypeVar("K")

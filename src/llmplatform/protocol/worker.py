@@ -316,3 +316,38 @@ class WorkerEmbeddingsRequest(BaseModel):
             if len(value) > MAX_EMBEDDING_INPUTS:
                 raise ValueError(f"must hold at most {MAX_EMBEDDING_INPUTS} inputs, not {len(value)}")
         return value
+
+
+MAX_SCORE_PAIRS = 1024
+"""Pairs one rerank or score request may carry (its documents, or its ``text_2`` entries), at the
+gateway and the worker."""
+
+
+class WorkerScoreRequest(BaseModel):
+    """Body of ``/worker_score`` (ours: a worker whose ``/model_details`` lists the ``score`` or
+    ``embed`` task). ``text_1[i]`` is scored against ``text_2[i]``: the gateway expands one query
+    against many documents into pairs. The answer is ``{"scores": [float, ...], "token_num": N,
+    "scoring": "cross-encoder" | "cosine"}`` (``cosine``: an embedding model's vectors), or an
+    error object with HTTP 200, as for embeddings; an error's ``param`` is ``text_1``, ``text_2``
+    or ``truncate_prompt_tokens``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    text_1: list[str]
+    text_2: list[str]
+    truncate_prompt_tokens: StrictInt | None = None
+    """Cut longer pairs (a cross-encoder) or texts (an embedding model) to this many tokens (-1:
+    the model's limit) instead of refusing them."""
+    request_id: str | None = None
+
+    @model_validator(mode="after")
+    def _pairs(self) -> "WorkerScoreRequest":
+        if not self.text_2:
+            raise ValueError("text_2 must hold at least one text")
+        if len(self.text_1) != len(self.text_2):
+            raise ValueError(f"text_1 and text_2 must be as long as each other (pairs), not "
+                             f"{len(self.text_1)} and {len(self.text_2)}")
+        if len(self.text_2) > MAX_SCORE_PAIRS:
+            raise ValueError(f"at most {MAX_SCORE_PAIRS} pairs, not {len(self.text_2)}")
+        return self
