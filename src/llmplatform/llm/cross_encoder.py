@@ -29,9 +29,8 @@ import numpy as np
 import torch
 
 from llmplatform.errors import InvalidRequestError
-from llmplatform.llm.base import (AdmittedRequest, BackendInfo, GenerateRequest, LLMBackend, LoadStats,
-                                  ModelFacts)
-from llmplatform.llm.embed_batcher import BatchingConfig, EmbedBatcher
+from llmplatform.llm.base import AdmittedRequest, GenerateRequest, LLMBackend, ModelFacts
+from llmplatform.llm.embed_batcher import BatchedBackendMixin, BatchingConfig, EmbedBatcher
 from llmplatform.llm.embedding import EmbeddingResult, ModelTask
 from llmplatform.llm.encoder import max_input_tokens
 from llmplatform.llm.encoder_config import EmbeddingConfigError
@@ -65,7 +64,7 @@ def read_activation(model_path: str | Path) -> str:
     return activation
 
 
-class CrossEncoderLLM(LLMBackend):
+class CrossEncoderLLM(BatchedBackendMixin, LLMBackend):
     """Serves ``/v1/rerank`` and ``/v1/score`` for one cross-encoder model folder."""
 
     backend_name = "encoder"
@@ -104,24 +103,6 @@ class CrossEncoderLLM(LLMBackend):
         return model.to(self.device).eval()
 
     # ---- the interface -------------------------------------------------------------------------
-
-    @property
-    def facts(self) -> ModelFacts:
-        return self._facts
-
-    async def start(self) -> None:
-        await self._batcher.start()
-
-    async def shutdown(self) -> None:
-        await self._batcher.shutdown()
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-    def load(self) -> LoadStats:
-        return LoadStats(num_running=self._batcher.num_running, num_waiting=self._batcher.num_waiting)
-
-    def backend_info(self) -> BackendInfo:
-        return BackendInfo(backend=self.backend_name, dtype=str(self.dtype).removeprefix("torch."),
-                           device=str(self.device))
 
     async def score(self, pairs: Sequence[PairTokens], *, request_id: str | None = None) -> list[float]:
         check_pair_lengths(pairs, self._facts.context_length, "text_2")

@@ -22,10 +22,15 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from llmplatform.errors import EngineDeadError, LLMPlatformError
+from llmplatform.llm.base import BackendInfo, LoadStats, ModelFacts
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("llmplatform.embeddings")
 
@@ -188,3 +193,35 @@ class EmbedBatcher:
         for item in items:
             if not item.future.done():
                 item.future.set_exception(exc)
+
+
+class BatchedBackendMixin:
+    """The part of an ``LLMBackend`` whose forward passes go through an :class:`EmbedBatcher` on
+    one torch thread (the encoder embedding and cross-encoder backends): its facts, start and
+    shutdown, load and backend info. The class sets ``_facts``, ``_batcher``, ``_executor``,
+    ``device``, ``dtype`` and ``backend_name``."""
+
+    _facts: ModelFacts
+    _batcher: EmbedBatcher
+    _executor: concurrent.futures.ThreadPoolExecutor
+    device: torch.device
+    dtype: torch.dtype
+    backend_name: str
+
+    @property
+    def facts(self) -> ModelFacts:
+        return self._facts
+
+    async def start(self) -> None:
+        await self._batcher.start()
+
+    async def shutdown(self) -> None:
+        await self._batcher.shutdown()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def load(self) -> LoadStats:
+        return LoadStats(num_running=self._batcher.num_running, num_waiting=self._batcher.num_waiting)
+
+    def backend_info(self) -> BackendInfo:
+        return BackendInfo(backend=self.backend_name, dtype=str(self.dtype).removeprefix("torch."),
+                           device=str(self.device))

@@ -34,9 +34,8 @@ import numpy as np
 import torch
 
 from llmplatform.errors import InvalidRequestError
-from llmplatform.llm.base import (AdmittedRequest, BackendInfo, GenerateRequest, LLMBackend, LoadStats,
-                                  ModelFacts)
-from llmplatform.llm.embed_batcher import BatchingConfig, EmbedBatcher
+from llmplatform.llm.base import AdmittedRequest, GenerateRequest, LLMBackend, ModelFacts
+from llmplatform.llm.embed_batcher import BatchedBackendMixin, BatchingConfig, EmbedBatcher
 from llmplatform.llm.embedding import EmbeddingFacts, EmbeddingResult, ModelTask, check_lengths
 from llmplatform.llm.encoder_config import EncoderPipeline, read_pipeline
 from llmplatform.sampling.outputs import GenerateChunk
@@ -57,7 +56,7 @@ requests pad little: 168 sentences/s padded against 134-144 with every batch pac
 _PACKED_MODEL_TYPES = frozenset({"bert"})
 
 
-class EncoderEmbeddingLLM(LLMBackend):
+class EncoderEmbeddingLLM(BatchedBackendMixin, LLMBackend):
     """Serves ``/v1/embeddings`` for one encoder model folder."""
 
     backend_name = "encoder"
@@ -105,24 +104,6 @@ class EncoderEmbeddingLLM(LLMBackend):
         return model.to(self.device).eval()
 
     # ---- the interface -------------------------------------------------------------------------
-
-    @property
-    def facts(self) -> ModelFacts:
-        return self._facts
-
-    async def start(self) -> None:
-        await self._batcher.start()
-
-    async def shutdown(self) -> None:
-        await self._batcher.shutdown()
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-    def load(self) -> LoadStats:
-        return LoadStats(num_running=self._batcher.num_running, num_waiting=self._batcher.num_waiting)
-
-    def backend_info(self) -> BackendInfo:
-        return BackendInfo(backend=self.backend_name, dtype=str(self.dtype).removeprefix("torch."),
-                           device=str(self.device))
 
     async def embed(self, token_id_lists: Sequence[Sequence[int]], *,
                     request_id: str | None = None) -> list[EmbeddingResult]:
