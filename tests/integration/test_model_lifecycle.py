@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -19,6 +20,8 @@ from llmplatform.controller import ControllerConfig
 from llmplatform.controller import create_app as create_controller_app
 from llmplatform.openai_api.app import create_app as create_gateway_app
 from llmplatform.openai_api.settings import GatewaySettings
+from llmplatform.openai_api.worker_routing import update_from_listing
+from llmplatform.protocol.controller import ListWorkersResponse
 from llmplatform.serve.agent import AgentConfig
 from llmplatform.serve.agent import create_app as create_agent_app
 from llmplatform.utils.server import serve_in_thread
@@ -36,6 +39,8 @@ class Runtime:
     gateway_url: str
     agent_app: Any
     restart_controller: Callable[[], None]
+    controller_url: str
+    gateway_app: Any
 
     def admin(self, method: str, path: str, key: str | None = ADMIN, **kwargs: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -72,7 +77,8 @@ def launch_body(model_dir: Path, name: str, **extra: Any) -> dict:
 
 @contextlib.contextmanager
 def runtime(tmp_path: Path, *, memory_limit_bytes: int | None = None,
-            first_model_dir: Path | None = None) -> Iterator[Runtime]:
+            first_model_dir: Path | None = None, worker_refresh_interval: float = 0.5
+            ) -> Iterator[Runtime]:
     with contextlib.ExitStack() as stack:
         port = free_port()  # a restarted controller comes back at the same address
         controller = [contextlib.ExitStack()]
@@ -95,9 +101,10 @@ def runtime(tmp_path: Path, *, memory_limit_bytes: int | None = None,
             register_interval=0.5))
         agent_url = stack.enter_context(serve_in_thread(agent_app))
         agent_app.state.agent_address = agent_url
-        gateway_url = stack.enter_context(serve_in_thread(create_gateway_app(GatewaySettings(
+        gateway_app = create_gateway_app(GatewaySettings(
             controller_address=controller_url, api_keys=(USER,), admin_api_keys=(ADMIN,),
-            worker_refresh_interval=0.5, on_demand_timeout=LOAD_TIMEOUT_S))))
+            worker_refresh_interval=worker_refresh_interval, on_demand_timeout=LOAD_TIMEOUT_S))
+        gateway_url = stack.enter_context(serve_in_thread(gateway_app))
         if first_model_dir is not None:  # a model served by a worker started some other way
             from llmplatform.model_worker.app import WorkerSettings
             from llmplatform.model_worker.app import create_app as create_worker_app
@@ -108,7 +115,7 @@ def runtime(tmp_path: Path, *, memory_limit_bytes: int | None = None,
                 limit_worker_concurrency=llm.default_concurrency))
             app.state.worker_address = stack.enter_context(serve_in_thread(app))
             wait_for_models(controller_url, ["tiny"])
-        rt = Runtime(gateway_url, agent_app, restart_controller)
+        rt = Runtime(gateway_url, agent_app, restart_controller, controller_url, gateway_app)
         wait_until(lambda: rt.admin("GET", "/models").json()["hosts"], interval_s=0.1,
                    what="the agent to register")
         yield rt
@@ -259,6 +266,39 @@ def test_on_demand_model_starts_on_request_and_unloads_when_idle(tmp_path, tiny_
         assert ": keep-alive" in lines, lines[:5]
         assert lines[-1] == "data: [DONE]" and any('"finish_reason":"length"' in line
                                                    for line in lines)
+        assert rt.admin("DELETE", "/models/lazy").status_code == 202
+        rt.wait_state("lazy", None)
+
+
+def test_a_request_routed_to_the_stopped_worker_of_an_unloaded_model_starts_it_again(
+        tmp_path, tiny_model_dir):
+    # The gateway's routing table is read from the controller every --worker-refresh-interval:
+    # for up to that long after an on-demand model is unloaded, it still names the stopped
+    # worker. A request in that window must start the model again, not fail with the refused
+    # connection. Refreshes are made rare here and the stale table put back by hand, so the
+    # window is certain rather than a race.
+    with runtime(tmp_path, worker_refresh_interval=600) as rt:
+        body = launch_body(tiny_model_dir, "lazy", on_demand=True, keep_alive=2)
+        assert rt.admin("POST", "/models", json=body).status_code == 202
+        client = rt.client()
+        assert chat(client, "lazy") is not None
+        listing = ListWorkersResponse.model_validate(
+            httpx.get(f"{rt.controller_url}/list_workers", timeout=30).json())
+        assert [w.model_names for w in listing.workers] == [["lazy"]]
+
+        def stale_table() -> None:
+            update_from_listing(rt.gateway_app.state.routing_table, listing,
+                                requested_at=time.monotonic())
+
+        for stream in (False, True):
+            rt.wait_state("lazy", "not_loaded")
+            stale_table()
+            reply = client.chat.completions.create(
+                model="lazy", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                stream=stream)
+            chunks = list(reply) if stream else [reply]
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+            assert rt.states()["lazy"]["state"] == "ready"
         assert rt.admin("DELETE", "/models/lazy").status_code == 202
         rt.wait_state("lazy", None)
 

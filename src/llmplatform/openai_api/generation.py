@@ -105,9 +105,13 @@ async def answer(request: Request, model: str, start_on: StartOn[P],
     --on-demand-timeout), a streamed answer sending SSE keep-alive comments meanwhile. `framing`:
     the dialect's stream errors and end."""
     client = worker_client(request)
+    note_model(request, model)
+    streams = RequestStreams(client, model, start_on)
     try:
-        address = await client.worker_address(model, route=route)
+        await streams.start(await client.worker_address(model, route=route))
     except (ModelNotFoundError, NoWorkerError):
+        # No worker, or none of those routing knew could take it: an on-demand model may just
+        # have been unloaded (its stopped worker still in the routing table for a moment).
         lifecycle: Lifecycle = request.app.state.lifecycle
         starting = await lifecycle.ensure(model)
         if starting is None:
@@ -117,10 +121,8 @@ async def answer(request: Request, model: str, start_on: StartOn[P],
                 request, lifecycle.wait_ready(starting), model, start_on, reply, route, framing),
                 headers_first=True)
         await lifecycle.wait_ready(starting)
-        address = await client.worker_address(model, route=route)
-    note_model(request, model)
-    streams = RequestStreams(client, model, start_on)
-    await streams.start(address)
+        streams = RequestStreams(client, model, start_on)
+        await streams.start(await client.worker_address(model, route=route))
     replying = reply(lambda: streams.prepared)
     ticket = ticket_of(request)
     if stream:
@@ -149,7 +151,6 @@ async def _cold_event_stream(request: Request, ready: Awaitable[None], model: st
                 yield KEEP_ALIVE_COMMENT
         waiting.result()
         client = worker_client(request)
-        note_model(request, model)
         streams = RequestStreams(client, model, start_on)
         await streams.start(await client.worker_address(model, route=route))
         async for event in _event_stream(reply(lambda: streams.prepared), streams,

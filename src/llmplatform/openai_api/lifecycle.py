@@ -110,7 +110,8 @@ class Lifecycle:
     async def wait_ready(self, first: ModelStatus) -> None:
         """Until the model `ensure` answered `first` for is ready; its failure is a 503 saying
         why, and `on_demand_timeout` without it a 504. Polls the listing, not `ensure`: that
-        would start a failed model again."""
+        would start a failed model again; one found not loaded (it was being unloaded when the
+        request came, and has finished) is started again."""
         deadline = time.monotonic() + self.on_demand_timeout
         status: ModelStatus | None = first
         while True:
@@ -118,6 +119,8 @@ class Lifecycle:
                 raise NoWorkerError(f"The model '{first.name}' was stopped while it started.")
             if status.state is ModelState.READY:
                 return
+            if status.state is ModelState.NOT_LOADED:
+                await self.ensure(first.name)
             if status.state is ModelState.FAILED:
                 raise NoWorkerError(f"The model '{first.name}' could not be started: {status.reason}")
             if time.monotonic() > deadline:
