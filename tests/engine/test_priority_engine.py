@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llmplatform.engine.llm_engine import LLMEngine
+from llmplatform.protocol.worker import BACKGROUND_PRIORITY
 from llmplatform.sampling.params import SamplingParams
 from tests.engine.test_engine import hf_greedy, make_engine
 
@@ -86,4 +87,42 @@ def test_preemption_takes_the_worst_priority_and_keeps_every_output(tiny_model_d
     assert seqs["high-a"].num_preemptions == seqs["high-b"].num_preemptions == 0
     for name, prompt in (("low", low), ("high-a", high_a), ("high-b", high_b)):
         assert tokens[name] == hf_greedy(hf_tiny, prompt, GREEDY.max_tokens), name
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+
+def test_background_requests_yield_and_fill_idle_tokens_without_changing_any_output(
+        tiny_model_dir, hf_tiny):
+    # Background (batch) requests fill the slots; foreground ones arrive, take the slots of the
+    # newest background ones (preempted: they recompute later) and run with at most 4 idle tokens
+    # of background work per step beside them, which prefills background prompts in small chunks
+    # beside foreground prefills and decodes. Every output is still transformers' greedy one.
+    engine = make_engine(tiny_model_dir, max_num_seqs=4, max_num_batched_tokens=64,
+                         background_step_tokens=4)
+    background = {f"bg-{i}": p for i, p in enumerate(prompts(6, 20))}
+    foreground = {f"fg-{i}": p for i, p in enumerate(prompts(9, 14)[6:])}
+    seqs = {rid: engine.add_request(rid, p, GREEDY, priority=BACKGROUND_PRIORITY)[0]
+            for rid, p in background.items()}
+    tokens: dict[str, list[int]] = {rid: [] for rid in [*background, *foreground]}
+    first_step: dict[str, int] = {}
+    finished: list[str] = []
+    for step in range(1000):
+        if step == 1:
+            seqs.update({rid: engine.add_request(rid, p, GREEDY)[0] for rid, p in foreground.items()})
+        if not engine.has_unfinished():
+            break
+        for update in engine.step():
+            if update.chunk.token_ids:
+                first_step.setdefault(update.request_id, step)
+            tokens[update.request_id].extend(update.chunk.token_ids)
+            if update.chunk.finish_reason is not None:
+                finished.append(update.request_id)
+    assert all(first_step[rid] == 1 for rid in foreground)  # admitted at once, in three slots
+    assert sum(seqs[rid].num_preemptions for rid in background) >= 3
+    assert all(seqs[rid].num_preemptions == 0 for rid in foreground)
+    # bg-0 kept its slot and, one step ahead, decodes in the one idle token the three
+    # foreground decodes leave; the other background requests wait for the foreground to finish.
+    assert set(finished[:4]) == {*foreground, "bg-0"}
+    for rid, prompt in [*background.items(), *foreground.items()]:
+        assert tokens[rid] == hf_greedy(hf_tiny, prompt, GREEDY.max_tokens), rid
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

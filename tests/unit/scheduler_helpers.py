@@ -14,6 +14,7 @@ import itertools
 from llmplatform.engine.block_manager import BlockManager
 from llmplatform.engine.config import SchedulerConfig
 from llmplatform.engine.outputs import ModelOutput, ScheduledChunk, SchedulerOutput
+from llmplatform.engine.priority import is_background
 from llmplatform.engine.scheduler import Scheduler
 from llmplatform.engine.sequence import Sequence, SequenceStatus
 from llmplatform.sampling.params import SamplingParams
@@ -89,11 +90,12 @@ class RunnerMirror:
 
 
 def make_scheduler(*, num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-                   max_model_len=64, enable_prefix_caching=False) -> Scheduler:
+                   max_model_len=64, enable_prefix_caching=False,
+                   background_step_tokens=SchedulerConfig.background_step_tokens) -> Scheduler:
     # Every request here has the same prompt prefix: these tests pin batches and block ids without
     # the prefix cache (test_prefix_caching_scheduler.py covers the scheduler with it).
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             max_model_len=max_model_len)
+                             max_model_len=max_model_len, background_step_tokens=background_step_tokens)
     return RecordingScheduler(config, BlockManager(num_blocks=num_blocks, block_size=block_size,
                                           enable_prefix_caching=enable_prefix_caching))
 
@@ -122,11 +124,14 @@ def check(sched: Scheduler, *, after_update: bool) -> None:
     if after_update:
         # Decodes first: at most one running sequence has an unfinished prefill (a parent before
         # its fork point has one token left when its children fork), and only worse priorities
-        # follow it (with one priority throughout, it is the last).
-        under_way = [i for i, seq in enumerate(sched.running) if seq.num_uncomputed_tokens > 1]
-        assert len(under_way) <= 1, f"prefills under way: {under_way}"
-        for seq in sched.running[under_way[0] + 1:] if under_way else ():
-            assert seq.priority > sched.running[under_way[0]].priority, "a prefill before a decode"
+        # follow it (with one priority throughout, it is the last). Background sequences, held to
+        # the idle tokens of a step while foreground ones run, may have one more of their own.
+        for band in (False, True):
+            running = [s for s in sched.running if is_background(s) is band]
+            under_way = [i for i, seq in enumerate(running) if seq.num_uncomputed_tokens > 1]
+            assert len(under_way) <= 1, f"prefills under way: {under_way}"
+            for seq in running[under_way[0] + 1:] if under_way else ():
+                assert seq.priority > running[under_way[0]].priority, "a prefill before a decode"
     # Both queues in priority order (engine.priority).
     for queue in (sched.running, list(sched.waiting)):
         assert [s.priority for s in queue] == sorted(s.priority for s in queue)

@@ -29,14 +29,37 @@ goes first when one does. A running sequence thus never loses computed work to a
 preemption stays a response to the running set outgrowing the pool. Lower priorities may wait
 indefinitely while better ones keep coming; there is no aging.
 
+Background requests (``priority >= BACKGROUND_PRIORITY``, protocol.worker: the gateway's batch
+lines) are the one exception to "a waiting sequence never preempts a running one", and they get
+only idle capacity. While any foreground sequence (a better priority) is unfinished:
+
+- a step gives background sequences only what is left of ``background_step_tokens`` after the
+  foreground ones' tokens (``background_allowance``): a step of a few rows costs about what one
+  row does (the weights are read once), so background rows ride along nearly free, while a full
+  background batch or a long background prefill beside interactive decodes would slow every one
+  of their tokens;
+- a foreground sequence at the head of the waiting queue that lacks a ``max_num_seqs`` slot or
+  free blocks preempts running background sequences (worst first) until it fits
+  (``make_room_for_foreground``): background work never holds an interactive request out. The
+  victims recompute later, mostly from the prefix cache, which keeps their freed blocks.
+
+With no foreground sequence unfinished, background sequences are scheduled like any others, with
+the whole budget. With no background sequence, nothing here applies.
+
 Pure Python, no torch.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from llmplatform.engine.sequence import Sequence
+from llmplatform.protocol.worker import BACKGROUND_PRIORITY
+
+if TYPE_CHECKING:
+    from llmplatform.engine.scheduler import Scheduler
 
 
 def enqueue(waiting: deque[Sequence], seq: Sequence, *, front: bool = False) -> None:
@@ -61,3 +84,60 @@ def insert_running(running: list[Sequence], seq: Sequence) -> None:
     while index > 0 and running[index - 1].priority > seq.priority:
         index -= 1
     running.insert(index, seq)
+
+
+def is_background(seq: Sequence) -> bool:
+    return seq.priority >= BACKGROUND_PRIORITY
+
+
+def has_foreground(seqs: Iterable[Sequence]) -> bool:
+    """Whether any of ``seqs`` (the unfinished ones) is foreground work."""
+    return any(seq.priority < BACKGROUND_PRIORITY for seq in seqs)
+
+
+def background_allowance(seq: Sequence, budget: int, num_scheduled_tokens: int,
+                         background_step_tokens: int, busy: bool) -> int:
+    """The tokens ``seq`` may take of the step's ``budget`` left: all of it, unless ``seq`` is
+    background work while foreground work is unfinished (``busy``); then only what the step's
+    ``num_scheduled_tokens`` leave of ``background_step_tokens``."""
+    if not busy or not is_background(seq):
+        return budget
+    return max(0, min(budget, background_step_tokens - num_scheduled_tokens))
+
+
+def make_room_for_foreground(sched: Scheduler, budget: int,
+                             preempt: Callable[[Sequence], None]) -> list[Sequence]:
+    """Preempt running background sequences, worst first, until the foreground sequences at the
+    head of the waiting queue fit (a ``max_num_seqs`` slot and the blocks of their first chunk
+    each, within the step's ``budget``). Returns the victims. Stops at the first waiting sequence
+    that is background work, or that would not fit even with every background one gone."""
+    bm, config = sched.block_manager, sched.config
+    victims: list[Sequence] = []
+    num_slots = sched._num_seq_slots_used()
+    num_blocks = 0
+    for seq in list(sched.waiting):  # victims join it (behind every foreground sequence)
+        if is_background(seq) or budget <= 0:
+            break
+        # As admission will count it (engine.scheduler, step 2): after its cached prefix.
+        num_target_tokens = sched._num_target_tokens(seq)
+        cached = sched._cached_prefix(seq, num_target_tokens)
+        num_tokens = min(num_target_tokens, len(cached or ()) * bm.block_size + budget)
+        num_slots += sched._num_seq_slots(seq)
+        num_blocks += bm.blocks_needed(seq, num_tokens, cached)
+        # What every running background sequence holds (their blocks counted once each, shared
+        # ones too: an estimate): if even that would not make room, preempt none for this one.
+        background = [s for s in sched.running if is_background(s)]
+        held = len({b for s in background for b in s.block_table})
+        if (num_slots - sum(sched._num_seq_slots(s) for s in background) > config.max_num_seqs
+                or not bm.can_allocate(num_blocks - held)):
+            break
+        while ((num_slots > config.max_num_seqs or not bm.can_allocate(num_blocks))
+               and sched.running and is_background(sched.running[-1])):
+            victim = sched.running[-1]
+            num_slots -= sched._num_seq_slots(victim)
+            preempt(victim)
+            victims.append(victim)
+        if num_slots > config.max_num_seqs or not bm.can_allocate(num_blocks):
+            break
+        budget -= num_tokens - len(cached or ()) * bm.block_size
+    return victims

@@ -25,7 +25,10 @@ tokens, and at most ``max_num_seqs`` sequences run at once:
    stays in its place and the next is considered.
 
 Priority (``Sequence.priority``, lower first) orders both queues; engine.priority says how, and
-why a waiting sequence never preempts a running one. With every priority equal it is plain FCFS.
+why a waiting sequence never preempts a running one, but for background work: while foreground
+sequences are unfinished, background ones get only the idle part of each step
+(``background_step_tokens``), and are preempted first (step 0b) to admit the foreground ones at
+the head of the queue. With every priority equal it is plain FCFS.
 
 A chunk that reaches a sequence's last token ``samples``: the model appends one token, which
 leaves the sequence one uncomputed token (its next decode).
@@ -100,7 +103,8 @@ from llmplatform.engine.block_manager import BlockManager
 from llmplatform.engine.config import SchedulerConfig
 from llmplatform.engine.outputs import (CachedSequenceData, ModelOutput, NewSequenceData,
                                         ScheduledChunk, SchedulerOutput)
-from llmplatform.engine.priority import enqueue, insert_running
+from llmplatform.engine.priority import (background_allowance, enqueue, has_foreground,
+                                         insert_running, make_room_for_foreground)
 from llmplatform.engine.sequence import Sequence, SequenceStatus
 
 
@@ -214,13 +218,20 @@ class Scheduler:
                     self.finish(s)
                     rejected.append((s.seq_id, reason))
 
+        # 0b. Background work gives way to the foreground at the head of the queue (engine.priority).
+        busy = has_foreground(self._live.values())
+        yielded = make_room_for_foreground(self, budget, self._preempt) if busy else []
+
         # 1. Running sequences, best priority and oldest first; the last are preempted for room.
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older sequence
-            num_new_tokens = self._num_new_tokens(seq, budget)
+            allowance = self._allowance(seq, budget, busy)
+            if allowance == 0:
+                break  # background work, and the step has no idle tokens left (the rest is too)
+            num_new_tokens = self._num_new_tokens(seq, allowance)
             num_blocks_before, num_copies_before = len(seq.block_table), len(blocks_to_copy)
             if self._allocate_or_preempt(seq, num_new_tokens, blocks_to_copy, preempted):
                 if seq.seq_id in self._in_runner:
@@ -254,8 +265,11 @@ class Scheduler:
                 continue
             if self._num_seq_slots_used() + self._num_seq_slots(seq) > self.config.max_num_seqs:
                 break
+            allowance = self._allowance(seq, budget, busy)
+            if allowance == 0:
+                break  # background work (as is the rest of the queue), and no idle tokens left
             num_cached_tokens = len(cached or ()) * bm.block_size
-            num_total_tokens = min(num_target_tokens, num_cached_tokens + budget)
+            num_total_tokens = min(num_target_tokens, num_cached_tokens + allowance)
             if not bm.can_allocate(bm.blocks_needed(seq, num_total_tokens, cached)):
                 break
             if cached is not None:
@@ -275,7 +289,7 @@ class Scheduler:
         finished, self._finished_in_runner = self._finished_in_runner, []
         return SchedulerOutput(scheduled=scheduled, new_seqs=new_seqs, cached_seqs=cached_seqs,
                                finished_seq_ids=finished,
-                               preempted=[seq.seq_id for seq in preempted],
+                               preempted=[seq.seq_id for seq in [*yielded, *preempted]],
                                blocks_to_copy=blocks_to_copy, rejected=rejected, deferred=deferred,
                                num_prompt_tokens=num_prompt_tokens)
 
@@ -302,6 +316,11 @@ class Scheduler:
         if seq.seq_id in self._pending_children:
             return seq.num_prompt_tokens - 1
         return seq.num_tokens
+
+    def _allowance(self, seq: Sequence, budget: int, busy: bool) -> int:
+        """The step's tokens ``seq`` may take of ``budget`` (engine.priority.background_allowance)."""
+        return background_allowance(seq, budget, self.config.max_num_batched_tokens - budget,
+                                    self.config.background_step_tokens, busy)
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         num_new_tokens = min(self._num_target_tokens(seq) - seq.num_computed_tokens, budget)

@@ -151,6 +151,11 @@ class WorkerServiceSettings(ServerSettings):
     max_num_batched_tokens: int = option(
         _DEFAULT.max_num_batched_tokens, "tokens computed per engine step (prefill chunks + "
         "decodes)", group=_ENGINE, ge=1)
+    background_step_tokens: int = option(
+        _DEFAULT.background_step_tokens, "while interactive requests run, the tokens a step "
+        "computes beyond which background requests (the gateway's batch lines) get none: they "
+        "ride along in steps that cost about one row anyway; 0: none while interactive ones run "
+        "(default: %(default)s)", group=_ENGINE, ge=0)
     block_size: int = option(_DEFAULT.block_size, "tokens per KV-cache block", group=_ENGINE, ge=1)
     kv_cache_memory: str = option(
         _DEFAULT.kv_cache_memory, "KV-cache size on CPU, e.g. 2GiB or 512MiB", group=_ENGINE)

@@ -36,6 +36,12 @@ MAX_PRIORITY = 2**31 - 1
 """The largest ``priority`` a worker takes (its least urgent); the smallest is ``-MAX_PRIORITY - 1``:
 a 32-bit signed integer, which every peer reads exactly."""
 
+BACKGROUND_PRIORITY = 2**30
+"""Our addition to ``priority``: a request at this priority or worse is *background* work (the
+gateway's batches): a native worker runs it only on the capacity its other requests leave idle,
+and preempts it to make room for them (engine.priority, "Background requests"). The gateway keeps
+interactive requests' priorities below it."""
+
 ACCEPTED_HEADER = "x-llmplatform-accepted"
 """Our addition, on a ``/worker_generate_stream`` answer: the worker checked the whole request
 (model, prompt, context room, sampling) before answering, so the stream's first chunk is output,
@@ -134,7 +140,8 @@ class WorkerParams(BaseModel):
     """vLLM's field: the request's place in the engine's queues, lower first (None: 0, every
     request's default). It orders the waiting requests and picks who is preempted when the KV
     cache runs out (the worst priority's newest); it never preempts a running request for a
-    waiting one. Sent only to a worker that lists it: a stock worker would drop it."""
+    waiting one, but for background ones (``BACKGROUND_PRIORITY`` or worse), which also run only
+    on idle capacity. Sent only to a worker that lists it: a stock worker would drop it."""
     n: int | None = Field(default=None, ge=1)
     """Outputs to sample from the one prompt (OpenAI's ``n``): the worker computes the prompt once
     and forks its KV blocks, and each frame carries its output's ``index``. Sent only to a worker

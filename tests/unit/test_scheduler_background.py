@@ -1,0 +1,177 @@
+"""Background requests (priority >= BACKGROUND_PRIORITY, the gateway's batch lines) in the
+scheduler (engine.priority, "Background requests"): they take only the idle tokens of a step while
+foreground work is unfinished, the whole budget when it is not, and give way to a foreground
+request that needs their seq slot or blocks. Randomized workloads with a background band keep every
+invariant and drain.
+
+Every test ends with every sequence finished and every block back in the pool.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from llmplatform.engine.priority import is_background
+from llmplatform.engine.sequence import Sequence, SequenceStatus
+from llmplatform.protocol.worker import BACKGROUND_PRIORITY, MAX_PRIORITY
+from tests.unit.scheduler_helpers import (SAMPLED, add, assert_drained, batch, finish_all,
+                                          finish_done, make_scheduler, preempted, rejected, step)
+
+BG = BACKGROUND_PRIORITY
+
+
+def test_the_background_band_starts_at_its_priority():
+    sched = make_scheduler()
+    below, at, worst = add(sched, 2, priority=BG - 1)[0], add(sched, 2, priority=BG)[0], \
+        add(sched, 2, priority=MAX_PRIORITY)[0]
+    assert [is_background(s) for s in (below, at, worst)] == [False, True, True]
+    finish_all(sched, below, at, worst)
+
+
+def test_alone_background_work_takes_the_whole_budget():
+    sched = make_scheduler(max_num_batched_tokens=16, background_step_tokens=2)
+    a, = add(sched, 6, priority=BG)
+    b, = add(sched, 6, priority=BG)
+    assert batch(step(sched)) == [(a, 6, True), (b, 6, True)]
+    assert batch(step(sched)) == [(a, 1, True), (b, 1, True)]
+    finish_all(sched, a, b)
+
+
+def test_beside_foreground_decodes_background_rows_fill_only_the_idle_tokens():
+    sched = make_scheduler(max_num_seqs=6, max_num_batched_tokens=16, background_step_tokens=4)
+    bgs = [add(sched, 2, priority=BG)[0] for _ in range(4)]
+    assert batch(step(sched)) == [(s, 2, True) for s in bgs]
+    f1, = add(sched, 2)
+    f2, = add(sched, 2)
+    # Admitted this step: the background decodes already took the step's 4 idle tokens (they were
+    # served first, as running sequences are), the foreground prefills come on top.
+    assert batch(step(sched)) == [*[(s, 1, True) for s in bgs], (f1, 2, True), (f2, 2, True)]
+    # From now on the foreground decodes come first and leave 2 idle tokens: two background rows.
+    assert batch(step(sched)) == [(f1, 1, True), (f2, 1, True), (bgs[0], 1, True), (bgs[1], 1, True)]
+    sched.finish(f1)
+    assert batch(step(sched)) == [(f2, 1, True), *[(s, 1, True) for s in bgs[:3]]]
+    sched.finish(f2)  # idle again: every background row, the whole budget
+    assert batch(step(sched)) == [(s, 1, True) for s in bgs]
+    finish_all(sched, *bgs)
+
+
+def test_a_background_prompt_is_prefilled_in_idle_chunks_beside_foreground_work():
+    sched = make_scheduler(max_num_batched_tokens=16, background_step_tokens=4)
+    fg, = add(sched, 2)
+    bg, = add(sched, 10, priority=BG)
+    assert batch(step(sched)) == [(fg, 2, True), (bg, 2, False)]
+    assert batch(step(sched)) == [(fg, 1, True), (bg, 3, False)]
+    assert batch(step(sched)) == [(fg, 1, True), (bg, 3, False)]
+    sched.finish(fg)
+    assert batch(step(sched)) == [(bg, 2, True)]
+    finish_all(sched, bg)
+
+
+def test_no_idle_tokens_means_no_background_work_while_the_foreground_runs():
+    sched = make_scheduler(max_num_batched_tokens=16, background_step_tokens=0)
+    fg, = add(sched, 3)
+    bg, = add(sched, 3, priority=BG)
+    assert batch(step(sched)) == [(fg, 3, True)]
+    assert batch(step(sched)) == [(fg, 1, True)]
+    assert bg.status is SequenceStatus.WAITING
+    sched.finish(fg)
+    assert batch(step(sched)) == [(bg, 3, True)]
+    finish_all(sched, bg)
+
+
+def test_a_foreground_request_takes_the_seq_slot_of_the_newest_background_one():
+    sched = make_scheduler(max_num_seqs=3, max_num_batched_tokens=16)
+    bgs = [add(sched, 2, priority=BG)[0] for _ in range(3)]
+    assert batch(step(sched)) == [(s, 2, True) for s in bgs]
+    fg, = add(sched, 2)
+    out = step(sched)
+    assert preempted(out) == [bgs[2]] and bgs[2].status is SequenceStatus.WAITING
+    assert batch(out) == [(bgs[0], 1, True), (bgs[1], 1, True), (fg, 2, True)]
+    assert bgs[2].output_token_ids == [SAMPLED]  # its output is kept: it recomputes later
+    sched.finish(fg)
+    assert batch(step(sched)) == [(bgs[0], 1, True), (bgs[1], 1, True), (bgs[2], 3, True)]
+    finish_all(sched, *bgs)
+
+
+def test_a_foreground_request_takes_the_blocks_of_background_ones():
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    bg1, = add(sched, 8, priority=BG)
+    bg2, = add(sched, 7, priority=BG + 1)  # the worse of the two: it goes first
+    assert batch(step(sched)) == [(bg1, 8, True), (bg2, 7, True)]
+    assert sched.block_manager.num_free_blocks == 0
+    fg, = add(sched, 4)
+    out = step(sched)
+    assert preempted(out) == [bg2]
+    assert batch(out) == [(bg1, 1, True), (fg, 4, True)]
+    finish_all(sched, bg1, bg2, fg)
+
+
+def test_a_foreground_request_that_cannot_fit_anyway_preempts_nothing():
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=32)
+    fg1, = add(sched, 11)  # its three blocks hold its decodes for a while
+    bg, = add(sched, 3, priority=BG)
+    assert batch(step(sched)) == [(fg1, 11, True), (bg, 3, True)]
+    fg2, = add(sched, 9)  # three blocks: only bg's one could be freed
+    out = step(sched)
+    assert preempted(out) == [] and fg2.status is SequenceStatus.WAITING
+    finish_all(sched, fg1, bg, fg2)
+
+
+def test_background_work_never_preempts_foreground_work():
+    sched = make_scheduler(max_num_seqs=2, max_num_batched_tokens=16)
+    f1, f2 = add(sched, 2)[0], add(sched, 2)[0]
+    step(sched)
+    bg, = add(sched, 2, priority=BG)
+    for _ in range(3):
+        out = step(sched)
+        assert preempted(out) == [] and batch(out) == [(f1, 1, True), (f2, 1, True)]
+    finish_all(sched, f1, f2, bg)
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [False, True])
+@pytest.mark.parametrize("seed", range(30))
+def test_random_workloads_with_background_work_keep_every_invariant_and_drain(
+        seed, enable_prefix_caching):
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4])
+    num_blocks = rng.randint(3, 20)
+    sched = make_scheduler(num_blocks=num_blocks, block_size=block_size,
+                           max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=rng.randint(1, 24),
+                           max_model_len=rng.randint(2, 2 * num_blocks * block_size),
+                           enable_prefix_caching=enable_prefix_caching,
+                           background_step_tokens=rng.randint(0, 8))
+    num_outputs: dict[int, int] = {}
+    requests: list[list[Sequence]] = []
+    refused = set()
+    for _ in range(800):
+        if len(requests) < 25 and rng.random() < 0.3:
+            prompt = rng.choice([rng.randint(1, 12), [5] * rng.randint(4, 12)])  # some share
+            group = add(sched, prompt, n=rng.choice([1, 1, 2]),
+                        priority=rng.choice([0, 1, BG, BG, BG + 1]))
+            requests.append(group)
+            for seq in group:
+                num_outputs[seq.seq_id] = rng.randint(1, 8)
+        busy = any(not is_background(s) for s in sched._live.values())
+        out = step(sched)
+        # While foreground work is unfinished, background work gets the idle tokens at most.
+        background = sum(s.num_new_tokens for s in out.scheduled
+                         if is_background(_seq(requests, s.seq_id)))
+        if busy and not any(not is_background(s) for s, _ in rejected(out)):
+            assert background <= sched.config.background_step_tokens
+        for victim in preempted(out):  # never a foreground sequence while a background one runs
+            assert is_background(victim) or not any(is_background(s) for s in sched.running)
+        refused.update(id(s) for s, _ in rejected(out))
+        finish_done(sched, out, num_outputs)
+        if len(requests) == 25 and not sched.has_unfinished():
+            break
+    assert not sched.has_unfinished(), "workload did not drain"
+    assert_drained(sched)
+    for seq in (s for group in requests for s in group):
+        if id(seq) not in refused:
+            assert seq.output_token_ids == [SAMPLED] * num_outputs[seq.seq_id]
+
+
+def _seq(requests: list[list[Sequence]], seq_id: int) -> Sequence:
+    return next(s for group in requests for s in group if s.seq_id == seq_id)
