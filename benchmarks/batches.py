@@ -1,0 +1,180 @@
+"""A batch on idle capacity: interactive latency with and without a batch running, and the batch's
+throughput once interactive traffic stops, against the offline engine's, in one run.
+
+    python benchmarks/batches.py [--lines 2000] [--streams 4] [--interactive-requests 12]
+
+`llmplatform serve` runs as deployed (controller, gateway, one native worker of the packaged default
+model, no web UI), driven over real sockets by the official ``openai`` client for the batch and by
+the serving benchmark's streaming client (benchmarks/serve_client.py) for the interactive load:
+
+1. **offline**: before the cluster starts, the offline engine (``llmplatform.LLM``) generates the
+   first ``--offline-lines`` of the batch's requests, all at once, with the worker's engine
+   settings: its output tokens/s is the batch's reference.
+2. **interactive alone**: ``--streams`` streams (each one request at a time) send
+   ``--interactive-requests`` streamed completions each: TTFT and ITL percentiles.
+3. **interactive beside the batch**: the batch (``--lines`` completions, JSONL uploaded with
+   ``files.create``, ``batches.create``) is started and, once some of its lines have finished, the
+   same interactive load runs again: TTFT and ITL beside it.
+4. **the batch alone**: the interactive load has stopped; the batch's completed lines are polled
+   (``batches.retrieve``) every second for ``--window-s`` seconds (or to its end): its output
+   tokens/s over that window (every line generates exactly ``--max-tokens``, EOS ignored), then
+   it is cancelled if still running.
+
+Targets (issue 40): TTFT p50 and ITL p50 beside the batch within 1.3x of alone; the batch's
+throughput alone at least 0.8x the offline engine's. Prints a table of the ratios and a last line
+``RESULT_JSON {...}``. Run on a quiet machine: other processes on the cores skew every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from serve_client import Target, allowed_token_ids, make_requests, run_requests, summarize
+from serve_systems import start_llmplatform
+
+TIMEOUT_S = 900.0
+MODEL_NAME = "model"
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def offline_throughput(path: str, prompts: list[str], max_tokens: int, args: argparse.Namespace) -> float:
+    """Output tokens/s of the offline engine on ``prompts``, all submitted at once."""
+    from llmplatform import LLM
+    from llmplatform.sampling.params import SamplingParams
+
+    llm = LLM(path, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:4], params)  # warm-up: the first steps' one-off costs
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - started
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert tokens == max_tokens * len(prompts), "the offline engine stopped early"
+    del llm
+    return tokens / elapsed
+
+
+def batch_file(prompts: list[str], max_tokens: int) -> bytes:
+    lines = [json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+                                  "temperature": 0.0, "ignore_eos": True}})
+             for i, prompt in enumerate(prompts)]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def interactive(gateway: str, requests: list, streams: int) -> dict:
+    target = Target(gateway, MODEL_NAME, extra_body={"ignore_eos": True})
+    run = asyncio.run(run_requests(target, requests, concurrency=streams, run_timeout_s=TIMEOUT_S))
+    summary = summarize(run)
+    if summary["num_failed"]:
+        raise RuntimeError(f"interactive requests failed: {summary['errors']}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-path", default=None, help="default: the packaged default model")
+    parser.add_argument("--lines", type=int, default=2000)
+    parser.add_argument("--offline-lines", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=32, help="each batch line's output")
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--interactive-requests", type=int, default=12, help="per stream")
+    parser.add_argument("--interactive-output", type=int, default=64)
+    parser.add_argument("--window-s", type=float, default=60.0)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--kv-cache-memory", default="1GiB")
+    parser.add_argument("--worker-args", default="", help="other worker flags")
+    args = parser.parse_args(argv)
+
+    import openai
+    from transformers import AutoTokenizer
+
+    from llmplatform.llm.resolve import resolve_model
+
+    path = str(resolve_model(args.model_path).path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    allowed = allowed_token_ids(tokenizer)
+    lines = [r.prompt for r in make_requests(tokenizer, allowed, args.lines, "batch", (32, 128), (1, 1))]
+    chats = make_requests(tokenizer, allowed, args.streams * args.interactive_requests, "interactive",
+                          (64, 256), (args.interactive_output, args.interactive_output))
+    log(f"offline engine: {args.offline_lines} lines")
+    offline = offline_throughput(path, lines[:args.offline_lines], args.max_tokens, args)
+    log(f"offline engine: {offline:.1f} output tokens/s")
+
+    flags = (f"--backend paged --kv-cache-memory {args.kv_cache_memory} "
+             f"--max-num-seqs {args.max_num_seqs} {args.worker_args}")
+    # The gateway runs as many batch lines at once as the worker batches (its flag, by environment).
+    os.environ["LLMPLATFORM_BATCH_CONCURRENCY"] = str(args.max_num_seqs)
+    with tempfile.TemporaryDirectory(prefix="batches-bench-") as tmp:
+        os.environ["LLMPLATFORM_FILES_DIR"] = str(Path(tmp) / "files")
+        os.environ["LLMPLATFORM_BATCHES_STORE"] = str(Path(tmp) / "batches.sqlite3")
+        cluster = start_llmplatform(path, MODEL_NAME, flags, Path(tmp) / "serve.log", TIMEOUT_S)
+        gateway = cluster.gateway_url
+        client = openai.OpenAI(base_url=gateway, api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+        try:
+            interactive(gateway, chats[:args.streams], args.streams)  # warm-up
+            log("interactive alone")
+            alone = interactive(gateway, chats, args.streams)
+
+            upload = client.files.create(file=("batch.jsonl", io.BytesIO(batch_file(lines, args.max_tokens))),
+                                         purpose="batch")
+            batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                          completion_window="24h")
+            while (client.batches.retrieve(batch.id).request_counts.completed or 0) < args.max_num_seqs:
+                time.sleep(0.5)
+            log("interactive beside the batch")
+            beside = interactive(gateway, chats, args.streams)
+
+            log("the batch alone")
+            polled: list[tuple[float, int]] = []
+            deadline = time.perf_counter() + args.window_s
+            while time.perf_counter() < deadline:
+                state = client.batches.retrieve(batch.id)
+                polled.append((time.perf_counter(), state.request_counts.completed or 0))
+                if state.status in ("completed", "failed", "cancelled", "expired"):
+                    break
+                time.sleep(1.0)
+            if state.status not in ("completed", "failed", "cancelled", "expired"):
+                client.batches.cancel(batch.id)
+            (t0, done0), (t1, done1) = polled[0], polled[-1]
+            if done1 <= done0 or t1 <= t0:
+                raise RuntimeError(f"the batch made no progress alone: {polled[:3]}...")
+            batch_alone = (done1 - done0) * args.max_tokens / (t1 - t0)
+            lines_beside = done0
+            failed = state.request_counts.failed or 0
+        finally:
+            cluster.stop()
+
+    ratios = {
+        "ttft_p50": beside["ttft_ms_p50"] / alone["ttft_ms_p50"],
+        "itl_p50": beside["itl_ms_p50"] / alone["itl_ms_p50"],
+        "batch_vs_offline": batch_alone / offline,
+    }
+    print(f"{Path(path).name}; worker: {flags.strip()}; {os.cpu_count()} cores, load average "
+          f"{os.getloadavg()[0]:.2f}")
+    print(f"{'':<34}{'alone':>10}{'beside':>10}{'ratio':>8}{'target':>10}")
+    for key, name in (("ttft_ms_p50", "interactive TTFT p50 (ms)"), ("itl_ms_p50", "interactive ITL p50 (ms)"),
+                      ("ttft_ms_p99", "interactive TTFT p99 (ms)"), ("itl_ms_p99", "interactive ITL p99 (ms)")):
+        target = "<= 1.3x" if key.endswith("p50") else ""
+        print(f"{name:<34}{alone[key]:>10.1f}{beside[key]:>10.1f}{beside[key] / alone[key]:>8.2f}{target:>10}")
+    print(f"{'batch output tok/s, alone':<34}{batch_alone:>10.1f}")
+    print(f"{'offline engine output tok/s':<34}{offline:>10.1f}{'':>10}{ratios['batch_vs_offline']:>8.2f}{'>= 0.8x':>10}")
+    print(f"batch lines finished before the window: {lines_beside}; failed lines: {failed}")
+    print("RESULT_JSON " + json.dumps({"alone": alone, "beside": beside, "batch_alone_tok_s": batch_alone,
+                                       "offline_tok_s": offline, "ratios": ratios}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
