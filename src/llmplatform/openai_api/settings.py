@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from llmplatform.openai_api.response_store import database_path
+from llmplatform.openai_api.sqlite_db import database_path
 from llmplatform.utils.worker_addresses import parse_networks
 
 # What the worker itself accepts at most (llmplatform.sampling.params): a cap above it would only
