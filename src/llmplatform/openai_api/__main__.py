@@ -24,6 +24,7 @@ _LIMITS = "request limits (a request over one is a 400; the body cap a 413)"
 _TENANTS = ("per-key limits and isolation (per client address without --api-keys; a request "
             "over a limit is a 429 with Retry-After and x-ratelimit-* headers)")
 
+_BATCHES = "files and batches (/v1/files, /v1/batches)"
 _RESPONSES = "stored responses (/v1/responses with store: true; GET and DELETE /v1/responses/ID)"
 
 
@@ -129,6 +130,27 @@ class GatewayServiceSettings(ServerSettings):
     responses_max_count: int = option(
         100_000, "stored responses kept at most, the oldest deleted first; 0: no limit "
         "(default: %(default)s)", metavar="N", group=_RESPONSES, ge=0)
+    files_dir: OptionalText = option(
+        None, "the folder uploaded files and batch output files live in (default: files/ in the "
+        "cache folder)", metavar="DIR", group=_BATCHES)
+    batches_store: OptionalText = option(
+        None, "the database of files' metadata and batches: a SQLite file path or "
+        "sqlite:///PATH (default: batches/batches.sqlite3 in the cache folder)", metavar="PATH",
+        group=_BATCHES)
+    max_upload_bytes: int = option(
+        GatewaySettings.max_upload_bytes, "largest file POST /v1/files takes, in bytes; larger is "
+        "refused with 413 while it is read (default: %(default)s, OpenAI's 200 MB)",
+        metavar="BYTES", group=_BATCHES, ge=1)
+    batch_concurrency: int = option(
+        GatewaySettings.batch_concurrency, "batch lines in flight at once, all batches together; "
+        "each runs at the batch priority, behind every interactive request (default: "
+        "%(default)s)", metavar="N", group=_BATCHES, ge=1)
+    batch_max_requests: int = option(
+        GatewaySettings.batch_max_requests, "most lines one batch may have (default: "
+        "%(default)s, as OpenAI)", metavar="N", group=_BATCHES, ge=1)
+    batch_expiry: float = option(
+        GatewaySettings.batch_expiry, "seconds a batch ('24h' window) has to finish before it "
+        "expires (default: %(default)s)", metavar="SECONDS", group=_BATCHES, gt=0)
 
     @cached_property
     def gateway_settings(self) -> GatewaySettings:

@@ -23,7 +23,10 @@ from fastapi.middleware.cors import CORSMiddleware
 from llmplatform.metrics.common import add_metrics_route
 from llmplatform.metrics.gateway import GatewayMetrics, GatewayMetricsMiddleware
 from llmplatform.openai_api.auth import ApiKeyMiddleware
+from llmplatform.openai_api.batch_runner import BatchRunner
+from llmplatform.openai_api.batch_store import BatchStore
 from llmplatform.openai_api.errors import error_payload, install_exception_handlers
+from llmplatform.openai_api.files import FILES_PATH, UPLOAD_OVERHEAD_BYTES
 from llmplatform.openai_api.lifecycle import Lifecycle
 from llmplatform.openai_api.limits import RequestBodyMiddleware
 from llmplatform.openai_api.messages_errors import AnthropicErrorMiddleware
@@ -86,12 +89,16 @@ def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | N
                 logger.warning("/v1 is OPEN: --admin-api-keys guards only /v1/admin; every other "
                                "/v1 route answers anyone who can reach this port. Set --api-keys "
                                "(or LLMPLATFORM_API_KEYS) to require a key there too.")
-            async with _refreshing(table, client, settings.worker_refresh_interval):
+            runner = BatchRunner(app, app.state.batch_store, app.state.tenants, settings)
+            app.state.batch_runner = runner
+            async with _refreshing(table, client, settings.worker_refresh_interval), \
+                    _running_batches(runner):
                 try:
                     yield
                 finally:
                     await client.aclose()
                     await app.state.response_store.aclose()
+                    await app.state.batch_store.aclose()
 
     app = FastAPI(title="llmplatform OpenAI-compatible API", lifespan=lifespan)
     app.state.settings = settings
@@ -103,11 +110,15 @@ def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | N
     app.state.response_store = ResponseStore(settings.responses_store,
                                              max_age_s=settings.responses_max_age,
                                              max_count=settings.responses_max_count)
+    # Files and batches: the database is opened on first use too (or at start, to resume
+    # batches, when it exists).
+    app.state.batch_store = BatchStore(settings.batches_store, settings.files_dir)
     # Added innermost first: CORS (preflights answered before any key check), then the API key
     # check, then the per-key limits, then the body guard, so an unauthenticated body is never
     # read (nor a request counted against a key that is not one), nor the body of a request a
     # limit refuses.
-    app.add_middleware(RequestBodyMiddleware, max_bytes=settings.limits.max_request_bytes)
+    app.add_middleware(RequestBodyMiddleware, max_bytes=settings.limits.max_request_bytes,
+                       uploads={FILES_PATH: settings.max_upload_bytes + UPLOAD_OVERHEAD_BYTES})
     app.add_middleware(TenantMiddleware, tenants=app.state.tenants)
     if settings.api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=settings.api_keys + settings.admin_api_keys)
@@ -153,3 +164,17 @@ async def _refreshing(table: Router | None, client: WorkerClient, interval: floa
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+@contextlib.asynccontextmanager
+async def _running_batches(runner: BatchRunner) -> AsyncIterator[None]:
+    """The batch runner in the background while the block runs; on the way out its lines in
+    flight are cancelled (they run again at the next start) before the HTTP client closes."""
+    task = asyncio.create_task(runner.run(), name="gateway-batch-runner")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await runner.aclose()

@@ -30,6 +30,20 @@ _MISSING_KEY = (
 )
 
 
+BATCH_OWNER_SCOPE_KEY = "llmplatform.batch_owner"
+"""The ASGI scope key that marks a request as one line of a batch, run in-process by the batch
+runner (openai_api.batch_runner) for the tenant named there (who created the batch). Only the
+runner's own transport sets it: a request from the network arrives with uvicorn's scope, whose
+keys no client chooses, so no header or body can make a request pass for a batch line. Such a
+request skips the key check (its owner was checked when the batch was created, and its key is
+never stored) and counts against its owner's limits (openai_api.tenants)."""
+
+
+def batch_owner(scope: Scope) -> str | None:
+    """The tenant a batch line runs for; None for every other request."""
+    return scope.get(BATCH_OWNER_SCOPE_KEY)
+
+
 MESSAGES_PATH = "/v1/messages"
 """Anthropic's Messages routes (this path and below): its clients send the key as `x-api-key`."""
 
@@ -60,7 +74,8 @@ class ApiKeyMiddleware:
         self._keys = KeySet(keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self._keys or scope["path"] in PUBLIC_PATHS:
+        if (scope["type"] != "http" or not self._keys or scope["path"] in PUBLIC_PATHS
+                or batch_owner(scope) is not None):
             await self.app(scope, receive, send)
             return
         try:
@@ -85,7 +100,7 @@ async def require_api_key(request: Request) -> None:
     """A FastAPI dependency on /v1 (behind the middleware too, so a route mounted elsewhere by
     mistake is still guarded): the key must be an API key or an admin key."""
     settings: GatewaySettings = request.app.state.settings
-    if not settings.api_keys:
+    if not settings.api_keys or batch_owner(request.scope) is not None:
         return
     token = presented_key(request.headers, request.scope["path"])
     if not KeySet(settings.api_keys + settings.admin_api_keys).matches(token):

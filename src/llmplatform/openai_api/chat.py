@@ -21,6 +21,7 @@ from llmplatform.openai_api.fastchat_peer import for_peer
 from llmplatform.openai_api.generation import (
     OPENAI_FRAMING, Framing, Reply, answer, route_request, tenants, worker_client,
 )
+from llmplatform.openai_api.priority import check_priority, scheduled
 from llmplatform.openai_api.reasoning import ReasoningMode, ReasoningSplitter, reasoning_mode
 from llmplatform.openai_api.worker_details import ModelDetails
 from llmplatform.openai_api.worker_routing import chat_routing_text
@@ -81,6 +82,7 @@ async def serve_chat(request: Request, body: ChatCompletionRequest,
     check_unsupported(body)
     constraints = request_constraints(body)
     check_limits(body, request.app.state.settings.limits)
+    check_priority(request, body.priority)
     client = worker_client(request)
     trace_id = worker_request_id_prefix(request)
     salt = tenants(request).cache_salt(request, body.cache_salt)
@@ -89,7 +91,8 @@ async def serve_chat(request: Request, body: ChatCompletionRequest,
     async def start_on(address: str) -> tuple[ChatPrepared, ChoiceStreams]:
         details = await client.model_details(address, body.model)
         details.check_generates(body.model)
-        asked = body if per_worker is None else per_worker(details)
+        asked = scheduled(request, body if per_worker is None else per_worker(details),
+                          details.extensions)
         check_worker_extensions(asked, details.extensions)
         cache_salt = tenants(request).for_worker(salt, details.extensions, body.model, address)
         reasoning = reasoning_mode(details.reasoning_parser, asked.chat_template_kwargs)

@@ -19,6 +19,7 @@ from llmplatform.openai_api.deltas import (
 from llmplatform.openai_api.constraints import request_constraints
 from llmplatform.openai_api.fastchat_peer import for_peer
 from llmplatform.openai_api.generation import answer, route_request, tenants, worker_client
+from llmplatform.openai_api.priority import check_priority, scheduled
 from llmplatform.openai_api.sse import sse_event
 from llmplatform.openai_api.streams import ChoiceStreams, RequestStreams, start_choices
 from llmplatform.openai_api.translate import (
@@ -50,6 +51,7 @@ async def create_completion(request: Request) -> Response:
     check_unsupported(body)
     constraints = request_constraints(body)  # response_format and vLLM's guided_* extras
     check_limits(body, request.app.state.settings.limits, num_prompts=len(prompts))
+    check_priority(request, body.priority)
     client = worker_client(request)
     trace_id = worker_request_id_prefix(request)
     n = body.n or 1
@@ -62,7 +64,8 @@ async def create_completion(request: Request) -> Response:
         details = await client.model_details(address, body.model)
         details.check_generates(body.model)
         announced = details.extensions
-        check_worker_extensions(body, announced)
+        asked = scheduled(request, body, announced)
+        check_worker_extensions(asked, announced)
         cache_salt = tenants(request).for_worker(salt, announced, body.model, address)
         constraint = constraints.for_worker(body.model, announced, None)
         budget = OpenAIMaxTokens(requested=body.max_tokens, default=DEFAULT_COMPLETION_MAX_TOKENS,
@@ -71,7 +74,7 @@ async def create_completion(request: Request) -> Response:
         def prepare(p: int) -> Awaitable[tuple[list[dict[str, Any]], int]]:
             # Choices are numbered prompt by prompt, as OpenAI does: index = p * n + i.
             choices = choice_params(n, announced, lambda i: params_dict(worker_params(
-                body, prompt=prompts[p], budget=budget, request_id=f"{trace_id}-{p * n + i}", choice_index=i,
+                asked, prompt=prompts[p], budget=budget, request_id=f"{trace_id}-{p * n + i}", choice_index=i,
                 constraint=constraint, cache_salt=cache_salt, tenant=tenant)))
             return for_peer(client, address, body.model, choices)
 

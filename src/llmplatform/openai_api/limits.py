@@ -7,6 +7,11 @@ is never held whole in memory (`request_guard.read_body_bounded`, shared with th
 the workers). An accepted body is handed to the route as one message (the route reads it whole
 anyway); later messages, such as the client's disconnect, pass through.
 
+Upload paths (``POST /v1/files``) take multipart forms instead, under a cap of their own: a
+declared length over it is refused at once, and the body is passed on as it arrives, counted,
+the route's read failing with a 413 as soon as the count passes the cap (the route spools it to
+disk as it parses: openai_api.files).
+
 What one caller may have in flight, and per minute, is the tenant middleware's
 (openai_api.tenants), which runs before this one.
 """
@@ -14,9 +19,10 @@ What one caller may have in flight, and per minute, is the tenant middleware's
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmplatform.errors import InvalidRequestError, LLMPlatformError, PayloadTooLargeError
 from llmplatform.openai_api.errors import error_payload
@@ -32,15 +38,26 @@ class RequestBodyMiddleware:
     one that says it is something else (a form, plain text) is refused rather than guessed at.
     """
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, max_bytes: int, uploads: Mapping[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.uploads = dict(uploads or {})
+        """Paths whose POST bodies are multipart uploads, and their caps in bytes."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in _BODY_METHODS:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
+        upload_cap = self.uploads.get(scope["path"]) if scope["method"] == "POST" else None
+        if upload_cap is not None:
+            try:
+                _check_upload_headers(headers, upload_cap)
+            except LLMPlatformError as exc:
+                await _send_error(send, exc)
+                return
+            await self.app(scope, _counted(receive, upload_cap), send)
+            return
         try:
             self._check_headers(headers)
             body = await read_body_bounded(receive, self.max_bytes)
@@ -66,6 +83,33 @@ class RequestBodyMiddleware:
                 f"Unsupported Content-Type {content_type[:80]!r}; the request body must be JSON "
                 "(Content-Type: application/json)."
             )
+
+
+def _check_upload_headers(headers: Headers, max_bytes: int) -> None:
+    content_type = headers.get("content-type", "")
+    if content_type.split(";", 1)[0].strip().lower() != "multipart/form-data":
+        raise InvalidRequestError(
+            f"Unsupported Content-Type {content_type[:80]!r}; an upload must be a multipart form "
+            "(Content-Type: multipart/form-data).")
+    declared = headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise PayloadTooLargeError.over(max_bytes)
+
+
+def _counted(receive: Receive, max_bytes: int) -> Receive:
+    """`receive`, raising PayloadTooLargeError once the body passes `max_bytes`."""
+    total = 0
+
+    async def counting() -> Message:
+        nonlocal total
+        message = await receive()
+        if message["type"] == "http.request":
+            total += len(message.get("body", b""))
+            if total > max_bytes:
+                raise PayloadTooLargeError.over(max_bytes)
+        return message
+
+    return counting
 
 
 async def _send_error(send: Send, exc: LLMPlatformError) -> None:

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from llmplatform.errors import InvalidRequestError
 from llmplatform.openai_api.chat import ChatPrepared, chat_reply, serve_chat
-from llmplatform.openai_api.generation import Reply, tenants
+from llmplatform.openai_api.generation import Reply
 from llmplatform.openai_api.response_store import ResponseNotFoundError, ResponseStore, StoredResponse
 from llmplatform.openai_api.responses_input import (
     chat_request,
@@ -34,6 +34,7 @@ from llmplatform.openai_api.responses_input import (
 )
 from llmplatform.openai_api.responses_stream import response_events
 from llmplatform.openai_api.streams import RequestStreams
+from llmplatform.openai_api.tenants import owner_of
 from llmplatform.protocol.openai import ChatCompletionResponse, ChatResponseMessage, Usage
 from llmplatform.protocol.responses import (
     DeletedResponse,
@@ -63,7 +64,7 @@ def response_store(request: Request) -> ResponseStore:
 def owner(request: Request) -> str:
     """Whose stored responses a request may see: its API key's tenant (its client address on a
     gateway without keys), as the per-key limits count it."""
-    return tenants(request).identify(request.scope).name
+    return owner_of(request)
 
 
 async def create_response(request: Request) -> Response:

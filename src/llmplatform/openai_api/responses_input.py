@@ -248,6 +248,7 @@ def chat_request(body: ResponsesRequest, model: str,
         "parallel_tool_calls": body.parallel_tool_calls, "response_format": response_format(body),
         "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature,
         "top_p": body.top_p, "user": body.user, "stream": bool(body.stream),
+        "priority": body.priority,
         "chat_template_kwargs": dict(_THINKING_OFF) if thinking_off(body) else None,
         # The usage arrives in the stream's last chunk: response.completed carries it.
         "stream_options": {"include_usage": True} if body.stream else None,

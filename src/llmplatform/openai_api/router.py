@@ -21,11 +21,14 @@ from fastapi.responses import JSONResponse
 from llmplatform.errors import LLMPlatformError, ModelNotFoundError
 from llmplatform.openai_api.admin import reset_prefix_cache
 from llmplatform.openai_api.auth import require_admin_key, require_api_key
+from llmplatform.openai_api.batches import cancel_batch, create_batch, list_batches, retrieve_batch
 from llmplatform.openai_api.chat import create_chat_completion
 from llmplatform.openai_api.completions import create_completion
 from llmplatform.openai_api.embeddings import create_embeddings, model_tasks
 from llmplatform.openai_api.scoring import create_rerank, create_score
 from llmplatform.openai_api.errors import EnvelopeRoute
+from llmplatform.openai_api.files import (create_file, delete_file, list_files, retrieve_file,
+                                          retrieve_file_content)
 from llmplatform.openai_api.lifecycle import launch_model, list_model_states, stop_model
 from llmplatform.openai_api.lora import load_lora_adapter, unload_lora_adapter
 from llmplatform.openai_api.messages import count_message_tokens, create_message
@@ -118,6 +121,16 @@ def build_router() -> APIRouter:
     v1.add_api_route("/responses/{response_id}", retrieve_response, methods=["GET"])
     v1.add_api_route("/responses/{response_id}", delete_response, methods=["DELETE"])
     v1.add_api_route("/responses/{response_id}/input_items", list_input_items, methods=["GET"])
+    # Files and batches (openai_api.files, openai_api.batches), each visible to its creator only.
+    v1.add_api_route("/files", create_file, methods=["POST"])
+    v1.add_api_route("/files", list_files, methods=["GET"])
+    v1.add_api_route("/files/{file_id}", retrieve_file, methods=["GET"])
+    v1.add_api_route("/files/{file_id}", delete_file, methods=["DELETE"])
+    v1.add_api_route("/files/{file_id}/content", retrieve_file_content, methods=["GET"])
+    v1.add_api_route("/batches", create_batch, methods=["POST"])
+    v1.add_api_route("/batches", list_batches, methods=["GET"])
+    v1.add_api_route("/batches/{batch_id}", retrieve_batch, methods=["GET"])
+    v1.add_api_route("/batches/{batch_id}/cancel", cancel_batch, methods=["POST"])
     # vLLM's paths, on the /v1 router like every /v1 route, and the admin key's besides: what the
     # cluster serves is the operator's choice.
     for path, handler in (("/load_lora_adapter", load_lora_adapter),

@@ -169,6 +169,24 @@ class GatewaySettings:
     responses_max_count: int | None = 100_000
     """Stored responses kept at most (the oldest go first); None: no count limit."""
 
+    files_dir: str | None = None
+    """The folder uploaded files and batch output files live in; None: ``<cache folder>/files``
+    (openai_api.batch_store)."""
+    batches_store: str | None = None
+    """The database of files' metadata, batches and their lines: a SQLite file path or
+    ``sqlite:///PATH``; None: ``<cache folder>/batches/batches.sqlite3``."""
+    max_upload_bytes: int = 200 * 1024 * 1024
+    """Largest file ``POST /v1/files`` takes (OpenAI's batch input limit, 200 MB); bigger is a
+    413, refused while it is read, never held whole in memory."""
+    batch_concurrency: int = 16
+    """Batch lines in flight at once, all batches together: the most work batches can put in
+    workers' queues (at the batch priority, behind every interactive request)."""
+    batch_max_requests: int = 50_000
+    """Most lines one batch may have (OpenAI's limit); more fail the batch (``too_many_tasks``)."""
+    batch_expiry: float = 24 * 3600.0
+    """Seconds a batch has to finish (its ``completion_window``, "24h"), after which it expires:
+    its unfinished lines are not run."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "routing", RoutingMode(self.routing))
         object.__setattr__(self, "controller_address", self.controller_address.strip().rstrip("/"))
@@ -204,6 +222,14 @@ class GatewaySettings:
 
         if self.responses_store is not None:
             database_path(self.responses_store)  # an unsupported URL is refused at startup
+        if self.batches_store is not None:
+            database_path(self.batches_store, what="batches store")
+        for name in ("max_upload_bytes", "batch_concurrency", "batch_max_requests"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.batch_expiry > 0:
+            raise ValueError(f"batch_expiry must be > 0 seconds, got {self.batch_expiry}")
         if self.responses_max_age is not None and not self.responses_max_age > 0:
             raise ValueError(f"responses_max_age must be > 0 seconds, got {self.responses_max_age}")
         if self.responses_max_count is not None and (

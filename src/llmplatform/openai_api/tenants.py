@@ -39,7 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmplatform.errors import EngineOverloadedError, InvalidRequestError
 from llmplatform.metrics.gateway import GatewayMetrics
-from llmplatform.openai_api.auth import presented_key
+from llmplatform.openai_api.auth import batch_owner, presented_key
 from llmplatform.openai_api.errors import AuthenticationError, error_payload
 from llmplatform.openai_api.rate_limits import Decision, TenantLimiter, ratelimit_headers
 from llmplatform.openai_api.settings import GatewaySettings, PrefixCacheIsolation
@@ -109,6 +109,9 @@ class Tenants:
         self._warned_workers: set[str] = set()
 
     def identify(self, scope: Scope) -> Tenant:
+        owner = batch_owner(scope)
+        if owner is not None:  # a batch line runs for whoever created the batch, never another
+            return self.named(owner) or Tenant(owner, ANONYMOUS, owner)
         if self._ids:
             try:
                 found = self._ids.get(key_digest(presented_key(Headers(scope=scope), scope["path"])))
@@ -121,6 +124,18 @@ class Tenants:
         address = client[0] if client else ""
         digest = hashlib.sha256(b"llmplatform-client\0" + address.encode()).hexdigest()[:12]
         return Tenant(f"addr:{address}", ANONYMOUS, f"addr:{digest}")
+
+    def named(self, name: str) -> Tenant | None:
+        """The tenant called `name` (a `Tenant.name`, as the batches store keeps it); None for a
+        key this gateway no longer has, or a tenant of another kind than this gateway's (keys
+        or addresses)."""
+        kind, _, rest = name.partition(":")
+        if kind == "key" and rest in self._ids.values():
+            return Tenant(name, rest if rest in self._labelled else OTHER_KEYS, name)
+        if kind == "addr" and not self.settings.api_keys:
+            digest = hashlib.sha256(b"llmplatform-client\0" + rest.encode()).hexdigest()[:12]
+            return Tenant(name, ANONYMOUS, f"addr:{digest}")
+        return None
 
     def refusal(self, tenant: Tenant, decision: Decision) -> TenantRateLimitedError:
         assert decision.refused is not None
@@ -240,3 +255,10 @@ def _with_headers(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
             message = {**message, "headers": [*message.get("headers", []), *headers]}
         await send(message)
     return sending
+
+
+def owner_of(request: Request) -> str:
+    """Whose stored objects (responses, files, batches) a request may see: its tenant's name
+    (its API key's, or its client address's on a gateway without keys; a batch line's owner's)."""
+    tenants: Tenants = request.app.state.tenants
+    return tenants.identify(request.scope).name

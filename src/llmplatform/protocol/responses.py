@@ -78,6 +78,8 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     user: str | None = None
     reasoning: ReasoningConfig | None = None
+    priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1, strict=True)
+    """vLLM's field, as on chat: the request's place in its worker's queue, lower first."""
     # Generation-changing fields this server does not serve: refused by name, never dropped.
     background: Any = None
     include: Any = None
