@@ -59,8 +59,8 @@ def line(custom_id: str, url: str, **body: Any) -> dict[str, Any]:
 
 
 def chat_line(custom_id: str, text: str = "Tell me a story.", **extra: Any) -> dict[str, Any]:
-    return line(custom_id, "/v1/chat/completions", model=CHAT, max_tokens=4, temperature=0,
-                messages=[{"role": "user", "content": text}], **extra)
+    body = dict(model=CHAT, max_tokens=4, temperature=0, messages=[{"role": "user", "content": text}])
+    return line(custom_id, "/v1/chat/completions", **{**body, **extra})
 
 
 def upload(client: openai.OpenAI, lines: list[Any], purpose: str = "batch"):
@@ -113,3 +113,160 @@ def test_a_chat_batch_runs_every_line_and_returns_outputs_and_errors(client):
     listed = client.files.list(purpose="batch_output").data
     assert {batch.output_file_id, batch.error_file_id} <= {f.id for f in listed}
     assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
+
+
+def test_completions_embeddings_and_responses_batches(client):
+    completions = run_batch(client, [
+        line(f"p{i}", "/v1/completions", model=CHAT, prompt=f"Once upon a time {i}", max_tokens=3)
+        for i in range(2)], endpoint="/v1/completions")
+    assert completions.status == "completed" and completions.request_counts.completed == 2
+    for entry in read_lines(client, completions.output_file_id):
+        assert entry["response"]["body"]["object"] == "text_completion"
+        assert entry["response"]["body"]["choices"][0]["text"] is not None
+
+    embeddings = run_batch(client, [line(f"e{i}", "/v1/embeddings", model=EMBED, input=[f"text {i}", "more"])
+                                    for i in range(2)], endpoint="/v1/embeddings")
+    assert embeddings.status == "completed" and embeddings.request_counts.completed == 2
+    for entry in read_lines(client, embeddings.output_file_id):
+        vectors = entry["response"]["body"]["data"]
+        assert len(vectors) == 2 and len(vectors[0]["embedding"]) == 384
+
+    responses = run_batch(client, [line(f"r{i}", "/v1/responses", model=CHAT, input=f"Hello {i}",
+                                        max_output_tokens=3) for i in range(2)],
+                          endpoint="/v1/responses")
+    assert responses.status == "completed" and responses.request_counts.completed == 2
+    for entry in read_lines(client, responses.output_file_id):
+        body = entry["response"]["body"]
+        assert body["object"] == "response" and body["id"].startswith("resp_")
+        assert client.responses.retrieve(body["id"]).id == body["id"]  # stored for the owner
+
+
+def test_a_bad_input_file_fails_the_batch_with_one_error_per_line(client):
+    batch = run_batch(client, [
+        chat_line("a"),
+        "{not json",
+        line("b", "/v1/completions", model=CHAT, prompt="x"),
+        chat_line("a"),
+        {**chat_line("c"), "method": "GET"},
+        line("d", "/v1/chat/completions", model="another", messages=[]),
+    ])
+    assert batch.status == "failed" and batch.failed_at
+    codes = [(e.code, e.line, e.param) for e in batch.errors.data]
+    assert codes == [("invalid_json_line", 2, None), ("url_mismatch", 3, "url"),
+                     ("duplicate_custom_id", 4, "custom_id"), ("invalid_request", 5, "method"),
+                     ("model_mismatch", 6, "body.model")]
+    assert batch.output_file_id is None and batch.error_file_id is None
+
+    empty = run_batch(client, ["", "  "])
+    assert empty.status == "failed" and [e.code for e in empty.errors.data] == ["empty_file"]
+
+
+def test_create_refuses_what_openai_refuses_with_a_400_naming_the_field(client):
+    file = upload(client, [chat_line("a")])
+    other = upload(client, [chat_line("a")], purpose="user_data")
+    cases = [
+        (dict(input_file_id=file.id, endpoint="/v1/moderations", completion_window="24h"), "endpoint"),
+        (dict(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="1h"),
+         "completion_window"),
+        (dict(input_file_id=other.id, endpoint="/v1/chat/completions", completion_window="24h"),
+         "input_file_id"),
+        (dict(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h"),
+         "input_file_id"),
+        (dict(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h",
+              metadata={"k" * 65: "v"}), "metadata"),
+    ]
+    for arguments, param in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.batches.create(**arguments)
+        assert info.value.body["param"] == param, info.value.body
+
+
+def test_cancel_aborts_the_lines_in_flight_and_keeps_what_finished(client, paged):
+    lines = [chat_line(f"l{i}", max_tokens=400, ignore_eos=True) for i in range(8)]
+    file = upload(client, lines)
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    wait_until(lambda: paged.load().num_running + paged.load().num_waiting > 0,
+               what="a batch line on the worker")
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
+    batch = wait_final(client, batch.id)
+    assert batch.status == "cancelled" and batch.cancelled_at
+    assert batch.request_counts.completed + batch.request_counts.failed < 8
+    unrun = [e for e in read_lines(client, batch.error_file_id) if e["error"] is not None]
+    assert unrun and all(e["error"]["code"] == "batch_cancelled" and e["response"] is None for e in unrun)
+    # Aborted down to the engine at once (nothing left of 400-token lines).
+    wait_until(lambda: paged.load().num_running + paged.load().num_waiting == 0, timeout_s=10,
+               what="the worker to drop the cancelled lines", context=paged.load)
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(run_batch(client, [chat_line("x")]).id)  # completed: too late
+    assert client.batches.cancel(batch.id).status == "cancelled"  # again: answered as it is
+
+
+def test_lists_are_paginated_newest_first(client):
+    ids = [run_batch(client, ["{bad"]).id for _ in range(3)]
+    page = client.batches.list(limit=2)
+    assert [b.id for b in page.data] == ids[::-1][:2] and page.has_more
+    rest = client.batches.list(limit=2, after=page.data[-1].id)
+    assert rest.data[0].id == ids[0]
+    files = [upload(client, [chat_line(str(i))], purpose="user_data").id for i in range(3)]
+    first = client.files.list(purpose="user_data", limit=2)
+    assert [f.id for f in first.data] == files[::-1][:2] and first.has_more
+    ascending = client.files.list(purpose="user_data", order="asc")
+    assert [f.id for f in ascending.data][-3:] == files
+
+
+def test_an_upload_over_the_limit_is_a_413_and_leaves_nothing(client, cluster):
+    before = {f.id for f in client.files.list().data}
+    with pytest.raises(openai.APIStatusError) as info:
+        client.files.create(file=("big.jsonl", b"x" * (MAX_UPLOAD + 1)), purpose="batch")
+    assert info.value.status_code == 413 and info.value.body["code"] == "request_too_large"
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: refused while it is read
+        yield (b"--b\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+               b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"x.jsonl\"\r\n\r\n")
+        for _ in range(64):
+            yield b"y" * 4096
+        yield b"\r\n--b--\r\n"
+
+    response = httpx.post(f"{cluster.gateway_url}/v1/files", content=chunks(), timeout=30,
+                          headers={"authorization": f"Bearer {KEY_A}",
+                                   "content-type": "multipart/form-data; boundary=b"})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    assert {f.id for f in client.files.list().data} == before
+    small = client.files.create(file=("ok.jsonl", b"y" * MAX_UPLOAD), purpose="user_data")
+    assert small.bytes == MAX_UPLOAD and client.files.content(small.id).content == b"y" * MAX_UPLOAD
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.files.create(file=("a.txt", b"a"), purpose="nonsense")
+    assert refused.value.body["param"] == "purpose"
+
+
+def test_files_and_batches_are_visible_to_their_key_only(client, cluster):
+    other = client_for(cluster, KEY_B)
+    file = upload(client, [chat_line("a")])
+    batch = run_batch(client, [chat_line("a")])
+    for call in (lambda: other.files.retrieve(file.id), lambda: other.files.content(file.id),
+                 lambda: other.files.delete(file.id), lambda: other.batches.retrieve(batch.id),
+                 lambda: other.batches.cancel(batch.id),
+                 lambda: other.files.content(batch.output_file_id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    with pytest.raises(openai.BadRequestError):  # nor can it run another key's file
+        other.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                             completion_window="24h")
+    assert other.files.list().data == [] and other.batches.list().data == []
+    deleted = client.files.delete(file.id)
+    assert deleted.deleted and deleted.id == file.id
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(file.id)
+
+
+def test_an_interactive_priority_in_the_batch_band_is_a_400(client):
+    for call in (lambda **kw: client.chat.completions.create(
+                     model=CHAT, messages=[{"role": "user", "content": "hi"}], max_tokens=1, **kw),
+                 lambda **kw: client.completions.create(model=CHAT, prompt="hi", max_tokens=1, **kw),
+                 lambda **kw: client.responses.create(model=CHAT, input="hi", max_output_tokens=1, **kw)):
+        with pytest.raises(openai.BadRequestError) as info:
+            call(extra_body={"priority": BATCH_PRIORITY})
+        assert info.value.body["param"] == "priority"
+        assert call(extra_body={"priority": BATCH_PRIORITY - 1}) is not None
