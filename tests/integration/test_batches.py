@@ -8,7 +8,9 @@ read back from the output and error files as a client reads them.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,10 +18,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmplatform.llm.build import BackendConfig, build_backend
+from llmplatform.openai_api.app import create_app as create_gateway_app
+from llmplatform.openai_api.settings import GatewaySettings
 from llmplatform.protocol.worker import BATCH_PRIORITY
 from tests.integration.cluster import Cluster, paged_tiny_llm, running_cluster
+from llmplatform.utils.server import serve_in_thread
 from tests.polling import wait_until
 
 KEY_A, KEY_B = "key-a", "key-b"
@@ -270,3 +276,62 @@ def test_an_interactive_priority_in_the_batch_band_is_a_400(client):
             call(extra_body={"priority": BATCH_PRIORITY})
         assert info.value.body["param"] == "priority"
         assert call(extra_body={"priority": BATCH_PRIORITY - 1}) is not None
+
+
+def test_batch_lines_reach_the_worker_in_the_batch_band(client, paged, monkeypatch):
+    seen: list[int] = []
+    generate = paged.generate
+
+    def recording(request):
+        seen.append(request.priority)
+        return generate(request)
+
+    monkeypatch.setattr(paged, "generate", recording)
+    batch = run_batch(client, [chat_line("a"), chat_line("b", priority=7), chat_line("c", priority=-9)])
+    assert batch.status == "completed"
+    assert sorted(seen) == [BATCH_PRIORITY, BATCH_PRIORITY, BATCH_PRIORITY + 7]
+    seen.clear()
+    client.chat.completions.create(model=CHAT, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    client.responses.create(model=CHAT, input="hi", max_output_tokens=1, extra_body={"priority": 3})
+    assert seen == [0, 3]  # interactive requests keep their own
+
+
+def finished_by_length(cluster: Cluster) -> float:
+    """The worker's count of requests that ran to their max_tokens (aborted ones are `abort`)."""
+    text = httpx.get(f"{cluster.worker_urls[CHAT]}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if (sample.name == "llmplatform:request_success_total"
+                    and sample.labels.get("finished_reason") == "length"):
+                return sample.value
+    return 0.0
+
+
+def test_a_restarted_gateway_resumes_a_batch_and_runs_each_line_once(cluster, tmp_path: Path):
+    settings = GatewaySettings(controller_address=cluster.controller_url, api_keys=(KEY_A,),
+                               files_dir=str(tmp_path / "files"),
+                               batches_store=str(tmp_path / "batches.sqlite3"), batch_concurrency=1)
+    count = 8
+    lines = [chat_line(f"r{i}", max_tokens=96, ignore_eos=True) for i in range(count)]
+    before = finished_by_length(cluster)
+    with serve_in_thread(create_gateway_app(settings)) as url:
+        first = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_A, max_retries=0, timeout=60)
+        batch = first.batches.create(input_file_id=upload(first, lines).id,
+                                     endpoint="/v1/chat/completions", completion_window="24h")
+        wait_until(lambda: first.batches.retrieve(batch.id).request_counts.completed >= 2,
+                   timeout_s=120, interval_s=0.05, what="two lines finished")
+    # Stopped mid-batch: its line in flight was aborted, the finished ones are in the database.
+    with contextlib.closing(sqlite3.connect(tmp_path / "batches.sqlite3")) as db:
+        status, done = db.execute("SELECT status, completed FROM batches").fetchone()
+        unfinished = db.execute("SELECT count(*) FROM batch_lines WHERE outcome IS NULL").fetchone()[0]
+    assert status == "in_progress" and 2 <= done < count and unfinished == count - done
+
+    with serve_in_thread(create_gateway_app(settings)) as url:
+        second = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_A, max_retries=0, timeout=60)
+        batch = wait_final(second, batch.id)
+        assert batch.status == "completed" and batch.request_counts.completed == count
+        output = read_lines(second, batch.output_file_id)
+    assert [entry["custom_id"] for entry in output] == [f"r{i}" for i in range(count)]
+    assert all(entry["response"]["body"]["usage"]["completion_tokens"] == 96 for entry in output)
+    # Every line ran to its end on the worker exactly once: none finished twice.
+    assert finished_by_length(cluster) - before == count
