@@ -335,3 +335,23 @@ def test_a_restarted_gateway_resumes_a_batch_and_runs_each_line_once(cluster, tm
     assert all(entry["response"]["body"]["usage"]["completion_tokens"] == 96 for entry in output)
     # Every line ran to its end on the worker exactly once: none finished twice.
     assert finished_by_length(cluster) - before == count
+
+
+def test_a_batch_past_its_window_expires_with_its_unrun_lines_in_the_error_file(cluster, tmp_path: Path):
+    settings = GatewaySettings(controller_address=cluster.controller_url, api_keys=(KEY_A,),
+                               files_dir=str(tmp_path / "files"), batch_expiry=1.5,
+                               batches_store=str(tmp_path / "batches.sqlite3"), batch_concurrency=1)
+    lines = [chat_line(f"x{i}", max_tokens=300, ignore_eos=True) for i in range(6)]
+    with serve_in_thread(create_gateway_app(settings)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_A, max_retries=0, timeout=60)
+        batch = client.batches.create(input_file_id=upload(client, lines).id,
+                                      endpoint="/v1/chat/completions", completion_window="24h")
+        assert batch.expires_at - batch.created_at in (1, 2)
+        batch = wait_final(client, batch.id)
+        assert batch.status == "expired" and batch.expired_at
+        errors = read_lines(client, batch.error_file_id)
+        finished = read_lines(client, batch.output_file_id) if batch.output_file_id else []
+    unrun = [e for e in errors if e["error"] is not None]
+    assert unrun and all(e["error"]["code"] == "batch_expired" for e in unrun)
+    assert sorted(e["custom_id"] for e in [*finished, *errors]) == sorted(f"x{i}" for i in range(6))
+    assert batch.request_counts.completed == len(finished)
