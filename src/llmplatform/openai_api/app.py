@@ -170,6 +170,7 @@ async def _refreshing(table: Router | None, client: WorkerClient, interval: floa
 async def _running_batches(runner: BatchRunner) -> AsyncIterator[None]:
     """The batch runner in the background while the block runs; on the way out its lines in
     flight are cancelled (they run again at the next start) before the HTTP client closes."""
+    await runner.start()
     task = asyncio.create_task(runner.run(), name="gateway-batch-runner")
     try:
         yield

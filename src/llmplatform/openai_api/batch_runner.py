@@ -97,11 +97,14 @@ class BatchRunner:
             stop.set()
         self._wake.set()
 
-    async def run(self) -> None:
-        """Drive every active batch, each in a task of its own, until cancelled."""
+    async def start(self) -> None:
+        """Before the gateway serves: remove what a crash left in the files folder."""
         if self._store.exists():
             for name in await self._store.sweep():
                 logger.warning("removed %s from the files folder: no file of that id was stored", name)
+
+    async def run(self) -> None:
+        """Drive every active batch, each in a task of its own, until cancelled."""
         while True:
             self._wake.clear()
             if self._store.exists():

@@ -16,6 +16,7 @@ without keys) that made it: another gets the same 404 as for an id that never ex
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sqlite3
 from dataclasses import dataclass
@@ -149,17 +150,13 @@ class BatchStore:
         """The row first, then the bytes: a crash between leaves a file :meth:`sweep` removes."""
         if not await self._db.run(_delete_file, owner, file_id):
             raise FileNotFoundInStoreError(f"No such File object: {file_id}", param="file_id")
-        self.file_path(file_id).unlink(missing_ok=True)
+        await asyncio.to_thread(self.file_path(file_id).unlink, missing_ok=True)
 
     async def sweep(self) -> list[str]:
         """Remove contents with no row (a crash between writing a file and registering it, or
         between unregistering and removing it); returns their names."""
         known = set(await self._db.run(_column, "SELECT id FROM files", ()))
-        folder = self.files_folder()
-        orphans = [name for name in os.listdir(folder) if name not in known]
-        for name in orphans:
-            (folder / name).unlink(missing_ok=True)
-        return orphans
+        return await asyncio.to_thread(_remove_unknown, self.files_folder(), known)
 
     # ---- batches ----------------------------------------------------------------------------
 
@@ -219,6 +216,13 @@ class BatchStore:
         """Register the batch's output files, write its final object and drop its lines, at
         once, if its status is still `was` (whether it was)."""
         return await self._db.run(_finish_batch, owner, batch, files, was)
+
+
+def _remove_unknown(folder: Path, known: set[str]) -> list[str]:
+    orphans = [name for name in os.listdir(folder) if name not in known]
+    for name in orphans:
+        (folder / name).unlink(missing_ok=True)
+    return orphans
 
 
 # ---- on the store's thread ------------------------------------------------------------------
