@@ -14,7 +14,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 import httpx
 from fastapi import FastAPI
@@ -149,15 +150,9 @@ def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | N
 
 
 @contextlib.asynccontextmanager
-async def _refreshing(table: Router | None, client: WorkerClient, interval: float
-                      ) -> AsyncIterator[None]:
-    """Keeps `table` filled from the controller while the block runs (nothing without a table);
-    the task is cancelled and awaited on the way out, before the HTTP client closes."""
-    if table is None:
-        yield
-        return
-    refresher = TableRefresher(table, client.list_workers, interval=interval)
-    task = asyncio.create_task(refresher.run(), name="gateway-routing-refresh")
+async def _in_background(work: Coroutine[Any, Any, None], name: str) -> AsyncIterator[None]:
+    """`work` runs as a task while the block runs; it is cancelled and awaited on the way out."""
+    task = asyncio.create_task(work, name=name)
     try:
         yield
     finally:
@@ -167,15 +162,25 @@ async def _refreshing(table: Router | None, client: WorkerClient, interval: floa
 
 
 @contextlib.asynccontextmanager
+async def _refreshing(table: Router | None, client: WorkerClient, interval: float
+                      ) -> AsyncIterator[None]:
+    """Keeps `table` filled from the controller while the block runs (nothing without a table);
+    the task is cancelled and awaited on the way out, before the HTTP client closes."""
+    if table is None:
+        yield
+        return
+    refresher = TableRefresher(table, client.list_workers, interval=interval)
+    async with _in_background(refresher.run(), "gateway-routing-refresh"):
+        yield
+
+
+@contextlib.asynccontextmanager
 async def _running_batches(runner: BatchRunner) -> AsyncIterator[None]:
     """The batch runner in the background while the block runs; on the way out its lines in
     flight are cancelled (they run again at the next start) before the HTTP client closes."""
     await runner.start()
-    task = asyncio.create_task(runner.run(), name="gateway-batch-runner")
     try:
-        yield
+        async with _in_background(runner.run(), "gateway-batch-runner"):
+            yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
         await runner.aclose()
