@@ -244,13 +244,18 @@ class BatchRunner:
         return got
 
     async def _run_line(self, owner: str, batch: Batch, line: PendingLine) -> None:
+        released = False
         try:
             result = await self._execute(owner, line)
+            # The line is off the workers: the next may start while its result is written.
+            self._slots.release()
+            released = True
             await self._store.finish_line(batch.id, line.line, result)
         except Exception:
             logger.exception("batch %s line %d failed to run (it will run again)", batch.id, line.line)
         finally:
-            self._slots.release()
+            if not released:
+                self._slots.release()
 
     async def _execute(self, owner: str, line: PendingLine) -> LineResult:
         request = BatchInputLine.model_validate_json(line.request)
