@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmplatform.llm.build import BackendConfig, build_backend
 from llmplatform.openai_api.app import create_app as create_gateway_app
 from llmplatform.openai_api.settings import GatewaySettings
-from llmplatform.protocol.worker import BATCH_PRIORITY
+from llmplatform.protocol.worker import BACKGROUND_PRIORITY
 from tests.integration.cluster import Cluster, paged_tiny_llm, running_cluster
 from llmplatform.utils.server import serve_in_thread
 from tests.polling import wait_until
@@ -275,9 +275,9 @@ def test_an_interactive_priority_in_the_batch_band_is_a_400(client):
                  lambda **kw: client.completions.create(model=CHAT, prompt="hi", max_tokens=1, **kw),
                  lambda **kw: client.responses.create(model=CHAT, input="hi", max_output_tokens=1, **kw)):
         with pytest.raises(openai.BadRequestError) as info:
-            call(extra_body={"priority": BATCH_PRIORITY})
+            call(extra_body={"priority": BACKGROUND_PRIORITY})
         assert info.value.body["param"] == "priority"
-        assert call(extra_body={"priority": BATCH_PRIORITY - 1}) is not None
+        assert call(extra_body={"priority": BACKGROUND_PRIORITY - 1}) is not None
 
 
 def test_batch_lines_reach_the_worker_in_the_batch_band(client, paged, monkeypatch):
@@ -291,7 +291,7 @@ def test_batch_lines_reach_the_worker_in_the_batch_band(client, paged, monkeypat
     monkeypatch.setattr(paged, "generate", recording)
     batch = run_batch(client, [chat_line("a"), chat_line("b", priority=7), chat_line("c", priority=-9)])
     assert batch.status == "completed"
-    assert sorted(seen) == [BATCH_PRIORITY, BATCH_PRIORITY, BATCH_PRIORITY + 7]
+    assert sorted(seen) == [BACKGROUND_PRIORITY, BACKGROUND_PRIORITY, BACKGROUND_PRIORITY + 7]
     seen.clear()
     client.chat.completions.create(model=CHAT, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
     client.responses.create(model=CHAT, input="hi", max_output_tokens=1, extra_body={"priority": 3})

@@ -2,9 +2,9 @@
 
 A worker's engine orders its queues by ``priority`` (vLLM's field, lower first). The gateway
 keeps two bands apart: a client's own ``priority`` (chat, completions) must stay below
-:data:`BATCH_PRIORITY` (a 400 naming ``priority`` otherwise: clamping would silently change
+:data:`BACKGROUND_PRIORITY` (a 400 naming ``priority`` otherwise: clamping would silently change
 what the client asked for), and every batch line (openai_api.batch_runner) is sent at
-``BATCH_PRIORITY`` plus the line's own ``priority`` if it gives a positive one (to order lines
+``BACKGROUND_PRIORITY`` plus the line's own ``priority`` if it gives a positive one (to order lines
 among themselves), at most :data:`MAX_PRIORITY`. So no interactive request ever waits behind a
 batch line in a worker's queue, whatever priorities clients choose.
 
@@ -23,19 +23,19 @@ from fastapi import Request
 from llmplatform.errors import InvalidRequestError
 from llmplatform.openai_api.auth import batch_owner
 from llmplatform.protocol.openai import ChatCompletionRequest, CompletionRequest
-from llmplatform.protocol.worker import BATCH_PRIORITY, MAX_PRIORITY
+from llmplatform.protocol.worker import BACKGROUND_PRIORITY, MAX_PRIORITY
 
-__all__ = ["BATCH_PRIORITY", "check_priority", "scheduled"]
+__all__ = ["BACKGROUND_PRIORITY", "check_priority", "scheduled"]
 
 R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
 
 
 def check_priority(request: Request, priority: int | None) -> None:
     """Refuse an interactive request's priority in the batch band (a batch line may have any)."""
-    if priority is not None and priority >= BATCH_PRIORITY and batch_owner(request.scope) is None:
+    if priority is not None and priority >= BACKGROUND_PRIORITY and batch_owner(request.scope) is None:
         raise InvalidRequestError(
-            f"Invalid value for 'priority': it must be below {BATCH_PRIORITY}; priorities from "
-            f"{BATCH_PRIORITY} up are reserved for batch requests (/v1/batches).", param="priority")
+            f"Invalid value for 'priority': it must be below {BACKGROUND_PRIORITY}; priorities from "
+            f"{BACKGROUND_PRIORITY} up are reserved for batch requests (/v1/batches).", param="priority")
 
 
 def scheduled(request: Request, body: R, announced: frozenset[str]) -> R:
@@ -47,4 +47,4 @@ def scheduled(request: Request, body: R, announced: frozenset[str]) -> R:
     if "priority" not in announced:
         return body.model_copy(update={"priority": None})
     own = max(0, body.priority or 0)
-    return body.model_copy(update={"priority": min(MAX_PRIORITY, BATCH_PRIORITY + own)})
+    return body.model_copy(update={"priority": min(MAX_PRIORITY, BACKGROUND_PRIORITY + own)})

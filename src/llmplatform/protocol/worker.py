@@ -35,11 +35,6 @@ client's salt of up to 256 characters) stays under it."""
 MAX_PRIORITY = 2**31 - 1
 """The largest ``priority`` a worker takes (its least urgent); the smallest is ``-MAX_PRIORITY - 1``:
 a 32-bit signed integer, which every peer reads exactly."""
-BATCH_PRIORITY = 2**30
-"""Where the batch band starts: the gateway sends its batch requests (``/v1/batches`` lines)
-with a ``priority`` in ``[BATCH_PRIORITY, MAX_PRIORITY]`` and refuses an interactive request's
-own ``priority`` there, so every batch request is behind every interactive one in a worker's
-queues (and a scheduler may give the band only capacity nobody else wants)."""
 
 BACKGROUND_PRIORITY = 2**30
 """Our addition to ``priority``: a request at this priority or worse is *background* work (the
