@@ -52,6 +52,8 @@ PAGE_LINES = 256
 MAX_UNAVAILABLE_TRIES = 8
 """Times a line answered 503 (no worker, model starting) is tried before the 503 is its result."""
 MAX_BACKOFF_S = 30.0
+RERUN_DELAY_S = 1.0
+"""Seconds before the lines that could not run (an internal failure, logged) are tried again."""
 _OWNER_HEADER = b"x-llmplatform-batch-owner"
 
 
@@ -221,6 +223,8 @@ class BatchRunner:
                 await finalize(self._store, owner, batch.model_copy(
                     update={"status": "expired", "expired_at": now}), was="in_progress",
                     unfinished="batch_expired")
+            else:  # a line could not run (logged): tried again, not at once
+                await asyncio.sleep(RERUN_DELAY_S)
             return
         await self._store.save_batch(batch.model_copy(update={"status": "finalizing", "finalizing_at": now}),
                                      only_if=("in_progress",))
