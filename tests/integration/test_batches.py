@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmplatform.llm.build import BackendConfig, build_backend
 from llmplatform.openai_api.app import create_app as create_gateway_app
 from llmplatform.openai_api.settings import GatewaySettings
+from llmplatform.openai_api.tenants import key_id
 from llmplatform.protocol.worker import BACKGROUND_PRIORITY
 from tests.integration.cluster import Cluster, paged_tiny_llm, running_cluster
 from llmplatform.utils.server import serve_in_thread
@@ -95,10 +96,26 @@ def read_lines(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any
     return [json.loads(text) for text in client.files.content(file_id).text.splitlines()]
 
 
-def test_a_chat_batch_runs_every_line_and_returns_outputs_and_errors(client):
+def key_metric(cluster: Cluster, name: str, key: str) -> float:
+    text = httpx.get(f"{cluster.gateway_url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"llmplatform:{name}_total" and sample.labels.get("key_id") == key_id(key):
+                return sample.value
+    return 0.0
+
+
+def test_a_chat_batch_runs_every_line_and_returns_outputs_and_errors(client, cluster):
     lines = [chat_line(f"c{i}", f"Tell me story number {i}.") for i in range(3)]
     lines.append(chat_line("bad", max_completion_tokens=-1))  # the endpoint refuses it: a 400
+    requests_before = key_metric(cluster, "gateway_key_requests", KEY_A)
+    tokens_before = key_metric(cluster, "gateway_key_completion_tokens", KEY_A)
+    others_before = key_metric(cluster, "gateway_key_requests", KEY_B)
     batch = run_batch(client, lines, metadata={"job": "nightly"})
+    # Every line was admitted, and its tokens counted, as the batch owner's requests.
+    assert key_metric(cluster, "gateway_key_requests", KEY_A) - requests_before == 4
+    assert key_metric(cluster, "gateway_key_completion_tokens", KEY_A) - tokens_before == batch.usage.output_tokens
+    assert key_metric(cluster, "gateway_key_requests", KEY_B) == others_before
     assert batch.status == "completed", batch
     assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (4, 3, 1)
     assert batch.model == CHAT and batch.metadata == {"job": "nightly"}

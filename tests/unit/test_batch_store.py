@@ -125,3 +125,12 @@ def test_the_input_check_reports_each_bad_line_and_keeps_the_good_ones(tmp_path:
         ("invalid_json_line", 4, None), ("url_mismatch", 5, "url"), ("invalid_request", 6, "body")]
     too_many = check_input(path, "/v1/completions", max_requests=1)
     assert too_many.errors[-1].code == "too_many_tasks"
+
+
+def test_settings_refuse_bad_batch_limits_and_other_databases() -> None:
+    from llmplatform.openai_api.settings import GatewaySettings
+
+    for bad in (dict(batch_concurrency=0), dict(max_upload_bytes=0), dict(batch_max_requests=-1),
+                dict(batch_expiry=0), dict(batches_store="postgresql://db/x")):
+        with pytest.raises(ValueError):
+            GatewaySettings(**bad)
