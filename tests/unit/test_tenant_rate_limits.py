@@ -29,6 +29,20 @@ def test_requests_in_flight_are_counted_per_tenant_and_given_back() -> None:
     assert limiter.num_tenants_tracked == 0
 
 
+def test_batch_lines_count_per_minute_but_not_in_flight() -> None:
+    # A batch line (concurrent=False) is its owner's usage, but neither takes nor needs one of the
+    # owner's in-flight places: the batch runner bounds its own lines, and a batch must not crowd
+    # its owner's interactive requests out.
+    limiter = TenantLimiter(TenantLimits(max_concurrent_requests=1, max_requests_per_minute=3),
+                            clock=Clock())
+    assert limiter.admit("a").refused is None
+    assert [limiter.admit("a", concurrent=False).refused for _ in range(3)] == [None, None, "requests"]
+    assert limiter.num_in_flight("a") == 1
+    limiter.release("a", concurrent=False)
+    limiter.release("a")
+    assert limiter.num_in_flight("a") == 0
+
+
 def test_requests_per_minute_refill_continuously() -> None:
     clock = Clock()
     limiter = TenantLimiter(TenantLimits(max_concurrent_requests=None, max_requests_per_minute=3), clock=clock)

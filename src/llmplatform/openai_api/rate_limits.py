@@ -110,14 +110,18 @@ class TenantLimiter:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def admit(self, tenant: str) -> Decision:
+    def admit(self, tenant: str, *, concurrent: bool = True) -> Decision:
         """Take a place for one request of `tenant` if every limit allows it; otherwise take
-        nothing and say which limit refused it and when to retry."""
+        nothing and say which limit refused it and when to retry. `concurrent` False: the
+        request neither counts towards nor is held back by the in-flight limit (a batch line:
+        the batch runner's own concurrency bounds those), only the per-minute ones; release it
+        with the same flag."""
         now = self._clock()
         limits = self.limits
         minute = self._minute(tenant, now)
         in_flight = self._in_flight.get(tenant, 0)
-        if limits.max_concurrent_requests is not None and in_flight >= limits.max_concurrent_requests:
+        if (concurrent and limits.max_concurrent_requests is not None
+                and in_flight >= limits.max_concurrent_requests):
             return Decision("concurrency", self.CONCURRENCY_RETRY_S, *self._windows(minute))
         if minute.requests is not None and minute.requests.level < 1:
             return Decision("requests", minute.requests.seconds_until(1), *self._windows(minute))
@@ -127,11 +131,14 @@ class TenantLimiter:
             return Decision("tokens", wait, *self._windows(minute))
         if minute.requests is not None:
             minute.requests.level -= 1
-        self._in_flight[tenant] = in_flight + 1
+        if concurrent:
+            self._in_flight[tenant] = in_flight + 1
         return Decision(None, 0.0, *self._windows(minute))
 
-    def release(self, tenant: str) -> None:
+    def release(self, tenant: str, *, concurrent: bool = True) -> None:
         """One admitted request of `tenant` ended (however it ended)."""
+        if not concurrent:
+            return
         count = self._in_flight[tenant] - 1
         if count:
             self._in_flight[tenant] = count

@@ -232,7 +232,11 @@ class TenantMiddleware:
             return
         tenants = self.tenants
         tenant = tenants.identify(scope)
-        decision = tenants.limiter.admit(tenant.name)
+        # A batch line is its owner's usage (per-minute limits, counters) but not one of its
+        # requests in flight: the batch runner's --batch-concurrency bounds those, and a batch
+        # must not crowd its owner's interactive requests out of their in-flight limit.
+        concurrent = batch_owner(scope) is None
+        decision = tenants.limiter.admit(tenant.name, concurrent=concurrent)
         headers = ratelimit_headers(decision)
         if decision.refused is not None:
             tenants.metrics.key_rejections.labels(tenant.label, decision.refused).inc()
@@ -246,7 +250,7 @@ class TenantMiddleware:
         try:
             await self.app(scope, receive, _with_headers(send, headers) if headers else send)
         finally:
-            tenants.limiter.release(tenant.name)
+            tenants.limiter.release(tenant.name, concurrent=concurrent)
 
 
 def _with_headers(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
