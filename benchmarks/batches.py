@@ -53,7 +53,8 @@ def offline_throughput(path: str, prompts: list[str], max_tokens: int, args: arg
     from llmplatform import LLM
     from llmplatform.sampling.params import SamplingParams
 
-    llm = LLM(path, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs)
+    llm = LLM(path, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+              dtype=args.dtype)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:4], params)  # warm-up: the first steps' one-off costs
     started = time.perf_counter()
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-s", type=float, default=60.0)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--kv-cache-memory", default="1GiB")
+    parser.add_argument("--dtype", default="auto", help="the worker's and the offline engine's")
     parser.add_argument("--worker-args", default="", help="other worker flags")
     args = parser.parse_args(argv)
 
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     offline = offline_throughput(path, lines[:args.offline_lines], args.max_tokens, args)
     log(f"offline engine: {offline:.1f} output tokens/s")
 
-    flags = (f"--backend paged --kv-cache-memory {args.kv_cache_memory} "
+    flags = (f"--backend paged --kv-cache-memory {args.kv_cache_memory} --dtype {args.dtype} "
              f"--max-num-seqs {args.max_num_seqs} {args.worker_args}")
     # The gateway runs as many batch lines at once as the worker batches (its flag, by environment).
     os.environ["LLMPLATFORM_BATCH_CONCURRENCY"] = str(args.max_num_seqs)

@@ -22,16 +22,14 @@ NUM_PROMPTS = 16
 
 def make_engine(model_dir, *, num_blocks=None, block_size=16, max_num_seqs=32,
                 max_num_batched_tokens=512, max_model_len=512, dtype="float32",
-                decode_path="auto", background_step_tokens=SchedulerConfig.background_step_tokens
-                ) -> LLMEngine:
+                decode_path="auto") -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=ModelConfig(str(model_dir), ("m",), device="cpu", dtype=dtype, decode_path=decode_path),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                           kv_cache_memory_bytes=64 << 20),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
-                                  max_model_len=max_model_len,
-                                  background_step_tokens=background_step_tokens)))
+                                  max_model_len=max_model_len)))
 
 
 def varied_prompts(tokenizer, n=NUM_PROMPTS, seed=0) -> list[list[int]]:

@@ -94,11 +94,11 @@ def test_preemption_takes_the_worst_priority_and_keeps_every_output(tiny_model_d
 def test_background_requests_yield_and_fill_idle_tokens_without_changing_any_output(
         tiny_model_dir, hf_tiny):
     # Background (batch) requests fill the slots; foreground ones arrive, take the slots of the
-    # newest background ones (preempted: they recompute later) and run with at most 4 idle tokens
+    # newest background ones (preempted: they recompute later) and run with at most 4 tokens
     # of background work per step beside them, which prefills background prompts in small chunks
     # beside foreground prefills and decodes. Every output is still transformers' greedy one.
-    engine = make_engine(tiny_model_dir, max_num_seqs=4, max_num_batched_tokens=64,
-                         background_step_tokens=4)
+    engine = make_engine(tiny_model_dir, max_num_seqs=4, max_num_batched_tokens=64)
+    engine.scheduler.background.fix(4)
     background = {f"bg-{i}": p for i, p in enumerate(prompts(6, 20))}
     foreground = {f"fg-{i}": p for i, p in enumerate(prompts(9, 14)[6:])}
     seqs = {rid: engine.add_request(rid, p, GREEDY, priority=BACKGROUND_PRIORITY)[0]
@@ -120,8 +120,8 @@ def test_background_requests_yield_and_fill_idle_tokens_without_changing_any_out
     assert all(first_step[rid] == 1 for rid in foreground)  # admitted at once, in three slots
     assert sum(seqs[rid].num_preemptions for rid in background) >= 3
     assert all(seqs[rid].num_preemptions == 0 for rid in foreground)
-    # bg-0 kept its slot and, one step ahead, decodes in the one idle token the three
-    # foreground decodes leave; the other background requests wait for the foreground to finish.
+    # bg-0 kept its slot and, one step ahead, decodes beside the three foreground decodes; the
+    # other background requests wait for the foreground to finish.
     assert set(finished[:4]) == {*foreground, "bg-0"}
     for rid, prompt in [*background.items(), *foreground.items()]:
         assert tokens[rid] == hf_greedy(hf_tiny, prompt, GREEDY.max_tokens), rid

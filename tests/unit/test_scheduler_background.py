@@ -30,47 +30,47 @@ def test_the_background_band_starts_at_its_priority():
     finish_all(sched, below, at, worst)
 
 
-def test_alone_background_work_takes_the_whole_budget():
-    sched = make_scheduler(max_num_batched_tokens=16, background_step_tokens=2)
+def test_alone_background_work_takes_up_to_its_step_limit():
+    sched = make_scheduler(max_num_batched_tokens=16, background_max_step_tokens=8)
     a, = add(sched, 6, priority=BG)
     b, = add(sched, 6, priority=BG)
-    assert batch(step(sched)) == [(a, 6, True), (b, 6, True)]
+    assert batch(step(sched)) == [(a, 6, True), (b, 2, False)]
+    assert batch(step(sched)) == [(a, 1, True), (b, 4, True)]
     assert batch(step(sched)) == [(a, 1, True), (b, 1, True)]
     finish_all(sched, a, b)
 
 
-def test_beside_foreground_decodes_background_rows_fill_only_the_idle_tokens():
-    sched = make_scheduler(max_num_seqs=6, max_num_batched_tokens=16, background_step_tokens=4)
+def test_beside_foreground_work_background_rows_get_their_share_only():
+    sched = make_scheduler(max_num_seqs=6, max_num_batched_tokens=16, background_tokens=2)
     bgs = [add(sched, 2, priority=BG)[0] for _ in range(4)]
     assert batch(step(sched)) == [(s, 2, True) for s in bgs]
     f1, = add(sched, 2)
     f2, = add(sched, 2)
-    # Admitted this step: the background decodes already took the step's 4 idle tokens (they were
-    # served first, as running sequences are), the foreground prefills come on top.
-    assert batch(step(sched)) == [*[(s, 1, True) for s in bgs], (f1, 2, True), (f2, 2, True)]
-    # From now on the foreground decodes come first and leave 2 idle tokens: two background rows.
+    # Busy from now on: the running background decodes, served first, get the share (two
+    # tokens); the foreground prompts are admitted after them.
+    assert batch(step(sched)) == [(bgs[0], 1, True), (bgs[1], 1, True), (f1, 2, True), (f2, 2, True)]
     assert batch(step(sched)) == [(f1, 1, True), (f2, 1, True), (bgs[0], 1, True), (bgs[1], 1, True)]
     sched.finish(f1)
-    assert batch(step(sched)) == [(f2, 1, True), *[(s, 1, True) for s in bgs[:3]]]
-    sched.finish(f2)  # idle again: every background row, the whole budget
+    assert batch(step(sched)) == [(f2, 1, True), (bgs[0], 1, True), (bgs[1], 1, True)]
+    sched.finish(f2)  # idle again: every background row
     assert batch(step(sched)) == [(s, 1, True) for s in bgs]
     finish_all(sched, *bgs)
 
 
-def test_a_background_prompt_is_prefilled_in_idle_chunks_beside_foreground_work():
-    sched = make_scheduler(max_num_batched_tokens=16, background_step_tokens=4)
+def test_a_background_prompt_is_prefilled_in_small_chunks_beside_foreground_work():
+    sched = make_scheduler(max_num_batched_tokens=16, background_tokens=3)
     fg, = add(sched, 2)
     bg, = add(sched, 10, priority=BG)
-    assert batch(step(sched)) == [(fg, 2, True), (bg, 2, False)]
+    assert batch(step(sched)) == [(fg, 2, True), (bg, 3, False)]
     assert batch(step(sched)) == [(fg, 1, True), (bg, 3, False)]
     assert batch(step(sched)) == [(fg, 1, True), (bg, 3, False)]
     sched.finish(fg)
-    assert batch(step(sched)) == [(bg, 2, True)]
+    assert batch(step(sched)) == [(bg, 1, True)]
     finish_all(sched, bg)
 
 
-def test_no_idle_tokens_means_no_background_work_while_the_foreground_runs():
-    sched = make_scheduler(max_num_batched_tokens=16, background_step_tokens=0)
+def test_no_share_means_no_background_work_while_the_foreground_runs():
+    sched = make_scheduler(max_num_batched_tokens=16, background_tokens=0)
     fg, = add(sched, 3)
     bg, = add(sched, 3, priority=BG)
     assert batch(step(sched)) == [(fg, 3, True)]
@@ -82,7 +82,7 @@ def test_no_idle_tokens_means_no_background_work_while_the_foreground_runs():
 
 
 def test_a_foreground_request_takes_the_seq_slot_of_the_newest_background_one():
-    sched = make_scheduler(max_num_seqs=3, max_num_batched_tokens=16)
+    sched = make_scheduler(max_num_seqs=3, max_num_batched_tokens=16, background_tokens=16)
     bgs = [add(sched, 2, priority=BG)[0] for _ in range(3)]
     assert batch(step(sched)) == [(s, 2, True) for s in bgs]
     fg, = add(sched, 2)
@@ -96,7 +96,8 @@ def test_a_foreground_request_takes_the_seq_slot_of_the_newest_background_one():
 
 
 def test_a_foreground_request_takes_the_blocks_of_background_ones():
-    sched = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                           background_tokens=16)
     bg1, = add(sched, 8, priority=BG)
     bg2, = add(sched, 7, priority=BG + 1)  # the worse of the two: it goes first
     assert batch(step(sched)) == [(bg1, 8, True), (bg2, 7, True)]
@@ -109,7 +110,7 @@ def test_a_foreground_request_takes_the_blocks_of_background_ones():
 
 
 def test_a_foreground_request_that_cannot_fit_anyway_preempts_nothing():
-    sched = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=32)
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=32, background_tokens=16)
     fg1, = add(sched, 11)  # its three blocks hold its decodes for a while
     bg, = add(sched, 3, priority=BG)
     assert batch(step(sched)) == [(fg1, 11, True), (bg, 3, True)]
@@ -120,7 +121,7 @@ def test_a_foreground_request_that_cannot_fit_anyway_preempts_nothing():
 
 
 def test_background_work_never_preempts_foreground_work():
-    sched = make_scheduler(max_num_seqs=2, max_num_batched_tokens=16)
+    sched = make_scheduler(max_num_seqs=2, max_num_batched_tokens=16, background_tokens=16)
     f1, f2 = add(sched, 2)[0], add(sched, 2)[0]
     step(sched)
     bg, = add(sched, 2, priority=BG)
@@ -141,7 +142,7 @@ def test_random_workloads_with_background_work_keep_every_invariant_and_drain(
                            max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=rng.randint(1, 24),
                            max_model_len=rng.randint(2, 2 * num_blocks * block_size),
                            enable_prefix_caching=enable_prefix_caching,
-                           background_step_tokens=rng.randint(0, 8))
+                           background_tokens=rng.randint(0, 8))
     num_outputs: dict[int, int] = {}
     requests: list[list[Sequence]] = []
     refused = set()
@@ -159,7 +160,7 @@ def test_random_workloads_with_background_work_keep_every_invariant_and_drain(
         background = sum(s.num_new_tokens for s in out.scheduled
                          if is_background(_seq(requests, s.seq_id)))
         if busy and not any(not is_background(s) for s, _ in rejected(out)):
-            assert background <= sched.config.background_step_tokens
+            assert background <= sched.background.allowance
         for victim in preempted(out):  # never a foreground sequence while a background one runs
             assert is_background(victim) or not any(is_background(s) for s in sched.running)
         refused.update(id(s) for s, _ in rejected(out))

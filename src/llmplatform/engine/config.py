@@ -54,18 +54,21 @@ class SchedulerConfig:
         more) full KV blocks after its cached prefix another sequence is computing in the current
         step waits a step for them to be cached instead of computing them again (blocks; default
         1; 0: never wait). See engine.scheduler, "Prefixes in flight".
-    background_step_tokens: while foreground requests are unfinished, the tokens a step computes
-        beyond which background requests (priority >= protocol.worker.BACKGROUND_PRIORITY, the
-        gateway's batches) get none (default 16: on a CPU, a decode step of up to 16 rows reads
-        the weights once in the fused decode path and costs little more than one row). See
-        engine.priority, "Background requests".
+    background_slowdown: while foreground requests are unfinished, how much longer background
+        requests (priority >= protocol.worker.BACKGROUND_PRIORITY, the gateway's batch lines)
+        may make a step, as a fraction of its duration without them (default 0.2; 0: they get
+        nothing then). Measured step by step (engine.background).
+    background_max_step_tokens: the most tokens a step gives background requests when no
+        foreground one is unfinished (default 256): what an arriving interactive request may
+        wait behind.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     min_in_flight_prefix_blocks: int = 1
-    background_step_tokens: int = 16
+    background_slowdown: float = 0.2
+    background_max_step_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -74,9 +77,11 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be at least 1")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.background_step_tokens < 0:
-            raise ValueError("background_step_tokens must be at least 0, got "
-                             f"{self.background_step_tokens}")
+        if self.background_slowdown < 0:
+            raise ValueError(f"background_slowdown must be at least 0, got {self.background_slowdown}")
+        if self.background_max_step_tokens < 1:
+            raise ValueError("background_max_step_tokens must be at least 1, got "
+                             f"{self.background_max_step_tokens}")
         if self.min_in_flight_prefix_blocks < 0:
             raise ValueError("min_in_flight_prefix_blocks must be at least 0, got "
                              f"{self.min_in_flight_prefix_blocks}")

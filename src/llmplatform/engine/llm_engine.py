@@ -85,6 +85,7 @@ class LaunchedStep:
     scheduled: SchedulerOutput
     in_flight: InFlightStep | None
     updates: list[SequenceUpdate]
+    started: float = 0.0  # time.perf_counter() when launch began
 
     @property
     def ready(self) -> bool:
@@ -278,18 +279,23 @@ class LLMEngine:
         """Schedules and starts the model work (with pipeline stages it is still in flight when
         this returns: see :class:`LaunchedStep`); nothing changes this engine until ``complete``."""
         self.runner.raise_if_ranks_failed()  # a dead rank fails the step (rebuild: new ranks)
+        started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         updates = self._reject(scheduled)
         if scheduled.is_empty:
-            return LaunchedStep(scheduled, None, updates)
+            return LaunchedStep(scheduled, None, updates, started)
         self._note_first_scheduled(scheduled)
-        return LaunchedStep(scheduled, self.runner.launch(scheduled, self.virtual_engine), updates)
+        return LaunchedStep(scheduled, self.runner.launch(scheduled, self.virtual_engine), updates,
+                            started)
 
     def complete(self, launched: LaunchedStep) -> list[SequenceUpdate]:
         scheduled, updates = launched.scheduled, launched.updates
         if launched.in_flight is None:
             return updates
         model_output = self.runner.finish(launched.in_flight)
+        background = scheduled.num_background_tokens
+        self.scheduler.background.observe(scheduled.num_batched_tokens - background, background,
+                                          scheduled.busy, time.perf_counter() - launched.started)
         updates += self._fail_pinned(scheduled, model_output)
         self.scheduler.update(scheduled, model_output)
         self._record_stats(scheduled)

@@ -95,6 +95,10 @@ class SchedulerOutput:
     deferred: list[tuple[int, int]] = field(default_factory=list)
     # Prompt tokens this step computes (prefill work; decode and recomputed output tokens not).
     num_prompt_tokens: int = 0
+    # Tokens of background sequences (engine.priority), and whether foreground work was
+    # unfinished when the step was scheduled: how engine.background judges the step's duration.
+    num_background_tokens: int = 0
+    busy: bool = False
 
     @property
     def num_batched_tokens(self) -> int:

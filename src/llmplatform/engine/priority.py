@@ -33,18 +33,18 @@ Background requests (``priority >= BACKGROUND_PRIORITY``, protocol.worker: the g
 lines) are the one exception to "a waiting sequence never preempts a running one", and they get
 only idle capacity. While any foreground sequence (a better priority) is unfinished:
 
-- a step gives background sequences only what is left of ``background_step_tokens`` after the
-  foreground ones' tokens (``background_allowance``): a step of a few rows costs about what one
-  row does (the weights are read once), so background rows ride along nearly free, while a full
-  background batch or a long background prefill beside interactive decodes would slow every one
-  of their tokens;
+- a step gives background sequences only the tokens engine.background allows: as many as keep
+  the step within ``background_slowdown`` of what it would take without them, found by
+  measuring the steps (a few rows ride along nearly free where the weights' reading dominates,
+  as on a GPU; on a small CPU every row costs its arithmetic);
 - a foreground sequence at the head of the waiting queue that lacks a ``max_num_seqs`` slot or
   free blocks preempts running background sequences (worst first) until it fits
   (``make_room_for_foreground``): background work never holds an interactive request out. The
   victims recompute later, mostly from the prefix cache, which keeps their freed blocks.
 
-With no foreground sequence unfinished, background sequences are scheduled like any others, with
-the whole budget. With no background sequence, nothing here applies.
+With no foreground sequence unfinished, a step gives background sequences up to
+``background_max_step_tokens``, which bounds how long an arriving interactive request waits for
+the step under way. With no background sequence, nothing here applies.
 
 Pure Python, no torch.
 """
@@ -93,16 +93,6 @@ def is_background(seq: Sequence) -> bool:
 def has_foreground(seqs: Iterable[Sequence]) -> bool:
     """Whether any of ``seqs`` (the unfinished ones) is foreground work."""
     return any(seq.priority < BACKGROUND_PRIORITY for seq in seqs)
-
-
-def background_allowance(seq: Sequence, budget: int, num_scheduled_tokens: int,
-                         background_step_tokens: int, busy: bool) -> int:
-    """The tokens ``seq`` may take of the step's ``budget`` left: all of it, unless ``seq`` is
-    background work while foreground work is unfinished (``busy``); then only what the step's
-    ``num_scheduled_tokens`` leave of ``background_step_tokens``."""
-    if not busy or not is_background(seq):
-        return budget
-    return max(0, min(budget, background_step_tokens - num_scheduled_tokens))
 
 
 def make_room_for_foreground(sched: Scheduler, budget: int,

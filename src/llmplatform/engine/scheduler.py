@@ -26,9 +26,9 @@ tokens, and at most ``max_num_seqs`` sequences run at once:
 
 Priority (``Sequence.priority``, lower first) orders both queues; engine.priority says how, and
 why a waiting sequence never preempts a running one, but for background work: while foreground
-sequences are unfinished, background ones get only the idle part of each step
-(``background_step_tokens``), and are preempted first (step 0b) to admit the foreground ones at
-the head of the queue. With every priority equal it is plain FCFS.
+sequences are unfinished, background ones get only the idle part of each step (engine.background
+measures it), and are preempted first (step 0b) to admit the foreground ones at the head of the
+queue. With every priority equal it is plain FCFS.
 
 A chunk that reaches a sequence's last token ``samples``: the model appends one token, which
 leaves the sequence one uncomputed token (its next decode).
@@ -103,8 +103,9 @@ from llmplatform.engine.block_manager import BlockManager
 from llmplatform.engine.config import SchedulerConfig
 from llmplatform.engine.outputs import (CachedSequenceData, ModelOutput, NewSequenceData,
                                         ScheduledChunk, SchedulerOutput)
-from llmplatform.engine.priority import (background_allowance, enqueue, has_foreground,
-                                         insert_running, make_room_for_foreground)
+from llmplatform.engine.background import BackgroundShare, StepShare
+from llmplatform.engine.priority import (enqueue, has_foreground, insert_running, is_background,
+                                         make_room_for_foreground)
 from llmplatform.engine.sequence import Sequence, SequenceStatus
 
 
@@ -131,6 +132,9 @@ class Scheduler:
         # them finished since the last step (reported in the next SchedulerOutput).
         self._in_runner: set[int] = set()
         self._finished_in_runner: list[int] = []
+        # The background requests' share of each step (engine.background), fed by the engine.
+        self.background = BackgroundShare(config.background_slowdown,
+                                          config.background_max_step_tokens)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -221,6 +225,7 @@ class Scheduler:
         # 0b. Background work gives way to the foreground at the head of the queue (engine.priority).
         busy = has_foreground(self._live.values())
         yielded = make_room_for_foreground(self, budget, self._preempt) if busy else []
+        share = StepShare(self.background, busy)
 
         # 1. Running sequences, best priority and oldest first; the last are preempted for room.
         for seq in list(self.running):
@@ -228,7 +233,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older sequence
-            allowance = self._allowance(seq, budget, busy)
+            allowance = share.allowance(is_background(seq), budget)
             if allowance == 0:
                 break  # background work, and the step has no idle tokens left (the rest is too)
             num_new_tokens = self._num_new_tokens(seq, allowance)
@@ -246,6 +251,7 @@ class Scheduler:
                 scheduled.append(self._chunk(seq, num_new_tokens))
                 num_prompt_tokens += self._num_prompt_tokens_in(seq, num_new_tokens)
                 budget -= num_new_tokens
+                share.took(is_background(seq), num_new_tokens)
 
         # 2. Waiting sequences in queue order but for deferrals, unless step 1 found the pool full.
         index = 0  # into self.waiting: the sequences before it are deferred this step
@@ -265,7 +271,7 @@ class Scheduler:
                 continue
             if self._num_seq_slots_used() + self._num_seq_slots(seq) > self.config.max_num_seqs:
                 break
-            allowance = self._allowance(seq, budget, busy)
+            allowance = share.allowance(is_background(seq), budget)
             if allowance == 0:
                 break  # background work (as is the rest of the queue), and no idle tokens left
             num_cached_tokens = len(cached or ()) * bm.block_size
@@ -285,13 +291,15 @@ class Scheduler:
             scheduled.append(self._chunk(seq, num_new_tokens))
             num_prompt_tokens += self._num_prompt_tokens_in(seq, num_new_tokens)
             budget -= num_new_tokens
+            share.took(is_background(seq), num_new_tokens)
 
         finished, self._finished_in_runner = self._finished_in_runner, []
         return SchedulerOutput(scheduled=scheduled, new_seqs=new_seqs, cached_seqs=cached_seqs,
                                finished_seq_ids=finished,
                                preempted=[seq.seq_id for seq in [*yielded, *preempted]],
                                blocks_to_copy=blocks_to_copy, rejected=rejected, deferred=deferred,
-                               num_prompt_tokens=num_prompt_tokens)
+                               num_prompt_tokens=num_prompt_tokens,
+                               num_background_tokens=share.background_tokens, busy=busy)
 
     def update(self, output: SchedulerOutput, model_output: ModelOutput) -> None:
         """Advance each scheduled sequence past its chunk; append sampled tokens; fork children."""
@@ -316,11 +324,6 @@ class Scheduler:
         if seq.seq_id in self._pending_children:
             return seq.num_prompt_tokens - 1
         return seq.num_tokens
-
-    def _allowance(self, seq: Sequence, budget: int, busy: bool) -> int:
-        """The step's tokens ``seq`` may take of ``budget`` (engine.priority.background_allowance)."""
-        return background_allowance(seq, budget, self.config.max_num_batched_tokens - budget,
-                                    self.config.background_step_tokens, busy)
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         num_new_tokens = min(self._num_target_tokens(seq) - seq.num_computed_tokens, budget)

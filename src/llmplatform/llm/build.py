@@ -60,7 +60,8 @@ class BackendConfig:
     pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size  # stages (engine.virtual_engines)
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
-    background_step_tokens: int = SchedulerConfig.background_step_tokens  # engine.priority
+    background_slowdown: float = SchedulerConfig.background_slowdown  # engine.background
+    background_max_step_tokens: int = SchedulerConfig.background_max_step_tokens
     block_size: int = CacheConfig.block_size
     kv_cache_memory: str = "2GiB"  # CacheConfig.kv_cache_memory_bytes, as a size to read
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
@@ -360,7 +361,8 @@ def _engine_config(config: BackendConfig, path: str, names: tuple[str, ...], *,
         scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_model_len=model_len,
-                                  background_step_tokens=config.background_step_tokens),
+                                  background_slowdown=config.background_slowdown,
+                                  background_max_step_tokens=config.background_max_step_tokens),
         parallel=ParallelConfig(tensor_parallel_size=config.tensor_parallel_size,
                                 rank_timeout_s=config.tensor_parallel_timeout,
                                 pipeline_parallel_size=config.pipeline_parallel_size),

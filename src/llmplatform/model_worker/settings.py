@@ -151,11 +151,16 @@ class WorkerServiceSettings(ServerSettings):
     max_num_batched_tokens: int = option(
         _DEFAULT.max_num_batched_tokens, "tokens computed per engine step (prefill chunks + "
         "decodes)", group=_ENGINE, ge=1)
-    background_step_tokens: int = option(
-        _DEFAULT.background_step_tokens, "while interactive requests run, the tokens a step "
-        "computes beyond which background requests (the gateway's batch lines) get none: they "
-        "ride along in steps that cost about one row anyway; 0: none while interactive ones run "
-        "(default: %(default)s)", group=_ENGINE, ge=0)
+    background_slowdown: float = option(
+        _DEFAULT.background_slowdown, "while interactive requests run, how much longer background "
+        "requests (the gateway's batch lines, priority >= 2^30) may make an engine step, as a "
+        "fraction of its duration without them: measured step by step, so they take what the "
+        "hardware leaves idle; 0: none while interactive ones run (default: %(default)s)",
+        group=_ENGINE, ge=0)
+    background_max_step_tokens: int = option(
+        _DEFAULT.background_max_step_tokens, "the most tokens a step gives background requests "
+        "when no interactive one is unfinished: what an arriving interactive request may wait "
+        "behind (default: %(default)s)", group=_ENGINE, ge=1)
     block_size: int = option(_DEFAULT.block_size, "tokens per KV-cache block", group=_ENGINE, ge=1)
     kv_cache_memory: str = option(
         _DEFAULT.kv_cache_memory, "KV-cache size on CPU, e.g. 2GiB or 512MiB", group=_ENGINE)
