@@ -176,14 +176,17 @@ class LLMPlatformCluster:
 
 
 def start_llmplatform(model_path: str, model_name: str, worker_args: str, log_path: Path,
-                      startup_timeout_s: float) -> LLMPlatformCluster:
+                      startup_timeout_s: float, env: dict[str, str] | None = None) -> LLMPlatformCluster:
+    """`llmplatform serve` of one worker; `env`: more environment for its services (their
+    settings as `LLMPLATFORM_*` variables)."""
     controller_port, api_port, worker_port = free_ports(3)
     worker = f"--model-path {shlex.quote(model_path)} --model-names {shlex.quote(model_name)} {worker_args}"
     argv = [sys.executable, "-m", "llmplatform.cli", "serve", "--host", "127.0.0.1",
             "--controller-port", str(controller_port), "--api-port", str(api_port),
             "--worker-port-base", str(worker_port), "--worker", worker,
             "--no-webui"]  # the web UI (gradio) would start, and use the cores, during the runs
-    process = ManagedProcess.start("llmplatform serve", argv, log_path, env={SECRET_ENV: CLUSTER_SECRET})
+    process = ManagedProcess.start("llmplatform serve", argv, log_path,
+                                   env={SECRET_ENV: CLUSTER_SECRET, **(env or {})})
     gateway = f"http://127.0.0.1:{api_port}/v1"
 
     def ready() -> bool:  # the gateway is up and the worker has registered
