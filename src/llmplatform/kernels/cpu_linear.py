@@ -1,5 +1,6 @@
-"""The CPU small-row projection kernel (``csrc/small_linear.c``): ``y = x W^T (+ b)`` for the few
-rows of a decode step, built on first use (``cbuild``) and called through ctypes.
+"""The CPU projection kernels: ``y = x W^T (+ b)`` for the few rows of a decode step
+(``csrc/small_linear.c``) and for the 17-64 of a batched one (``csrc/blocked_linear.c``), built on
+first use (``cbuild``) and called through ctypes.
 
 At 1-16 rows a projection's cost is reading its weight once: oneDNN's fp32 product over the fp32
 copy that a CPU without bf16 matrix instructions multiplies in (``torch_utils.resolve_compute_dtype``)
@@ -45,10 +46,11 @@ blocked_kernel = cbuild.LazyFunction(
     "blocked_linear.c", "blocked_linear",
     [_pointer, _flag, _pointer, _flag, _pointer, _pointer, _flag, _i64, _i64, _i64, _flag], ctypes.c_int,
     "CPU blocked projection kernel")
-"""The register-blocked kernel for batched decode steps (``csrc/blocked_linear.c``): a tile of 4
-input rows x 3 weight rows per pass, so each widened weight vector serves 4 rows and each input
-vector 3 columns (``small_linear``'s one weight row at a time leaves it bound by input loads past
-~16 rows). AVX2 + FMA only: ``blocked_supported`` says whether this CPU runs it."""
+"""The register-blocked kernel for batched decode steps (``csrc/blocked_linear.c``): tiles of 5
+input rows x 2 weight rows (4 x 4 where AVX-512 VL gives it 32 registers), so each widened weight
+vector serves several rows and each input vector several columns (``small_linear``'s one weight
+row at a time leaves it bound by input loads past ~16 rows). AVX2 + FMA only:
+``blocked_unavailable`` says whether this CPU runs it."""
 
 _blocked_probe = cbuild.LazyFunction("blocked_linear.c", "blocked_linear_supported", [], ctypes.c_int,
                                      "CPU blocked projection kernel")
