@@ -113,6 +113,8 @@ AVX2_ONLY = KernelAvailability(cpu_attention=None, row_kernels=None, onednn_dtyp
                                bf16_matmul=False)
 BF16_CPU = KernelAvailability(cpu_attention=None, row_kernels=None, onednn_dtypes=(F32, BF16),
                               blocked_kernel=None, bf16_matmul=True)  # AVX512-BF16 or AMX
+AVX512_NO_BF16 = KernelAvailability(cpu_attention=None, row_kernels=None, onednn_dtypes=(F32,),
+                                    blocked_kernel=None, bf16_matmul=False, avx512=True)  # Skylake-Ice Lake
 NO_AVX2 = KernelAvailability(cpu_attention=None, row_kernels=None, onednn_dtypes=(F32,),
                              blocked_kernel="this CPU has no AVX2 + FMA", bf16_matmul=False)
 
@@ -122,6 +124,8 @@ NO_AVX2 = KernelAvailability(cpu_attention=None, row_kernels=None, onednn_dtypes
     ("cpu", BF16, BF16, "auto", AVX2_ONLY, "auto", BLOCKED_ROWS, 0),  # --compute-dtype model: emulated bf16
     ("cpu", BF16, BF16, "auto", BF16_CPU, "auto", 0, 0),  # oneDNN's bf16 product
     ("cpu", BF16, F32, "auto", NO_AVX2, "auto", 0, 1),  # the fp32 copy's product, and why
+    ("cpu", BF16, F32, "auto", AVX512_NO_BF16, "auto", 0, 0),  # oneDNN's 16-wide fp32 GEMM (unmeasured)
+    ("cpu", BF16, F32, "auto", AVX512_NO_BF16, "on", BLOCKED_ROWS, 0),
     ("cpu", F32, F32, "auto", AVX2_ONLY, "auto", 0, 0),  # an fp32 model: oneDNN over its own weights
     ("cpu", BF16, F32, "eager", AVX2_ONLY, "auto", 0, 0),  # the reference path stays torch
     ("cpu", BF16, F32, "auto", AVX2_ONLY, "off", 0, 0),
@@ -149,7 +153,7 @@ def test_settings_that_cannot_be_honoured_are_refused() -> None:
 
 
 @pytest.mark.parametrize("cpu, expected_rows", [("avx2", BLOCKED_ROWS), ("avx512_bf16", 0), ("amx", 0),
-                                                ("no_avx2", 0)])
+                                                ("avx512", 0), ("no_avx2", 0)])
 def test_the_probes_decide_it(cpu, expected_rows, monkeypatch) -> None:
     """``plan_ops`` on this machine with its CPU's features faked where they are asked: torch's
     bf16 probes (``torch_utils.cpu_has_native_low_precision_matmul``) and the kernel's own
@@ -159,12 +163,12 @@ def test_the_probes_decide_it(cpu, expected_rows, monkeypatch) -> None:
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: cpu == "avx512_bf16", raising=False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: cpu == "amx", raising=False)
 
-    class Probe:  # the C function's answer: 1 with AVX2 + FMA
+    class Probe:  # the C function's answer: bit 1 with AVX2 + FMA, bit 2 with AVX-512F
         def __call__(self):
-            return lambda: int(cpu != "no_avx2")
+            return lambda: int(cpu != "no_avx2") | (2 if cpu.startswith("avx512") or cpu == "amx" else 0)
 
     monkeypatch.setattr(cpu_linear, "_blocked_probe", Probe())
-    ops = plan_ops("cpu", BF16, F32 if cpu in ("avx2", "no_avx2") else BF16, decode_path="auto")
+    ops = plan_ops("cpu", BF16, F32 if cpu in ("avx2", "avx512", "no_avx2") else BF16, decode_path="auto")
     assert ops.decode_path == "fused" and ops.blocked_rows == expected_rows
     said = [fallback for fallback in ops.fallbacks if "blocked kernel" in fallback]
     assert len(said) == (cpu == "no_avx2") and all("no AVX2 + FMA" in fallback for fallback in said)

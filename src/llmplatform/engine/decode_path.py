@@ -23,9 +23,10 @@ measures both).
 ``--blocked-linear`` says how the products of a batched decode step (17-64 rows, more than the
 fused path's C kernel takes) run: ``auto`` puts them on the blocked kernel
 (``cpu_linear.blocked_linear_cpu``: a register-blocked AVX2 + FMA product over the bf16 weights as
-loaded, fp32 sums) when the fused path runs a bf16 model on a CPU without bf16 matrix
-instructions, where they would otherwise multiply over the float32 copy; a CPU with AMX or
-AVX512-BF16 keeps oneDNN's bf16 product (faster there). ``on`` forces it on any CPU plan (an
+loaded, fp32 sums) when the fused path runs a bf16 model on an AVX2 CPU without AVX-512 or bf16
+matrix instructions, where they would otherwise multiply over the float32 copy; a CPU with AMX or
+AVX512-BF16 keeps oneDNN's bf16 product (faster there), an AVX-512 one oneDNN's 16-wide fp32 GEMM
+(``kernels.ops``). ``on`` forces it on any CPU plan (an
 error where it cannot run), ``off`` never uses it. The plan's summary line says which.
 
 The attention backend is the config's (``ModelConfig.attention_backend``, which reads

@@ -52,19 +52,25 @@ vector serves several rows and each input vector several columns (``small_linear
 row at a time leaves it bound by input loads past ~16 rows). AVX2 + FMA only:
 ``blocked_unavailable`` says whether this CPU runs it."""
 
-_blocked_probe = cbuild.LazyFunction("blocked_linear.c", "blocked_linear_supported", [], ctypes.c_int,
+_blocked_probe = cbuild.LazyFunction("blocked_linear.c", "blocked_linear_features", [], ctypes.c_int,
                                      "CPU blocked projection kernel")
 
 
-def blocked_unavailable() -> str | None:
-    """None when the blocked kernel builds here and this CPU has AVX2 and FMA (asked of the CPU at
-    run time, ``__builtin_cpu_supports``), else why not (``ops.probe_kernels``)."""
+def blocked_probe() -> tuple[str | None, bool]:
+    """(None when the blocked kernel builds here and this CPU has AVX2 and FMA, else why not;
+    whether the CPU has AVX-512F), asked of the CPU at run time (``__builtin_cpu_supports``) for
+    ``ops.probe_kernels``."""
     try:
         blocked_kernel()
-        supported = _blocked_probe()()
+        features = _blocked_probe()()
     except cbuild.KernelUnavailableError as exc:
-        return str(exc)
-    return None if supported else "this CPU has no AVX2 + FMA"
+        return str(exc), False
+    return (None if features & 1 else "this CPU has no AVX2 + FMA"), bool(features & 2)
+
+
+def blocked_unavailable() -> str | None:
+    """Why the blocked kernel cannot run here, or None (``blocked_probe``)."""
+    return blocked_probe()[0]
 
 
 def blocked_linear_cpu(

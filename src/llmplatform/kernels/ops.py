@@ -75,6 +75,7 @@ class KernelAvailability:
     onednn_dtypes: tuple[torch.dtype, ...] = ()  # dtypes whose prepacked oneDNN product passed its check
     blocked_kernel: str | None = "not probed"  # cpu_linear's blocked kernel (it builds, and AVX2 + FMA at run time)
     bf16_matmul: bool = False  # the CPU multiplies bf16 matrices natively (AMX, AVX512-BF16)
+    avx512: bool = False  # the CPU has AVX-512F: oneDNN's fp32 GEMM runs 16 lanes wide, the blocked kernel 8
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ def resolve_ops(
     rows then keep the torch rotary and attention, like a model whose attention is not the CPU one.
     ``blocked``: whether products of ``small_rows + 1`` to ``BLOCKED_ROWS`` rows run on the blocked
     kernel: ``auto`` where the fused path runs bf16 weights on a CPU without bf16 matrix
-    instructions and the kernel runs here (where only the kernel is missing, a fallback says why),
+    instructions or AVX-512 and the kernel runs here (where only the kernel is missing, a fallback says why),
     ``on`` (any CPU plan, every product of up to ``BLOCKED_ROWS`` rows the small-row kernel does
     not take; an error where the kernel cannot run), ``off``."""
     compute_dtype = compute_dtype or dtype
@@ -188,7 +189,9 @@ def _blocked_rows(device_type: str, dtype: torch.dtype, choice: str, kernels: Ke
                   small_rows: int, fallbacks: list[str]) -> int:
     """``BLOCKED_ROWS`` where the plan runs batched products on the blocked kernel, else 0 (see
     ``resolve_ops``). A CPU with bf16 matrix instructions keeps oneDNN's bf16 product: on the
-    AVX512-BF16 EPYC it ran 2-3x the kernel's GFLOP/s (docs/performance.md)."""
+    AVX512-BF16 EPYC it ran 2-3x the kernel's GFLOP/s (docs/performance.md). So does, for now, an
+    AVX-512 CPU without them (Skylake to Ice Lake Xeons): oneDNN's fp32 GEMM runs 16 lanes wide
+    there, on two 512-bit FMA units on many, the kernel 8, and it has not been measured on one."""
     if choice not in BLOCKED_CHOICES:
         raise ValueError(f"blocked linear must be one of {', '.join(BLOCKED_CHOICES)}, got {choice!r}")
     if choice == "off":
@@ -199,7 +202,8 @@ def _blocked_rows(device_type: str, dtype: torch.dtype, choice: str, kernels: Ke
         if kernels.blocked_kernel is not None:
             raise KernelUnavailableError(kernels.blocked_kernel)
         return BLOCKED_ROWS
-    if device_type != "cpu" or not small_rows or dtype != torch.bfloat16 or kernels.bf16_matmul:
+    if device_type != "cpu" or not small_rows or dtype != torch.bfloat16 or kernels.bf16_matmul \
+            or kernels.avx512:
         return 0
     if kernels.blocked_kernel is not None:
         fallbacks.append(f"products of {small_rows + 1}-{BLOCKED_ROWS} rows: on the float32 copy "
@@ -259,6 +263,7 @@ def probe_kernels(device_type: str, *, row_kernels: bool = True, quantized: bool
                                   row_kernels="not a CPU model", quant_kernel="not a CPU model",
                                   dequantize_kernel="not a CPU model")
     decode = cpu_decode.kernel  # cpu_decode keeps its own lazy loader (its log lines name the torch path)
+    blocked_kernel, avx512 = cpu_linear.blocked_probe() if blocked else ("not probed", False)
     return KernelAvailability(
         triton=triton_installed(),
         cpu_attention=_reason(decode),
@@ -267,7 +272,7 @@ def probe_kernels(device_type: str, *, row_kernels: bool = True, quantized: bool
         quant_kernel=_reason(cpu_quant_linear.kernel) if quantized else "not probed",
         dequantize_kernel=_reason(cpu_quant_linear.dequantize_kernel) if quantized else "not probed",
         onednn_dtypes=onednn_linear.working_dtypes() if onednn else (),
-        blocked_kernel=cpu_linear.blocked_unavailable() if blocked else "not probed",
+        blocked_kernel=blocked_kernel, avx512=avx512,
         bf16_matmul=cpu_has_native_low_precision_matmul(torch.bfloat16),
     )
 

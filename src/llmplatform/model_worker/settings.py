@@ -128,7 +128,8 @@ class WorkerServiceSettings(ServerSettings):
     blocked_linear: BlockedLinear = option(
         _DEFAULT.blocked_linear, "how steps of 17-64 rows (batched decode) multiply. auto: on a "
         "register-blocked AVX2 kernel over the bf16 weights as loaded (float32 sums) when the fused "
-        "path runs a bf16 model on a CPU without bf16 matrix instructions, else as larger steps do "
+        "path runs a bf16 model on an AVX2 CPU without AVX-512 or bf16 matrix instructions, else as "
+        "larger steps do "
         "(oneDNN; logged); on: always that kernel (CPU; an error where it cannot run); off: never",
         group=_ENGINE)
     quantization: Quantization = option(

@@ -47,15 +47,16 @@
 #endif
 #define BLOCK_N (16 * NR) /* weight rows per parallel work item */
 
-/* 1 when this library and this CPU run the vector kernel (the library is built -march=native,
- * so both hold together; asked at run time all the same: the plan never assumes an ISA). */
-int blocked_linear_supported(void) {
-#if defined(__AVX2__) && defined(__FMA__)
+/* Bit 1: this library and this CPU run the vector kernel (the library is built -march=native, so
+ * both hold together; asked at run time all the same: the plan never assumes an ISA). Bit 2: the
+ * CPU has AVX-512F, whose 16-wide FMAs oneDNN's fp32 GEMM uses (kernels/ops.py weighs that). */
+int blocked_linear_features(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-    return 0;
+    int features = __builtin_cpu_supports("avx512f") ? 2 : 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) features |= 1;
 #endif
+    return features;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -193,7 +194,7 @@ static void any_tile(const float *x32, const void *w, int64_t k, int mr, int nr,
 
 #endif
 
-/* Returns 0; -1 when out of memory; -2 when this CPU cannot run the kernel (blocked_linear_supported). */
+/* Returns 0; -1 when out of memory; -2 when this CPU cannot run the kernel (blocked_linear_features). */
 int blocked_linear(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias, void *y,
                    int y_bf16, int64_t m, int64_t n, int64_t k, int num_threads) {
 #if defined(__AVX2__) && defined(__FMA__)
