@@ -23,7 +23,7 @@ Each step runs every layer's four products over that layer's own weights (so the
 memory, as in the engine); per shape it reports GFLOP/s over the 30 layers (median of the
 repeats) and the 30-layer step time (the sum over shapes) with and without the LM head.
 
-    python benchmarks/linear_ceiling.py [--rows 17,32,64] [--repeats 15] [--isa avx2]
+    python benchmarks/linear_ceiling.py [--rows 17,32,64] [--repeats 15] [--isa avx2] [--threads N]
 
 ``--isa avx2`` runs what an AVX2-only CPU would on this one: the kernel built without AVX-512
 (16 vector registers, its other tile) and oneDNN/MKL limited to AVX2 (``ONEDNN_MAX_CPU_ISA``,
@@ -255,7 +255,10 @@ def main() -> None:
     parser.add_argument("--rows", default="17,32,64")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--isa", choices=("native", "avx2"), default="native")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from llmplatform.utils.torch_utils import cpu_has_native_low_precision_matmul
 
     layers, head = default_model_weights()
