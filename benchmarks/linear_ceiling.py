@@ -226,12 +226,14 @@ def products(system: str, layers: list[dict[str, torch.Tensor]], head: torch.Ten
 
 
 @torch.inference_mode()
-def measure(rows: int, systems: dict[str, Any], hidden: int, inter: int, repeats: int) -> dict[str, dict[str, float]]:
+def measure(rows: int, systems: dict[str, Any], hidden: int, inter: int,
+            repeats: int) -> dict[str, dict[str, float]]:
     """Median seconds per shape over all layers (and the LM head) for each system, steps interleaved."""
     gen = torch.Generator().manual_seed(rows)
     x = {"hidden": torch.randn(rows, hidden, generator=gen).to(torch.bfloat16),
          "inter": torch.randn(rows, inter, generator=gen).to(torch.bfloat16)}
-    samples: dict[str, dict[str, list[float]]] = {name: {s: [] for s in (*SHAPES, "lm_head")} for name in systems}
+    samples: dict[str, dict[str, list[float]]] = {name: {s: [] for s in (*SHAPES, "lm_head")}
+                                                  for name in systems}
     for rep in range(repeats + 1):  # the first: warm-up (oneDNN primitives, page faults)
         for name, (layer_calls, head_call) in systems.items():
             spent = dict.fromkeys((*SHAPES, "lm_head"), 0.0)

@@ -113,7 +113,8 @@ def test_batched_steps_on_the_blocked_kernel_decode_as_the_default_path(tiny_mod
     monkeypatch.delenv("LLMPLATFORM_ATTENTION_BACKEND", raising=False)
     rows_seen: list[int] = []
     real = layers.blocked_linear_cpu
-    monkeypatch.setattr(layers, "blocked_linear_cpu", lambda x, *a: rows_seen.append(x.shape[0]) or real(x, *a))
+    monkeypatch.setattr(layers, "blocked_linear_cpu",
+                        lambda x, *a: rows_seen.append(x.shape[0]) or real(x, *a))
     prompts = [list(range(5 + 3 * i, 30 + 2 * i)) for i in range(24)]
 
     def run(blocked: str) -> list[list[int]]:
@@ -123,7 +124,8 @@ def test_batched_steps_on_the_blocked_kernel_decode_as_the_default_path(tiny_mod
             cache=CacheConfig(num_blocks=256), scheduler=SchedulerConfig(max_num_seqs=32, max_model_len=128)))
         assert engine.runner.ops.blocked_rows == (64 if blocked == "on" else 0)
         for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6 + i % 8, ignore_eos=True))
+            params = SamplingParams(temperature=0, max_tokens=6 + i % 8, ignore_eos=True)
+            engine.add_request(str(i), prompt, params)
         tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
         for _ in range(200):
             if not engine.has_unfinished():

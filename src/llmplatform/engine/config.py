@@ -108,8 +108,8 @@ class ModelConfig:
     matrix products (``auto``, ``model`` or ``float32``: see ``torch_utils.resolve_compute_dtype``);
     ``decode_path`` how small-row steps run (``auto``, ``eager`` or ``fused``: see
     ``engine.decode_path``); ``blocked_linear`` whether products of 17-64 rows run on the blocked
-    AVX2 kernel (``auto``, ``on``, ``off``: likewise); ``quantized_gguf`` the GGUF file ``model_path`` was converted from,
-    whose projections then stay in their block formats (``--quantization gguf``:
+    AVX2 kernel (``auto``, ``on``, ``off``: likewise); ``quantized_gguf`` the GGUF file
+    ``model_path`` was converted from, whose projections then stay in their block formats (``--quantization gguf``:
     ``models.quantized``), or None for dense weights; ``attention_backend`` the attention
     kernels (``auto``, or one forced: ``LLMPLATFORM_ATTENTION_BACKEND``, read here)."""
 
@@ -234,5 +234,6 @@ class EngineConfig:
                              "(--pipeline-parallel-size 1, or no --enable-lora / --lora-modules)")
 
 
-__all__ = ["BLOCKED_LINEAR_CHOICES", "COMPUTE_DTYPES", "DECODE_PATHS", "CacheConfig", "SchedulerConfig", "ModelConfig", "EngineConfig",
-           "ParallelConfig", "RestartConfig", "LoRAConfig", "parse_memory_size", "InvalidRequestError"]
+__all__ = ["BLOCKED_LINEAR_CHOICES", "COMPUTE_DTYPES", "DECODE_PATHS", "CacheConfig", "SchedulerConfig",
+           "ModelConfig", "EngineConfig", "ParallelConfig", "RestartConfig", "LoRAConfig", "parse_memory_size",
+           "InvalidRequestError"]

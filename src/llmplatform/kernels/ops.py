@@ -6,8 +6,8 @@ a step runs, and nothing switches a built model to other kernels. The only choic
 is the one the plan fixes a number for: products, norms, activations and the decode attention of
 up to ``small_rows`` rows run on the C kernels, products of more rows up to ``blocked_rows``
 (batched decode steps) on the blocked C kernel where the plan chose it, larger calls (prefill
-chunks) on the plan's ``linear`` (the same idea as vLLM's ``CustomOp``, whose forward is bound once per platform, and
-its attention backend selector, which picks one backend per model from device, dtype and what is
+chunks) on the plan's ``linear`` (the same idea as vLLM's ``CustomOp``, whose forward is bound
+once per platform, and its attention backend selector, which picks one backend per model from device, dtype and what is
 installed).
 
 ``resolve_ops`` is a pure function of the settings and of ``KernelAvailability`` (what builds on
@@ -73,7 +73,7 @@ class KernelAvailability:
     quant_kernel: str | None = "not probed"  # cpu_quant_linear's product
     dequantize_kernel: str | None = "not probed"  # cpu_quant_linear's dequantization
     onednn_dtypes: tuple[torch.dtype, ...] = ()  # dtypes whose prepacked oneDNN product passed its check
-    blocked_kernel: str | None = "not probed"  # cpu_linear's blocked kernel (it builds, and AVX2 + FMA at run time)
+    blocked_kernel: str | None = "not probed"  # cpu_linear's blocked kernel (builds; AVX2 + FMA at run time)
     bf16_matmul: bool = False  # the CPU multiplies bf16 matrices natively (AMX, AVX512-BF16)
     avx512: bool = False  # the CPU has AVX-512F: oneDNN's fp32 GEMM runs 16 lanes wide, the blocked kernel 8
 
@@ -140,8 +140,8 @@ def resolve_ops(
     rows then keep the torch rotary and attention, like a model whose attention is not the CPU one.
     ``blocked``: whether products of ``small_rows + 1`` to ``BLOCKED_ROWS`` rows run on the blocked
     kernel: ``auto`` where the fused path runs bf16 weights on a CPU without bf16 matrix
-    instructions or AVX-512 and the kernel runs here (where only the kernel is missing, a fallback says why),
-    ``on`` (any CPU plan, every product of up to ``BLOCKED_ROWS`` rows the small-row kernel does
+    instructions or AVX-512 and the kernel runs here (where only the kernel is missing, a
+    fallback says why), ``on`` (any CPU plan, every product of up to ``BLOCKED_ROWS`` rows the small-row kernel does
     not take; an error where the kernel cannot run), ``off``."""
     compute_dtype = compute_dtype or dtype
     if decode_path not in DECODE_PATHS:
@@ -253,10 +253,9 @@ def probe_kernels(device_type: str, *, row_kernels: bool = True, quantized: bool
     """What builds here for a model on ``device_type`` (builds the C kernels it asks about, once
     per machine: ``cbuild``). ``row_kernels``/``quantized``/``onednn``/``blocked``: whether to
     probe those (a plan that cannot use them need not build them)."""
-    from llmplatform.utils.torch_utils import cpu_has_native_low_precision_matmul
-
     from llmplatform.kernels import (cpu_activation, cpu_decode, cpu_linear, cpu_lora, cpu_norm,
                                      cpu_quant_linear, cpu_rotary, onednn_linear)
+    from llmplatform.utils.torch_utils import cpu_has_native_low_precision_matmul
 
     if device_type != "cpu":
         return KernelAvailability(triton=triton_installed(), cpu_attention="not a CPU model",
@@ -282,8 +281,9 @@ def plan_ops(device_type: str, dtype: torch.dtype, compute_dtype: torch.dtype | 
              onednn: bool = True, partial_rotary: bool = False, blocked: str = "auto") -> ModelOps:
     """``resolve_ops`` over what ``probe_kernels`` finds here (the kernels a plan could use are
     built first, once per machine)."""
+    probe_blocked = blocked == "on" or (blocked == "auto" and decode_path != "eager")
     kernels = probe_kernels(device_type, row_kernels=decode_path != "eager", quantized=quantized,
-                            onednn=onednn, blocked=blocked == "on" or (blocked == "auto" and decode_path != "eager"))
+                            onednn=onednn, blocked=probe_blocked)
     return resolve_ops(device_type, dtype, compute_dtype, kernels=kernels, decode_path=decode_path,
                        attention=attention, quantized=quantized, onednn=onednn, partial_rotary=partial_rotary,
                        blocked=blocked)

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from llmplatform.engine.model_runner import RunnerFactory
     from llmplatform.sampling.grammar import GrammarConfig
 
-__all__ = ["BACKENDS", "BLOCKED_LINEAR_CHOICES", "COMPUTE_DTYPES", "DECODE_PATHS", "NORMALIZE_CHOICES", "POOLING_CHOICES",
-           "QUANTIZATIONS", "TASKS", "BackendConfig", "build_backend", "paged_engine_config"]
+__all__ = ["BACKENDS", "BLOCKED_LINEAR_CHOICES", "COMPUTE_DTYPES", "DECODE_PATHS", "NORMALIZE_CHOICES",
+           "POOLING_CHOICES", "QUANTIZATIONS", "TASKS", "BackendConfig", "build_backend", "paged_engine_config"]
 
 logger = logging.getLogger("llmplatform.worker")
 
