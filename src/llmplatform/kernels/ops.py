@@ -189,7 +189,7 @@ def _blocked_rows(device_type: str, dtype: torch.dtype, choice: str, kernels: Ke
                   small_rows: int, fallbacks: list[str]) -> int:
     """``BLOCKED_ROWS`` where the plan runs batched products on the blocked kernel, else 0 (see
     ``resolve_ops``). A CPU with bf16 matrix instructions keeps oneDNN's bf16 product: on the
-    AVX512-BF16 EPYC it ran 1.6-2.1x the kernel's speed (docs/performance.md). So does, for now, an
+    AVX512-BF16 EPYC it ran 1.2-2.0x the kernel's speed (docs/performance.md). So does, for now, an
     AVX-512 CPU without them (Skylake to Ice Lake Xeons): oneDNN's fp32 GEMM runs 16 lanes wide
     there, on two 512-bit FMA units on many, the kernel 8, and it has not been measured on one."""
     if choice not in BLOCKED_CHOICES:
