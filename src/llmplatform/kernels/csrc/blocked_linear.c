@@ -61,14 +61,14 @@ int blocked_linear_features(void) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 
-/* The even and the odd elements of 16 bf16 weights, each as 8 fp32: bf16 is the top half of an
- * fp32, so the odd ones are the 32-bit lanes with their low half cleared and the even ones the
- * lanes shifted left by 16. One load and two single-cycle ops for 16 weights (widening them in
- * order costs a shuffle and a shift per 8); the inputs are stored in the same even/odd order. */
 /* Keeps v in a register: without it the compiler folds each input load into every multiply-add
  * that uses it (NR loads instead of one), and the loop is bound by loads, not FMAs. */
 #define IN_REGISTER(v) __asm__("" : "+x"(v))
 
+/* The even and the odd elements of 16 bf16 weights, each as 8 fp32: bf16 is the top half of an
+ * fp32, so the odd ones are the 32-bit lanes with their low half cleared and the even ones the
+ * lanes shifted left by 16. One load and two single-cycle ops for 16 weights (widening them in
+ * order costs a shuffle and a shift per 8); the inputs are stored in the same even/odd order. */
 static inline void load16_bf16(const void *w, int64_t i, __m256 *even, __m256 *odd) {
     const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
     *even = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
@@ -198,6 +198,7 @@ static void any_tile(const float *x32, const void *w, int64_t k, int mr, int nr,
 int blocked_linear(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias, void *y,
                    int y_bf16, int64_t m, int64_t n, int64_t k, int num_threads) {
 #if defined(__AVX2__) && defined(__FMA__)
+    if (m <= 0 || n <= 0) return 0;
     float *x32 = NULL;
     if (x_bf16 || w_bf16) {  /* fp32 inputs with fp32 weights are read in place */
         x32 = (float *)malloc((size_t)(m * k) * sizeof(float));
@@ -207,7 +208,8 @@ int blocked_linear(const void *x, int x_bf16, const void *w, int w_bf16, const f
     }
     const float *xf = x32 ? x32 : (const float *)x;
     const int64_t w_row = k * (w_bf16 ? 2 : 4);
-    /* Row tiles of nearly equal sizes (17 rows: 4, 4, 3, 3, 3), never one thin tile at the end. */
+    /* Row tiles of nearly equal sizes (17 rows in tiles of up to 5: 5, 4, 4, 4), never one thin
+     * tile at the end. */
     const int64_t num_row_tiles = (m + MR - 1) / MR;
     const int64_t base_rows = m / num_row_tiles, extra_rows = m % num_row_tiles;
     /* Smaller blocks when there are too few to keep every thread busy (at least NR * 4 rows). */
