@@ -4,7 +4,10 @@ memory-bandwidth floor, in one run:
     python benchmarks/decode_step.py [--batch-sizes 1,8,32] [--paths eager,fused] [--steps 20]
 
 One engine per decode path (``--decode-path``, ``engine.decode_path``) on the same model (the
-packaged default, SmolLM2-135M-Instruct) in ``--dtype`` (bf16). For each batch size B, every
+packaged default, SmolLM2-135M-Instruct) in ``--dtype`` (bf16). A path may carry settings after
+``+``: ``blocked`` (``--blocked-linear on``: steps of 17-64 rows on the blocked AVX2 kernel) and
+``fp32`` (``--compute-dtype float32``: larger products over the fp32 copy, what a CPU without bf16
+matrix instructions runs), e.g. ``--paths fused+fp32,fused+fp32+blocked,fused``. For each batch size B, every
 engine gets B requests of ``--prompt-len`` random tokens (greedy, EOS ignored), runs their prefill
 and a few warm-up steps, and then the engines take turns, one full ``engine.step()`` each
 (scheduler, model, sampling, detokenizing), ``--steps`` times: interleaving puts the same noise
@@ -52,7 +55,7 @@ def streamed_weight_bytes(runner: Any) -> int:
     from llmplatform.models.layers import Linear
 
     model = runner.model
-    fused = runner.decode_path == "fused"
+    fused = runner.decode_path == "fused"  # (the blocked kernel reads the same weights as loaded)
     total = 0
     heads = [model._tied_lm_head] if model.lm_head is None else []  # tied: its own Linear over the embedding
     for module in [*model.modules(), *heads]:
@@ -66,12 +69,19 @@ def streamed_weight_bytes(runner: Any) -> int:
     return total
 
 
-def build_engine(path: str, decode_path: str, args: argparse.Namespace) -> Any:
+PATH_SETTINGS = {"blocked": ("blocked_linear", "on"), "fp32": ("compute_dtype", "float32")}
+
+
+def build_engine(path: str, spec: str, args: argparse.Namespace) -> Any:
     from llmplatform.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from llmplatform.engine.llm_engine import LLMEngine
 
+    decode_path, *extras = spec.split("+")
+    if set(extras) - set(PATH_SETTINGS):
+        raise SystemExit(f"path {spec!r}: settings after '+' are {', '.join(PATH_SETTINGS)}")
+    settings = dict(PATH_SETTINGS[extra] for extra in extras)
     return LLMEngine(EngineConfig(
-        model=ModelConfig(path, ("m",), device="cpu", dtype=args.dtype, decode_path=decode_path),
+        model=ModelConfig(path, ("m",), device="cpu", dtype=args.dtype, decode_path=decode_path, **settings),
         cache=CacheConfig(kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=2048,
                                   max_model_len=args.prompt_len + args.steps + 64)))
@@ -117,7 +127,8 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}")
     engines = {p: build_engine(model_path, p, args) for p in paths}
     for p, engine in engines.items():
-        if engine.runner.decode_path != p and p != "auto":
+        print(f"{p}: kernels: {engine.runner.ops.summary()}")
+        if engine.runner.decode_path != p.split("+")[0] and p != "auto":
             raise SystemExit(f"asked for decode path {p}, got {engine.runner.decode_path}")
     bandwidth = streaming_read_gbps()
     floors = {p: streamed_weight_bytes(e.runner) / (bandwidth * 1e9) * 1e3 for p, e in engines.items()}

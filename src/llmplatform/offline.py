@@ -100,7 +100,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, dtype: str = _DEFAULT.dtype,
                  device: str = _DEFAULT.device, compute_dtype: str = _DEFAULT.compute_dtype,
-                 decode_path: str = _DEFAULT.decode_path, quantization: str = _DEFAULT.quantization,
+                 decode_path: str = _DEFAULT.decode_path, blocked_linear: str = _DEFAULT.blocked_linear,
+                 quantization: str = _DEFAULT.quantization,
                  max_model_len: int | None = _DEFAULT.max_model_len,
                  max_num_seqs: int = _DEFAULT.max_num_seqs,
                  max_num_batched_tokens: int = _DEFAULT.max_num_batched_tokens,
@@ -113,7 +114,8 @@ class LLM:
 
         config = BackendConfig(
             model_path=model, backend="paged", dtype=dtype, device=device,
-            compute_dtype=compute_dtype, decode_path=decode_path, quantization=quantization,
+            compute_dtype=compute_dtype, decode_path=decode_path, blocked_linear=blocked_linear,
+            quantization=quantization,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,

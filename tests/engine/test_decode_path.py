@@ -98,3 +98,45 @@ def test_fused_decode_steps_run_on_the_kernels(tiny_model_dir, monkeypatch) -> N
     # the prefill step (90 tokens) never reaches it; each decode step's layers all take it
     assert all(rows == 3 and took for rows, took in fused_calls)
     assert len(fused_calls) == 4 * num_layers  # 4 decode steps after the one that prefilled
+
+
+def test_batched_steps_on_the_blocked_kernel_decode_as_the_default_path(tiny_model_dir, monkeypatch) -> None:
+    """A bf16 model, 24 sequences (decode steps of 17-24 rows, then fewer as they finish): greedy
+    output with ``--blocked-linear on`` equals the default path's token for token (here oneDNN's
+    bf16 product or the fp32 copy's, by CPU; both sum in fp32, in another order), and the
+    17-64-row products really ran on the blocked kernel."""
+    require_cpu_kernel(cpu_linear.kernel, cpu_linear.blocked_kernel)
+    if cpu_linear.blocked_unavailable() is not None:
+        pytest.skip(cpu_linear.blocked_unavailable())
+    from llmplatform.models import layers
+
+    monkeypatch.delenv("LLMPLATFORM_ATTENTION_BACKEND", raising=False)
+    rows_seen: list[int] = []
+    real = layers.blocked_linear_cpu
+    monkeypatch.setattr(layers, "blocked_linear_cpu",
+                        lambda x, *a: rows_seen.append(x.shape[0]) or real(x, *a))
+    prompts = [list(range(5 + 3 * i, 30 + 2 * i)) for i in range(24)]
+
+    def run(blocked: str) -> list[list[int]]:
+        engine = LLMEngine(EngineConfig(
+            model=ModelConfig(str(tiny_model_dir), ("m",), device="cpu", dtype="bfloat16", decode_path="fused",
+                              blocked_linear=blocked),
+            cache=CacheConfig(num_blocks=256), scheduler=SchedulerConfig(max_num_seqs=32, max_model_len=128)))
+        assert engine.runner.ops.blocked_rows == (64 if blocked == "on" else 0)
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(temperature=0, max_tokens=6 + i % 8, ignore_eos=True)
+            engine.add_request(str(i), prompt, params)
+        tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        for _ in range(200):
+            if not engine.has_unfinished():
+                break
+            for update in engine.step():
+                tokens[update.request_id].extend(update.chunk.token_ids)
+        return [tokens[str(i)] for i in range(len(prompts))]
+
+    default = run("off")
+    assert rows_seen == []
+    blocked = run("on")
+    assert blocked == default
+    assert rows_seen and all(17 <= rows <= 64 for rows in rows_seen)
+    assert 24 in rows_seen  # every layer's products of a full 24-row step

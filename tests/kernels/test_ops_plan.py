@@ -1,6 +1,7 @@
 """The ops plan (kernels/ops.py): which kernels a model runs, from (device, dtype, decode path,
 attention setting, what builds here, quantized), decided once before the model is built; and the
-row count that picks between the two kernels a plan names for a call."""
+row count that picks between the two kernels a plan names for a call (the blocked kernel's choice
+for each kind of CPU: tests/kernels/test_blocked_linear.py)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ from llmplatform.kernels.ops import (
 
 BF16, F32 = torch.bfloat16, torch.float32
 BUILT = KernelAvailability(triton=True, cpu_attention=None, row_kernels=None, quant_kernel=None,
-                           dequantize_kernel=None, onednn_dtypes=(F32,))
+                           dequantize_kernel=None, onednn_dtypes=(F32,), blocked_kernel=None)
 NO_CC = KernelAvailability(triton=False, cpu_attention="no C compiler found", row_kernels="no C compiler found",
                            quant_kernel="no C compiler found", dequantize_kernel="no C compiler found",
                            onednn_dtypes=(F32,))
 QUANT_BROKEN = KernelAvailability(triton=False, cpu_attention=None, row_kernels=None,
-                                  quant_kernel="cc failed", dequantize_kernel=None, onednn_dtypes=(F32, BF16))
+                                  quant_kernel="cc failed", dequantize_kernel=None, onednn_dtypes=(F32, BF16),
+                                  blocked_kernel=None, bf16_matmul=True)
 CUDA = KernelAvailability(triton=True, cpu_attention="not a CPU model", row_kernels="not a CPU model",
                           quant_kernel="not a CPU model", dequantize_kernel="not a CPU model")
 CUDA_NO_TRITON = KernelAvailability(triton=False, cpu_attention="not a CPU model", row_kernels="not a CPU model")

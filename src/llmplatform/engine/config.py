@@ -94,6 +94,10 @@ DECODE_PATHS = ("auto", "eager", "fused")
 """Choices for how the native engine runs the few rows of a decode step (``--decode-path``):
 see ``engine.decode_path``."""
 
+BLOCKED_LINEAR_CHOICES = ("auto", "on", "off")
+"""Choices for whether batched decode steps (17-64 rows) multiply on the blocked AVX2 kernel
+(``--blocked-linear``): see ``engine.decode_path``."""
+
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
 ATTENTION_BACKEND_ENV_VAR = "LLMPLATFORM_ATTENTION_BACKEND"
 """Forces an attention backend (``kernels``); read once, when a ``ModelConfig`` is made."""
@@ -108,8 +112,9 @@ class ModelConfig:
     """Which weights, on which device, in which dtype; ``compute_dtype`` is the dtype of the
     matrix products (``auto``, ``model`` or ``float32``: see ``torch_utils.resolve_compute_dtype``);
     ``decode_path`` how small-row steps run (``auto``, ``eager`` or ``fused``: see
-    ``engine.decode_path``); ``quantized_gguf`` the GGUF file ``model_path`` was converted from,
-    whose projections then stay in their block formats (``--quantization gguf``:
+    ``engine.decode_path``); ``blocked_linear`` whether products of 17-64 rows run on the blocked
+    AVX2 kernel (``auto``, ``on``, ``off``: likewise); ``quantized_gguf`` the GGUF file
+    ``model_path`` was converted from, whose projections then stay in their block formats (``--quantization gguf``:
     ``models.quantized``), or None for dense weights; ``attention_backend`` the attention
     kernels (``auto``, or one forced: ``LLMPLATFORM_ATTENTION_BACKEND``, read here)."""
 
@@ -119,6 +124,7 @@ class ModelConfig:
     dtype: str = "auto"
     compute_dtype: str = "auto"
     decode_path: str = "auto"
+    blocked_linear: str = "auto"
     quantized_gguf: str | None = None
     attention_backend: str = field(default_factory=attention_backend_from_env)
 
@@ -129,6 +135,9 @@ class ModelConfig:
         if self.decode_path not in DECODE_PATHS:
             raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, "
                              f"got {self.decode_path!r}")
+        if self.blocked_linear not in BLOCKED_LINEAR_CHOICES:
+            raise ValueError(f"blocked_linear must be one of {', '.join(BLOCKED_LINEAR_CHOICES)}, "
+                             f"got {self.blocked_linear!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention backend ({ATTENTION_BACKEND_ENV_VAR}) must be one of "
                              f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
@@ -230,5 +239,6 @@ class EngineConfig:
                              "(--pipeline-parallel-size 1, or no --enable-lora / --lora-modules)")
 
 
-__all__ = ["COMPUTE_DTYPES", "DECODE_PATHS", "CacheConfig", "SchedulerConfig", "ModelConfig", "EngineConfig",
-           "ParallelConfig", "RestartConfig", "LoRAConfig", "parse_memory_size", "InvalidRequestError"]
+__all__ = ["BLOCKED_LINEAR_CHOICES", "COMPUTE_DTYPES", "DECODE_PATHS", "CacheConfig", "SchedulerConfig",
+           "ModelConfig", "EngineConfig", "ParallelConfig", "RestartConfig", "LoRAConfig", "parse_memory_size",
+           "InvalidRequestError"]

@@ -20,6 +20,15 @@ Why it matters: at 1-8 rows a step is memory bound (every weight is used a few t
 once), so its floor is the weights' bytes over the memory bandwidth (``benchmarks/decode_step.py``
 measures both).
 
+``--blocked-linear`` says how the products of a batched decode step (17-64 rows, more than the
+fused path's C kernel takes) run: ``auto`` puts them on the blocked kernel
+(``cpu_linear.blocked_linear_cpu``: a register-blocked AVX2 + FMA product over the bf16 weights as
+loaded, fp32 sums) when the fused path runs a bf16 model on an AVX2 CPU without AVX-512 or bf16
+matrix instructions, where they would otherwise multiply over the float32 copy; a CPU with AMX or
+AVX512-BF16 keeps oneDNN's bf16 product (faster there), an AVX-512 one oneDNN's 16-wide fp32 GEMM
+(``kernels.ops``). ``on`` forces it on any CPU plan (an
+error where it cannot run), ``off`` never uses it. The plan's summary line says which.
+
 The attention backend is the config's (``ModelConfig.attention_backend``, which reads
 ``LLMPLATFORM_ATTENTION_BACKEND`` where the config is made); ``LLMPLATFORM_ONEDNN_LINEARS=0``
 keeps CPU projections on ``F.linear`` instead of oneDNN's prepacked weights.
@@ -51,7 +60,8 @@ def model_ops(model_config: ModelConfig, device: torch.device, dtype: torch.dtyp
     once, with its reason (it is also in ``ModelOps.fallbacks``)."""
     ops = plan_ops(device.type, dtype, compute_dtype, decode_path=model_config.decode_path,
                    attention=model_config.attention_backend, quantized=model_config.quantized_gguf is not None,
-                   onednn=onednn_allowed(), partial_rotary=partial_rotary)
+                   onednn=onednn_allowed(), partial_rotary=partial_rotary,
+                   blocked=model_config.blocked_linear)
     for fallback in ops.fallbacks:
         logger.warning("%s", fallback)
     logger.info("kernels: %s", ops.summary())

@@ -4,9 +4,10 @@ Every module of a model takes the one ``ModelOps`` of its model in its construct
 ops it names; nothing reads the environment or looks at a tensor's device to pick a kernel while
 a step runs, and nothing switches a built model to other kernels. The only choice left to a call
 is the one the plan fixes a number for: products, norms, activations and the decode attention of
-up to ``small_rows`` rows run on the C kernels, larger calls (prefill chunks) on the plan's
-``linear`` (the same idea as vLLM's ``CustomOp``, whose forward is bound once per platform, and
-its attention backend selector, which picks one backend per model from device, dtype and what is
+up to ``small_rows`` rows run on the C kernels, products of more rows up to ``blocked_rows``
+(batched decode steps) on the blocked C kernel where the plan chose it, larger calls (prefill
+chunks) on the plan's ``linear`` (the same idea as vLLM's ``CustomOp``, whose forward is bound
+once per platform, and its attention backend selector, which picks one backend per model from device, dtype and what is
 installed).
 
 ``resolve_ops`` is a pure function of the settings and of ``KernelAvailability`` (what builds on
@@ -34,7 +35,13 @@ SMALL_ROWS = 16
 blocked GEMM over the fp32 copy wins; at 1-16 the kernel streams fewer bytes for the same
 arithmetic: ``benchmarks/decode_step.py``)."""
 
+BLOCKED_ROWS = 64
+"""Most rows a product runs on the blocked kernel (``cpu_linear.blocked_linear_cpu``) where the
+plan chose it: the batched decode steps of up to 64 sequences. Larger calls (prefill chunks) keep
+the plan's ``linear``, whose packing pays off over more rows."""
+
 DECODE_PATHS = ("auto", "eager", "fused")
+BLOCKED_CHOICES = ("auto", "on", "off")
 ATTENTION_CHOICES = ("auto", "triton", "cpu", "torch")
 
 
@@ -66,6 +73,9 @@ class KernelAvailability:
     quant_kernel: str | None = "not probed"  # cpu_quant_linear's product
     dequantize_kernel: str | None = "not probed"  # cpu_quant_linear's dequantization
     onednn_dtypes: tuple[torch.dtype, ...] = ()  # dtypes whose prepacked oneDNN product passed its check
+    blocked_kernel: str | None = "not probed"  # cpu_linear's blocked kernel (builds; AVX2 + FMA at run time)
+    bf16_matmul: bool = False  # the CPU multiplies bf16 matrices natively (AMX, AVX512-BF16)
+    avx512: bool = False  # the CPU has AVX-512F: oneDNN's fp32 GEMM runs 16 lanes wide, the blocked kernel 8
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,7 @@ class ModelOps:
     attention: AttentionBackend = AttentionBackend.TORCH
     linear: LinearImpl = LinearImpl.TORCH
     small_rows: int = 0
+    blocked_rows: int = 0  # products of small_rows + 1 .. blocked_rows rows on the blocked kernel; 0: none
     norm: RowImpl = RowImpl.TORCH
     activation: RowImpl = RowImpl.TORCH
     rotary: RowImpl = RowImpl.TORCH  # with the K/V store and decode attention (kernels.fused_decode_attention)
@@ -95,6 +106,9 @@ class ModelOps:
         if self.small_rows:
             parts.append(f"products of up to {self.small_rows} rows on the C kernel over the "
                          f"{str(self.dtype).removeprefix('torch.')} weights")
+        if self.blocked_rows:
+            parts.append(f"products of {self.small_rows + 1}-{self.blocked_rows} rows on the blocked "
+                         f"AVX2 kernel over the {str(self.dtype).removeprefix('torch.')} weights")
         if self.quantized:
             parts.append("quantized rows on the C kernel" if self.quantized_rows else "quantized: dequantized")
         return ", ".join(parts)
@@ -111,6 +125,7 @@ def resolve_ops(
     quantized: bool = False,
     onednn: bool = True,
     partial_rotary: bool = False,
+    blocked: str = "auto",
 ) -> ModelOps:
     """The ops for a model on ``device_type`` with these settings, given what builds here.
 
@@ -122,7 +137,12 @@ def resolve_ops(
     interpreter). ``onednn``: whether CPU projections may use oneDNN's prepacked weights.
     ``partial_rotary``: the model rotates only part of each head (``models.rope``), which the C
     rotary kernel (``kernels.cpu_rotary``: both halves of the whole head) cannot do; its decode
-    rows then keep the torch rotary and attention, like a model whose attention is not the CPU one."""
+    rows then keep the torch rotary and attention, like a model whose attention is not the CPU one.
+    ``blocked``: whether products of ``small_rows + 1`` to ``BLOCKED_ROWS`` rows run on the blocked
+    kernel: ``auto`` where the fused path runs bf16 weights on a CPU without bf16 matrix
+    instructions or AVX-512 and the kernel runs here (where only the kernel is missing, a
+    fallback says why), ``on`` (any CPU plan, every product of up to ``BLOCKED_ROWS`` rows the small-row kernel does
+    not take; an error where the kernel cannot run), ``off``."""
     compute_dtype = compute_dtype or dtype
     if decode_path not in DECODE_PATHS:
         raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, got {decode_path!r}")
@@ -144,6 +164,7 @@ def resolve_ops(
     linear = LinearImpl.TORCH
     if device_type == "cpu" and onednn and compute_dtype in kernels.onednn_dtypes:
         linear = LinearImpl.ONEDNN
+    blocked_rows = _blocked_rows(device_type, dtype, blocked, kernels, small_rows, fallbacks)
     quantized_rows, dequantize = 0, RowImpl.TORCH
     if quantized:
         if device_type != "cpu":
@@ -157,11 +178,38 @@ def resolve_ops(
             dequantize = RowImpl.C
     return ModelOps(
         device_type=device_type, dtype=dtype, compute_dtype=compute_dtype, attention=backend,
-        linear=linear, small_rows=small_rows, norm=row, activation=row, lora=row,
+        linear=linear, small_rows=small_rows, blocked_rows=blocked_rows, norm=row, activation=row, lora=row,
         # the fused attention writes the cache the CPU backend reads; another backend keeps its own ops
         rotary=row if backend is AttentionBackend.CPU and not partial_rotary else RowImpl.TORCH,
         quantized=quantized, quantized_rows=quantized_rows, dequantize=dequantize,
         decode_path="fused" if fused else "eager", fallbacks=tuple(fallbacks))
+
+
+def _blocked_rows(device_type: str, dtype: torch.dtype, choice: str, kernels: KernelAvailability,
+                  small_rows: int, fallbacks: list[str]) -> int:
+    """``BLOCKED_ROWS`` where the plan runs batched products on the blocked kernel, else 0 (see
+    ``resolve_ops``). A CPU with bf16 matrix instructions keeps oneDNN's bf16 product: on the
+    AVX512-BF16 EPYC it ran 1.2-2.0x the kernel's speed (docs/performance.md). So does, for now, an
+    AVX-512 CPU without them (Skylake to Ice Lake Xeons): oneDNN's fp32 GEMM runs 16 lanes wide
+    there, on two 512-bit FMA units on many, the kernel 8, and it has not been measured on one."""
+    if choice not in BLOCKED_CHOICES:
+        raise ValueError(f"blocked linear must be one of {', '.join(BLOCKED_CHOICES)}, got {choice!r}")
+    if choice == "off":
+        return 0
+    if choice == "on":
+        if device_type != "cpu":
+            raise ValueError(f"the blocked linear kernel runs on the CPU only, not {device_type}")
+        if kernels.blocked_kernel is not None:
+            raise KernelUnavailableError(kernels.blocked_kernel)
+        return BLOCKED_ROWS
+    if device_type != "cpu" or not small_rows or dtype != torch.bfloat16 or kernels.bf16_matmul \
+            or kernels.avx512:
+        return 0
+    if kernels.blocked_kernel is not None:
+        fallbacks.append(f"products of {small_rows + 1}-{BLOCKED_ROWS} rows: on the float32 copy "
+                         f"(the blocked kernel is unavailable: {kernels.blocked_kernel})")
+        return 0
+    return BLOCKED_ROWS
 
 
 def _attention(device_type: str, forced: str, kernels: KernelAvailability) -> AttentionBackend:
@@ -201,18 +249,20 @@ def _reason(*kernels: object) -> str | None:
 
 
 def probe_kernels(device_type: str, *, row_kernels: bool = True, quantized: bool = False,
-                  onednn: bool = True) -> KernelAvailability:
+                  onednn: bool = True, blocked: bool = True) -> KernelAvailability:
     """What builds here for a model on ``device_type`` (builds the C kernels it asks about, once
-    per machine: ``cbuild``). ``row_kernels``/``quantized``/``onednn``: whether to probe those
-    (a plan that cannot use them need not build them)."""
+    per machine: ``cbuild``). ``row_kernels``/``quantized``/``onednn``/``blocked``: whether to
+    probe those (a plan that cannot use them need not build them)."""
     from llmplatform.kernels import (cpu_activation, cpu_decode, cpu_linear, cpu_lora, cpu_norm,
                                      cpu_quant_linear, cpu_rotary, onednn_linear)
+    from llmplatform.utils.torch_utils import cpu_has_native_low_precision_matmul
 
     if device_type != "cpu":
         return KernelAvailability(triton=triton_installed(), cpu_attention="not a CPU model",
                                   row_kernels="not a CPU model", quant_kernel="not a CPU model",
                                   dequantize_kernel="not a CPU model")
     decode = cpu_decode.kernel  # cpu_decode keeps its own lazy loader (its log lines name the torch path)
+    blocked_kernel, avx512 = cpu_linear.blocked_probe() if blocked else ("not probed", False)
     return KernelAvailability(
         triton=triton_installed(),
         cpu_attention=_reason(decode),
@@ -221,15 +271,19 @@ def probe_kernels(device_type: str, *, row_kernels: bool = True, quantized: bool
         quant_kernel=_reason(cpu_quant_linear.kernel) if quantized else "not probed",
         dequantize_kernel=_reason(cpu_quant_linear.dequantize_kernel) if quantized else "not probed",
         onednn_dtypes=onednn_linear.working_dtypes() if onednn else (),
+        blocked_kernel=blocked_kernel, avx512=avx512,
+        bf16_matmul=cpu_has_native_low_precision_matmul(torch.bfloat16),
     )
 
 
 def plan_ops(device_type: str, dtype: torch.dtype, compute_dtype: torch.dtype | None = None, *,
              decode_path: str = "eager", attention: str = "auto", quantized: bool = False,
-             onednn: bool = True, partial_rotary: bool = False) -> ModelOps:
+             onednn: bool = True, partial_rotary: bool = False, blocked: str = "auto") -> ModelOps:
     """``resolve_ops`` over what ``probe_kernels`` finds here (the kernels a plan could use are
     built first, once per machine)."""
+    probe_blocked = blocked == "on" or (blocked == "auto" and decode_path != "eager")
     kernels = probe_kernels(device_type, row_kernels=decode_path != "eager", quantized=quantized,
-                            onednn=onednn)
+                            onednn=onednn, blocked=probe_blocked)
     return resolve_ops(device_type, dtype, compute_dtype, kernels=kernels, decode_path=decode_path,
-                       attention=attention, quantized=quantized, onednn=onednn, partial_rotary=partial_rotary)
+                       attention=attention, quantized=quantized, onednn=onednn, partial_rotary=partial_rotary,
+                       blocked=blocked)

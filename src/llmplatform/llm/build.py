@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from llmplatform.engine.config import (
+    BLOCKED_LINEAR_CHOICES,
     COMPUTE_DTYPES,
     DECODE_PATHS,
     CacheConfig,
@@ -33,8 +34,8 @@ if TYPE_CHECKING:
     from llmplatform.engine.model_runner import RunnerFactory
     from llmplatform.sampling.grammar import GrammarConfig
 
-__all__ = ["BACKENDS", "COMPUTE_DTYPES", "DECODE_PATHS", "NORMALIZE_CHOICES", "POOLING_CHOICES",
-           "QUANTIZATIONS", "TASKS", "BackendConfig", "build_backend", "paged_engine_config"]
+__all__ = ["BACKENDS", "BLOCKED_LINEAR_CHOICES", "COMPUTE_DTYPES", "DECODE_PATHS", "NORMALIZE_CHOICES",
+           "POOLING_CHOICES", "QUANTIZATIONS", "TASKS", "BackendConfig", "build_backend", "paged_engine_config"]
 
 logger = logging.getLogger("llmplatform.worker")
 
@@ -51,6 +52,7 @@ class BackendConfig:
     dtype: str = ModelConfig.dtype
     compute_dtype: str = ModelConfig.compute_dtype  # paged backend only
     decode_path: str = ModelConfig.decode_path  # paged backend only
+    blocked_linear: str = ModelConfig.blocked_linear  # paged backend only
     quantization: str = "none"  # paged backend only: gguf keeps a GGUF's projection blocks
     max_concurrency: int | None = None  # hf: forward passes at once (default 5)
     max_model_len: int | None = None  # None: the model's context length
@@ -353,7 +355,8 @@ def _engine_config(config: BackendConfig, path: str, names: tuple[str, ...], *,
     return EngineConfig(
         model=ModelConfig(model_path=path, model_names=names, device=config.device,
                           dtype=config.dtype, compute_dtype=config.compute_dtype,
-                          decode_path=config.decode_path, quantized_gguf=quantized_gguf),
+                          decode_path=config.decode_path, blocked_linear=config.blocked_linear,
+                          quantized_gguf=quantized_gguf),
         cache=CacheConfig(block_size=config.block_size,
                           kv_cache_memory_bytes=parse_memory_size(config.kv_cache_memory),
                           gpu_memory_utilization=config.gpu_memory_utilization,

@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 
 from llmplatform.llm.build import (
     BACKENDS,
+    BLOCKED_LINEAR_CHOICES,
     COMPUTE_DTYPES,
     DECODE_PATHS,
     NORMALIZE_CHOICES,
@@ -38,6 +39,7 @@ Pooling = Literal[POOLING_CHOICES]  # type: ignore[valid-type]
 Normalize = Literal[NORMALIZE_CHOICES]  # type: ignore[valid-type]
 ComputeDtype = Literal[COMPUTE_DTYPES]  # type: ignore[valid-type]
 DecodePath = Literal[DECODE_PATHS]  # type: ignore[valid-type]
+BlockedLinear = Literal[BLOCKED_LINEAR_CHOICES]  # type: ignore[valid-type]
 Quantization = Literal[QUANTIZATIONS]  # type: ignore[valid-type]
 ToolCallSyntax = Literal[TOOL_CALL_SYNTAXES]  # type: ignore[valid-type]
 ReasoningParser = Literal[REASONING_PARSERS]  # type: ignore[valid-type]
@@ -123,6 +125,13 @@ class WorkerServiceSettings(ServerSettings):
         "copy), one C call per RMSNorm, two for rotary + KV store + decode attention; eager: torch "
         "ops only (the reference, for debugging); auto: fused on CPU when its kernels build, else "
         "eager (logged)", group=_ENGINE)
+    blocked_linear: BlockedLinear = option(
+        _DEFAULT.blocked_linear, "how steps of 17-64 rows (batched decode) multiply. auto: on a "
+        "register-blocked AVX2 kernel over the bf16 weights as loaded (float32 sums) when the fused "
+        "path runs a bf16 model on an AVX2 CPU without AVX-512 or bf16 matrix instructions, else as "
+        "larger steps do "
+        "(oneDNN; logged); on: always that kernel (CPU; an error where it cannot run); off: never",
+        group=_ENGINE)
     quantization: Quantization = option(
         _DEFAULT.quantization, "gguf: a GGUF model's projection weights (q/k/v, o, gate/up, down) "
         "stay in their Q8_0/Q4_1 blocks and decode steps read those (2-3x fewer bytes than bf16) "

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmplatform.kernels.cpu_linear import small_linear_cpu
+from llmplatform.kernels.cpu_linear import blocked_linear_cpu, small_linear_cpu
 from llmplatform.kernels.cpu_norm import rms_norm_cpu
 from llmplatform.kernels import onednn_linear
 from llmplatform.kernels.ops import LinearImpl, ModelOps, RowImpl
@@ -44,7 +44,9 @@ class Linear(nn.Module):
     ``sum(output_sizes[:i]) ..``; one matmul replaces several, which matters on CPU.
 
     How it multiplies is its model's plan (``ops``): products of up to ``ops.small_rows`` rows on
-    the C kernel (``kernels.cpu_linear``) over the weight as loaded, larger ones on ``ops.linear``
+    the C kernel (``kernels.cpu_linear``) over the weight as loaded, those of up to
+    ``ops.blocked_rows`` (batched decode steps) on its blocked kernel over the same weight, larger
+    ones on ``ops.linear``
     over the weight in ``ops.compute_dtype`` (oneDNN's prepacked copy unless ``prepack`` is False:
     the LM head, whose vocabulary-sized product gains nothing). ``process_weights_after_loading``
     makes those forms of the weight once, after the loader filled it."""
@@ -67,6 +69,7 @@ class Linear(nn.Module):
         self.bias = _empty_param(sum(self.output_sizes), dtype=dtype, device=device) if bias else None
         self.ops = ops
         self.small_rows = kernel_rows(ops.small_rows)  # products of up to this many rows on the C kernel
+        self.blocked_rows = kernel_rows(ops.blocked_rows)  # the rest of up to this many on the blocked one
         self._prepack = prepack and ops.linear is LinearImpl.ONEDNN
         self._onednn_weight: torch.Tensor | None = None
         self._row_weight: torch.Tensor | None = None  # the weight as loaded, for the C kernel
@@ -74,7 +77,7 @@ class Linear(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """The forms of the loaded weight the plan multiplies with (once, at model build)."""
-        if self.small_rows >= 0:
+        if self.small_rows >= 0 or self.blocked_rows >= 0:
             self._row_weight = self.weight.detach().contiguous()
             self._row_bias = None if self.bias is None else self.bias.detach().float().contiguous()
         dtype = self.ops.compute_dtype
@@ -96,6 +99,8 @@ class Linear(nn.Module):
                 ) -> torch.Tensor:  # [T, sum(output_sizes)]
         if x.shape[0] <= self.small_rows:
             return small_linear_cpu(x, self._row_weight, self._row_bias, out_dtype)
+        if x.shape[0] <= self.blocked_rows:
+            return blocked_linear_cpu(x, self._row_weight, self._row_bias, out_dtype)
         y = self._product(x)
         return y if out_dtype is None or out_dtype == y.dtype else y.to(out_dtype)
 
