@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llmplatform.engine.llm_engine import LLMEngine
+from llmplatform.engine.sequence import Sequence
 from llmplatform.protocol.worker import BACKGROUND_PRIORITY
 from llmplatform.sampling.params import SamplingParams
 from tests.engine.test_engine import hf_greedy, make_engine
@@ -16,16 +17,25 @@ from tests.engine.test_engine import hf_greedy, make_engine
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
-def run(engine: LLMEngine, requests: list[tuple[str, list[int], int]]
-        ) -> tuple[dict[str, list[int]], dict[str, int], list[str]]:
-    """Adds every request (id, prompt, priority) at once, steps to the end; returns each one's
-    tokens, the step of its first token and the order they finished in."""
-    for request_id, prompt, priority in requests:
-        engine.add_request(request_id, prompt, GREEDY, priority=priority)
-    tokens: dict[str, list[int]] = {request_id: [] for request_id, _, _ in requests}
+def run(engine: LLMEngine, requests: list[tuple[str, list[int], int]],
+        later: list[tuple[str, list[int], int]] = ()
+        ) -> tuple[dict[str, list[int]], dict[str, int], list[str], dict[str, Sequence]]:
+    """Adds every request (id, prompt, priority) at once, and those `later` after the first
+    step, steps to the end; returns each one's tokens, the step of its first token, the order
+    they finished in and their sequences."""
+    seqs: dict[str, Sequence] = {}
+
+    def add(batch: list[tuple[str, list[int], int]]) -> None:
+        for request_id, prompt, priority in batch:
+            seqs[request_id], = engine.add_request(request_id, prompt, GREEDY, priority=priority)
+
+    add(requests)
+    tokens: dict[str, list[int]] = {request_id: [] for request_id, _, _ in [*requests, *later]}
     first_step: dict[str, int] = {}
     finished: list[str] = []
     for step in range(1000):
+        if step == 1:
+            add(later)
         if not engine.has_unfinished():
             break
         for update in engine.step():
@@ -36,7 +46,7 @@ def run(engine: LLMEngine, requests: list[tuple[str, list[int], int]]
                 finished.append(update.request_id)
     assert not engine.has_unfinished()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return tokens, first_step, finished
+    return tokens, first_step, finished, seqs
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +62,7 @@ def test_a_high_priority_request_behind_many_low_ones_runs_first(tiny_model_dir)
     engine = make_engine(tiny_model_dir, max_num_seqs=2)
     lows = [(f"low-{i}", prompt, 5) for i, prompt in enumerate(prompts(8))]
     high = ("high", prompts(9)[8], 0)
-    tokens, first_step, finished = run(engine, [*lows, high])
+    tokens, first_step, finished, _ = run(engine, [*lows, high])
     # Two slots: the high request and the oldest low one take them in the first step; the other
     # low ones wait their turn, in arrival order.
     assert first_step["high"] == 0 and first_step["low-0"] == 0
@@ -61,7 +71,7 @@ def test_a_high_priority_request_behind_many_low_ones_runs_first(tiny_model_dir)
     assert finished[2:] == [f"low-{i}" for i in range(1, 8)]
     # The same requests at one priority (FCFS): the high one waits for every earlier one, and
     # every request generates exactly the same tokens either way.
-    fcfs_tokens, fcfs_first_step, fcfs_finished = run(
+    fcfs_tokens, fcfs_first_step, fcfs_finished, _ = run(
         make_engine(tiny_model_dir, max_num_seqs=2), [(rid, p, 0) for rid, p, _ in [*lows, high]])
     assert fcfs_finished[-1] == "high"
     assert fcfs_first_step["high"] >= max(fcfs_first_step[f"low-{i}"] for i in range(8))
@@ -101,22 +111,9 @@ def test_background_requests_yield_and_fill_idle_tokens_without_changing_any_out
     engine.scheduler.background.fix(4)
     background = {f"bg-{i}": p for i, p in enumerate(prompts(6, 20))}
     foreground = {f"fg-{i}": p for i, p in enumerate(prompts(9, 14)[6:])}
-    seqs = {rid: engine.add_request(rid, p, GREEDY, priority=BACKGROUND_PRIORITY)[0]
-            for rid, p in background.items()}
-    tokens: dict[str, list[int]] = {rid: [] for rid in [*background, *foreground]}
-    first_step: dict[str, int] = {}
-    finished: list[str] = []
-    for step in range(1000):
-        if step == 1:
-            seqs.update({rid: engine.add_request(rid, p, GREEDY)[0] for rid, p in foreground.items()})
-        if not engine.has_unfinished():
-            break
-        for update in engine.step():
-            if update.chunk.token_ids:
-                first_step.setdefault(update.request_id, step)
-            tokens[update.request_id].extend(update.chunk.token_ids)
-            if update.chunk.finish_reason is not None:
-                finished.append(update.request_id)
+    tokens, first_step, finished, seqs = run(
+        engine, [(rid, p, BACKGROUND_PRIORITY) for rid, p in background.items()],
+        later=[(rid, p, 0) for rid, p in foreground.items()])
     assert all(first_step[rid] == 1 for rid in foreground)  # admitted at once, in three slots
     assert sum(seqs[rid].num_preemptions for rid in background) >= 3
     assert all(seqs[rid].num_preemptions == 0 for rid in foreground)

@@ -10,6 +10,8 @@ records alone, its block tables and computed tokens must be the scheduler's.
 from __future__ import annotations
 
 import itertools
+import random
+from collections.abc import Callable, Sequence as Seq
 
 from llmplatform.engine.block_manager import BlockManager
 from llmplatform.engine.config import SchedulerConfig
@@ -187,3 +189,44 @@ def assert_drained(sched: Scheduler) -> None:
     assert not sched.has_unfinished() and sched.num_running == 0 and sched.num_waiting == 0
     bm.check_invariants([])
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def random_workload(seed: int, enable_prefix_caching: bool, priorities: Seq[int], *,
+                    background_tokens: int | None = None,
+                    check: Callable[[Scheduler, SchedulerOutput, dict[int, Sequence]], None] | None = None,
+                    num_steps: int = 600) -> None:
+    """A seeded random workload (random pool, limits and requests of the given priorities, some
+    sharing a prefix, some with n=2) stepped until it drains, every invariant checked each step
+    (and ``check(sched, out, live_before)`` with the unfinished sequences as the step began);
+    every sequence not rejected ends with exactly its outputs."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4])
+    num_blocks = rng.randint(3, 20)
+    sched = make_scheduler(num_blocks=num_blocks, block_size=block_size,
+                           max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=rng.randint(1, 24),
+                           max_model_len=rng.randint(2, 2 * num_blocks * block_size),
+                           enable_prefix_caching=enable_prefix_caching,
+                           background_tokens=background_tokens)
+    num_outputs: dict[int, int] = {}
+    requests: list[list[Sequence]] = []
+    refused = set()
+    for _ in range(num_steps):
+        if len(requests) < 25 and rng.random() < 0.3:
+            prompt = rng.choice([rng.randint(1, 12), [5] * rng.randint(4, 12)])  # some share
+            group = add(sched, prompt, n=rng.choice([1, 1, 2]), priority=rng.choice(priorities))
+            requests.append(group)
+            for seq in group:
+                num_outputs[seq.seq_id] = rng.randint(1, 8)
+        live = dict(sched._live)
+        out = step(sched)
+        if check is not None:
+            check(sched, out, live)
+        refused.update(id(s) for s, _ in rejected(out))
+        finish_done(sched, out, num_outputs)
+        if len(requests) == 25 and not sched.has_unfinished():
+            break
+    assert not sched.has_unfinished(), "workload did not drain"
+    assert_drained(sched)
+    for seq in (s for group in requests for s in group):
+        if id(seq) not in refused:
+            assert seq.output_token_ids == [SAMPLED] * num_outputs[seq.seq_id]

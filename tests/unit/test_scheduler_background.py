@@ -14,10 +14,10 @@ import random
 import pytest
 
 from llmplatform.engine.priority import is_background
-from llmplatform.engine.sequence import Sequence, SequenceStatus
+from llmplatform.engine.sequence import SequenceStatus
 from llmplatform.protocol.worker import BACKGROUND_PRIORITY, MAX_PRIORITY
-from tests.unit.scheduler_helpers import (SAMPLED, add, assert_drained, batch, finish_all,
-                                          finish_done, make_scheduler, preempted, rejected, step)
+from tests.unit.scheduler_helpers import (SAMPLED, add, batch, finish_all, make_scheduler, preempted,
+                                          random_workload, rejected, step)
 
 BG = BACKGROUND_PRIORITY
 
@@ -135,44 +135,15 @@ def test_background_work_never_preempts_foreground_work():
 @pytest.mark.parametrize("seed", range(30))
 def test_random_workloads_with_background_work_keep_every_invariant_and_drain(
         seed, enable_prefix_caching):
-    rng = random.Random(seed)
-    block_size = rng.choice([1, 2, 4])
-    num_blocks = rng.randint(3, 20)
-    sched = make_scheduler(num_blocks=num_blocks, block_size=block_size,
-                           max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=rng.randint(1, 24),
-                           max_model_len=rng.randint(2, 2 * num_blocks * block_size),
-                           enable_prefix_caching=enable_prefix_caching,
-                           background_tokens=rng.randint(0, 8))
-    num_outputs: dict[int, int] = {}
-    requests: list[list[Sequence]] = []
-    refused = set()
-    for _ in range(800):
-        if len(requests) < 25 and rng.random() < 0.3:
-            prompt = rng.choice([rng.randint(1, 12), [5] * rng.randint(4, 12)])  # some share
-            group = add(sched, prompt, n=rng.choice([1, 1, 2]),
-                        priority=rng.choice([0, 1, BG, BG, BG + 1]))
-            requests.append(group)
-            for seq in group:
-                num_outputs[seq.seq_id] = rng.randint(1, 8)
-        busy = any(not is_background(s) for s in sched._live.values())
-        out = step(sched)
-        # While foreground work is unfinished, background work gets the idle tokens at most.
-        background = sum(s.num_new_tokens for s in out.scheduled
-                         if is_background(_seq(requests, s.seq_id)))
+    def background_takes_its_share_only(sched, out, live) -> None:
+        busy = any(not is_background(s) for s in live.values())
+        # While foreground work is unfinished, background work gets its share at most.
+        background = sum(s.num_new_tokens for s in out.scheduled if is_background(live[s.seq_id]))
         if busy and not any(not is_background(s) for s, _ in rejected(out)):
             assert background <= sched.background.allowance
         for victim in preempted(out):  # never a foreground sequence while a background one runs
             assert is_background(victim) or not any(is_background(s) for s in sched.running)
-        refused.update(id(s) for s, _ in rejected(out))
-        finish_done(sched, out, num_outputs)
-        if len(requests) == 25 and not sched.has_unfinished():
-            break
-    assert not sched.has_unfinished(), "workload did not drain"
-    assert_drained(sched)
-    for seq in (s for group in requests for s in group):
-        if id(seq) not in refused:
-            assert seq.output_token_ids == [SAMPLED] * num_outputs[seq.seq_id]
 
-
-def _seq(requests: list[list[Sequence]], seq_id: int) -> Sequence:
-    return next(s for group in requests for s in group if s.seq_id == seq_id)
+    random_workload(seed, enable_prefix_caching, [0, 1, BG, BG, BG + 1],
+                    background_tokens=random.Random(-seed).randint(0, 8),
+                    check=background_takes_its_share_only, num_steps=800)

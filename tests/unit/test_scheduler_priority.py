@@ -7,14 +7,12 @@ Every test ends with every sequence finished and every block back in the pool.
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
-from llmplatform.engine.sequence import Sequence, SequenceStatus
-from tests.unit.scheduler_helpers import (SAMPLED, add, assert_drained, batch, finish_all,
-                                          deferred, finish_done, make_scheduler, preempted, rejected,
-                                          step)
+from llmplatform.engine.sequence import SequenceStatus
+from tests.unit.scheduler_helpers import (SAMPLED, add, batch, deferred, finish_all, make_scheduler,
+                                          preempted, random_workload, step)
 
 
 def test_the_waiting_queue_is_in_priority_order_and_fcfs_among_equals():
@@ -180,33 +178,9 @@ def test_a_better_priority_sequence_deferred_for_a_prefix_in_flight_keeps_its_pl
 @pytest.mark.parametrize("enable_prefix_caching", [False, True])
 @pytest.mark.parametrize("seed", range(30))
 def test_random_prioritized_workloads_keep_every_invariant_and_drain(seed, enable_prefix_caching):
-    rng = random.Random(seed)
-    block_size = rng.choice([1, 2, 4])
-    num_blocks = rng.randint(3, 20)
-    sched = make_scheduler(num_blocks=num_blocks, block_size=block_size,
-                           max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=rng.randint(1, 24),
-                           max_model_len=rng.randint(2, 2 * num_blocks * block_size),
-                           enable_prefix_caching=enable_prefix_caching)
-    num_outputs: dict[int, int] = {}
-    requests: list[list[Sequence]] = []
-    refused = set()
-    for _ in range(600):
-        if len(requests) < 25 and rng.random() < 0.3:
-            prompt = rng.choice([rng.randint(1, 12), [5] * rng.randint(4, 12)])  # some share
-            group = add(sched, prompt, n=rng.choice([1, 1, 2]), priority=rng.choice([0, 1, 2]))
-            requests.append(group)
-            for seq in group:
-                num_outputs[seq.seq_id] = rng.randint(1, 8)
-        out = step(sched)
+    def victims_are_the_worst(sched, out, live) -> None:
         victims = preempted(out)
         if victims:  # each victim was the worst running priority when it went
             assert max((s.priority for s in sched.running), default=-1) <= min(s.priority for s in victims)
-        refused.update(id(s) for s, _ in rejected(out))
-        finish_done(sched, out, num_outputs)
-        if len(requests) == 25 and not sched.has_unfinished():
-            break
-    assert not sched.has_unfinished(), "workload did not drain"
-    assert_drained(sched)
-    for seq in (s for group in requests for s in group):
-        if id(seq) not in refused:
-            assert seq.output_token_ids == [SAMPLED] * num_outputs[seq.seq_id]
+
+    random_workload(seed, enable_prefix_caching, [0, 1, 2], check=victims_are_the_worst)
