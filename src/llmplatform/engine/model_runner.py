@@ -340,9 +340,15 @@ class ModelRunner:
             input_ids.extend(seq.token_ids_in(start, end - len(item.spec_token_ids)))
             input_ids.extend(item.spec_token_ids)
             positions.extend(range(start, end))
-            context_lens.append(start)
-            query_lens.append(item.num_new_tokens)
-            block_tables.append(seq.block_table)
+            # A verification chunk (engine.speculative) is described to attention as one query
+            # row per position, each seeing the cache up to itself: every row's K/V is stored
+            # before any row attends, so this is exact, and a step of decodes and verifications
+            # stays on the decode kernels (a decode row's arithmetic, not a prefill's).
+            num_queries = item.num_new_tokens if item.spec_token_ids else 1
+            for j in range(num_queries):
+                context_lens.append(start + j)
+                query_lens.append(item.num_new_tokens if num_queries == 1 else 1)
+                block_tables.append(seq.block_table)
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens:
                 prompt_logprob_spans.append((seq, first_row, start, item.num_new_tokens))
             if seq.pooling is not None:
