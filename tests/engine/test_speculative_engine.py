@@ -208,3 +208,29 @@ def test_sampled_tokens_follow_the_same_distribution(tiny_model_dir):
         table = table[:, table.sum(axis=0) >= 5]  # chi-square needs populated cells
         if table.shape[1] > 1:
             assert chi2_contingency(table).pvalue > 1e-3, (position, table)
+
+
+def test_offline_llm_worker_backend_and_refusals(tiny_model_dir):
+    from llmplatform import LLM
+    from llmplatform.llm.build import BackendConfig, build_backend
+
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logit_bias=BIAS)
+    prompts = ["one two three one two three one two", "hello there"]
+    spec = LLM(str(tiny_model_dir), dtype="float32", speculative_config=config)
+    assert spec.engine.config.speculative.num_speculative_tokens == 3
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    plain = LLM(str(tiny_model_dir), dtype="float32")
+    assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert spec.engine.stats.num_spec_accepted_tokens > 0
+    # The worker's backend reports the counters its /metrics exports (none when off).
+    backend = build_backend(BackendConfig(model_path=str(tiny_model_dir), backend="paged",
+                                          dtype="float32", speculative_config=json.dumps(config)))
+    load = backend.load()
+    assert (load.spec_num_drafts, load.spec_num_draft_tokens, load.spec_num_accepted_tokens) == (0, 0, 0)
+    for kwargs, words in [({"backend": "hf"}, "native engine"),
+                          ({"task": "embed"}, "--task embed"),
+                          ({"speculative_config": '{"method": "eagle"}'}, "speculative method")]:
+        with pytest.raises(ValueError, match=words):
+            build_backend(BackendConfig(model_path=str(tiny_model_dir), **{
+                "speculative_config": json.dumps(config), **kwargs}))

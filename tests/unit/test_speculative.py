@@ -207,3 +207,24 @@ def test_sampled_run_leaves_the_distribution_unchanged():
     assert chisquare(second, expected(p[1], second.sum())).pvalue > 1e-3
     # Both kept (then a bonus token) with probability p0(1) * p1(3) = 0.1.
     assert abs(lengths[3] / num_runs - 0.1) < 0.01
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+
+def test_metrics_export_acceptance_rate_and_tokens_per_step():
+    from prometheus_client import generate_latest
+
+    from llmplatform.llm.base import LoadStats
+    from llmplatform.metrics.worker import WorkerLoad, WorkerMetrics
+
+    def text(stats):
+        metrics = WorkerMetrics("m", lambda: WorkerLoad(stats, 0))
+        return generate_latest(metrics.registry).decode()
+
+    exposed = text(LoadStats(num_running=1, num_waiting=0, spec_num_drafts=10,
+                             spec_num_draft_tokens=40, spec_num_accepted_tokens=30))
+    assert 'llmplatform:spec_decode_num_drafts_total{model_name="m"} 10.0' in exposed
+    assert 'llmplatform:spec_decode_num_accepted_tokens_total{model_name="m"} 30.0' in exposed
+    assert 'llmplatform:spec_decode_acceptance_rate{model_name="m"} 0.75' in exposed
+    assert 'llmplatform:spec_decode_tokens_per_step{model_name="m"} 4.0' in exposed
+    assert "spec_decode" not in text(LoadStats(num_running=0, num_waiting=0))  # not speculating
