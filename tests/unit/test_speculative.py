@@ -53,6 +53,9 @@ def _decoding(prompt, output, max_tokens=50, grammar=None):
     return seq
 
 
+BM = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+
+
 def test_proposer_caps_by_max_tokens_budget_and_batch_size():
     config = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, disable_by_batch_size=2)
     proposer = NgramProposer(config, max_num_batched_tokens=64, max_model_len=100)
@@ -60,18 +63,26 @@ def test_proposer_caps_by_max_tokens_budget_and_batch_size():
     b = _decoding([1, 2, 3, 4, 5, 6, 1, 2], [3], max_tokens=3)  # 2 outputs left: K <= 1
     prefill = _decoding([1, 2, 3, 1, 2], [])  # no output yet: not decoding
     prefill.num_computed_tokens = 0
-    assert proposer.propose([a, b, prefill]) == 4
+    assert proposer.propose([a, b, prefill], BM) == 4
     assert a.spec_token_ids == [4, 5, 6] and b.spec_token_ids == [4] and prefill.spec_token_ids == []
     # Three decoding sequences: over disable_by_batch_size, every proposal cleared.
     c = _decoding([1, 2, 1, 2], [1])
-    assert proposer.propose([a, b, c]) == 0
+    assert proposer.propose([a, b, c], BM) == 0
     assert a.spec_token_ids == b.spec_token_ids == c.spec_token_ids == []
     # A budget of 4 tokens for two decodes leaves 2 proposals in all.
     tight = NgramProposer(config, max_num_batched_tokens=4, max_model_len=100)
-    assert tight.propose([a, c]) == 2 and a.spec_token_ids == [4, 5] and c.spec_token_ids == []
+    assert tight.propose([a, c], BM) == 2 and a.spec_token_ids == [4, 5] and c.spec_token_ids == []
+    # Slots for proposals only from blocks no decode needs: 10 tokens in 3 blocks of 4 (9
+    # computed) and 3 proposals need a 4th block; with none free, 2 proposals (12 tokens) fit.
+    d = _decoding([1, 2, 3, 4, 5, 6, 1, 2], [3, 4])
+    d.block_table = [0, 1, 2]
+    one_free = BlockManager(num_blocks=1, block_size=4, enable_prefix_caching=False)
+    assert proposer.propose([d], one_free) == 3 and d.spec_token_ids == [5, 6, 1]
+    one_free.allocate_slots(_decoding([9], []), 1)  # now none is free
+    assert proposer.propose([d], one_free) == 2 and d.spec_token_ids == [5, 6]
     # A constrained sequence never speculates.
     g = _decoding([1, 2, 1, 2], [1], grammar=object())
-    assert proposer.propose([g]) == 0 and g.spec_token_ids == []
+    assert proposer.propose([g], BM) == 0 and g.spec_token_ids == []
 
 
 # ---- the scheduler's rollback ------------------------------------------------------------------

@@ -286,7 +286,7 @@ class LLMEngine:
         this returns: see :class:`LaunchedStep`); nothing changes this engine until ``complete``."""
         self.runner.raise_if_ranks_failed()  # a dead rank fails the step (rebuild: new ranks)
         if self.proposer is not None:
-            self.proposer.propose(self.scheduler.running)
+            self.proposer.propose(self.scheduler.running, self.block_manager)
         scheduled = self.scheduler.schedule()
         updates = self._reject(scheduled)
         if scheduled.is_empty:

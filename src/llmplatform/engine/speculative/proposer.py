@@ -21,6 +21,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from llmplatform.engine.config import SpeculativeConfig
 
 if TYPE_CHECKING:
+    from llmplatform.engine.block_manager import BlockManager
     from llmplatform.engine.sequence import Sequence
 
 
@@ -52,7 +53,7 @@ class NgramProposer:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
 
-    def propose(self, running: Seq[Sequence]) -> int:
+    def propose(self, running: Seq[Sequence], block_manager: BlockManager) -> int:
         """Proposes for each running sequence in decode (one token left to compute, at least one
         output token: not a prefill, chunked or after preemption) and clears every other's.
         Speculation is off for the whole step when more than ``disable_by_batch_size``
@@ -60,8 +61,9 @@ class NgramProposer:
         ``j`` needs the grammar advanced through proposals ``< j``, which the grammar process
         does not do). A sequence's K is capped so that its accepted tokens and the model's own
         never pass ``max_tokens``, and the step's proposals so that every decoding sequence
-        still fits the token budget (a prefill chunk gets what is left). Returns the number of
-        tokens proposed."""
+        still fits the token budget (a prefill chunk gets what is left) and their slots fit the
+        free KV blocks left after every decode's own (speculation never preempts anyone).
+        Returns the number of tokens proposed."""
         decoding = []
         for seq in running:
             seq.spec_token_ids.clear()
@@ -70,6 +72,9 @@ class NgramProposer:
         if not decoding or len(decoding) > self.config.disable_by_batch_size:
             return 0
         spare_budget = self.max_num_batched_tokens - len(decoding)
+        bm = block_manager
+        spare_blocks = bm.num_free_blocks - sum(
+            max(0, bm.num_blocks_for(seq.num_tokens) - len(seq.block_table)) for seq in decoding)
         num_proposed = 0
         for seq in decoding:
             if spare_budget <= 0:
@@ -84,6 +89,10 @@ class NgramProposer:
             history = np.fromiter(seq.all_token_ids(), dtype=np.int64, count=seq.num_tokens)
             proposal = ngram_lookup(history, self.config.prompt_lookup_min,
                                     self.config.prompt_lookup_max, k)
+            held = max(len(seq.block_table), bm.num_blocks_for(seq.num_tokens))
+            while proposal and bm.num_blocks_for(seq.num_tokens + len(proposal)) - held > spare_blocks:
+                proposal.pop()
+            spare_blocks -= max(0, bm.num_blocks_for(seq.num_tokens + len(proposal)) - held)
             seq.spec_token_ids.extend(proposal)
             spare_budget -= len(proposal)
             num_proposed += len(proposal)
