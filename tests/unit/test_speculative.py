@@ -69,9 +69,11 @@ def test_proposer_caps_by_max_tokens_budget_and_batch_size():
     c = _decoding([1, 2, 1, 2], [1])
     assert proposer.propose([a, b, c], BM) == 0
     assert a.spec_token_ids == b.spec_token_ids == c.spec_token_ids == []
-    # A budget of 4 tokens for two decodes leaves 2 proposals in all.
+    # A budget of 4 tokens for two decodes leaves 2 proposals in all; so does a limit of 4 rows.
     tight = NgramProposer(config, max_num_batched_tokens=4, max_model_len=100)
     assert tight.propose([a, c], BM) == 2 and a.spec_token_ids == [4, 5] and c.spec_token_ids == []
+    few_rows = NgramProposer(config, max_num_batched_tokens=64, max_model_len=100, max_step_rows=4)
+    assert few_rows.propose([a, c], BM) == 2 and a.spec_token_ids == [4, 5]
     # Slots for proposals only from blocks no decode needs: 10 tokens in 3 blocks of 4 (9
     # computed) and 3 proposals need a 4th block; with none free, 2 proposals (12 tokens) fit.
     d = _decoding([1, 2, 3, 4, 5, 6, 1, 2], [3, 4])

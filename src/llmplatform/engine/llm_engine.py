@@ -140,7 +140,7 @@ class LLMEngine:
         self.stats = StepStats()
         # Speculative decoding (engine.speculative): proposals made before each schedule.
         self.proposer = (NgramProposer(config.speculative, sched.max_num_batched_tokens,
-                                       sched.max_model_len)
+                                       sched.max_model_len, self.runner.ops.small_rows or None)
                          if config.speculative is not None else None)
         if config.speculative is not None:
             logger.info("speculative decoding: %s", config.speculative)

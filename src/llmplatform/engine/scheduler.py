@@ -85,6 +85,11 @@ independently; a write into the shared, partly filled last block copies it first
 If the parent is preempted before the fork, its children wait for its recompute; a child
 preempted after the fork recomputes alone.
 
+Speculative decoding (engine.speculative): a decoding sequence's proposals
+(``Sequence.spec_token_ids``, set before ``schedule``) are more tokens for its chunk to compute
+(those past the budget dropped), carried in ``ScheduledChunk.spec_token_ids``; ``update`` counts
+as computed only the proposals the runner accepted and frees the blocks of the rest.
+
 ``SchedulerOutput`` (engine.outputs) names sequences by id: a ``NewSequenceData`` when the runner
 first computes one (new, a forked child, resumed after preemption), then ``CachedSequenceData``
 (what changed); ``finished_seq_ids`` lists those it held that finished since the last step.

@@ -48,10 +48,15 @@ class NgramProposer:
     """Sets, each step, the proposals of the scheduler's running sequences (``spec_token_ids``)."""
 
     def __init__(self, config: SpeculativeConfig, max_num_batched_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, max_step_rows: int | None = None) -> None:
+        """``max_step_rows``: the most rows (decodes + proposals) a step of decodes may have and
+        still run on the runner's small-row kernels (``ModelOps.small_rows`` on the CPU's fused
+        decode path: beyond it a step's projections take the general product, several times
+        slower per row); None: no such limit (the GPU, the eager path)."""
         self.config = config
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.max_step_rows = max_step_rows
 
     def propose(self, running: Seq[Sequence], block_manager: BlockManager) -> int:
         """Proposes for each running sequence in decode (one token left to compute, at least one
@@ -61,7 +66,8 @@ class NgramProposer:
         ``j`` needs the grammar advanced through proposals ``< j``, which the grammar process
         does not do). A sequence's K is capped so that its accepted tokens and the model's own
         never pass ``max_tokens``, and the step's proposals so that every decoding sequence
-        still fits the token budget (a prefill chunk gets what is left) and their slots fit the
+        still fits the token budget (a prefill chunk gets what is left) and the step stays within
+        ``max_step_rows`` (proposals are left out past it), and their slots fit the
         free KV blocks left after every decode's own (speculation never preempts anyone).
         Returns the number of tokens proposed."""
         decoding = []
@@ -71,7 +77,8 @@ class NgramProposer:
                 decoding.append(seq)
         if not decoding or len(decoding) > self.config.disable_by_batch_size:
             return 0
-        spare_budget = self.max_num_batched_tokens - len(decoding)
+        spare_budget = min(self.max_num_batched_tokens, self.max_step_rows or self.max_num_batched_tokens
+                           ) - len(decoding)
         bm = block_manager
         spare_blocks = bm.num_free_blocks - sum(
             max(0, bm.num_blocks_for(seq.num_tokens) - len(seq.block_table)) for seq in decoding)
