@@ -5,8 +5,8 @@ one run:
 
 One engine with ``--speculative-config`` (``engine.speculative``) and one without, on the same
 model (the packaged default, SmolLM2-135M-Instruct) in ``--dtype`` (bf16) on CPU, greedy. Three
-workloads, each run ``--repeats`` times with the two engines taking turns (the same noise from
-other processes lands on both; the best run of each is kept):
+workloads, each run ``--repeats`` times with the two engines taking turns step by step (the same
+noise from other processes lands on both; the fastest run of each is kept):
 
 (a) input-grounded, one stream: rewrite / fix / reformat a given text or code, whose output
     copies long runs of its input. Reported: output tokens/s of each engine and their ratio
@@ -19,8 +19,9 @@ other processes lands on both; the best run of each is kept):
 (c) ``--streams`` streams of both kinds at once (target: no regression; speculation switches
     itself off above ``disable_by_batch_size`` decoding sequences).
 
-Tokens/s counts the output tokens after each request's first over its decode time (prefill, the
-same in both engines, left out); the end-to-end ratio (prefill included) is printed beside it. The machine's load average is printed at the start and the end.
+Tokens/s counts the output tokens of the steps after the prefills over those steps' time (the
+prefill, the same in both engines, left out); the end-to-end ratio (prefill included) is printed
+beside it. Times are the engines' own step times (``engine.step()``, everything in it). The machine's load average is printed at the start and the end.
 """
 
 from __future__ import annotations
@@ -79,52 +80,54 @@ def chat_ids(engine, text: str) -> list[int]:
                                                 return_dict=False)
 
 
-def run_batch(engine, prompts: list[list[int]], max_tokens: int) -> dict:
-    """All prompts at once to the end: output tokens, wall seconds, decode seconds (from the
-    end of the step that finished the last prefill to the end: the output tokens after the
-    first, each request's prefill left out) and the median time of the decode-only steps."""
+def run_interleaved(engines: dict, prompts: list[list[int]], max_tokens: int) -> dict[str, dict]:
+    """The same prompts, all at once, on every engine, the engines taking turns one step each
+    until all are done (interference from other processes then lands on all of them alike).
+    Per engine: output tokens and the summed time of its own steps (``seconds``); the same
+    after each request's prefill (``decode_*``: tokens from steps that computed no prompt token,
+    and those steps' time); and the median decode-step time."""
     from llmplatform.sampling.params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     start_id = time.monotonic_ns()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"{start_id}-{i}", prompt, params)
-    num_tokens = num_decode_tokens = 0
-    decode_steps = []
-    decode_start = None
-    start = time.perf_counter()
-    while engine.has_unfinished():
-        before = engine.stats.num_computed_prompt_tokens
-        t0 = time.perf_counter()
-        updates = engine.step()
-        t1 = time.perf_counter()
-        produced = sum(len(u.chunk.token_ids) for u in updates)
-        num_tokens += produced
-        if engine.stats.num_computed_prompt_tokens == before:
-            decode_steps.append(t1 - t0)
-            num_decode_tokens += produced
-        else:
-            decode_start = t1
-            num_decode_tokens = 0
-    end = time.perf_counter()
-    decode_steps.sort()
-    return {"tokens": num_tokens, "seconds": end - start, "decode_tokens": num_decode_tokens,
-            "decode_seconds": end - (decode_start or start),
-            "step": decode_steps[len(decode_steps) // 2] if decode_steps else 0.0}
+    runs = {}
+    for name, engine in engines.items():
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{start_id}-{i}", prompt, params)
+        runs[name] = {"tokens": 0, "seconds": 0.0, "decode_tokens": 0, "decode_seconds": 0.0,
+                      "steps": []}
+    while any(engine.has_unfinished() for engine in engines.values()):
+        for name, engine in engines.items():
+            if not engine.has_unfinished():
+                continue
+            run = runs[name]
+            before = engine.stats.num_computed_prompt_tokens
+            t0 = time.perf_counter()
+            updates = engine.step()
+            elapsed = time.perf_counter() - t0
+            produced = sum(len(u.chunk.token_ids) for u in updates)
+            run["tokens"] += produced
+            run["seconds"] += elapsed
+            if engine.stats.num_computed_prompt_tokens == before:
+                run["decode_tokens"] += produced
+                run["decode_seconds"] += elapsed
+                run["steps"].append(elapsed)
+    for run in runs.values():
+        steps = sorted(run.pop("steps"))
+        run["step"] = steps[len(steps) // 2] if steps else 0.0
+    return runs
 
 
 def measure(engines, workloads: list[list[list[int]]], args):
-    """Each workload (a list of prompts run together) on each engine in turn, ``--repeats``
-    times; per engine and workload the fastest run is kept (the least disturbed by other
-    processes; greedy runs produce the same tokens every time). Returns per engine the sums over
-    workloads of tokens, wall and decode seconds, the median decode-step time, and the
-    speculation counters of the runs."""
+    """Each workload (a list of prompts run together) on the engines interleaved, ``--repeats``
+    times; per engine and workload the fastest run is kept (greedy runs produce the same tokens
+    every time). Returns per engine the sums over workloads of tokens and seconds (all and
+    decode), the median decode-step time, and the speculation counters per repeat."""
     best: dict[str, list[dict]] = {name: [None] * len(workloads) for name in engines}
     before = {name: _spec_counts(e) for name, e in engines.items()}
     for _ in range(args.repeats):
         for w, prompts in enumerate(workloads):
-            for name, engine in engines.items():
-                run = run_batch(engine, prompts, args.max_tokens)
+            for name, run in run_interleaved(engines, prompts, args.max_tokens).items():
                 kept = best[name][w]
                 if kept is None or run["decode_seconds"] < kept["decode_seconds"]:
                     best[name][w] = run
@@ -169,8 +172,7 @@ def main() -> None:
     grounded = [chat_ids(plain, t) for t in GROUNDED]
     unrelated = [chat_ids(plain, t) for t in UNRELATED]
     many = [(grounded + unrelated)[i % 6] for i in range(args.streams)]
-    for engine in engines.values():  # warm-up: kernels built, buffers and caches touched
-        run_batch(engine, grounded[:1] + unrelated[:1], 32)
+    run_interleaved(engines, grounded[:1] + unrelated[:1], 32)  # warm-up: kernels built, caches touched
     rows = []
     for label, workloads in [("(a) input-grounded, 1 stream", [[p] for p in grounded]),
                              ("(b) unrelated, 1 stream", [[p] for p in unrelated]),
