@@ -236,3 +236,19 @@ def test_offline_llm_worker_backend_and_refusals(tiny_model_dir):
         with pytest.raises(ValueError, match=words):
             build_backend(BackendConfig(model_path=str(tiny_model_dir), **{
                 "speculative_config": json.dumps(config), **kwargs}))
+
+
+def test_abort_while_speculating_frees_every_block(tiny_model_dir):
+    spec = make(tiny_model_dir, SPEC)
+    prompts = prompts_of(spec.tokenizer)
+    params = [greedy(60, ignore_eos=True, logit_bias=BIAS)] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        spec.add_request(str(i), prompt, p)
+    for _ in range(6):
+        spec.step()
+    assert spec.stats.num_spec_drafts > 0
+    assert [u.chunk.finish_reason for u in spec.abort("0")] == ["abort"]
+    while spec.has_unfinished():
+        spec.step()
+    assert_all_blocks_free(spec)
+    spec.block_manager.check_invariants([])
