@@ -14,6 +14,7 @@ the call with a ``TypeError`` naming it (not deep inside the model runner).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Sequence, Union
@@ -109,7 +110,8 @@ class LLM:
                  kv_cache_memory: str = _DEFAULT.kv_cache_memory,
                  gpu_memory_utilization: float = _DEFAULT.gpu_memory_utilization,
                  num_blocks: int | None = None,
-                 enable_prefix_caching: bool = _DEFAULT.enable_prefix_caching) -> None:
+                 enable_prefix_caching: bool = _DEFAULT.enable_prefix_caching,
+                 speculative_config: str | dict | None = _DEFAULT.speculative_config) -> None:
         from llmplatform.engine.llm_engine import LLMEngine
 
         config = BackendConfig(
@@ -119,7 +121,9 @@ class LLM:
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching)
+            enable_prefix_caching=enable_prefix_caching,
+            speculative_config=(json.dumps(speculative_config)
+                                if isinstance(speculative_config, dict) else speculative_config))
         self.engine = LLMEngine(paged_engine_config(config, num_blocks=num_blocks))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0

@@ -22,8 +22,8 @@ def case(m: int, n: int, k: int, x_dtype: torch.dtype, w_dtype: torch.dtype, see
     return x, w, bias
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 17])
-@pytest.mark.parametrize("k", [64, 100])  # 100: a tail past the last full 8-wide chunk
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 6, 7, 8, 9, 17])  # 3-7: the fixed-row cases
+@pytest.mark.parametrize("k", [64, 72, 100])  # 72: an 8-wide chunk after the 16-wide ones; 100: a tail past the last full 8-wide chunk
 @pytest.mark.parametrize("x_dtype, w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                               (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
 def test_matches_a_float64_reference(m, k, x_dtype, w_dtype) -> None:

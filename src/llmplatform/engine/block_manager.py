@@ -198,8 +198,22 @@ class BlockManager:
         assert all(self._ref_counts[b] == 1 for b in seq.block_table[start:]), "writing a shared block"
         while len(seq.block_table) < self.num_blocks_for(num_total_tokens):
             seq.block_table.append(self._take_free_block())
-        self._note_in_flight(seq, num_total_tokens // self.block_size)
+        # Slots for proposals (engine.speculative) past the sequence's tokens are never in flight:
+        # their tokens may be rejected.
+        self._note_in_flight(seq, min(num_total_tokens, seq.num_tokens) // self.block_size)
         return blocks_to_copy
+
+    def truncate(self, seq: Sequence) -> int:
+        """Drop ``seq``'s blocks past those holding its computed tokens (after a speculative
+        step, the slots of the proposals it rejected: engine.speculative); returns how many.
+        Those blocks were allocated for ``seq`` alone in that step (never shared, never cached)."""
+        num_kept = self.num_blocks_for(seq.num_computed_tokens)
+        dropped = seq.block_table[num_kept:]
+        for block_id in reversed(dropped):
+            assert self._ref_counts[block_id] == 1 and self.block_hash(block_id) is None
+            self._release(block_id)
+        del seq.block_table[num_kept:]
+        return len(dropped)
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references, tail first; blocks no one references return to the pool

@@ -223,6 +223,81 @@ class LoRAConfig:
             raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+"""Speculative decoding methods the native engine runs (``--speculative-config``'s ``method``)."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine.speculative): each step, a decoding sequence's next tokens are
+    guessed cheaply and checked in one forward pass of the model, which keeps the ones it would
+    have produced itself (greedy: the same tokens; sampling: the same distribution).
+
+    method: how tokens are proposed; ``ngram`` (prompt lookup): the tokens that followed the
+        latest earlier occurrence of the sequence's last n tokens (in its prompt and output).
+    num_speculative_tokens: tokens proposed per sequence and step, K (each verification forward
+        computes K + 1 positions per sequence; default 4).
+    prompt_lookup_max / prompt_lookup_min: the longest and shortest n-gram matched (tokens;
+        longer first; defaults 4 and 2).
+    disable_by_batch_size: speculation is off for a step when more sequences than this are
+        decoding (a big batch is no longer memory bound, so verifying K extra positions per
+        sequence costs compute the accepted tokens do not repay; default 8).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r} (a draft model is not supported yet)")
+        if not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError("num_speculative_tokens must be in [1, 64], got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be at least 1, got {self.disable_by_batch_size}")
+
+    @classmethod
+    def from_json(cls, text: str | dict) -> SpeculativeConfig:
+        """The ``--speculative-config`` JSON object (vLLM's keys); ValueError naming what is wrong."""
+        import json
+
+        try:
+            data = json.loads(text) if isinstance(text, str) else dict(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: unsupported key(s) {', '.join(unknown)} "
+                             f"(supported: {', '.join(sorted(known))})")
+        for key, value in data.items():
+            if key != "method" and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"--speculative-config: {key} must be an integer, got {value!r}")
+        return cls(**data)
+
+    def check_supported(self, config: EngineConfig) -> None:
+        """Refuses, before anything starts, the engine settings speculation does not run with."""
+        refused = []
+        if config.parallel.pipeline_parallel_size > 1:
+            refused.append("pipeline parallelism (--pipeline-parallel-size > 1)")
+        if config.parallel.tensor_parallel_size > 1:
+            refused.append("tensor parallelism (--tensor-parallel-size > 1)")
+        if config.lora.enabled:
+            refused.append("LoRA adapters (--enable-lora / --lora-modules)")
+        if refused:
+            raise ValueError("--speculative-config does not combine with " + ", ".join(refused)
+                             + " yet")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -231,8 +306,12 @@ class EngineConfig:
     restart: RestartConfig = RestartConfig()
     parallel: ParallelConfig = ParallelConfig()
     lora: LoRAConfig = LoRAConfig()
+    # Speculative decoding (engine.speculative); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative is not None:
+            self.speculative.check_supported(self)
         if self.lora.enabled and self.parallel.pipeline_parallel_size > 1:
             # Each stage would need its layers' adapter shares and each step's adapter rows.
             raise ValueError("LoRA adapters are not served with pipeline parallelism yet "
@@ -240,5 +319,5 @@ class EngineConfig:
 
 
 __all__ = ["BLOCKED_LINEAR_CHOICES", "COMPUTE_DTYPES", "DECODE_PATHS", "CacheConfig", "SchedulerConfig",
-           "ModelConfig", "EngineConfig", "ParallelConfig", "RestartConfig", "LoRAConfig", "parse_memory_size",
-           "InvalidRequestError"]
+           "ModelConfig", "EngineConfig", "ParallelConfig", "RestartConfig", "LoRAConfig", "SpeculativeConfig",
+           "parse_memory_size", "InvalidRequestError"]

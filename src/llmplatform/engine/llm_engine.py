@@ -40,6 +40,7 @@ from llmplatform.engine.pooling import PoolingParams
 from llmplatform.engine.prefix_cache import PrefixCacheStats
 from llmplatform.engine.scheduler import Scheduler
 from llmplatform.engine.sequence import Sequence
+from llmplatform.engine.speculative.proposer import NgramProposer
 from llmplatform.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
 from llmplatform.sampling.grammar_sandbox import GrammarSandbox
 from llmplatform.sampling.output_processor import OutputProcessor, eos_token_ids_of
@@ -138,6 +139,12 @@ class LLMEngine:
         self.scheduler = Scheduler(sched, self.block_manager,
                                    max_loras=config.lora.max_loras if config.lora.enabled else 0)
         self.stats = StepStats()
+        # Speculative decoding (engine.speculative): proposals made before each schedule.
+        self.proposer = (NgramProposer(config.speculative, sched.max_num_batched_tokens,
+                                       sched.max_model_len, self.runner.ops.small_rows or None)
+                         if config.speculative is not None else None)
+        if config.speculative is not None:
+            logger.info("speculative decoding: %s", config.speculative)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s on %s); max concurrency at "
             "full context (%d tokens): %.1f sequences; prefix caching %s",
@@ -280,6 +287,8 @@ class LLMEngine:
         this returns: see :class:`LaunchedStep`); nothing changes this engine until ``complete``."""
         self.runner.raise_if_ranks_failed()  # a dead rank fails the step (rebuild: new ranks)
         started = time.perf_counter()
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running, self.block_manager)
         scheduled = self.scheduler.schedule()
         updates = self._reject(scheduled)
         if scheduled.is_empty:
@@ -337,8 +346,15 @@ class LLMEngine:
             state = self._outputs.get(seq_id)
             if state is None:  # aborted while the step ran, or failed above
                 continue
+            token_ids, logprobs = [token_id], [logprob]
+            accepted = output.accepted.get(seq_id)  # proposals kept before it (speculative)
+            if accepted is not None:
+                token_ids[:0], logprobs[:0] = accepted.token_ids, accepted.logprobs
+                self.stats.num_spec_drafts += 1
+                self.stats.num_spec_draft_tokens += accepted.num_proposed
+                self.stats.num_spec_accepted_tokens += len(accepted.token_ids)
             try:
-                chunk = self._output_chunk(state, token_id, logprob)
+                chunk = self._output_chunk(state, token_ids, logprobs)
             except Exception as exc:  # detokenizing, stop handling: this sequence's alone
                 updates.append(self._fail(state, pinned_fault(state, "output processing", exc)))
                 continue
@@ -363,10 +379,13 @@ class LLMEngine:
             self.stats.max_pooled_per_step = max(self.stats.max_pooled_per_step, len(pooled))
         return updates
 
-    def _output_chunk(self, state: OutputState, token_id: int, logprob: TokenLogprob | None
-                      ) -> GenerateChunk:
+    def _output_chunk(self, state: OutputState, token_ids: list[int],
+                      logprobs: list[TokenLogprob | None]) -> GenerateChunk:
+        """The chunk of the tokens this step added to the output (several when it verified
+        proposals: a stop among them ends it there, the rest are dropped)."""
         assert state.processor is not None, "a pooling sequence never samples"
-        chunk = state.processor.append([token_id], [logprob] if logprob is not None else None)
+        records = logprobs if all(r is not None for r in logprobs) else None
+        chunk = state.processor.append(token_ids, records)
         if state.pending_prompt_logprobs and state.seq.params.prompt_logprobs is not None:
             chunk = replace(chunk, prompt_logprobs=tuple(state.pending_prompt_logprobs))
             state.pending_prompt_logprobs = []

@@ -55,6 +55,7 @@ from llmplatform.engine.parallel.ranks import (RankFailedError, TensorParallelRa
                                                start_ranks)
 from llmplatform.engine.pooler import PoolingSpan, pool_spans
 from llmplatform.engine.runner_state import RunnerSequence, RunnerStates
+from llmplatform.engine.speculative.runner import SpecSpan, verify_spans
 from llmplatform.kernels import AttentionMetadata
 from llmplatform.models.lora import LoRABatch, lora_batch
 from llmplatform.sampling.output_processor import token_text
@@ -330,30 +331,41 @@ class ModelRunner:
         prompt_logprob_spans: list[tuple[RunnerSequence, int, int, int]] = []
         pooling_spans: list[PoolingSpan] = []  # chunks of pooling sequences (engine.pooler)
         lora_spans: list[RowSpan] = []  # chunks of sequences with a LoRA adapter
+        spec_spans: list[SpecSpan] = []  # sequences verifying proposals (engine.speculative)
         for item in scheduled.scheduled:
             seq = self.states[item.seq_id]
             start = seq.num_computed_tokens
             end = start + item.num_new_tokens
             first_row = len(input_ids)
-            input_ids.extend(seq.token_ids_in(start, end))
+            input_ids.extend(seq.token_ids_in(start, end - len(item.spec_token_ids)))
+            input_ids.extend(item.spec_token_ids)
             positions.extend(range(start, end))
-            context_lens.append(start)
-            query_lens.append(item.num_new_tokens)
-            block_tables.append(seq.block_table)
+            # A verification chunk (engine.speculative) is described to attention as one query
+            # row per position, each seeing the cache up to itself: every row's K/V is stored
+            # before any row attends, so this is exact, and a step of decodes and verifications
+            # stays on the decode kernels (a decode row's arithmetic, not a prefill's).
+            num_queries = item.num_new_tokens if item.spec_token_ids else 1
+            for j in range(num_queries):
+                context_lens.append(start + j)
+                query_lens.append(item.num_new_tokens if num_queries == 1 else 1)
+                block_tables.append(seq.block_table)
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens:
                 prompt_logprob_spans.append((seq, first_row, start, item.num_new_tokens))
             if seq.pooling is not None:
                 pooling_spans.append(PoolingSpan(seq, first_row, start, item.num_new_tokens))
             if seq.lora_id is not None:
                 lora_spans.append(RowSpan(seq.lora_id, first_row, item.num_new_tokens))
-            if item.samples:
+            if item.spec_token_ids:
+                spec_spans.append(SpecSpan(seq, len(input_ids) - len(item.spec_token_ids) - 1,
+                                           item.spec_token_ids))
+            elif item.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
 
         inputs = StepInputs(input_ids, positions, context_lens, query_lens, block_tables,
                             scheduled.blocks_to_copy)
         return _Batch(inputs, sample_rows, sample_seqs, prompt_logprob_spans, pooling_spans,
-                      lora_spans)
+                      lora_spans, spec_spans)
 
     def _outputs(self, batch: _Batch, logits_of: Callable[[list[int]], torch.Tensor],
                  hidden: torch.Tensor | None) -> ModelOutput:
@@ -362,6 +374,11 @@ class ModelRunner:
         sample_rows, sample_seqs = batch.sample_rows, batch.sample_seqs
         prompt_logprob_spans, pooling_spans = batch.prompt_logprob_spans, batch.pooling_spans
         output = ModelOutput(seq_ids=[], token_ids=[], logprobs=[])
+        spec_rows = [row for span in batch.spec_spans for row in span.rows]
+        if spec_rows:  # one LM head call for both: [num_sampling + num_verified, vocab]
+            all_logits = logits_of(sample_rows + spec_rows)
+            logits_of = _rows_of(sample_rows + spec_rows, all_logits, logits_of)
+            verify_spans(self.sampler, all_logits[len(sample_rows):], batch.spec_spans, output)
         if sample_rows:
             logits = logits_of(sample_rows)  # [num_sampling, vocab]
             sampled = self._sample(logits, [seq.sampling_row() for seq in sample_seqs],
@@ -425,3 +442,16 @@ class _Batch:
     prompt_logprob_spans: list[tuple[RunnerSequence, int, int, int]]
     pooling_spans: list[PoolingSpan] = field(default_factory=list)
     lora_spans: list[RowSpan] = field(default_factory=list)
+    spec_spans: list[SpecSpan] = field(default_factory=list)
+
+
+def _rows_of(rows: list[int], logits: torch.Tensor, fallback: Callable[[list[int]], torch.Tensor]
+             ) -> Callable[[list[int]], torch.Tensor]:
+    """``logits_of`` answering from ``logits`` (the rows ``rows``, computed already) when it can."""
+    index = {row: i for i, row in enumerate(rows)}
+
+    def logits_of(wanted: list[int]) -> torch.Tensor:
+        if all(row in index for row in wanted):
+            return logits[[index[row] for row in wanted]]
+        return fallback(wanted)
+    return logits_of

@@ -73,6 +73,9 @@ class ScheduledChunk:
     seq_id: int
     num_new_tokens: int
     samples: bool
+    # Speculative decoding: the last ``len(spec_token_ids)`` of the chunk's tokens are these
+    # proposals, not the sequence's tokens; the step verifies them (engine.speculative).
+    spec_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,19 @@ class ModelOutput:
     # Pooling sequences whose prompt this step finished: seq id -> their vector ([hidden]
     # float32; engine.pooling).
     pooled: dict[int, np.ndarray] = field(default_factory=dict)
+    # Speculative decoding: seq id -> the proposals it accepted (and their logprob records, None
+    # where not asked), which come before its token in ``token_ids``. A sequence that verified
+    # proposals and accepted none is here with empty lists.
+    accepted: dict[int, AcceptedTokens] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AcceptedTokens:
+    """A sequence's proposals the verification kept, in order (engine.speculative)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+    num_proposed: int
 
 
 @dataclass(frozen=True)
@@ -161,3 +177,9 @@ class StepStats:
     # Prompt tokens computed (prefill work: a prompt shared by n outputs counts once; cached
     # prefixes and recomputed outputs not at all, a preempted prompt again).
     num_computed_prompt_tokens: int = 0
+    # Speculative decoding (engine.speculative): sequence-steps that verified proposals, the
+    # tokens proposed to them and the proposals accepted (each such step also yields one token of
+    # the model's own, so it emits accepted / drafts + 1 tokens per sequence on average).
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0

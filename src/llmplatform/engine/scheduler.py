@@ -88,6 +88,11 @@ independently; a write into the shared, partly filled last block copies it first
 If the parent is preempted before the fork, its children wait for its recompute; a child
 preempted after the fork recomputes alone.
 
+Speculative decoding (engine.speculative): a decoding sequence's proposals
+(``Sequence.spec_token_ids``, set before ``schedule``) are more tokens for its chunk to compute
+(those past the budget dropped), carried in ``ScheduledChunk.spec_token_ids``; ``update`` counts
+as computed only the proposals the runner accepted and frees the blocks of the rest.
+
 ``SchedulerOutput`` (engine.outputs) names sequences by id: a ``NewSequenceData`` when the runner
 first computes one (new, a forked child, resumed after preemption), then ``CachedSequenceData``
 (what changed); ``finished_seq_ids`` lists those it held that finished since the last step.
@@ -107,6 +112,7 @@ from llmplatform.engine.background import BackgroundShare, StepShare
 from llmplatform.engine.priority import (enqueue, has_foreground, insert_running, is_background,
                                          make_room_for_foreground)
 from llmplatform.engine.sequence import Sequence, SequenceStatus
+from llmplatform.engine.speculative.kv import settle_verified, trim_proposals
 
 
 class Scheduler:
@@ -308,11 +314,17 @@ class Scheduler:
             seq = self._live.get(item.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # finished (aborted) since schedule()
-            seq.num_computed_tokens += item.num_new_tokens
+            if item.samples:
+                accepted = model_output.accepted.get(seq.seq_id)
+                if accepted is not None:
+                    seq.output_token_ids.extend(accepted.token_ids)
+                seq.output_token_ids.append(sampled[seq.seq_id])
+            if item.spec_token_ids:  # only the accepted proposals' KV stays (engine.speculative)
+                settle_verified(seq, item, model_output.accepted[seq.seq_id], self.block_manager)
+            else:
+                seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
             self.block_manager.free_out_of_window(seq)  # sliding windows: what no query sees again
-            if item.samples:
-                seq.output_token_ids.append(sampled[seq.seq_id])
             if seq.seq_id in self._pending_children and seq.num_computed_tokens == seq.num_prompt_tokens - 1:
                 self._fork_children(seq)
 
@@ -323,11 +335,12 @@ class Scheduler:
         children still to fork stops its prefill at the fork point, P - 1."""
         if seq.seq_id in self._pending_children:
             return seq.num_prompt_tokens - 1
-        return seq.num_tokens
+        return seq.num_tokens + len(seq.spec_token_ids)  # proposals: engine.speculative
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         num_new_tokens = min(self._num_target_tokens(seq) - seq.num_computed_tokens, budget)
         assert num_new_tokens > 0, f"nothing to compute for seq {seq.seq_id}"
+        trim_proposals(seq, num_new_tokens)  # the proposals past the budget are dropped
         return num_new_tokens
 
     def _cached_prefix(self, seq: Sequence, num_target_tokens: int) -> list[int] | None:
@@ -353,8 +366,9 @@ class Scheduler:
         return num_blocks if num_blocks >= threshold else 0
 
     def _chunk(self, seq: Sequence, num_new_tokens: int) -> ScheduledChunk:
-        samples = seq.num_computed_tokens + num_new_tokens == seq.num_tokens and seq.pooling is None
-        return ScheduledChunk(seq.seq_id, num_new_tokens, samples)
+        num_target_tokens = seq.num_tokens + len(seq.spec_token_ids)
+        samples = seq.num_computed_tokens + num_new_tokens == num_target_tokens and seq.pooling is None
+        return ScheduledChunk(seq.seq_id, num_new_tokens, samples, tuple(seq.spec_token_ids))
 
     @staticmethod
     def _num_prompt_tokens_in(seq: Sequence, num_new_tokens: int) -> int:
@@ -406,6 +420,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids.clear()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         enqueue(self.waiting, seq, front=True)

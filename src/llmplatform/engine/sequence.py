@@ -68,6 +68,10 @@ class Sequence:
     # The request's priority (vLLM's field): lower runs first; every output of a request has its
     # request's. The scheduler keeps its queues in this order (engine.scheduler).
     priority: int = 0
+    # Speculative decoding (engine.speculative): tokens proposed for this step, to be verified
+    # after its last token. Never part of its tokens (``num_tokens``); only a running sequence in
+    # decode holds any, and only between the proposal and the step's update.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

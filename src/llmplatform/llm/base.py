@@ -106,6 +106,11 @@ class LoadStats:
     # Requests the engine held back until a prefix another request was computing was cached
     # (computed once, not once each), cumulative since the engine started.
     num_deferred_for_prefix: int | None = None
+    # Speculative decoding (engine.speculative), cumulative; None: not speculating. Drafts:
+    # sequence-steps that verified proposals; draft tokens: the proposals; accepted: those kept.
+    spec_num_drafts: int | None = None
+    spec_num_draft_tokens: int | None = None
+    spec_num_accepted_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from llmplatform.engine.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     parse_memory_size,
 )
 from llmplatform.llm.base import LLMBackend
@@ -68,6 +69,8 @@ class BackendConfig:
     kv_cache_memory: str = "2GiB"  # CacheConfig.kv_cache_memory_bytes, as a size to read
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    # Speculative decoding (engine.speculative), vLLM's --speculative-config JSON; None: off.
+    speculative_config: str | None = None
     # Run Python code shipped with a checkpoint (HF `trust_remote_code`); hf backend only, since
     # the paged backend serves only its own built-in architectures.
     trust_remote_code: bool = False
@@ -127,6 +130,14 @@ def build_backend(config: BackendConfig, *,
     with ``backend="paged"``, the one backend that has a runner."""
     from llmplatform.llm.tool_support import check_tool_flags, configure_tool_support
 
+    if config.speculative_config is not None:
+        # A bad value fails before anything loads; only the native engine speculates.
+        SpeculativeConfig.from_json(config.speculative_config)
+        if config.backend not in ("auto", "paged"):
+            raise ValueError(f"--speculative-config runs on the native engine (--backend paged), "
+                             f"not --backend {config.backend}")
+        if config.task == "embed":
+            raise ValueError("--speculative-config does not combine with --task embed")
     if runner_factory is not None and config.backend != "paged":
         raise ValueError(f"a runner_factory needs backend='paged', not {config.backend!r}")
     template = check_tool_flags(config.chat_template, config.tool_call_parser)  # before loading
@@ -198,6 +209,9 @@ def _load(config: BackendConfig, runner_factory: RunnerFactory | None) -> LLMBac
         if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
             raise ValueError("--tensor-parallel-size and --pipeline-parallel-size run on the paged "
                              "backend, not encoder")
+        if config.speculative_config is not None:
+            raise ValueError("--speculative-config runs on the native engine, not the encoder "
+                             "backend")
         return _build_encoder(config, str(resolved.path), names)
     if task == "embed" and backend == "hf":
         raise ValueError("--task embed runs on the paged backend (decoders) or the encoder "
@@ -228,6 +242,9 @@ def _load(config: BackendConfig, runner_factory: RunnerFactory | None) -> LLMBac
     if task == "embed":
         raise ValueError(f"--task embed needs the paged backend for this decoder, which cannot "
                          f"serve {resolved.path}: {reason}")
+    if config.speculative_config is not None:
+        raise ValueError(f"--speculative-config runs on the native engine (--backend paged), "
+                         f"which cannot serve {resolved.path}: {reason}")
     if backend == "hf":
         from llmplatform.llm.hf import HFTransformersLLM
 
@@ -370,4 +387,6 @@ def _engine_config(config: BackendConfig, path: str, names: tuple[str, ...], *,
                                 rank_timeout_s=config.tensor_parallel_timeout,
                                 pipeline_parallel_size=config.pipeline_parallel_size),
         lora=LoRAConfig(enabled=config.lora_enabled, max_loras=config.max_loras,
-                        max_lora_rank=config.max_lora_rank))
+                        max_lora_rank=config.max_lora_rank),
+        speculative=(SpeculativeConfig.from_json(config.speculative_config)
+                     if config.speculative_config is not None else None))

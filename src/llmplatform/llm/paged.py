@@ -155,7 +155,17 @@ class PagedLLM(LLMBackend):
                          num_kv_blocks=self.engine.block_manager.num_blocks,
                          num_preemptions=self.engine.stats.num_preemptions,
                          num_engine_restarts=self._async.num_restarts if self._async else 0,
-                         num_deferred_for_prefix=self.engine.stats.num_deferred_for_prefix)
+                         num_deferred_for_prefix=self.engine.stats.num_deferred_for_prefix,
+                         **self._speculative_load())
+
+    def _speculative_load(self) -> dict[str, int]:
+        """Speculative decoding's counters (none when it is off: not reported)."""
+        if self.engine.config.speculative is None:
+            return {}
+        stats = self.engine.stats
+        return {"spec_num_drafts": stats.num_spec_drafts,
+                "spec_num_draft_tokens": stats.num_spec_draft_tokens,
+                "spec_num_accepted_tokens": stats.num_spec_accepted_tokens}
 
     def backend_info(self) -> BackendInfo:
         """What the engine runs on: worked out once, since every status and heartbeat reports it

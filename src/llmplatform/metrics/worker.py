@@ -54,6 +54,12 @@ class LoadStats(Protocol):
     def num_engine_restarts(self) -> int | None: ...
     @property
     def num_deferred_for_prefix(self) -> int | None: ...
+    @property
+    def spec_num_drafts(self) -> int | None: ...
+    @property
+    def spec_num_draft_tokens(self) -> int | None: ...
+    @property
+    def spec_num_accepted_tokens(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,29 @@ class _LoadCollector(Collector):
                                 "Requests held back until a prompt prefix another request was "
                                 "computing was cached, so that it is computed once.",
                                 stats.num_deferred_for_prefix)
+        yield from self._speculative(stats)
+
+    def _speculative(self, stats: LoadStats) -> Iterator[Metric]:
+        """Speculative decoding (vLLM's counter names), and the two ratios they give since start:
+        acceptance rate (proposals kept / proposed) and tokens per step (tokens a verifying
+        sequence emits per step: kept proposals + the model's own token, per verification)."""
+        drafts, proposed, accepted = (stats.spec_num_drafts, stats.spec_num_draft_tokens,
+                                      stats.spec_num_accepted_tokens)
+        if drafts is None or proposed is None or accepted is None:
+            return
+        yield self._counter("spec_decode_num_drafts",
+                            "Sequence-steps that verified speculative proposals.", drafts)
+        yield self._counter("spec_decode_num_draft_tokens", "Speculative tokens proposed.",
+                            proposed)
+        yield self._counter("spec_decode_num_accepted_tokens",
+                            "Speculative tokens accepted (kept by verification).", accepted)
+        yield self._gauge("spec_decode_acceptance_rate",
+                          "Accepted / proposed speculative tokens since start (0 before any).",
+                          accepted / proposed if proposed else 0.0)
+        yield self._gauge("spec_decode_tokens_per_step",
+                          "Tokens a sequence gets per verification step since start (accepted "
+                          "proposals + 1; 0 before any).",
+                          (accepted + drafts) / drafts if drafts else 0.0)
 
 
 class WorkerMetrics:

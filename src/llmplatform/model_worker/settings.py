@@ -218,6 +218,11 @@ class WorkerServiceSettings(ServerSettings):
     max_lora_rank: int = option(
         _DEFAULT.max_lora_rank, "the largest LoRA rank served; a larger adapter is refused "
         "(default: %(default)s)", group=_ENGINE, ge=1, le=512)
+    speculative_config: OptionalText = option(
+        _DEFAULT.speculative_config, "speculative decoding, as a JSON object like vLLM's: "
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2, "disable_by_batch_size": 8} (docs/engine.md; default: off)',
+        metavar="JSON", group=_ENGINE)
     enable_prefix_caching: bool = option(
         _DEFAULT.enable_prefix_caching, "reuse the KV cache of prompt prefixes seen before "
         "(default: on; --no-enable-prefix-caching turns it off)", group=_ENGINE, negatable=True)

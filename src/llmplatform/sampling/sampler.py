@@ -73,10 +73,7 @@ class Sampler:
         want_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-        logits = self._apply_penalties(logits, rows)
-        logits = self._apply_logit_bias(logits, rows)
-        logits = self._apply_grammars(logits, rows)
-        logits = self._mask_early_stops(logits, rows)
+        logits = self.process(logits, rows)
 
         greedy = torch.tensor([r.params.greedy for r in rows], device=device)
         token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
@@ -85,11 +82,7 @@ class Sampler:
         random_rows = (~greedy).nonzero().flatten().tolist()
         if random_rows:
             sub_rows = [rows[i] for i in random_rows]
-            sub = logits[random_rows]
-            temperature = torch.tensor([r.params.temperature for r in sub_rows], device=device)
-            sub = sub / temperature.unsqueeze(1)
-            sub = _top_k_top_p_min_p(sub, sub_rows)
-            probs = torch.softmax(sub, dim=-1)
+            probs = self.probabilities(logits[random_rows], sub_rows)
             token_ids[random_rows] = _draw(probs, sub_rows)
 
         ids = token_ids.tolist()
@@ -99,6 +92,23 @@ class Sampler:
                 if want_logprobs[i]:
                     records[i] = self._record(raw_logprobs[i], ids[i], row.params.logprobs or 0)
         return ids, records
+
+    def process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The logits processors, in order (penalties, logit_bias, grammar mask, min_tokens
+        mask): float32 ``[num_rows, vocab]`` in, the processed logits out (greedy takes their
+        argmax). Each row sees its own history (``SamplingRow``); speculative verification
+        (engine.speculative) passes one row per position, each with its own prefix."""
+        logits = self._apply_penalties(logits, rows)
+        logits = self._apply_logit_bias(logits, rows)
+        logits = self._apply_grammars(logits, rows)
+        return self._mask_early_stops(logits, rows)
+
+    @staticmethod
+    def probabilities(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The distribution a non-greedy row draws from: processed logits over its temperature,
+        then top-k, top-p and min-p, softmaxed (``[num_rows, vocab]``)."""
+        temperature = torch.tensor([r.params.temperature for r in rows], device=processed.device)
+        return torch.softmax(_top_k_top_p_min_p(processed / temperature.unsqueeze(1), rows), dim=-1)
 
     def logprob_records(self, logprobs: torch.Tensor, token_ids: Sequence[int], num_top: int
                         ) -> list[TokenLogprob]:
@@ -247,6 +257,11 @@ def _top_k_top_p_min_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tor
         threshold = torch.tensor(min_p, device=device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
+
+
+def draw(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """One token per row of ``probs`` (each seeded row from its own generator)."""
+    return _draw(probs, rows)
 
 
 def _draw(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

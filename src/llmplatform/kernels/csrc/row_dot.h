@@ -60,11 +60,38 @@ static void dot_rows(const float *x32, int64_t rows, const void *wrow, int w_bf1
                 acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x32 + r * k + i), acc[r]);
         }
     } else {
-        for (; i < k8; i += 8) {
-            __m256 wv = load8(wrow, w_bf16, i);
-            for (int64_t r = 0; r < rows; r++)
-                acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x32 + r * k + i), acc[r]);
+        /* 3-7 rows (decode batches of a few sequences, speculative verification): a loop bound
+         * known at compile time per case, so the sums stay in registers as in the 8-row case
+         * (with a runtime bound the compiler keeps acc[] in memory), and two sums per row over
+         * alternate chunks: 6-14 independent chains keep the FMA units busy where one chain per
+         * row would wait on each multiply-add's latency. */
+#define LLMPLATFORM_DOT_FIXED(R)                                                          \
+        {                                                                                 \
+            __m256 odd[R];                                                                \
+            for (int r = 0; r < (R); r++) odd[r] = _mm256_setzero_ps();                   \
+            int64_t k16 = k & ~(int64_t)15;                                               \
+            for (; i < k16; i += 16) {                                                    \
+                __m256 w0 = load8(wrow, w_bf16, i), w1 = load8(wrow, w_bf16, i + 8);      \
+                for (int r = 0; r < (R); r++) {                                           \
+                    acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x32 + r * k + i), acc[r]); \
+                    odd[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x32 + r * k + i + 8), odd[r]); \
+                }                                                                         \
+            }                                                                             \
+            for (; i < k8; i += 8) {                                                      \
+                __m256 wv = load8(wrow, w_bf16, i);                                       \
+                for (int r = 0; r < (R); r++)                                             \
+                    acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x32 + r * k + i), acc[r]); \
+            }                                                                             \
+            for (int r = 0; r < (R); r++) acc[r] = _mm256_add_ps(acc[r], odd[r]);         \
         }
+        switch (rows) {
+        case 3: LLMPLATFORM_DOT_FIXED(3) break;
+        case 4: LLMPLATFORM_DOT_FIXED(4) break;
+        case 5: LLMPLATFORM_DOT_FIXED(5) break;
+        case 6: LLMPLATFORM_DOT_FIXED(6) break;
+        default: LLMPLATFORM_DOT_FIXED(7) break;
+        }
+#undef LLMPLATFORM_DOT_FIXED
     }
     for (int64_t r = 0; r < rows; r++) dots[r] = hsum(acc[r]);
 #else
