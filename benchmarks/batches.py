@@ -10,11 +10,13 @@ the serving benchmark's streaming client (benchmarks/serve_client.py) for the in
 1. **offline**: before the cluster starts, the offline engine (``llmplatform.LLM``) generates the
    first ``--offline-lines`` of the batch's requests, all at once, with the worker's engine
    settings: its output tokens/s is the batch's reference.
-2. **interactive alone**: ``--streams`` streams (each one request at a time) send
-   ``--interactive-requests`` streamed completions each: TTFT and ITL percentiles.
+2. **interactive alone**: after a warm-up pass of the same shapes, ``--streams`` streams (each one
+   request at a time) send ``--interactive-requests`` streamed completions each: TTFT and ITL
+   percentiles.
 3. **interactive beside the batch**: the batch (``--lines`` completions, JSONL uploaded with
    ``files.create``, ``batches.create``) is started and, once some of its lines have finished, the
-   same interactive load runs again: TTFT and ITL beside it.
+   same interactive load runs again (prompts of the same lengths, other tokens: no prefix-cache
+   hits on the first run's): TTFT and ITL beside it.
 4. **the batch alone**: the interactive load has stopped; the batch's completed lines are polled
    (``batches.retrieve``) every second for ``--window-s`` seconds (or to its end): its output
    tokens/s over that window (every line generates exactly ``--max-tokens``, EOS ignored), then
@@ -117,8 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(path)
     allowed = allowed_token_ids(tokenizer)
     lines = [r.prompt for r in make_requests(tokenizer, allowed, args.lines, "batch", (32, 128), (1, 1))]
-    chats = make_requests(tokenizer, allowed, args.streams * args.interactive_requests, "interactive",
+    # Three interactive sets of the same lengths and other tokens: a warm-up (every shape the
+    # engine will see, compiled), then one alone and one beside the batch, neither of which finds
+    # the other's prompts in the prefix cache.
+    shape = make_requests(tokenizer, allowed, args.streams * args.interactive_requests, "interactive",
                           (64, 256), (args.interactive_output, args.interactive_output))
+    warm_up, chats_alone, chats_beside = (
+        [make_requests(tokenizer, allowed, 1, f"{name}-{i}", (r.prompt_len, r.prompt_len),
+                       (r.output_len, r.output_len))[0] for i, r in enumerate(shape)]
+        for name in ("warm-up", "alone", "beside"))
     log(f"offline engine: {args.offline_lines} lines")
     offline = offline_throughput(path, lines[:args.offline_lines], args.max_tokens, args)
     log(f"offline engine: {offline:.1f} output tokens/s")
@@ -135,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         gateway = cluster.gateway_url
         client = openai.OpenAI(base_url=gateway, api_key="unused", max_retries=0, timeout=TIMEOUT_S)
         try:
-            interactive(gateway, chats[:args.streams], args.streams)  # warm-up
+            interactive(gateway, warm_up, args.streams)
             log("interactive alone")
-            alone = interactive(gateway, chats, args.streams)
+            alone = interactive(gateway, chats_alone, args.streams)
 
             upload = client.files.create(file=("batch.jsonl", io.BytesIO(batch_file(lines, args.max_tokens))),
                                          purpose="batch")
@@ -146,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             while counts(client, batch.id)[0] < min(args.max_num_seqs, args.lines // 4):
                 time.sleep(0.5)
             log("interactive beside the batch")
-            beside = interactive(gateway, chats, args.streams)
+            beside = interactive(gateway, chats_beside, args.streams)
 
             log("the batch alone")
             stopped, done_at_stop = time.perf_counter(), counts(client, batch.id)[0]

@@ -93,14 +93,17 @@ class RunnerMirror:
 
 def make_scheduler(*, num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
                    max_model_len=64, enable_prefix_caching=False, background_tokens=None,
-                   background_max_step_tokens=SchedulerConfig.background_max_step_tokens) -> Scheduler:
+                   background_max_step_tokens=SchedulerConfig.background_max_step_tokens,
+                   background_grace_s=0.0) -> Scheduler:
     """``background_tokens``: what background sequences get of a step while foreground ones are
-    unfinished, fixed (engine.background measures it from step durations otherwise)."""
+    unfinished, fixed (engine.background measures it from step durations otherwise); no grace
+    after foreground work by default (it goes by the clock)."""
     # Every request here has the same prompt prefix: these tests pin batches and block ids without
     # the prefix cache (test_prefix_caching_scheduler.py covers the scheduler with it).
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len,
-                             background_max_step_tokens=background_max_step_tokens)
+                             background_max_step_tokens=background_max_step_tokens,
+                             background_grace_s=background_grace_s)
     sched = RecordingScheduler(config, BlockManager(num_blocks=num_blocks, block_size=block_size,
                                                     enable_prefix_caching=enable_prefix_caching))
     if background_tokens is not None:

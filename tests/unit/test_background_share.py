@@ -73,3 +73,25 @@ def test_size_classes_are_exact_for_decode_sized_steps_and_coarse_above():
     assert [size_class(n) for n in (1, 4, 16, 17, 32, 33, 200)] == [1, 4, 16, 32, 32, 64, 256]
     with pytest.raises(ValueError):
         BackgroundShare(slowdown=-0.1, max_step_tokens=10)
+
+
+def test_for_a_grace_period_after_foreground_work_the_busy_share_applies():
+    now = [100.0]
+    share = BackgroundShare(slowdown=0.2, max_step_tokens=100, grace_s=1.0, clock=lambda: now[0])
+    share.fix(3)
+    assert share.busy(True) and share.tokens(True, 0) == 3
+    now[0] += 0.5  # the last foreground request finished; its user is likely to send another
+    assert share.busy(False) and share.tokens(share.busy(False), 0) == 3
+    now[0] += 0.6  # gone quiet: background work takes big steps again
+    assert not share.busy(False) and share.tokens(False, 0) == 100
+    assert share.busy(True)  # and a new foreground request brings the share back at once
+
+
+def test_a_grace_step_without_foreground_tokens_gets_what_one_decode_would_allow():
+    now = [0.0]
+    share = BackgroundShare(slowdown=0.2, max_step_tokens=100, grace_s=1.0, clock=lambda: now[0])
+    assert share.tokens(True, 0) == 0  # no reference for one foreground token yet
+    share.observe(1, 0, True, 0.02)
+    assert share.tokens(True, 0) == 1
+    share.observe(0, 1, True, 5.0)  # a grace step teaches nothing (no foreground to compare)
+    assert share.allowance == 1.0

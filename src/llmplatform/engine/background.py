@@ -14,16 +14,23 @@ not configured: :class:`BackgroundShare` keeps every step that foreground work i
   background's: within ``1 + slowdown`` of it, the allowance grows by one token; past it, it is
   halved. The reference is measured by the busy steps that give background work nothing: the
   first ones of each foreground size, and then one in ``PROBE_EVERY``.
-- **Steps without foreground work**: background work may take up to ``max_step_tokens`` of the
-  step's budget. This bounds how long a foreground request that arrives meanwhile waits for the
-  step under way to end (its time to first token), and costs the batch little: a step of a few
-  hundred tokens already multiplies matrices as efficiently as a bigger one.
+- **For ``grace_s`` after foreground work** (none unfinished, but some was a moment ago: a user
+  reading a reply, a client about to send its next request) background work keeps the busy
+  share, so a foreground request that arrives then waits for a small step, not a big one.
+- **Steps without foreground work** (none for ``grace_s``): background work may take up to
+  ``max_step_tokens`` of the step's budget. This bounds how long a foreground request that
+  arrives meanwhile waits for the step under way to end (its time to first token), and costs
+  the batch little: a step of a few hundred tokens already multiplies matrices about as
+  efficiently as a bigger one.
 
 Durations are of the engine's steps (``LLMEngine.launch`` to ``complete``), noted by the engine.
 Pure Python, no torch.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 PROBE_EVERY = 8
 """One busy step in this many gives background work nothing, to keep the reference current."""
@@ -44,13 +51,19 @@ def size_class(num_tokens: int) -> int:
 class BackgroundShare:
     """The background tokens each step may take (see the module docstring)."""
 
-    def __init__(self, slowdown: float, max_step_tokens: int) -> None:
+    def __init__(self, slowdown: float, max_step_tokens: int, grace_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if slowdown < 0:
             raise ValueError(f"background slowdown must be at least 0, got {slowdown}")
         if max_step_tokens < 1:
             raise ValueError(f"background max step tokens must be at least 1, got {max_step_tokens}")
+        if grace_s < 0:
+            raise ValueError(f"background grace must be at least 0 seconds, got {grace_s}")
         self.slowdown = slowdown
         self.max_step_tokens = max_step_tokens
+        self.grace_s = grace_s
+        self._clock = clock
+        self._last_foreground = float("-inf")
         self.allowance = 1.0
         self._reference: dict[int, float] = {}  # size class -> seconds, running average
         self._num_busy_steps = 0
@@ -61,21 +74,31 @@ class BackgroundShare:
         measured share depends on the machine's timings)."""
         self.allowance, self._adaptive = float(allowance), False
 
+    def busy(self, foreground: bool) -> bool:
+        """Whether the step being scheduled gets the busy share: foreground work is unfinished
+        (``foreground``), or was less than ``grace_s`` ago."""
+        now = self._clock()
+        if foreground:
+            self._last_foreground = now
+        return foreground or now - self._last_foreground < self.grace_s
+
     def tokens(self, busy: bool, foreground_tokens: int) -> int:
-        """The background tokens the step being scheduled may take, given whether foreground
-        work is unfinished (``busy``) and the foreground tokens scheduled so far."""
+        """The background tokens the step being scheduled may take, given whether it gets the
+        busy share (``busy``) and the foreground tokens scheduled so far."""
         if not busy:
             return self.max_step_tokens
         if not self._adaptive:
             return int(self.allowance)
-        if self.slowdown == 0 or self._probing(foreground_tokens):
+        # A step in the grace period has no foreground tokens: it is held to what one
+        # foreground decode would allow.
+        if self.slowdown == 0 or self._probing(max(1, foreground_tokens)):
             return 0
         return int(self.allowance)
 
     def observe(self, foreground_tokens: int, background_tokens: int, busy: bool,
                 seconds: float) -> None:
         """A step ended: ``seconds`` from launch to completion, its tokens of each kind, and
-        whether foreground work was unfinished when it was scheduled."""
+        whether it got the busy share. Only steps with foreground tokens teach anything."""
         if not busy or not self._adaptive or foreground_tokens == 0:
             return
         self._num_busy_steps += 1

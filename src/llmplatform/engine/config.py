@@ -61,6 +61,9 @@ class SchedulerConfig:
     background_max_step_tokens: the most tokens a step gives background requests when no
         foreground one is unfinished (default 256): what an arriving interactive request may
         wait behind.
+    background_grace_s: for this long after foreground work (seconds, default 1), background
+        requests keep the share they get beside it, so the next interactive request, likely
+        soon, does not wait behind a big step.
     """
 
     max_num_seqs: int = 64
@@ -69,6 +72,7 @@ class SchedulerConfig:
     min_in_flight_prefix_blocks: int = 1
     background_slowdown: float = 0.2
     background_max_step_tokens: int = 256
+    background_grace_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -79,6 +83,8 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.background_slowdown < 0:
             raise ValueError(f"background_slowdown must be at least 0, got {self.background_slowdown}")
+        if self.background_grace_s < 0:
+            raise ValueError(f"background_grace_s must be at least 0, got {self.background_grace_s}")
         if self.background_max_step_tokens < 1:
             raise ValueError("background_max_step_tokens must be at least 1, got "
                              f"{self.background_max_step_tokens}")

@@ -140,7 +140,8 @@ class Scheduler:
         self._finished_in_runner: list[int] = []
         # The background requests' share of each step (engine.background), fed by the engine.
         self.background = BackgroundShare(config.background_slowdown,
-                                          config.background_max_step_tokens)
+                                          config.background_max_step_tokens,
+                                          config.background_grace_s)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -229,8 +230,9 @@ class Scheduler:
                     rejected.append((s.seq_id, reason))
 
         # 0b. Background work gives way to the foreground at the head of the queue (engine.priority).
-        busy = has_foreground(self._live.values())
-        yielded = make_room_for_foreground(self, budget, self._preempt) if busy else []
+        foreground = has_foreground(self._live.values())
+        yielded = make_room_for_foreground(self, budget, self._preempt) if foreground else []
+        busy = self.background.busy(foreground)  # or it was a moment ago (engine.background)
         share = StepShare(self.background, busy)
 
         # 1. Running sequences, best priority and oldest first; the last are preempted for room.

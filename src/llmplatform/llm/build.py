@@ -65,6 +65,7 @@ class BackendConfig:
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     background_slowdown: float = SchedulerConfig.background_slowdown  # engine.background
     background_max_step_tokens: int = SchedulerConfig.background_max_step_tokens
+    background_grace_s: float = SchedulerConfig.background_grace_s
     block_size: int = CacheConfig.block_size
     kv_cache_memory: str = "2GiB"  # CacheConfig.kv_cache_memory_bytes, as a size to read
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
@@ -382,7 +383,8 @@ def _engine_config(config: BackendConfig, path: str, names: tuple[str, ...], *,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_model_len=model_len,
                                   background_slowdown=config.background_slowdown,
-                                  background_max_step_tokens=config.background_max_step_tokens),
+                                  background_max_step_tokens=config.background_max_step_tokens,
+                                  background_grace_s=config.background_grace_s),
         parallel=ParallelConfig(tensor_parallel_size=config.tensor_parallel_size,
                                 rank_timeout_s=config.tensor_parallel_timeout,
                                 pipeline_parallel_size=config.pipeline_parallel_size),

@@ -170,6 +170,10 @@ class WorkerServiceSettings(ServerSettings):
         _DEFAULT.background_max_step_tokens, "the most tokens a step gives background requests "
         "when no interactive one is unfinished: what an arriving interactive request may wait "
         "behind (default: %(default)s)", group=_ENGINE, ge=1)
+    background_grace_s: float = option(
+        _DEFAULT.background_grace_s, "for this many seconds after interactive work, background "
+        "requests keep the share they get beside it, so the next interactive request does not "
+        "wait behind a big step (default: %(default)s)", metavar="SECONDS", group=_ENGINE, ge=0)
     block_size: int = option(_DEFAULT.block_size, "tokens per KV-cache block", group=_ENGINE, ge=1)
     kv_cache_memory: str = option(
         _DEFAULT.kv_cache_memory, "KV-cache size on CPU, e.g. 2GiB or 512MiB", group=_ENGINE)
