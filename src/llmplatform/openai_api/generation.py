@@ -105,10 +105,11 @@ async def answer(request: Request, model: str, start_on: StartOn[P],
     --on-demand-timeout), a streamed answer sending SSE keep-alive comments meanwhile. `framing`:
     the dialect's stream errors and end."""
     client = worker_client(request)
-    note_model(request, model)
     streams = RequestStreams(client, model, start_on)
     try:
-        await streams.start(await client.worker_address(model, route=route))
+        address = await client.worker_address(model, route=route)
+        note_model(request, model)  # a model some worker serves: never an unknown name as a label
+        await streams.start(address)
     except (ModelNotFoundError, NoWorkerError):
         # No worker, or none of those routing knew could take it: an on-demand model may just
         # have been unloaded (its stopped worker still in the routing table for a moment).
@@ -121,8 +122,10 @@ async def answer(request: Request, model: str, start_on: StartOn[P],
                 request, lifecycle.wait_ready(starting), model, start_on, reply, route, framing),
                 headers_first=True)
         await lifecycle.wait_ready(starting)
+        address = await client.worker_address(model, route=route)
+        note_model(request, model)
         streams = RequestStreams(client, model, start_on)
-        await streams.start(await client.worker_address(model, route=route))
+        await streams.start(address)
     replying = reply(lambda: streams.prepared)
     ticket = ticket_of(request)
     if stream:
@@ -151,6 +154,7 @@ async def _cold_event_stream(request: Request, ready: Awaitable[None], model: st
                 yield KEEP_ALIVE_COMMENT
         waiting.result()
         client = worker_client(request)
+        note_model(request, model)
         streams = RequestStreams(client, model, start_on)
         await streams.start(await client.worker_address(model, route=route))
         async for event in _event_stream(reply(lambda: streams.prepared), streams,
