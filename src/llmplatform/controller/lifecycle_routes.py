@@ -37,6 +37,7 @@ from llmplatform.protocol.lifecycle import (
     RegisterAgentRequest,
     StopModelRequest,
 )
+from llmplatform.utils.tasks import in_background
 
 logger = logging.getLogger("llmplatform.controller.lifecycle")
 
@@ -113,11 +114,8 @@ async def watching(manager: ModelManager) -> AsyncIterator[None]:
                 logger.exception("lifecycle tick failed")
             await asyncio.sleep(TICK_INTERVAL_S)
 
-    task = asyncio.create_task(loop(), name="controller-lifecycle")
     try:
-        yield
+        async with in_background(loop(), "controller-lifecycle"):
+            yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
         await manager.aclose()

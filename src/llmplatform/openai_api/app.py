@@ -9,13 +9,11 @@ lifecycle routes, over the same client) and, with `--routing local`,
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
-from typing import Any
+from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI
@@ -39,6 +37,7 @@ from llmplatform.openai_api.settings import GatewaySettings, RoutingMode
 from llmplatform.openai_api.worker_client import WorkerClient
 from llmplatform.routing.policies import RandomSource
 from llmplatform.routing.router import Router
+from llmplatform.utils.tasks import in_background
 from llmplatform.utils.cluster_secret import secret_headers
 from llmplatform.utils.request_guard import RequestGuard, RequestGuardConfig
 from llmplatform.utils.worker_addresses import CheckedDialTransport
@@ -150,18 +149,6 @@ def create_app(settings: GatewaySettings | None = None, *, rng: RandomSource | N
 
 
 @contextlib.asynccontextmanager
-async def _in_background(work: Coroutine[Any, Any, None], name: str) -> AsyncIterator[None]:
-    """`work` runs as a task while the block runs; it is cancelled and awaited on the way out."""
-    task = asyncio.create_task(work, name=name)
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
-@contextlib.asynccontextmanager
 async def _refreshing(table: Router | None, client: WorkerClient, interval: float
                       ) -> AsyncIterator[None]:
     """Keeps `table` filled from the controller while the block runs (nothing without a table);
@@ -170,7 +157,7 @@ async def _refreshing(table: Router | None, client: WorkerClient, interval: floa
         yield
         return
     refresher = TableRefresher(table, client.list_workers, interval=interval)
-    async with _in_background(refresher.run(), "gateway-routing-refresh"):
+    async with in_background(refresher.run(), "gateway-routing-refresh"):
         yield
 
 
@@ -180,7 +167,7 @@ async def _running_batches(runner: BatchRunner) -> AsyncIterator[None]:
     flight are cancelled (they run again at the next start) before the HTTP client closes."""
     await runner.start()
     try:
-        async with _in_background(runner.run(), "gateway-batch-runner"):
+        async with in_background(runner.run(), "gateway-batch-runner"):
             yield
     finally:
         await runner.aclose()
