@@ -15,7 +15,7 @@ from llmplatform.engine.config import (EngineConfig, LoRAConfig, ModelConfig, Pa
 from llmplatform.engine.outputs import AcceptedTokens, ModelOutput
 from llmplatform.engine.scheduler import Scheduler
 from llmplatform.engine.sequence import Sequence
-from llmplatform.engine.speculative.proposer import NgramProposer, ngram_lookup
+from llmplatform.engine.speculative.proposer import NgramProposer, ProposalRoom, ngram_lookup
 from llmplatform.engine.speculative.rejection import _greedy_run, _sampled_run
 from llmplatform.sampling.params import SamplingParams
 from llmplatform.sampling.sampler import SamplingRow, make_generator
@@ -56,9 +56,13 @@ def _decoding(prompt, output, max_tokens=50, grammar=None):
 BM = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
 
 
+def ngram(config: SpeculativeConfig, **room) -> NgramProposer:
+    return NgramProposer(config, ProposalRoom(config, **room))
+
+
 def test_proposer_caps_by_max_tokens_budget_and_batch_size():
     config = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, disable_by_batch_size=2)
-    proposer = NgramProposer(config, max_num_batched_tokens=64, max_model_len=100)
+    proposer = ngram(config, max_num_batched_tokens=64, max_model_len=100)
     a = _decoding([1, 2, 3, 4, 5, 6, 1, 2], [3])
     b = _decoding([1, 2, 3, 4, 5, 6, 1, 2], [3], max_tokens=3)  # 2 outputs left: K <= 1
     prefill = _decoding([1, 2, 3, 1, 2], [])  # no output yet: not decoding
@@ -70,9 +74,9 @@ def test_proposer_caps_by_max_tokens_budget_and_batch_size():
     assert proposer.propose([a, b, c], BM) == 0
     assert a.spec_token_ids == b.spec_token_ids == c.spec_token_ids == []
     # A budget of 4 tokens for two decodes leaves 2 proposals in all; so does a limit of 4 rows.
-    tight = NgramProposer(config, max_num_batched_tokens=4, max_model_len=100)
+    tight = ngram(config, max_num_batched_tokens=4, max_model_len=100)
     assert tight.propose([a, c], BM) == 2 and a.spec_token_ids == [4, 5] and c.spec_token_ids == []
-    few_rows = NgramProposer(config, max_num_batched_tokens=64, max_model_len=100, max_step_rows=4)
+    few_rows = ngram(config, max_num_batched_tokens=64, max_model_len=100, max_step_rows=4)
     assert few_rows.propose([a, c], BM) == 2 and a.spec_token_ids == [4, 5]
     # Slots for proposals only from blocks no decode needs: 10 tokens in 3 blocks of 4 (9
     # computed) and 3 proposals need a 4th block; with none free, 2 proposals (12 tokens) fit.
@@ -168,9 +172,13 @@ def test_config_from_json_and_refusals():
                                          '"prompt_lookup_max": 3, "prompt_lookup_min": 1}')
     assert (config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min,
             config.disable_by_batch_size) == (5, 3, 1, 8)
-    for bad, words in [('{"method": "draft_model"}', "draft model"), ("[1]", "JSON object"),
+    draft = SpeculativeConfig.from_json('{"model": "/models/small", "num_speculative_tokens": 3}')
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/models/small", 3)
+    for bad, words in [('{"method": "draft_model"}', "needs a model"), ("[1]", "JSON object"),
                        ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
-                       ('{"model": "x"}', "unsupported key"), ("{", "not valid JSON"),
+                       ('{"method": "ngram", "model": "x"}', "only it takes one"),
+                       ('{"model": 3}', "non-empty string"), ('{"draft": "x"}', "unsupported key"),
+                       ("{", "not valid JSON"),
                        ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min"),
                        ('{"num_speculative_tokens": "3"}', "must be an integer")]:
         with pytest.raises(ValueError, match=words):
@@ -220,6 +228,40 @@ def test_sampled_run_leaves_the_distribution_unchanged():
     assert chisquare(second, expected(p[1], second.sum())).pvalue > 1e-3
     # Both kept (then a bonus token) with probability p0(1) * p1(3) = 0.1.
     assert abs(lengths[3] / num_runs - 0.1) < 0.01
+
+
+def test_sampled_run_with_a_draft_distribution_leaves_the_target_distribution_unchanged():
+    """A draft model's proposals are drawn from its own q (not a point mass): keep d with
+    probability min(1, p(d) / q(d)), else resample from max(0, p - q). Whatever q is, the first
+    emitted token must follow p0 and the second (after a kept first) p1; the first is kept with
+    probability sum_x min(p0(x), q0(x)). Chi-square on 20k runs, fixed seeds; p < 1e-3 fails."""
+    p = torch.tensor([[0.1, 0.5, 0.2, 0.1, 0.1, 0.0],
+                      [0.3, 0.1, 0.2, 0.2, 0.15, 0.05],
+                      [0.2, 0.2, 0.2, 0.2, 0.1, 0.1]])
+    q = torch.tensor([[0.4, 0.1, 0.1, 0.2, 0.0, 0.2],  # puts mass where p has none (token 5)
+                      [0.05, 0.05, 0.6, 0.1, 0.1, 0.1]])
+    row = SamplingRow(params=SamplingParams(temperature=1.0), prompt_token_ids=[0],
+                      output_token_ids=[], generator=make_generator(99))
+    draft_generator = torch.Generator().manual_seed(7)
+    num_runs = 20_000
+    first, second = np.zeros(6), np.zeros(6)
+    num_kept = 0
+    for _ in range(num_runs):
+        proposals = tuple(int(torch.multinomial(q[j], 1, generator=draft_generator)) for j in range(2))
+        emitted = _sampled_run(proposals, p, [row] * 3, q)
+        first[emitted[0]] += 1
+        if len(emitted) >= 2:
+            num_kept += 1
+            second[emitted[1]] += 1
+    assert first[5] == 0  # q's mass on a token p never draws is always rejected
+
+    def expected(probs, total):
+        probs = probs.double().numpy()
+        return probs / probs.sum() * total
+
+    assert chisquare(first[:5], expected(p[0, :5], num_runs)).pvalue > 1e-3
+    assert chisquare(second, expected(p[1], second.sum())).pvalue > 1e-3
+    assert abs(num_kept / num_runs - float(torch.minimum(p[0], q[0]).sum())) < 0.015
 
 
 # ---- metrics -------------------------------------------------------------------------------------

@@ -229,7 +229,7 @@ class LoRAConfig:
             raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 """Speculative decoding methods the native engine runs (``--speculative-config``'s ``method``)."""
 
 
@@ -240,11 +240,16 @@ class SpeculativeConfig:
     have produced itself (greedy: the same tokens; sampling: the same distribution).
 
     method: how tokens are proposed; ``ngram`` (prompt lookup): the tokens that followed the
-        latest earlier occurrence of the sequence's last n tokens (in its prompt and output).
+        latest earlier occurrence of the sequence's last n tokens (in its prompt and output);
+        ``draft_model``: a smaller model of the same tokenizer (``model``) generates them, run by
+        the same engine with a KV pool of its own. Given ``model`` and no ``method``, the method is
+        ``draft_model`` (as in vLLM).
+    model: the draft model (a local directory, hub id or .gguf, like ``--model``; resolved to a
+        directory before the engine is made); only with ``draft_model``.
     num_speculative_tokens: tokens proposed per sequence and step, K (each verification forward
         computes K + 1 positions per sequence; default 4).
     prompt_lookup_max / prompt_lookup_min: the longest and shortest n-gram matched (tokens;
-        longer first; defaults 4 and 2).
+        longer first; defaults 4 and 2; ``ngram`` only).
     disable_by_batch_size: speculation is off for a step when more sequences than this are
         decoding (a big batch is no longer memory bound, so verifying K extra positions per
         sequence costs compute the accepted tokens do not repay; default 8).
@@ -255,11 +260,15 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int = 8
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, "
-                             f"got {self.method!r} (a draft model is not supported yet)")
+                             f"got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("--speculative-config: method draft_model needs a model (the draft "
+                             "checkpoint), and only it takes one")
         if not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError("num_speculative_tokens must be in [1, 64], got "
                              f"{self.num_speculative_tokens}")
@@ -286,8 +295,13 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config: unsupported key(s) {', '.join(unknown)} "
                              f"(supported: {', '.join(sorted(known))})")
         for key, value in data.items():
-            if key != "method" and (not isinstance(value, int) or isinstance(value, bool)):
+            if key in ("method", "model"):
+                if not isinstance(value, str) or not value:
+                    raise ValueError(f"--speculative-config: {key} must be a non-empty string, got {value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"--speculative-config: {key} must be an integer, got {value!r}")
+        if "model" in data and "method" not in data:
+            data["method"] = "draft_model"
         return cls(**data)
 
     def check_supported(self, config: EngineConfig) -> None:

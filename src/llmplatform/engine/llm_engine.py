@@ -40,7 +40,7 @@ from llmplatform.engine.pooling import PoolingParams
 from llmplatform.engine.prefix_cache import PrefixCacheStats
 from llmplatform.engine.scheduler import Scheduler
 from llmplatform.engine.sequence import Sequence
-from llmplatform.engine.speculative.proposer import NgramProposer
+from llmplatform.engine.speculative.setup import make_proposer
 from llmplatform.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
 from llmplatform.sampling.grammar_sandbox import GrammarSandbox
 from llmplatform.sampling.output_processor import OutputProcessor, eos_token_ids_of
@@ -102,12 +102,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any | None = None,
                  runner: ModelRunner | None = None, grammars: GrammarSandbox | None = None,
                  *, runner_factory: RunnerFactory = ModelRunner.from_config,
-                 virtual_engine: int = 0) -> None:
+                 virtual_engine: int = 0, proposer: Any = None) -> None:
         """``runner``: an existing model runner to reuse, weights and all (see :meth:`rebuild`);
         otherwise ``runner_factory(config, tokenizer)`` builds one. ``grammars``: the grammar
         process of the constrained sequences, likewise (made on the first constrained request
         otherwise). ``virtual_engine``: which of the runner's KV pools this engine's blocks
-        are (pipeline parallelism: ``engine.virtual_engines``)."""
+        are (pipeline parallelism: ``engine.virtual_engines``). ``proposer``: an existing
+        speculative proposer to reuse (see :meth:`rebuild`)."""
         from transformers import AutoTokenizer, GenerationConfig
 
         self.config = config
@@ -140,9 +141,9 @@ class LLMEngine:
                                    max_loras=config.lora.max_loras if config.lora.enabled else 0)
         self.stats = StepStats()
         # Speculative decoding (engine.speculative): proposals made before each schedule.
-        self.proposer = (NgramProposer(config.speculative, sched.max_num_batched_tokens,
-                                       sched.max_model_len, self.runner.ops.small_rows or None)
-                         if config.speculative is not None else None)
+        # A rebuilt engine keeps its predecessor's (a draft model's weights and pool), reset.
+        self.proposer = proposer if proposer is not None else make_proposer(config, self.runner,
+                                                                            self.tokenizer)
         if config.speculative is not None:
             logger.info("speculative decoding: %s", config.speculative)
         logger.info(
@@ -275,7 +276,10 @@ class LLMEngine:
         CUDA error poisons the whole context) makes the new pool's probe forward pass raise,
         and then only a new process helps. Runs on the step thread, like ``step``."""
         self.runner.reset_kv_cache()
-        return LLMEngine(self.config, self.tokenizer, runner=self.runner, grammars=self.grammars)
+        if self.proposer is not None:
+            self.proposer.reset()
+        return LLMEngine(self.config, self.tokenizer, runner=self.runner, grammars=self.grammars,
+                         proposer=self.proposer)
 
     # ---- the step loop -----------------------------------------------------------------------
 
@@ -323,7 +327,13 @@ class LLMEngine:
 
     def _finish(self, state: OutputState) -> None:
         self.scheduler.finish(state.seq)
+        self._release_proposals(state.seq.seq_id)
         del self._outputs[state.seq.seq_id]
+
+    def _release_proposals(self, seq_id: int) -> None:
+        """A finished sequence's speculative state goes at once (a draft model's pool blocks)."""
+        if self.proposer is not None:
+            self.proposer.release(seq_id)
 
     def _fail(self, state: OutputState, failure: Failure) -> SequenceUpdate:
         """Finishes the output with an error and frees its blocks. The chunk is built here, not
@@ -434,6 +444,7 @@ class LLMEngine:
         state = self._outputs.pop(seq_id)
         seq = state.seq
         self.scheduler.finish(seq)  # a no-op when the scheduler finished it itself
+        self._release_proposals(seq_id)
         if state.processor is not None:
             chunk = state.processor.finish(reason, error=error)
         else:

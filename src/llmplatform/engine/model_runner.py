@@ -357,7 +357,7 @@ class ModelRunner:
                 lora_spans.append(RowSpan(seq.lora_id, first_row, item.num_new_tokens))
             if item.spec_token_ids:
                 spec_spans.append(SpecSpan(seq, len(input_ids) - len(item.spec_token_ids) - 1,
-                                           item.spec_token_ids))
+                                           item.spec_token_ids, item.spec_draft_probs))
             elif item.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)

@@ -76,6 +76,9 @@ class ScheduledChunk:
     # Speculative decoding: the last ``len(spec_token_ids)`` of the chunk's tokens are these
     # proposals, not the sequence's tokens; the step verifies them (engine.speculative).
     spec_token_ids: tuple[int, ...] = ()
+    # The draft model's distributions over them (``Sequence.spec_draft_probs``: rows of a tensor,
+    # the first ``len(spec_token_ids)`` used), or None for certain proposals.
+    spec_draft_probs: object | None = None
 
 
 @dataclass(frozen=True)

@@ -370,7 +370,8 @@ class Scheduler:
     def _chunk(self, seq: Sequence, num_new_tokens: int) -> ScheduledChunk:
         num_target_tokens = seq.num_tokens + len(seq.spec_token_ids)
         samples = seq.num_computed_tokens + num_new_tokens == num_target_tokens and seq.pooling is None
-        return ScheduledChunk(seq.seq_id, num_new_tokens, samples, tuple(seq.spec_token_ids))
+        return ScheduledChunk(seq.seq_id, num_new_tokens, samples, tuple(seq.spec_token_ids),
+                              seq.spec_draft_probs if seq.spec_token_ids else None)
 
     @staticmethod
     def _num_prompt_tokens_in(seq: Sequence, num_new_tokens: int) -> int:
@@ -423,6 +424,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.spec_token_ids.clear()
+        seq.spec_draft_probs = None
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         enqueue(self.waiting, seq, front=True)

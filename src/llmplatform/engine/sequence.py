@@ -72,6 +72,9 @@ class Sequence:
     # after its last token. Never part of its tokens (``num_tokens``); only a running sequence in
     # decode holds any, and only between the proposal and the step's update.
     spec_token_ids: list[int] = field(default_factory=list)
+    # The distributions a draft model drew them from (a [K, vocab] tensor, kept opaque here), or
+    # None when they are certain (the n-gram method, or a greedy sequence's draft argmax).
+    spec_draft_probs: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

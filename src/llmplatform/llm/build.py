@@ -11,7 +11,7 @@ settings take their defaults from the engine's own config sections.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from llmplatform.engine.config import (
@@ -29,7 +29,7 @@ from llmplatform.engine.config import (
 )
 from llmplatform.llm.base import LLMBackend
 from llmplatform.llm.decoder_embedding import NORMALIZE_CHOICES, POOLING_CHOICES
-from llmplatform.llm.resolve import QUANTIZATIONS
+from llmplatform.llm.resolve import QUANTIZATIONS, resolve_model
 
 if TYPE_CHECKING:
     from llmplatform.engine.model_runner import RunnerFactory
@@ -390,5 +390,14 @@ def _engine_config(config: BackendConfig, path: str, names: tuple[str, ...], *,
                                 pipeline_parallel_size=config.pipeline_parallel_size),
         lora=LoRAConfig(enabled=config.lora_enabled, max_loras=config.max_loras,
                         max_lora_rank=config.max_lora_rank),
-        speculative=(SpeculativeConfig.from_json(config.speculative_config)
-                     if config.speculative_config is not None else None))
+        speculative=_speculative(config.speculative_config))
+
+
+def _speculative(text: str | None) -> SpeculativeConfig | None:
+    """``--speculative-config``, its draft model (if any) resolved like ``--model`` to a directory."""
+    if text is None:
+        return None
+    spec = SpeculativeConfig.from_json(text)
+    if spec.model is None:
+        return spec
+    return replace(spec, model=str(resolve_model(spec.model).path))

@@ -225,7 +225,8 @@ class WorkerServiceSettings(ServerSettings):
     speculative_config: OptionalText = option(
         _DEFAULT.speculative_config, "speculative decoding, as a JSON object like vLLM's: "
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-        '"prompt_lookup_min": 2, "disable_by_batch_size": 8} (docs/engine.md; default: off)',
+        '"prompt_lookup_min": 2, "disable_by_batch_size": 8}, or with a draft model of the same '
+        'tokenizer: {"model": "PATH", "num_speculative_tokens": 4} (docs/engine.md; default: off)',
         metavar="JSON", group=_ENGINE)
     enable_prefix_caching: bool = option(
         _DEFAULT.enable_prefix_caching, "reuse the KV cache of prompt prefixes seen before "

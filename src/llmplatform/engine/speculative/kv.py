@@ -30,4 +30,5 @@ def settle_verified(seq: Sequence, item: ScheduledChunk, accepted: AcceptedToken
     seq.num_computed_tokens += item.num_new_tokens - num_rejected
     assert seq.num_computed_tokens == seq.num_tokens - 1, "one token (the model's own) to compute"
     seq.spec_token_ids.clear()
+    seq.spec_draft_probs = None
     block_manager.truncate(seq)

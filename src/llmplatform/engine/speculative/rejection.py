@@ -8,12 +8,14 @@ correct prefix. Then, for j = 0, 1, ...:
 
 - greedy: ``d_{j+1}`` is kept while it is the argmax of row j; the first row whose argmax differs
   gives the model's own token and ends the run. Token for token what plain greedy decoding emits.
-- sampling: the n-gram draft is deterministic (a point mass on ``d``), so standard speculative
-  sampling reduces to: keep ``d`` with probability ``p(d)`` (p: row j's distribution after
-  temperature, top-k, top-p, min-p); on rejection, draw from ``p`` with ``d`` removed and
-  renormalised (``max(0, p - q)`` normalised, for ``q`` the point mass). The emitted token is then
-  distributed exactly as ``p``: ``P(d) = p(d)``, and for ``x != d``,
-  ``P(x) = (1 - p(d)) * p(x) / (1 - p(d))``.
+- sampling, standard speculative sampling: with ``p`` row j's distribution (after temperature,
+  top-k, top-p, min-p) and ``q`` the one ``d`` was drawn from, keep ``d`` with probability
+  ``min(1, p(d) / q(d))``; on rejection, draw from ``max(0, p - q)`` normalised. The emitted
+  token is then distributed exactly as ``p``: ``P(x) = min(q(x), p(x)) + (1 - sum_y min(q(y),
+  p(y))) * max(0, p(x) - q(x)) / sum_y max(0, p(y) - q(y)) = p(x)``. A draft model's ``q`` comes
+  with the proposals (``SpecSpan.draft_probs``); the n-gram draft is certain, a point mass on
+  ``d``, which reduces this to: keep ``d`` with probability ``p(d)``, else draw from ``p`` with
+  ``d`` removed and renormalised.
 
 When all K are kept, row K gives one more token the usual way (the bonus). A seeded sequence
 draws its uniforms and tokens from its own generator (reproducible, though not the same numbers
@@ -40,6 +42,9 @@ class SpecSpan:
     seq: RunnerSequence
     first_row: int
     proposals: tuple[int, ...]
+    # The distributions the proposals were drawn from (a draft model's, ``[>= K, vocab]``), or
+    # None: each proposal certain (a point mass).
+    draft_probs: torch.Tensor | None = None
 
     @property
     def rows(self) -> range:
@@ -79,7 +84,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, spans: list[SpecSpan]) -> lis
             emitted = _greedy_run(span.proposals, greedy_ids[offset:offset + n])
         else:
             emitted = _sampled_run(span.proposals, sampler.probabilities(
-                processed[offset:offset + n], span_rows), span_rows)
+                processed[offset:offset + n], span_rows), span_rows, span.draft_probs)
         results.append(_result(sampler, span, logits[offset:offset + len(emitted)], emitted))
         offset += n
     return results
@@ -96,22 +101,26 @@ def _greedy_run(proposals: tuple[int, ...], argmax_ids: list[int]) -> list[int]:
     return emitted
 
 
-def _sampled_run(proposals: tuple[int, ...], probs: torch.Tensor,
-                 rows: list[SamplingRow]) -> list[int]:
-    """Speculative sampling with a point-mass draft (module docstring). probs: [K + 1, vocab]."""
+def _sampled_run(proposals: tuple[int, ...], probs: torch.Tensor, rows: list[SamplingRow],
+                 draft_probs: torch.Tensor | None = None) -> list[int]:
+    """Speculative sampling (module docstring). probs: [K + 1, vocab]; draft_probs: the
+    proposals' distributions ([>= K, vocab]), or None for point masses."""
     generator = rows[0].generator
     emitted = []
     for j, proposal in enumerate(proposals):
         u = torch.rand((), generator=generator, device=probs.device) if generator is not None \
             else torch.rand((), device=probs.device)
-        if float(u) < float(probs[j, proposal]):
+        q_d = 1.0 if draft_probs is None else float(draft_probs[j, proposal])
+        if float(u) * q_d < float(probs[j, proposal]):
             emitted.append(proposal)
             continue
         residual = probs[j:j + 1].clone()
-        residual[0, proposal] = 0.0
-        if float(residual.sum()) <= 0.0:  # p was all on the proposal: u < 1 keeps it always
-            emitted.append(proposal)
-            continue
+        if draft_probs is None:
+            residual[0, proposal] = 0.0
+        else:
+            residual = (residual - draft_probs[j:j + 1].to(residual)).clamp_(min=0.0)
+        if float(residual.sum()) <= 0.0:  # p is q (or all on the proposal): nothing to correct
+            residual = probs[j:j + 1].clone()
         residual /= residual.sum()
         emitted.append(int(draw(residual, [rows[j]])[0]))
         return emitted
