@@ -134,17 +134,17 @@ class ModelRunner:
         self._tokenizer = tokenizer
         self.states = RunnerStates(self.device)
         self.max_model_len = max_model_len
+        self.graphs: DecodeGraphs | None = None
+        self.graphs_off = self._graphs_off_reason(model_config)
+        # A decode step has at most this many rows; the largest graph may pad it further.
+        self.graph_sizes = capture_sizes(min(max_num_seqs, max_num_batched_tokens))
         # Every step's inputs are written into these (engine.step_inputs), so that a decode step
         # can replay a CUDA graph over them (engine.cuda_graphs).
         self.step_buffers = StepBuffers(
             **step_buffer_sizes(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len, block_size=self.block_size,
-                                max_spec_tokens=max_spec_tokens),
+                                max_spec_tokens=max_spec_tokens, min_rows=self.graph_sizes[-1]),
             block_size=self.block_size, device=self.device)
-        self.graphs: DecodeGraphs | None = None
-        self.graphs_off = self._graphs_off_reason(model_config)
-        self.graph_sizes = capture_sizes(min(max_num_seqs, self.step_buffers.max_num_rows,
-                                             self.step_buffers.max_num_tokens))
         bytes_per_block = self.model.kv_cache_bytes_per_block(self.block_size)
         try:
             # Each virtual engine gets an equal share of the blocks, in a pool of its own.

@@ -165,14 +165,15 @@ class StepBuffers:
 
 
 def step_buffer_sizes(*, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                      block_size: int, max_spec_tokens: int = 0) -> dict[str, int]:
+                      block_size: int, max_spec_tokens: int = 0, min_rows: int = 1) -> dict[str, int]:
     """The sizes a runner's buffers get: every step the scheduler can make fits. Rows: each
     sequence's chunk, or with speculation one row per verified position (1 + k per sequence);
     never more than tokens. Blocks: a whole ``max_model_len`` sequence, or the profiling pass's
-    one sequence of ``max_num_batched_tokens`` tokens."""
+    one sequence of ``max_num_batched_tokens`` tokens. ``min_rows``: at least this many rows and
+    tokens (the largest CUDA graph's padded decode step, which may exceed the batch limit)."""
     blocks = -(-max(max_model_len, max_num_batched_tokens) // block_size)
     rows = min(max_num_batched_tokens, max_num_seqs * (1 + max_spec_tokens))
-    return {"max_num_tokens": max_num_batched_tokens, "max_num_rows": max(1, rows),
+    return {"max_num_tokens": max(max_num_batched_tokens, min_rows), "max_num_rows": max(1, rows, min_rows),
             "max_blocks_per_seq": blocks}
 
 
