@@ -93,9 +93,14 @@ def sync(device: torch.device) -> None:
 
 
 def free(device: torch.device) -> None:
+    """Gives back what the last system held: the next one's memory profile counts anything
+    still allocated as its own."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        held = torch.cuda.memory_allocated(device)
+        if held > 2**30:
+            print(f"warning: {held / 2**30:.1f} GiB still allocated after a system ran", file=sys.stderr)
 
 
 def weight_bytes(shape: dict[str, Any], num_params: int, dtype: torch.dtype) -> int:
