@@ -120,3 +120,43 @@ def test_a_rebuilt_engine_captures_its_graphs_again_over_the_new_pool(tiny_model
     assert rebuilt.runner.kv_caches[0][0].shape[0] == rebuilt.runner.layout.num_blocks + 1
     assert greedy_tokens(rebuilt, [[5, 6, 7], [8, 9]]) == before
     assert sum(rebuilt.runner.graphs.replays.values()) > 0
+
+
+@pytest.mark.gpu
+def test_the_memory_profile_leaves_room_for_the_graphs(tiny_model_dir, monkeypatch):
+    """On CUDA the pool is sized from --gpu-memory-utilization: with graphs it gets fewer blocks
+    than without (their pool is measured and left free), and what the process holds after a run
+    stays within the fraction."""
+    import gc
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from llmplatform.kernels import BACKEND_ENV_VAR
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv(BACKEND_ENV_VAR, "triton")
+    from tests.kernels.conftest import load_kernel_modules
+
+    load_kernel_modules(interpreted=False)
+    utilization = 0.2
+
+    def start(enforce_eager):
+        return LLMEngine(EngineConfig(
+            model=ModelConfig(str(tiny_model_dir), ("m",), device="cuda", dtype="bfloat16",
+                              enforce_eager=enforce_eager),
+            cache=CacheConfig(block_size=16, gpu_memory_utilization=utilization),
+            scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=256)))
+
+    engine = start(False)
+    assert engine.runner.graphs is not None and engine.runner.graphs.captured[-1] == 32
+    greedy_tokens(engine, [[5, 6, 7]] * 20)
+    _, total = torch.cuda.mem_get_info()
+    held = torch.cuda.memory_reserved()
+    assert held <= total * utilization + (64 << 20), (held, total * utilization)
+    with_graphs = engine.runner.layout.num_blocks
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    eager = start(True)
+    assert eager.runner.graphs is None
+    assert with_graphs < eager.runner.layout.num_blocks

@@ -32,10 +32,10 @@ it runs on CPU in tests (with a capture that re-runs the forward at replay).
 from __future__ import annotations
 
 import bisect
+import gc
 import itertools
-import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,8 +45,6 @@ from llmplatform.kernels.ops import AttentionBackend
 
 if TYPE_CHECKING:
     from llmplatform.engine.model_runner import _Batch
-
-logger = logging.getLogger("llmplatform.engine")
 
 MAX_CAPTURE_SIZE = 256
 """The largest decode batch captured (vLLM's default cap too); larger steps run eagerly."""
@@ -201,9 +199,6 @@ class DecodeGraphs:
         self.replays[size] += 1
         return output[:num_rows]
 
-    def describe(self) -> dict[str, Any]:
-        return {"sizes": self.captured, "dummy_block": self.dummy_block}
-
 
 def graph_pool_bytes(device: torch.device, build: Callable[[], DecodeGraphs]) -> int:
     """What capturing every graph holds on ``device`` (the caching allocator's reserved bytes,
@@ -217,6 +212,7 @@ def graph_pool_bytes(device: torch.device, build: Callable[[], DecodeGraphs]) ->
     torch.cuda.synchronize(device)
     held = torch.cuda.memory_reserved(device) - before
     del graphs
+    gc.collect()  # nothing may keep a graph (and its pool) alive past here
     torch.cuda.empty_cache()
     return max(0, held)
 

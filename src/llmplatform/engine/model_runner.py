@@ -5,7 +5,9 @@ computes (tokens, block table, sampling state: :mod:`.runner_state`), kept in st
 scheduler's records. Each step it
 1. copies KV blocks that the scheduler copied-on-write,
 2. flattens the scheduled chunks into one batch (no padding): input ids, positions, the slots
-   where the new K/V go, and the attention metadata,
+   where the new K/V go, and the attention metadata, written in place into buffers allocated
+   once (:mod:`.step_inputs`); on CUDA a plain decode step is instead padded to its batch-size
+   bucket and replays the CUDA graph captured for it at start (:mod:`.cuda_graphs`),
 3. runs the model, computes logits only for the rows that sample (and for prompt positions when
    prompt logprobs were asked), and samples with the shared batched sampler; pooling sequences'
    chunks go to the pooler instead (their final hidden states, no logits: engine.pooler).
