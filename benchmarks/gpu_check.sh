@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# The GPU check, in one short run (a few minutes on one GPU, at most ~10 with every limit hit);
+# The GPU check, in one short run (several minutes on one GPU, at most ~20 with every limit hit);
 # nothing here installs anything.
 #
-#   1. the `gpu` tests: the kernel grid and the engine test on CUDA, compiled Triton
+#   1. the `gpu` tests: the kernel grid, the engine tests on CUDA (eager and replaying CUDA
+#      graphs), compiled Triton
 #      (tests/kernels, TRITON_INTERPRET unset so the kernels compile)
 #   2. benchmarks/kernel_bench.py --quick: Triton vs the torch path vs SDPA, decode bandwidth
 #   3. benchmarks/throughput.py --systems ours on CUDA, if the script and its --device flag exist
 #   4. benchmarks/gpu_tp_smoke.py: an NCCL process group (engine.parallel), the TP=1 engine on CUDA
+#   5. benchmarks/gpu_decode.py: a 1B-shaped random Llama, ours with CUDA graphs vs ours
+#      --enforce-eager vs transformers generate at 1 and 32 streams, and the batch-1 decode step
+#      against its bandwidth floor (gpu_decode.json)
 #
 #   benchmarks/gpu_check.sh [OUT_DIR]      (default: $OUT if set, else ./gpu_check_out)
 #
-# Each step has its own time limit and log (OUT_DIR/<step>.log, plus kernels.json and
-# throughput.json); a failing step does not stop the others. Exit status: 0 when every step that
+# Each step has its own time limit and log (OUT_DIR/<step>.log, plus kernels.json,
+# throughput.json and gpu_decode.json); a failing step does not stop the others. Exit status: 0 when every step that
 # ran passed, else 1. A summary is printed at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,6 +78,9 @@ fi
 
 # 4. Tensor-parallel plumbing: an NCCL group of one rank, then the TP=1 engine on CUDA.
 step tp_nccl_smoke 180 "$PYTHON" benchmarks/gpu_tp_smoke.py
+
+# 5. Decode on the GPU: CUDA graphs vs eager vs transformers, and the bandwidth floor.
+step gpu_decode 420 "$PYTHON" benchmarks/gpu_decode.py --json-out "$OUT_DIR/gpu_decode.json"
 
 echo "=== summary"
 printf '%s\n' "${SUMMARY[@]}" | tee "$OUT_DIR/summary.txt"

@@ -103,6 +103,7 @@ class LLM:
                  device: str = _DEFAULT.device, compute_dtype: str = _DEFAULT.compute_dtype,
                  decode_path: str = _DEFAULT.decode_path, blocked_linear: str = _DEFAULT.blocked_linear,
                  quantization: str = _DEFAULT.quantization,
+                 enforce_eager: bool = _DEFAULT.enforce_eager,
                  max_model_len: int | None = _DEFAULT.max_model_len,
                  max_num_seqs: int = _DEFAULT.max_num_seqs,
                  max_num_batched_tokens: int = _DEFAULT.max_num_batched_tokens,
@@ -117,7 +118,7 @@ class LLM:
         config = BackendConfig(
             model_path=model, backend="paged", dtype=dtype, device=device,
             compute_dtype=compute_dtype, decode_path=decode_path, blocked_linear=blocked_linear,
-            quantization=quantization,
+            quantization=quantization, enforce_eager=enforce_eager,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,

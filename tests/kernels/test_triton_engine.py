@@ -26,7 +26,9 @@ NEW_TOKENS = 6
 
 def make_engine(model_dir, device: torch.device) -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=ModelConfig(str(model_dir), ("m",), device=device.type, dtype="float32"),
+        # Eager: this test counts the kernels' Python launches, which a replayed CUDA graph skips
+        # (graphs: test_cuda_graphs_engine.py).
+        model=ModelConfig(str(model_dir), ("m",), device=device.type, dtype="float32", enforce_eager=True),
         cache=CacheConfig(block_size=16, num_blocks=24),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=64)))
 

@@ -122,7 +122,9 @@ class ModelConfig:
     AVX2 kernel (``auto``, ``on``, ``off``: likewise); ``quantized_gguf`` the GGUF file
     ``model_path`` was converted from, whose projections then stay in their block formats (``--quantization gguf``:
     ``models.quantized``), or None for dense weights; ``attention_backend`` the attention
-    kernels (``auto``, or one forced: ``LLMPLATFORM_ATTENTION_BACKEND``, read here)."""
+    kernels (``auto``, or one forced: ``LLMPLATFORM_ATTENTION_BACKEND``, read here);
+    ``enforce_eager`` never replays decode steps from CUDA graphs (``engine.cuda_graphs``; they
+    are only captured on CUDA, without tensor or pipeline parallelism)."""
 
     model_path: str
     model_names: tuple[str, ...]
@@ -133,6 +135,7 @@ class ModelConfig:
     blocked_linear: str = "auto"
     quantized_gguf: str | None = None
     attention_backend: str = field(default_factory=attention_backend_from_env)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in COMPUTE_DTYPES:

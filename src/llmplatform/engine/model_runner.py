@@ -5,7 +5,9 @@ computes (tokens, block table, sampling state: :mod:`.runner_state`), kept in st
 scheduler's records. Each step it
 1. copies KV blocks that the scheduler copied-on-write,
 2. flattens the scheduled chunks into one batch (no padding): input ids, positions, the slots
-   where the new K/V go, and the attention metadata,
+   where the new K/V go, and the attention metadata, written in place into buffers allocated
+   once (:mod:`.step_inputs`); on CUDA a plain decode step is instead padded to its batch-size
+   bucket and replays the CUDA graph captured for it at start (:mod:`.cuda_graphs`),
 3. runs the model, computes logits only for the rows that sample (and for prompt positions when
    prompt logprobs were asked), and samples with the shared batched sampler; pooling sequences'
    chunks go to the pooler instead (their final hidden states, no logits: engine.pooler).
@@ -44,7 +46,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from llmplatform.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig
+from llmplatform.engine.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
+                                       SchedulerConfig)
+from llmplatform.engine.cuda_graphs import (Capture, CudaGraphCapture, DecodeGraphs, capture_sizes,
+                                            graph_pool_bytes, graphs_off_reason, step_refusal)
 from llmplatform.engine.isolation import IsolatingSampler, pinned_fault
 from llmplatform.engine.lora import LoRAManager, RowSpan
 from llmplatform.engine.model_setup import copy_kv_blocks, prepare_model
@@ -56,7 +61,7 @@ from llmplatform.engine.parallel.ranks import (RankFailedError, TensorParallelRa
 from llmplatform.engine.pooler import PoolingSpan, pool_spans
 from llmplatform.engine.runner_state import RunnerSequence, RunnerStates
 from llmplatform.engine.speculative.runner import SpecSpan, verify_spans
-from llmplatform.kernels import AttentionMetadata
+from llmplatform.engine.step_inputs import StepBuffers, StepTensors, step_buffer_sizes
 from llmplatform.models.lora import LoRABatch, lora_batch
 from llmplatform.sampling.output_processor import token_text
 from llmplatform.sampling.outputs import TokenLogprob
@@ -94,7 +99,8 @@ class CacheLayout:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, tokenizer: Any,
                  max_model_len: int, max_num_batched_tokens: int,
-                 parallel: ParallelConfig | None = None, lora: LoRAConfig | None = None) -> None:
+                 parallel: ParallelConfig | None = None, lora: LoRAConfig | None = None, *,
+                 max_num_seqs: int = SchedulerConfig.max_num_seqs, max_spec_tokens: int = 0) -> None:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.block_size = cache_config.block_size
@@ -129,6 +135,18 @@ class ModelRunner:
         self._sample = IsolatingSampler(self.sampler)
         self._tokenizer = tokenizer
         self.states = RunnerStates(self.device)
+        self.max_model_len = max_model_len
+        self.graphs: DecodeGraphs | None = None
+        self.graphs_off = self._graphs_off_reason(model_config)
+        # A decode step has at most this many rows; the largest graph may pad it further.
+        self.graph_sizes = capture_sizes(min(max_num_seqs, max_num_batched_tokens))
+        # Every step's inputs are written into these (engine.step_inputs), so that a decode step
+        # can replay a CUDA graph over them (engine.cuda_graphs).
+        self.step_buffers = StepBuffers(
+            **step_buffer_sizes(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                max_model_len=max_model_len, block_size=self.block_size,
+                                max_spec_tokens=max_spec_tokens, min_rows=self.graph_sizes[-1]),
+            block_size=self.block_size, device=self.device)
         bytes_per_block = self.model.kv_cache_bytes_per_block(self.block_size)
         try:
             # Each virtual engine gets an equal share of the blocks, in a pool of its own.
@@ -138,7 +156,8 @@ class ModelRunner:
                                       1 if self.tp is None else self.tp.shard.size,
                                       self.model.num_kv_heads, self.model.attention_window,
                                       self.num_pools)
-            self.kv_pools = self._allocate_kv_pools(num_blocks, self.num_pools)
+            self.kv_pools = self._allocate_kv_pools(num_blocks + self._reserved_blocks, self.num_pools)
+            self._start_graphs()
         except BaseException:
             self.close()
             raise
@@ -147,8 +166,11 @@ class ModelRunner:
     def from_config(cls, config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> ModelRunner:
         """The runner an engine of ``config`` uses (what :data:`RunnerFactory` defaults to)."""
         sched = config.scheduler
+        spec = config.speculative
         return cls(config.model, config.cache, tokenizer, sched.max_model_len,
-                   sched.max_num_batched_tokens, config.parallel, config.lora)
+                   sched.max_num_batched_tokens, config.parallel, config.lora,
+                   max_num_seqs=sched.max_num_seqs,
+                   max_spec_tokens=0 if spec is None else spec.num_speculative_tokens)
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks, if any (idempotent)."""
@@ -172,14 +194,49 @@ class ModelRunner:
                  lora: LoRABatch | None = None) -> torch.Tensor:  # [T, hidden]
         if self.tp is not None:
             self.tp.send(inputs)
-        metadata = AttentionMetadata.build(context_lens=inputs.context_lens,
-                                           query_lens=inputs.query_lens,
-                                           block_tables=inputs.block_tables,
-                                           block_size=self.block_size, device=self.device)
-        ids_t = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
+        tensors = self.step_buffers.prepare(inputs)
         with lora_batch(lora):
-            return self.model(ids_t, pos_t, kv_caches, metadata)
+            return self.model(tensors.input_ids, tensors.positions, kv_caches, tensors.metadata)
+
+    # ---- CUDA graphs (engine.cuda_graphs) -------------------------------------------------------
+
+    @property
+    def _reserved_blocks(self) -> int:
+        """KV blocks past the block manager's: the graphs' dummy block, when there are graphs."""
+        return 0 if self.graphs_off is not None else 1
+
+    def _graphs_off_reason(self, model_config: ModelConfig) -> str | None:
+        """Why this runner captures no decode graphs (None: it does); decided once, at start."""
+        return graphs_off_reason(device=self.device, enforce_eager=model_config.enforce_eager,
+                                 parallel=self.tp is not None, attention=self.ops.attention,
+                                 model=self.model)
+
+    def _graph_capture(self) -> Capture:
+        """What records a decode forward (tests on CPU substitute one that re-runs it)."""
+        return CudaGraphCapture(self.device)
+
+    def _decode_graphs(self, kv_caches: list, dummy_block: int) -> DecodeGraphs:
+        def forward(tensors: StepTensors) -> torch.Tensor:  # [rows, hidden]
+            return self.model(tensors.input_ids, tensors.positions, kv_caches, tensors.metadata)
+
+        return DecodeGraphs(forward, self.step_buffers, self.graph_sizes, dummy_block,
+                            self.max_model_len, self._graph_capture())
+
+    @torch.inference_mode()
+    def _start_graphs(self) -> None:
+        """Captures the decode graphs over the KV pool (its last block is their dummy block),
+        or says why there are none."""
+        self.graphs = None
+        if self.graphs_off is not None:
+            logger.info("CUDA graphs: none (%s)", self.graphs_off)
+            return
+        graphs = self._decode_graphs(self.kv_caches, dummy_block=self.layout.num_blocks)
+        graphs.capture_all()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.graphs = graphs
+        logger.info("CUDA graphs: decode steps of %s rows captured (larger or other steps run eagerly)",
+                    ",".join(map(str, graphs.captured)))
 
     def _logits(self, hidden: torch.Tensor, rows: list[int] | None) -> torch.Tensor:  # [N, vocab]
         """Logits of ``rows`` of ``hidden`` (None: all)."""
@@ -223,16 +280,28 @@ class ModelRunner:
         self._run_once(inputs, caches, [num_tokens - 1])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
+        # The graphs' memory pool stays held beside the KV pool and the eager steps' activations:
+        # capture them once over this small cache to measure it, and leave that much free.
+        graph_bytes = (0 if self.graphs_off is not None
+                       else graph_pool_bytes(self.device, lambda: self._decode_graphs(caches, 0)))
         del caches
         torch.cuda.empty_cache()
         _, total = torch.cuda.mem_get_info(self.device)
-        available = total * cache_config.gpu_memory_utilization - peak
+        available = total * cache_config.gpu_memory_utilization - peak - graph_bytes
+        if graph_bytes:
+            logger.info("memory profile: peak %.2f GiB, CUDA graphs %.2f GiB, of %.2f GiB allowed",
+                        peak / 2**30, graph_bytes / 2**30,
+                        total * cache_config.gpu_memory_utilization / 2**30)
+        # One block more than the pool gets is the graphs' dummy block (_reserved_blocks).
+        available -= self._reserved_blocks * bytes_per_block
         if available < bytes_per_block:
             raise ValueError(
                 f"no GPU memory left for the KV cache: the weights and a forward pass of "
-                f"{num_tokens} tokens peak at {peak / 2**30:.2f} GiB of the "
-                f"{total * cache_config.gpu_memory_utilization / 2**30:.2f} GiB allowed; raise "
-                f"--gpu-memory-utilization or lower --max-num-batched-tokens")
+                f"{num_tokens} tokens peak at {peak / 2**30:.2f} GiB"
+                + (f" and the CUDA graphs hold {graph_bytes / 2**30:.2f} GiB" if graph_bytes else "")
+                + f" of the {total * cache_config.gpu_memory_utilization / 2**30:.2f} GiB allowed; raise "
+                f"--gpu-memory-utilization or lower --max-num-batched-tokens"
+                + (" (or --enforce-eager)" if graph_bytes else ""))
         return int(available // bytes_per_block)
 
     def reset_kv_cache(self) -> None:
@@ -241,6 +310,7 @@ class ModelRunner:
         the device still works (a CUDA error that poisoned the context raises here). Under
         tensor parallelism the other ranks are started again first (their state after a failed
         step is unknown; they load their shards again)."""
+        self.graphs = None  # they hold the old pools' addresses (and their own memory)
         self.kv_pools = []  # the old pools go first, so the two never coexist in memory
         self.states.clear()  # the new engine's scheduler starts from nothing
         if self.device.type == "cuda":
@@ -249,8 +319,10 @@ class ModelRunner:
             self.tp.restart()
             if self.loras is not None:
                 self.loras.send_to_ranks()  # the fresh ranks hold no adapter yet
-        self.kv_pools = self._allocate_kv_pools(self.layout.num_blocks, self.num_pools)
+        self.kv_pools = self._allocate_kv_pools(self.layout.num_blocks + self._reserved_blocks,
+                                                self.num_pools)
         self._probe()
+        self._start_graphs()
 
     @torch.inference_mode()
     def _probe(self) -> None:
@@ -313,7 +385,11 @@ class ModelRunner:
                                       self.states.lora_ids()))
         inputs = (batch.inputs if lora is None
                   else replace(batch.inputs, lora=self.loras.step_for_ranks(batch.lora_spans)))
-        hidden = self._forward(inputs, self.kv_caches, lora)  # [num_tokens, hidden]
+        hidden = None
+        if self.graphs is not None and step_refusal(batch) is None:
+            hidden = self.graphs.run(batch.inputs)  # None: larger than every graph
+        if hidden is None:
+            hidden = self._forward(inputs, self.kv_caches, lora)  # [num_tokens, hidden]
         return self._outputs(batch, lambda rows: self._logits(hidden, rows), hidden)
 
     def _flatten(self, scheduled: SchedulerOutput, virtual_engine: int = 0) -> _Batch:

@@ -55,6 +55,7 @@ class BackendConfig:
     decode_path: str = ModelConfig.decode_path  # paged backend only
     blocked_linear: str = ModelConfig.blocked_linear  # paged backend only
     quantization: str = "none"  # paged backend only: gguf keeps a GGUF's projection blocks
+    enforce_eager: bool = ModelConfig.enforce_eager  # paged backend only: no CUDA graphs
     max_concurrency: int | None = None  # hf: forward passes at once (default 5)
     max_model_len: int | None = None  # None: the model's context length
     # Native engine (paged backend) only.
@@ -374,7 +375,7 @@ def _engine_config(config: BackendConfig, path: str, names: tuple[str, ...], *,
         model=ModelConfig(model_path=path, model_names=names, device=config.device,
                           dtype=config.dtype, compute_dtype=config.compute_dtype,
                           decode_path=config.decode_path, blocked_linear=config.blocked_linear,
-                          quantized_gguf=quantized_gguf),
+                          quantized_gguf=quantized_gguf, enforce_eager=config.enforce_eager),
         cache=CacheConfig(block_size=config.block_size,
                           kv_cache_memory_bytes=parse_memory_size(config.kv_cache_memory),
                           gpu_memory_utilization=config.gpu_memory_utilization,

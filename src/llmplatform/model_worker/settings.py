@@ -137,6 +137,12 @@ class WorkerServiceSettings(ServerSettings):
         "stay in their Q8_0/Q4_1 blocks and decode steps read those (2-3x fewer bytes than bf16) "
         "instead of the dequantized copy; needs a .gguf --model-path or the default model, CPU "
         "only. none: dequantize at load (default: %(default)s)", group=_ENGINE)
+    enforce_eager: bool = option(
+        _DEFAULT.enforce_eager, "CUDA: run every step eagerly, kernel by kernel from Python. "
+        "Without it, decode steps of up to min(--max-num-seqs, 256) rows replay CUDA graphs "
+        "captured at start, one per batch size 1, 2, 4, 8, 16, 24, ... (the startup log lists "
+        "them; their memory is left out of the KV pool). Never used on CPU or with tensor or "
+        "pipeline parallelism", group=_ENGINE)
     tensor_parallel_size: int = option(
         _DEFAULT.tensor_parallel_size, "split the model over this many ranks (tensor parallelism: "
         "each holds 1/N of the attention heads, KV heads, MLP and vocabulary, and the KV cache of "
