@@ -13,7 +13,7 @@ from torch import nn
 
 from llmplatform.engine.cuda_graphs import (MAX_CAPTURE_SIZE, DecodeGraphs, bucket_for, capture_sizes,
                                             graphs_off_reason, pad_decode_step, step_refusal)
-from llmplatform.engine.model_runner import _Batch
+from llmplatform.engine.step_batch import StepBatch
 from llmplatform.engine.parallel.messages import StepInputs
 from llmplatform.engine.step_inputs import StepBuffers
 from llmplatform.kernels.ops import AttentionBackend
@@ -60,11 +60,11 @@ def test_padding_rows_are_one_token_sequences_in_the_dummy_block():
         pad_decode_step(StepInputs([1, 2], [0, 1], [0], [2], [[0]]), 4, DUMMY)
 
 
-def batch(query_lens=(1, 1), **spans) -> _Batch:
+def batch(query_lens=(1, 1), **spans) -> StepBatch:
     n = sum(query_lens)
     inputs = StepInputs([0] * n, list(range(n)), [0] * len(query_lens), list(query_lens),
                         [[0]] * len(query_lens))
-    return _Batch(inputs, [], [], spans.pop("prompt_logprob_spans", []), **spans)
+    return StepBatch(inputs, [], [], spans.pop("prompt_logprob_spans", []), **spans)
 
 
 def test_only_plain_decode_steps_qualify():

@@ -44,7 +44,7 @@ from llmplatform.engine.step_inputs import StepBuffers, StepTensors
 from llmplatform.kernels.ops import AttentionBackend
 
 if TYPE_CHECKING:
-    from llmplatform.engine.model_runner import _Batch
+    from llmplatform.engine.step_batch import StepBatch
 
 MAX_CAPTURE_SIZE = 256
 """The largest decode batch captured (vLLM's default cap too); larger steps run eagerly."""
@@ -73,7 +73,7 @@ def bucket_for(sizes: list[int], num_rows: int) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def step_refusal(batch: _Batch) -> str | None:
+def step_refusal(batch: StepBatch) -> str | None:
     """Why a step cannot replay a decode graph (None: it can, size permitting)."""
     if any(n != 1 for n in batch.inputs.query_lens):
         return "not decode-only"

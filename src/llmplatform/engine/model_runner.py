@@ -15,11 +15,7 @@ scheduler's records. Each step it
    raises is reported in ``ModelOutput.errors`` and the others keep their tokens
    (:mod:`.isolation`); anything else that raises here fails the step.
 
-Layout of one step's batch (three sequences: a prefill chunk, two decodes):
-
-    input_ids:  | seq A tokens [c_A, c_A + q_A) | seq B: 1 token | seq C: 1 token |
-    positions:  | c_A ... c_A + q_A - 1         | c_B           | c_C           |
-    sample row: the last token of each chunk that reaches its sequence's end
+The batch's layout and bookkeeping are :mod:`.step_batch`'s.
 
 With tensor parallelism (``ParallelConfig.tensor_parallel_size`` > 1) this runner is rank 0: its
 model is rank 0's shard, and every operation on the model (allocating the KV pool, a forward
@@ -41,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,20 +47,19 @@ from llmplatform.engine.config import (CacheConfig, EngineConfig, LoRAConfig, Mo
 from llmplatform.engine.cuda_graphs import (Capture, CudaGraphCapture, DecodeGraphs, capture_sizes,
                                             graph_pool_bytes, graphs_off_reason, step_refusal)
 from llmplatform.engine.isolation import IsolatingSampler, pinned_fault
-from llmplatform.engine.lora import LoRAManager, RowSpan
+from llmplatform.engine.lora import LoRAManager
 from llmplatform.engine.model_setup import copy_kv_blocks, prepare_model
 from llmplatform.engine.outputs import ModelOutput, SchedulerOutput
 from llmplatform.engine.parallel.messages import AllocateKV, ComputeLogits, StepInputs
 from llmplatform.engine.parallel.driver import InFlightStep, PipelineDriver
 from llmplatform.engine.parallel.ranks import (RankFailedError, TensorParallelRanks, num_layers,
                                                start_ranks)
-from llmplatform.engine.pooler import PoolingSpan, pool_spans
-from llmplatform.engine.runner_state import RunnerSequence, RunnerStates
-from llmplatform.engine.speculative.runner import SpecSpan, verify_spans
+from llmplatform.engine.pooler import pool_spans
+from llmplatform.engine.runner_state import RunnerStates
+from llmplatform.engine.speculative.runner import verify_spans
+from llmplatform.engine.step_batch import StepBatch, flatten, prompt_logprob_records, rows_of
 from llmplatform.engine.step_inputs import StepBuffers, StepTensors, step_buffer_sizes
 from llmplatform.models.lora import LoRABatch, lora_batch
-from llmplatform.sampling.output_processor import token_text
-from llmplatform.sampling.outputs import TokenLogprob
 from llmplatform.sampling.sampler import Sampler
 from llmplatform.utils.torch_utils import resolve_device, resolve_dtype
 
@@ -392,58 +387,13 @@ class ModelRunner:
             hidden = self._forward(inputs, self.kv_caches, lora)  # [num_tokens, hidden]
         return self._outputs(batch, lambda rows: self._logits(hidden, rows), hidden)
 
-    def _flatten(self, scheduled: SchedulerOutput, virtual_engine: int = 0) -> _Batch:
+    def _flatten(self, scheduled: SchedulerOutput, virtual_engine: int = 0) -> StepBatch:
         """The step's chunks as one batch (the layout drawn at the top), block copies applied."""
         self.states.apply(scheduled)
         copy_kv_blocks(self.kv_pools[virtual_engine], scheduled.blocks_to_copy, self.device)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        context_lens: list[int] = []
-        query_lens: list[int] = []
-        block_tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[RunnerSequence] = []
-        # (seq, its first row, its first position, its number of new tokens)
-        prompt_logprob_spans: list[tuple[RunnerSequence, int, int, int]] = []
-        pooling_spans: list[PoolingSpan] = []  # chunks of pooling sequences (engine.pooler)
-        lora_spans: list[RowSpan] = []  # chunks of sequences with a LoRA adapter
-        spec_spans: list[SpecSpan] = []  # sequences verifying proposals (engine.speculative)
-        for item in scheduled.scheduled:
-            seq = self.states[item.seq_id]
-            start = seq.num_computed_tokens
-            end = start + item.num_new_tokens
-            first_row = len(input_ids)
-            input_ids.extend(seq.token_ids_in(start, end - len(item.spec_token_ids)))
-            input_ids.extend(item.spec_token_ids)
-            positions.extend(range(start, end))
-            # A verification chunk (engine.speculative) is described to attention as one query
-            # row per position, each seeing the cache up to itself: every row's K/V is stored
-            # before any row attends, so this is exact, and a step of decodes and verifications
-            # stays on the decode kernels (a decode row's arithmetic, not a prefill's).
-            num_queries = item.num_new_tokens if item.spec_token_ids else 1
-            for j in range(num_queries):
-                context_lens.append(start + j)
-                query_lens.append(item.num_new_tokens if num_queries == 1 else 1)
-                block_tables.append(seq.block_table)
-            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens:
-                prompt_logprob_spans.append((seq, first_row, start, item.num_new_tokens))
-            if seq.pooling is not None:
-                pooling_spans.append(PoolingSpan(seq, first_row, start, item.num_new_tokens))
-            if seq.lora_id is not None:
-                lora_spans.append(RowSpan(seq.lora_id, first_row, item.num_new_tokens))
-            if item.spec_token_ids:
-                spec_spans.append(SpecSpan(seq, len(input_ids) - len(item.spec_token_ids) - 1,
-                                           item.spec_token_ids, item.spec_draft_probs))
-            elif item.samples:
-                sample_rows.append(len(input_ids) - 1)
-                sample_seqs.append(seq)
+        return flatten(scheduled, self.states)
 
-        inputs = StepInputs(input_ids, positions, context_lens, query_lens, block_tables,
-                            scheduled.blocks_to_copy)
-        return _Batch(inputs, sample_rows, sample_seqs, prompt_logprob_spans, pooling_spans,
-                      lora_spans, spec_spans)
-
-    def _outputs(self, batch: _Batch, logits_of: Callable[[list[int]], torch.Tensor],
+    def _outputs(self, batch: StepBatch, logits_of: Callable[[list[int]], torch.Tensor],
                  hidden: torch.Tensor | None) -> ModelOutput:
         """Samples, scores prompts and pools, given the logits of any rows (``logits_of``) and
         the final hidden states (None under pipeline parallelism: no pooling there)."""
@@ -453,7 +403,7 @@ class ModelRunner:
         spec_rows = [row for span in batch.spec_spans for row in span.rows]
         if spec_rows:  # one LM head call for both: [num_sampling + num_verified, vocab]
             all_logits = logits_of(sample_rows + spec_rows)
-            logits_of = _rows_of(sample_rows + spec_rows, all_logits, logits_of)
+            logits_of = rows_of(sample_rows + spec_rows, all_logits, logits_of)
             verify_spans(self.sampler, all_logits[len(sample_rows):], batch.spec_spans, output)
         if sample_rows:
             logits = logits_of(sample_rows)  # [num_sampling, vocab]
@@ -472,8 +422,8 @@ class ModelRunner:
             if seq.seq_id in output.errors:
                 continue
             try:
-                output.prompt_logprobs[seq.seq_id] = self._prompt_logprobs(seq, logits_of, first_row,
-                                                                           start, num_new)
+                output.prompt_logprobs[seq.seq_id] = prompt_logprob_records(
+                    self.sampler, self._tokenizer, seq, logits_of, first_row, start, num_new)
             except Exception as exc:
                 output.errors[seq.seq_id] = pinned_fault(seq, "prompt logprobs", exc)
         if pooling_spans:
@@ -483,51 +433,7 @@ class ModelRunner:
             output.errors.update(errors)
         return output
 
-    def _prompt_logprobs(self, seq: RunnerSequence, logits_of: Callable[[list[int]], torch.Tensor],
-                         first_row: int, start: int, num_new: int) -> list[TokenLogprob]:
-        """Records for the prompt tokens this chunk scores. The row of position q scores the
-        token at q + 1, so a chunk [start, end) scores prompt tokens start+1 .. end (the last one
-        only if it is still a prompt token); position 0 has nothing before it (logprob None)."""
-        prompt = seq.prompt_token_ids
-        records: list[TokenLogprob] = []
-        if start == 0:
-            records.append(TokenLogprob(prompt[0], token_text(self._tokenizer, prompt[0]), None))
-        last_q = min(start + num_new, len(prompt) - 1)
-        if last_q > start:
-            rows = list(range(first_row, first_row + (last_q - start)))
-            logprobs = torch.log_softmax(logits_of(rows).float(), dim=-1)
-            records.extend(self.sampler.logprob_records(logprobs, prompt[start + 1:last_q + 1],
-                                                        seq.params.prompt_logprobs or 0))
-        return records
-
-
 RunnerFactory = Callable[[EngineConfig, "PreTrainedTokenizerBase"], ModelRunner]
 """Builds an engine's model runner from its config and tokenizer: the seam through which an engine
 gets its runner (``LLMEngine(..., runner_factory=...)``, ``PagedLLM(..., runner_factory=...)``).
 The default is :meth:`ModelRunner.from_config`; tests pass a subclass that injects faults."""
-
-
-@dataclass
-class _Batch:
-    """One step's chunks flattened (``ModelRunner._flatten``), and which rows each use has."""
-
-    inputs: StepInputs
-    sample_rows: list[int]
-    sample_seqs: list[RunnerSequence]
-    # (seq, its first row, its first position, its number of new tokens)
-    prompt_logprob_spans: list[tuple[RunnerSequence, int, int, int]]
-    pooling_spans: list[PoolingSpan] = field(default_factory=list)
-    lora_spans: list[RowSpan] = field(default_factory=list)
-    spec_spans: list[SpecSpan] = field(default_factory=list)
-
-
-def _rows_of(rows: list[int], logits: torch.Tensor, fallback: Callable[[list[int]], torch.Tensor]
-             ) -> Callable[[list[int]], torch.Tensor]:
-    """``logits_of`` answering from ``logits`` (the rows ``rows``, computed already) when it can."""
-    index = {row: i for i, row in enumerate(rows)}
-
-    def logits_of(wanted: list[int]) -> torch.Tensor:
-        if all(row in index for row in wanted):
-            return logits[[index[row] for row in wanted]]
-        return fallback(wanted)
-    return logits_of
