@@ -51,6 +51,29 @@ def chunk_record(chunk) -> dict:
     return record
 
 
+def split_floats(outputs: dict) -> tuple[dict, list[float]]:
+    """The chunk records with each logprob value taken out, and those values in order: a stop
+    string's output runs one step more with the overlap, so some steps batch other rows, which
+    moves float32 logprobs in their last bits (the chosen tokens stay the same)."""
+    floats: list[float] = []
+
+    def strip(value):
+        if isinstance(value, dict):
+            return {k: (floats.append(v) if k == "logprob" and v is not None else strip(v))
+                    for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(strip(v) for v in value)
+        return value
+    return strip(outputs), floats
+
+
+def assert_same_outputs(got: dict, expected: dict) -> None:
+    got_records, got_floats = split_floats(got)
+    expected_records, expected_floats = split_floats(expected)
+    assert got_records == expected_records
+    assert got_floats == pytest.approx(expected_floats, abs=1e-4)
+
+
 def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]):
     """Steps until every request finished: {(request, output index): [chunk records]}, and the
     sequences (to see how far each ran)."""
@@ -105,7 +128,7 @@ def test_outputs_are_identical_with_and_without_the_overlap(model_dir, spec):
     requests = requests_with_stops(model_dir, spec)
     expected, _ = run(make(model_dir, "off", spec=spec), requests)
     got, seqs = run(make(model_dir, "on", spec=spec), requests)
-    assert got == expected
+    assert_same_outputs(got, expected)
     stopped = [k for k, chunks in expected.items() if chunks[-1]["stop_str"] is not None]
     assert stopped, "some stop string ended an output"
     if spec is None:
@@ -214,8 +237,9 @@ class FailingTokenizer:
 @pytest.mark.parametrize("mode", ["off", "on"])
 def test_an_output_processing_fault_fails_that_output_alone(tiny_model_dir, mode):
     inner = AutoTokenizer.from_pretrained(tiny_model_dir)
-    prompts = varied_prompts(inner, n=4, seed=9)
-    bad_id = max(set(prompts[0][-4:]) - {t for p in prompts[1:] for t in p})
+    prompts = [inner("the sea and the zebra")["input_ids"]] + varied_prompts(inner, n=3, seed=9)
+    bad_id = prompts[0][-1]
+    assert all(bad_id not in p for p in prompts[1:])
     requests = {str(i): (p, greedy(10, ignore_eos=True)) for i, p in enumerate(prompts)}
     good = {k: v for k, v in requests.items() if k != "0"}
     expected, _ = run(make(tiny_model_dir, "off"), good)
