@@ -11,6 +11,7 @@ logprobs and prompt logprobs, aborts and per-output faults.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from dataclasses import asdict
 
@@ -21,9 +22,13 @@ from llmplatform.engine.async_engine import AsyncEngine
 from llmplatform.engine.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
                                        SpeculativeConfig)
 from llmplatform.engine.llm_engine import LLMEngine
+from llmplatform.engine.pooling import PoolingMode, PoolingParams
+from llmplatform.engine.virtual_engines import VirtualEngines
 from llmplatform.sampling.outputs import FinishReason
 from llmplatform.sampling.params import SamplingParams
-from tests.engine.test_engine import assert_all_blocks_free, varied_prompts
+from tests.engine.test_engine import assert_all_blocks_free, run_to_completion, varied_prompts
+from tests.engine.test_pipeline_parallel import (deep_model_dir, engine_config,  # noqa: F401
+                                                 reference, workload)
 
 SPEC = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=4,
                          prompt_lookup_min=1)
@@ -287,3 +292,41 @@ def test_abort_mid_stream_through_the_async_engine(tiny_model_dir):
     off = asyncio.run(scenario("off"))
     assert on[:2] == off[:2]
     assert on[2] == off[2] and len(on[2][0]) == 3
+
+
+def test_pooling_beside_generation(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = varied_prompts(tokenizer, n=4, seed=6)
+
+    def serve(mode: str):
+        engine = make(tiny_model_dir, mode)
+        for i, prompt in enumerate(prompts[:2]):
+            engine.add_pooling_request(f"pool-{i}", prompt, PoolingParams(PoolingMode.MEAN))
+        for i, prompt in enumerate(prompts[2:]):
+            engine.add_request(str(i), prompt, greedy(9, ignore_eos=True, stop=(" the",)))
+        chunks, vectors = {}, {}
+        while engine.has_unfinished():
+            for update in engine.step():
+                chunks.setdefault(update.request_id, []).append(chunk_record(update.chunk))
+                if update.pooled is not None:
+                    vectors[update.request_id] = update.pooled
+        assert sorted(vectors) == ["pool-0", "pool-1"]
+        assert_all_blocks_free(engine)
+        return chunks, vectors
+
+    (off, off_vectors), (on, on_vectors) = serve("off"), serve("on")
+    assert_same_outputs(on, off)
+    for key, vector in off_vectors.items():
+        assert on_vectors[key] == pytest.approx(vector, abs=1e-5)
+
+
+def test_pipeline_parallel_virtual_engines(deep_model_dir, reference):
+    tokenizer, want = reference
+    config = dataclasses.replace(engine_config(deep_model_dir, pp=2), async_output_processing="on")
+    engines = VirtualEngines(config)
+    try:
+        prompts, params = workload(tokenizer)
+        assert run_to_completion(engines, prompts, params) == want
+        assert engines.block_manager.num_free_blocks == engines.block_manager.num_blocks
+    finally:
+        engines.runner.close()

@@ -281,12 +281,16 @@ class LLMEngine:
         raised cannot have left them half-changed. A fault that broke the device itself (a
         CUDA error poisons the whole context) makes the new pool's probe forward pass raise,
         and then only a new process helps. Runs on the step thread, like ``step``."""
-        self._output.close()
+        self.close_outputs()
         self.runner.reset_kv_cache()
         if self.proposer is not None:
             self.proposer.reset()
         return LLMEngine(self.config, self.tokenizer, runner=self.runner, grammars=self.grammars,
                          proposer=self.proposer)
+
+    def close_outputs(self) -> None:
+        """Stops the output thread (the engine is being replaced; jobs not started are dropped)."""
+        self._output.close()
 
     # ---- the step loop -----------------------------------------------------------------------
 
