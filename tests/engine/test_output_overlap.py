@@ -330,3 +330,19 @@ def test_pipeline_parallel_virtual_engines(deep_model_dir, reference):
         assert engines.block_manager.num_free_blocks == engines.block_manager.num_blocks
     finally:
         engines.runner.close()
+
+
+def test_the_flag_reaches_the_engine_and_auto_is_decided_by_the_device(tiny_model_dir):
+    from llmplatform.engine.output_pipeline import resolve_async_output
+    from llmplatform.llm.build import paged_engine_config
+    from llmplatform.model_worker.settings import WorkerServiceSettings
+
+    settings = WorkerServiceSettings.parse(["--model-path", str(tiny_model_dir), "--backend",
+                                            "paged", "--async-output-processing", "on"])
+    assert paged_engine_config(settings.backend_config).async_output_processing == "on"
+    with pytest.raises(SystemExit):
+        WorkerServiceSettings.parse(["--async-output-processing", "sometimes"])
+    with pytest.raises(ValueError, match="async_output_processing must be one of auto, on, off"):
+        dataclasses.replace(make(tiny_model_dir, "off").config, async_output_processing="yes")
+    assert resolve_async_output("auto", "cuda") and not resolve_async_output("auto", "cpu")
+    assert resolve_async_output("on", "cpu") and not resolve_async_output("off", "cuda")
