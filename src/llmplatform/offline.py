@@ -112,7 +112,8 @@ class LLM:
                  gpu_memory_utilization: float = _DEFAULT.gpu_memory_utilization,
                  num_blocks: int | None = None,
                  enable_prefix_caching: bool = _DEFAULT.enable_prefix_caching,
-                 speculative_config: str | dict | None = _DEFAULT.speculative_config) -> None:
+                 speculative_config: str | dict | None = _DEFAULT.speculative_config,
+                 async_output_processing: str = _DEFAULT.async_output_processing) -> None:
         from llmplatform.engine.llm_engine import LLMEngine
 
         config = BackendConfig(
@@ -124,7 +125,8 @@ class LLM:
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching,
             speculative_config=(json.dumps(speculative_config)
-                                if isinstance(speculative_config, dict) else speculative_config))
+                                if isinstance(speculative_config, dict) else speculative_config),
+            async_output_processing=async_output_processing)
         self.engine = LLMEngine(paged_engine_config(config, num_blocks=num_blocks))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0

@@ -35,11 +35,12 @@ FAULTS = Faults(sampling_marker=SAMPLING_MARK, processing_marker=PROCESSING_MARK
 NUM_TOKENS = 12
 
 
-def make_engine(model_dir, faults: Faults = FAULTS) -> LLMEngine:
+def make_engine(model_dir, faults: Faults = FAULTS, async_output: str = "auto") -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=ModelConfig(str(model_dir), ("m",), device="cpu", dtype="float32"),
         cache=CacheConfig(kv_cache_memory_bytes=32 << 20),
-        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=256)),
+        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=256),
+        async_output_processing=async_output),
         runner_factory=faults.runner_factory())
 
 
@@ -140,9 +141,10 @@ async def collect(async_engine: AsyncEngine, request_id: str, prompt: list[int],
     return tokens
 
 
+@pytest.mark.parametrize("async_output", ["off", "on"])
 async def test_a_failed_step_rebuilds_the_engine_and_fails_the_requests_in_flight(
-        tiny_model_dir, tokenizer):
-    engine = make_engine(tiny_model_dir)
+        tiny_model_dir, tokenizer, async_output):
+    engine = make_engine(tiny_model_dir, async_output=async_output)
     async_engine = AsyncEngine(engine, restart=RestartConfig(max_restarts_per_minute=2))
     async_engine.start()
     prompt = varied_prompts(tokenizer, n=1, seed=5)[0]

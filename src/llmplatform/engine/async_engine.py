@@ -21,6 +21,11 @@ step meanwhile: the stages overlap), then completes it. A new request goes to th
 virtual engine; its adds and aborts are applied by that engine's loop between its steps. Calls
 between steps wait until no step is in flight (``step_gate``). A failure in any loop stops them
 all and rebuilds the whole set. Without stages there is one loop, the engine itself.
+
+Updates reach the streams through each engine's update sink (``LLMEngine.set_update_sink``),
+called by whichever thread built them (the step thread, or the output thread when output
+processing overlaps the next step: engine.output_pipeline) and handed to the event loop in the
+order they were built.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -275,18 +281,24 @@ class AsyncEngine:
                              len(prompt_token_ids), params.max_tokens, params.n)
         aborts, virtual.pending_aborts = virtual.pending_aborts, []
         for request_id in aborts:
-            updates = engine.abort(request_id)
-            if updates:
+            num_stopped = sum(not seq.is_finished
+                              for seq in engine.scheduler.get_request_seqs(request_id))
+            self._deliver_all(engine.abort(request_id))  # none: they go to the sink
+            if num_stopped:
                 with request_context(request_id):
                     logger.debug("aborted: %d unfinished outputs stopped, their blocks freed",
-                                 len(updates))
-            for update in updates:
-                self._deliver(update)
+                                 num_stopped)
 
-    def _deliver(self, update: SequenceUpdate) -> None:
-        stream = self._streams.get(update.request_id)
-        if stream is not None:
-            stream.queue.put_nowait(update)
+    def _deliver_all(self, updates: list[SequenceUpdate]) -> None:
+        for update in updates:
+            stream = self._streams.get(update.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(update)
+
+    def _sink(self, loop: asyncio.AbstractEventLoop, updates: list[SequenceUpdate]) -> None:
+        """An engine's update sink (any thread): delivered on the event loop, in order."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+            loop.call_soon_threadsafe(self._deliver_all, updates)
 
     async def _run(self) -> None:
         while True:
@@ -303,6 +315,9 @@ class AsyncEngine:
 
     async def _step_loops(self) -> None:
         """Runs every virtual engine's loop until one fails (the others are stopped first)."""
+        sink = functools.partial(self._sink, asyncio.get_running_loop())
+        for virtual in self._loops:
+            virtual.engine.set_update_sink(sink)
         tasks = [asyncio.create_task(self._step_loop(v), name=f"engine-loop-{i}")
                  for i, v in enumerate(self._loops)]
         try:
@@ -328,8 +343,7 @@ class AsyncEngine:
                 if launched is not None:  # in the pipeline: the step thread is free meanwhile
                     await asyncio.to_thread(launched.wait)
                     updates = await loop.run_in_executor(self._executor, engine.complete, launched)
-            for update in updates:
-                self._deliver(update)
+            self._deliver_all(updates)  # none: they went to the sink
             # Let request handlers run (new arrivals, disconnects) before the next step.
             await asyncio.sleep(0)
 

@@ -321,6 +321,10 @@ class SpeculativeConfig:
                              + " yet")
 
 
+# ``--async-output-processing`` (engine.output_pipeline): auto (on for CUDA), on, off.
+ASYNC_OUTPUT_MODES = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -331,8 +335,14 @@ class EngineConfig:
     lora: LoRAConfig = LoRAConfig()
     # Speculative decoding (engine.speculative); None: off.
     speculative: SpeculativeConfig | None = None
+    # Detokenizing and stop strings overlapped with the next step (engine.output_pipeline):
+    # "auto" (on for CUDA, off on CPU, as measured), "on" or "off".
+    async_output_processing: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.async_output_processing not in ASYNC_OUTPUT_MODES:
+            raise ValueError(f"async_output_processing must be one of "
+                             f"{', '.join(ASYNC_OUTPUT_MODES)}, got {self.async_output_processing!r}")
         if self.speculative is not None:
             self.speculative.check_supported(self)
         if self.lora.enabled and self.parallel.pipeline_parallel_size > 1:
@@ -341,6 +351,6 @@ class EngineConfig:
                              "(--pipeline-parallel-size 1, or no --enable-lora / --lora-modules)")
 
 
-__all__ = ["BLOCKED_LINEAR_CHOICES", "COMPUTE_DTYPES", "DECODE_PATHS", "CacheConfig", "SchedulerConfig",
+__all__ = ["ASYNC_OUTPUT_MODES", "BLOCKED_LINEAR_CHOICES", "COMPUTE_DTYPES", "DECODE_PATHS", "CacheConfig", "SchedulerConfig",
            "ModelConfig", "EngineConfig", "ParallelConfig", "RestartConfig", "LoRAConfig", "SpeculativeConfig",
            "parse_memory_size", "InvalidRequestError"]

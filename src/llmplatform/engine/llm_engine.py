@@ -21,20 +21,31 @@ which output it is (``SequenceUpdate.index``); aborting the request stops all ``
 The engine's record of each output (:class:`OutputState`) is kept by sequence id: the scheduler's
 and the runner's outputs carry ids and typed records (engine.outputs). The runner comes from
 ``runner_factory`` (default :meth:`ModelRunner.from_config`), the seam tests inject faults through.
+
+Output processing is split (:mod:`.output_pipeline`): the step thread decides from token ids
+whether an output ended (and frees its blocks); its chunk (detokenizing, stop strings) is built by
+an output job, inline or, with ``async_output_processing``, on an output thread while the next step
+runs. With the overlap, ``complete``/``abort`` return the updates built so far (later ones come
+with later calls, or go to the sink the async engine sets: :meth:`LLMEngine.set_update_sink`), and
+``has_unfinished`` stays True until the last is out.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable
 
 from llmplatform.engine.block_manager import BlockManager
 from llmplatform.engine.config import EngineConfig
 from llmplatform.engine.isolation import pinned_fault
 from llmplatform.engine.model_runner import ModelRunner, RunnerFactory
 from llmplatform.engine.parallel.driver import InFlightStep
+from llmplatform.engine.output_pipeline import (JobResult, OutputPipeline, OutputState, Sink, TokenBatch,
+                                                emit_batch, error_update, final_update,
+                                                resolve_async_output, run_parts)
 from llmplatform.engine.outputs import Failure, ModelOutput, SchedulerOutput, SequenceUpdate, StepStats
 from llmplatform.engine.pooling import PoolingParams
 from llmplatform.engine.prefix_cache import PrefixCacheStats
@@ -43,8 +54,8 @@ from llmplatform.engine.sequence import Sequence
 from llmplatform.engine.speculative.setup import make_proposer
 from llmplatform.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
 from llmplatform.sampling.grammar_sandbox import GrammarSandbox
-from llmplatform.sampling.output_processor import OutputProcessor, eos_token_ids_of
-from llmplatform.sampling.outputs import FinishReason, GenerateChunk, TokenLogprob, Usage
+from llmplatform.sampling.output_processor import OutputProcessor, TokenStops, eos_token_ids_of
+from llmplatform.sampling.outputs import FinishReason
 from llmplatform.sampling.params import SamplingParams, check_prompt_token_ids
 from llmplatform.utils.logs import request_context
 
@@ -54,28 +65,6 @@ if TYPE_CHECKING:
     from llmplatform.sampling.grammar import CompiledGrammar
 
 logger = logging.getLogger("llmplatform.engine")
-
-
-@dataclass
-class OutputState:
-    """The engine's record of one output (one sequence) until it finishes."""
-
-    seq: Sequence  # the scheduler's sequence, which the engine made: to finish it
-    # Turns its tokens into chunks (detokenizing, stops); None for a pooling sequence.
-    processor: OutputProcessor | None
-    pending_prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-    # When a step first scheduled the sequence (time.monotonic()), sent on its first chunk so the
-    # worker can tell queue time from compute time.
-    first_scheduled_time: float | None = None
-    first_scheduled_time_sent: bool = False
-
-    @property
-    def request_id(self) -> str:
-        return self.seq.request_id
-
-    @property
-    def index(self) -> int:
-        return self.seq.index
 
 
 @dataclass
@@ -125,6 +114,8 @@ class LLMEngine:
         self.virtual_engine = virtual_engine
         self.grammars = grammars
         self._outputs: dict[int, OutputState] = {}  # by seq id, until the sequence finishes
+        threaded = resolve_async_output(config.async_output_processing, self.runner.device.type)
+        self._output = OutputPipeline(threaded, name=f"engine-output-{virtual_engine}")
         layout = self.runner.layout
         if layout.num_tokens < sched.max_model_len:
             self.runner.close()  # stops the other tensor-parallel ranks (none otherwise)
@@ -146,6 +137,11 @@ class LLMEngine:
                                                                             self.tokenizer)
         if config.speculative is not None:
             logger.info("speculative decoding: %s", config.speculative)
+        if virtual_engine == 0:
+            logger.info("output processing (--async-output-processing %s): %s",
+                        config.async_output_processing,
+                        "overlapped with the next step, on an output thread" if threaded
+                        else "on the step thread, after each step")
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s on %s); max concurrency at "
             "full context (%d tokens): %.1f sequences; prefix caching %s",
@@ -238,7 +234,8 @@ class LLMEngine:
                            stop_token_ids=stop_token_ids, grammar=matcher)
             self._outputs[seq.seq_id] = OutputState(seq, OutputProcessor(
                 request_id, self.tokenizer, params, prompt_token_ids, self.eos_token_ids,
-                self.max_model_len, grammar=matcher))
+                self.max_model_len, grammar=matcher), stops=TokenStops(
+                params, len(prompt_token_ids), self.eos_token_ids, self.max_model_len, matcher))
             seqs.append(seq)
         self.scheduler.add_request(seqs)
         return seqs
@@ -252,9 +249,17 @@ class LLMEngine:
         return self.grammars
 
     def abort(self, request_id: str) -> list[SequenceUpdate]:
-        """Stops the request's sequences (all ``n``) and frees their blocks now."""
-        return [self._finished_update(seq.seq_id, FinishReason.ABORT)
-                for seq in self.scheduler.abort_request(request_id)]
+        """Stops the request's sequences (all ``n``) and frees their blocks now; returns the
+        updates built so far (with the overlap, the last chunks may come later)."""
+        for seq in self.scheduler.abort_request(request_id):
+            self._end(seq.seq_id, FinishReason.ABORT)
+        return self._take()
+
+    def set_update_sink(self, sink: Sink | None) -> None:
+        """Sends every update to ``sink`` as soon as it is built (on the thread that built it)
+        instead of returning it from ``complete``/``abort``/``step``: the async engine's delivery,
+        which thus sees each request's updates in order whichever thread built them."""
+        self._output.set_sink(sink)
 
     @property
     def virtual_engines(self) -> list[LLMEngine]:
@@ -263,8 +268,9 @@ class LLMEngine:
         return [self]
 
     def has_unfinished(self) -> bool:
-        """Sequences to step, or a tensor-parallel rank gone (the next step raises why)."""
-        return self.scheduler.has_unfinished() or self.runner.ranks_failed
+        """Sequences to step, output work not delivered yet, or a tensor-parallel rank gone
+        (the next step raises why)."""
+        return self.scheduler.has_unfinished() or self._output.busy or self.runner.ranks_failed
 
     def rebuild(self) -> LLMEngine:
         """A fresh engine after a step failed in a way no single request explains: a new KV
@@ -275,11 +281,16 @@ class LLMEngine:
         raised cannot have left them half-changed. A fault that broke the device itself (a
         CUDA error poisons the whole context) makes the new pool's probe forward pass raise,
         and then only a new process helps. Runs on the step thread, like ``step``."""
+        self.close_outputs()
         self.runner.reset_kv_cache()
         if self.proposer is not None:
             self.proposer.reset()
         return LLMEngine(self.config, self.tokenizer, runner=self.runner, grammars=self.grammars,
                          proposer=self.proposer)
+
+    def close_outputs(self) -> None:
+        """Stops the output thread (the engine is being replaced; jobs not started are dropped)."""
+        self._output.close()
 
     # ---- the step loop -----------------------------------------------------------------------
 
@@ -291,10 +302,13 @@ class LLMEngine:
         this returns: see :class:`LaunchedStep`); nothing changes this engine until ``complete``."""
         self.runner.raise_if_ranks_failed()  # a dead rank fails the step (rebuild: new ranks)
         started = time.perf_counter()
+        self._settle()  # outputs the output jobs ended so far are not scheduled again
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running, self.block_manager)
         scheduled = self.scheduler.schedule()
-        updates = self._reject(scheduled)
+        for seq_id, reason in scheduled.rejected:
+            self._end(seq_id, FinishReason.ERROR, error=reason)
+        updates = self._take()
         if scheduled.is_empty:
             return LaunchedStep(scheduled, None, updates, started)
         self._note_first_scheduled(scheduled)
@@ -302,28 +316,42 @@ class LLMEngine:
                             started)
 
     def complete(self, launched: LaunchedStep) -> list[SequenceUpdate]:
+        """Finishes the step's model work and hands its outputs to an output job; returns the
+        updates built so far (all of this step's without the overlap)."""
         scheduled, updates = launched.scheduled, launched.updates
-        if launched.in_flight is None:
-            return updates
+        if launched.in_flight is None:  # nothing to compute: what is left is output work
+            self._output.wait()
+            self._settle()
+            return updates + self._take()
         model_output = self.runner.finish(launched.in_flight)
         background = scheduled.num_background_tokens
         self.scheduler.background.observe(scheduled.num_batched_tokens - background, background,
                                           scheduled.busy, time.perf_counter() - launched.started)
-        updates += self._fail_pinned(scheduled, model_output)
+        self._output.wait()  # the jobs of earlier steps, which ran while this step's model did
+        self._settle()
+        self._fail_pinned(scheduled, model_output)
         self.scheduler.update(scheduled, model_output)
         self._record_stats(scheduled)
-        return updates + self._process(scheduled, model_output)
+        self._submit_outputs(model_output)
+        self._settle()  # without the overlap: a stop string's blocks are freed now
+        return updates + self._take()
 
-    def _reject(self, scheduled: SchedulerOutput) -> list[SequenceUpdate]:
-        return [self._finished_update(seq_id, FinishReason.ERROR, error=reason)
-                for seq_id, reason in scheduled.rejected]
+    def _take(self) -> list[SequenceUpdate]:
+        return self._output.take()
 
-    def _fail_pinned(self, scheduled: SchedulerOutput, output: ModelOutput) -> list[SequenceUpdate]:
+    def _settle(self) -> None:
+        """Finishes in the scheduler (frees) the outputs that output jobs ended (stop strings,
+        output-processing faults), unless something finished them already."""
+        for state in self._output.reap():
+            if self._outputs.get(state.seq.seq_id) is state:
+                self._finish(state)
+
+    def _fail_pinned(self, scheduled: SchedulerOutput, output: ModelOutput) -> None:
         """Finishes the sequences whose own sampling failed (before ``scheduler.update``, which
         then skips them: they got no token)."""
-        return [self._fail(self._outputs[item.seq_id], output.errors[item.seq_id])
-                for item in scheduled.scheduled
-                if item.seq_id in output.errors and item.seq_id in self._outputs]
+        for item in scheduled.scheduled:
+            if item.seq_id in output.errors and item.seq_id in self._outputs:
+                self._fail(self._outputs[item.seq_id], output.errors[item.seq_id])
 
     def _finish(self, state: OutputState) -> None:
         self.scheduler.finish(state.seq)
@@ -335,23 +363,30 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.release(seq_id)
 
-    def _fail(self, state: OutputState, failure: Failure) -> SequenceUpdate:
-        """Finishes the output with an error and frees its blocks. The chunk is built here, not
-        by its output processor, which may be what failed."""
-        seq = state.seq
+    def _fail(self, state: OutputState, failure: Failure) -> None:
+        """Finishes the output with an error and frees its blocks now; its last chunk is built
+        without its output processor, which may be what failed."""
         self._finish(state)
-        chunk = GenerateChunk(request_id=seq.request_id, text="", token_ids=(),
-                              usage=Usage(seq.num_prompt_tokens, len(seq.output_token_ids)),
-                              finish_reason=FinishReason.ERROR, error=failure.message,
-                              error_code=failure.error_code)
-        return SequenceUpdate(seq.request_id, seq.index, chunk)
+        num_output_tokens = len(state.seq.output_token_ids)
+        self._output.submit(lambda: ([] if state.done else
+                                     [error_update(state, failure, num_output_tokens)], []))
 
-    def _process(self, scheduled: SchedulerOutput, output: ModelOutput) -> list[SequenceUpdate]:
-        updates = []
+    def _submit_outputs(self, output: ModelOutput) -> None:
+        """The step side of the step's outputs: pooled vectors end their sequences, sampled
+        tokens go through the token-id rules (an output they end is finished now); the chunks
+        are one output job's work, in the order the updates always came."""
         for seq_id, records in output.prompt_logprobs.items():
             if seq_id in self._outputs:
                 self._outputs[seq_id].pending_prompt_logprobs.extend(records)
-        updates += self._finish_pooled(output.pooled)
+        parts: list[Callable[[], JobResult]] = []
+        for seq_id, vector in output.pooled.items():
+            if seq_id in self._outputs:  # else aborted while the step ran
+                state = self._outputs[seq_id]
+                self._finish(state)
+                parts.append(partial(_final, state, FinishReason.STOP, None, vector))
+        if output.pooled:
+            self.stats.num_pooled_seqs += len(output.pooled)
+            self.stats.max_pooled_per_step = max(self.stats.max_pooled_per_step, len(output.pooled))
         for seq_id, token_id, logprob in zip(output.seq_ids, output.token_ids, output.logprobs):
             state = self._outputs.get(seq_id)
             if state is None:  # aborted while the step ran, or failed above
@@ -363,46 +398,31 @@ class LLMEngine:
                 self.stats.num_spec_drafts += 1
                 self.stats.num_spec_draft_tokens += accepted.num_proposed
                 self.stats.num_spec_accepted_tokens += len(accepted.token_ids)
-            try:
-                chunk = self._output_chunk(state, token_ids, logprobs)
-            except Exception as exc:  # detokenizing, stop handling: this sequence's alone
-                updates.append(self._fail(state, pinned_fault(state, "output processing", exc)))
-                continue
-            if chunk.finish_reason is not None:
-                self._finish(state)
-            updates.append(SequenceUpdate(state.request_id, state.index, chunk))
-        return updates
+            batch = self._token_batch(state, token_ids, logprobs)
+            if batch is not None:
+                parts.append(partial(emit_batch, batch))
+        if parts:
+            self._output.submit(partial(run_parts, parts))
 
-    def _finish_pooled(self, pooled: dict[int, np.ndarray]) -> list[SequenceUpdate]:
-        """Pooling sequences whose prompt this step finished: finished now (blocks freed), each
-        update carrying its vector."""
-        updates = []
-        for seq_id, vector in pooled.items():
-            state = self._outputs.get(seq_id)
-            if state is None:  # aborted while the step ran
-                continue
-            update = self._finished_update(seq_id, FinishReason.STOP)
-            chunk = replace(update.chunk, first_scheduled_time=state.first_scheduled_time)
-            updates.append(replace(update, chunk=chunk, pooled=vector))
-        if pooled:
-            self.stats.num_pooled_seqs += len(pooled)
-            self.stats.max_pooled_per_step = max(self.stats.max_pooled_per_step, len(pooled))
-        return updates
-
-    def _output_chunk(self, state: OutputState, token_ids: list[int],
-                      logprobs: list[TokenLogprob | None]) -> GenerateChunk:
-        """The chunk of the tokens this step added to the output (several when it verified
-        proposals: a stop among them ends it there, the rest are dropped)."""
-        assert state.processor is not None, "a pooling sequence never samples"
-        records = logprobs if all(r is not None for r in logprobs) else None
-        chunk = state.processor.append(token_ids, records)
+    def _token_batch(self, state: OutputState, token_ids: list[int],
+                     logprobs: list[Any]) -> TokenBatch | None:
+        """The tokens this step added to the output as the token-id rules accept them (a stop
+        among several verified proposals ends it there, the rest are dropped); finishes the
+        output when they end it. None when that check itself failed (the output failed)."""
+        assert state.stops is not None, "a pooling sequence never samples"
+        try:
+            num_kept, finish = state.stops.accept(token_ids)
+        except Exception as exc:  # e.g. its grammar's process: this sequence's alone
+            self._fail(state, pinned_fault(state, "output processing", exc))
+            return None
+        if finish is not None:
+            self._finish(state)
+        prompt_logprobs = None
         if state.pending_prompt_logprobs and state.seq.params.prompt_logprobs is not None:
-            chunk = replace(chunk, prompt_logprobs=tuple(state.pending_prompt_logprobs))
+            prompt_logprobs = tuple(state.pending_prompt_logprobs)
             state.pending_prompt_logprobs = []
-        if not state.first_scheduled_time_sent:
-            chunk = replace(chunk, first_scheduled_time=state.first_scheduled_time)
-            state.first_scheduled_time_sent = True
-        return chunk
+        return TokenBatch(state, token_ids[:num_kept], logprobs[:num_kept], finish,
+                          prompt_logprobs, len(state.seq.output_token_ids))
 
     def _note_first_scheduled(self, scheduled: SchedulerOutput) -> None:
         now = time.monotonic()
@@ -437,21 +457,13 @@ class LLMEngine:
         if slots:
             stats.kv_efficiency_sum += stored / slots
 
-    def _finished_update(self, seq_id: int, reason: FinishReason, error: str | None = None
-                         ) -> SequenceUpdate:
-        """The last update of an output the engine ends (abort, rejection, a pooled vector); the
-        scheduler has finished it or is told to now."""
+    def _end(self, seq_id: int, reason: FinishReason, error: str | None = None) -> None:
+        """Ends an output from outside its tokens (abort, rejection): finished in the scheduler
+        now (a no-op when it finished it itself), its last chunk built by an output job."""
         state = self._outputs.pop(seq_id)
-        seq = state.seq
-        self.scheduler.finish(seq)  # a no-op when the scheduler finished it itself
+        self.scheduler.finish(state.seq)  # a no-op when the scheduler finished it itself
         self._release_proposals(seq_id)
-        if state.processor is not None:
-            chunk = state.processor.finish(reason, error=error)
-        else:
-            chunk = GenerateChunk(request_id=seq.request_id, text="", token_ids=(),
-                                  usage=Usage(seq.num_prompt_tokens, 0), finish_reason=reason,
-                                  error=error)
-        return SequenceUpdate(seq.request_id, seq.index, chunk)
+        self._output.submit(partial(_final, state, reason, error, None))
 
     @property
     def kv_cache_usage(self) -> float:
@@ -472,3 +484,7 @@ class LLMEngine:
 # What a pooling sequence carries as sampling params: it never samples, so only the fields the
 # scheduler reads (no prompt logprobs) matter.
 _POOLING_SAMPLING = SamplingParams(max_tokens=1)
+
+
+def _final(state: OutputState, reason: FinishReason, error: str | None, pooled: Any) -> JobResult:
+    return final_update(state, reason, error, pooled), []

@@ -75,6 +75,8 @@ class VirtualEngines:
     def rebuild(self) -> VirtualEngines:
         """Fresh virtual engines over the same weights (``LLMEngine.rebuild``): new KV pools,
         block managers and schedulers, the other ranks started again."""
+        for engine in self.virtual_engines:
+            engine.close_outputs()
         self.runner.reset_kv_cache()
         fresh = VirtualEngines(self.config, self.tokenizer, runner=self.runner)
         for new, old in zip(fresh.virtual_engines, self.virtual_engines, strict=True):

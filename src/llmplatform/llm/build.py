@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from llmplatform.engine.config import (
     BLOCKED_LINEAR_CHOICES,
     COMPUTE_DTYPES,
+    ASYNC_OUTPUT_MODES,
     DECODE_PATHS,
     CacheConfig,
     EngineConfig,
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from llmplatform.engine.model_runner import RunnerFactory
     from llmplatform.sampling.grammar import GrammarConfig
 
-__all__ = ["BACKENDS", "BLOCKED_LINEAR_CHOICES", "COMPUTE_DTYPES", "DECODE_PATHS", "NORMALIZE_CHOICES",
+__all__ = ["ASYNC_OUTPUT_MODES", "BACKENDS", "BLOCKED_LINEAR_CHOICES", "COMPUTE_DTYPES", "DECODE_PATHS", "NORMALIZE_CHOICES",
            "POOLING_CHOICES", "QUANTIZATIONS", "TASKS", "BackendConfig", "build_backend", "paged_engine_config"]
 
 logger = logging.getLogger("llmplatform.worker")
@@ -73,6 +74,8 @@ class BackendConfig:
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     # Speculative decoding (engine.speculative), vLLM's --speculative-config JSON; None: off.
     speculative_config: str | None = None
+    # Detokenizing and stop strings overlapped with the next step (engine.output_pipeline).
+    async_output_processing: str = EngineConfig.async_output_processing
     # Run Python code shipped with a checkpoint (HF `trust_remote_code`); hf backend only, since
     # the paged backend serves only its own built-in architectures.
     trust_remote_code: bool = False
@@ -391,7 +394,8 @@ def _engine_config(config: BackendConfig, path: str, names: tuple[str, ...], *,
                                 pipeline_parallel_size=config.pipeline_parallel_size),
         lora=LoRAConfig(enabled=config.lora_enabled, max_loras=config.max_loras,
                         max_lora_rank=config.max_lora_rank),
-        speculative=_speculative(config.speculative_config))
+        speculative=_speculative(config.speculative_config),
+        async_output_processing=config.async_output_processing)
 
 
 def _speculative(text: str | None) -> SpeculativeConfig | None:

@@ -15,6 +15,7 @@ from typing import Literal
 from urllib.parse import urlparse
 
 from llmplatform.llm.build import (
+    ASYNC_OUTPUT_MODES,
     BACKENDS,
     BLOCKED_LINEAR_CHOICES,
     COMPUTE_DTYPES,
@@ -40,6 +41,7 @@ Normalize = Literal[NORMALIZE_CHOICES]  # type: ignore[valid-type]
 ComputeDtype = Literal[COMPUTE_DTYPES]  # type: ignore[valid-type]
 DecodePath = Literal[DECODE_PATHS]  # type: ignore[valid-type]
 BlockedLinear = Literal[BLOCKED_LINEAR_CHOICES]  # type: ignore[valid-type]
+AsyncOutput = Literal[ASYNC_OUTPUT_MODES]  # type: ignore[valid-type]
 Quantization = Literal[QUANTIZATIONS]  # type: ignore[valid-type]
 ToolCallSyntax = Literal[TOOL_CALL_SYNTAXES]  # type: ignore[valid-type]
 ReasoningParser = Literal[REASONING_PARSERS]  # type: ignore[valid-type]
@@ -234,6 +236,11 @@ class WorkerServiceSettings(ServerSettings):
         '"prompt_lookup_min": 2, "disable_by_batch_size": 8}, or with a draft model of the same '
         'tokenizer: {"model": "PATH", "num_speculative_tokens": 4} (docs/engine.md; default: off)',
         metavar="JSON", group=_ENGINE)
+    async_output_processing: AsyncOutput = option(
+        _DEFAULT.async_output_processing, "detokenizing and stop strings on an output thread, "
+        "overlapped with the next step instead of between steps (an output a stop string ends "
+        "runs one step more, never emitted). auto: on with CUDA, off on CPU, where it measured "
+        "no gain (docs/performance.md) (default: %(default)s)", group=_ENGINE)
     enable_prefix_caching: bool = option(
         _DEFAULT.enable_prefix_caching, "reuse the KV cache of prompt prefixes seen before "
         "(default: on; --no-enable-prefix-caching turns it off)", group=_ENGINE, negatable=True)

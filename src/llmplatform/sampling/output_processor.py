@@ -11,6 +11,13 @@ Per request, :class:`OutputProcessor` owns
 
 Backends call :meth:`OutputProcessor.append` with each step's new token ids and get back the
 :class:`GenerateChunk` to yield; they stop when the chunk has a ``finish_reason``.
+
+The decisions that need only token ids (EOS and stop token ids, ``max_tokens`` and the context
+length, a grammar's end) are :class:`TokenStops`'; the text's (stop strings) are the processor's.
+``append`` runs both, one after the other. The native engine runs them apart (engine.output_pipeline):
+``TokenStops.accept`` on the step thread, so the scheduler frees a stopped sequence before the next
+step, and :meth:`OutputProcessor.emit` (detokenizing, stop strings, the chunk) overlapped with the
+next step. Both orders give the same chunks: ``append`` is ``emit(accept(...))``.
 """
 
 from __future__ import annotations
@@ -85,6 +92,41 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
+class TokenStops:
+    """The finishing rules that need token ids only: a stop token (EOS unless ``ignore_eos``,
+    ``stop_token_ids``; both only past ``min_tokens``), a constrained output's grammar ending,
+    and ``max_tokens`` capped by the context length. Cheap, so it can run on the step thread."""
+
+    def __init__(self, params: SamplingParams, num_prompt_tokens: int,
+                 eos_token_ids: Iterable[int], max_total_tokens: int | None = None,
+                 grammar: SequenceGrammar | None = None) -> None:
+        self._grammar = grammar
+        self._min_tokens = params.min_tokens
+        self._stop_ids = frozenset(() if params.ignore_eos else eos_token_ids) | frozenset(
+            params.stop_token_ids)
+        # max_tokens, further capped by the context length when the backend gives one.
+        self.max_output = params.max_tokens
+        if max_total_tokens is not None:
+            self.max_output = max(0, min(self.max_output, max_total_tokens - num_prompt_tokens))
+        self.num_output = 0
+        self.finish_reason: FinishReason | None = None
+
+    def accept(self, token_ids: Sequence[int]) -> tuple[int, FinishReason | None]:
+        """Counts newly sampled tokens up to the first that finishes the output; returns how many
+        count (the rest are dropped) and the finish reason (None: not finished). ``LENGTH`` is
+        provisional: a stop string the last token's text completes still makes it ``STOP``."""
+        for i, token_id in enumerate(token_ids):
+            if self.finish_reason is not None:
+                return i, self.finish_reason
+            self.num_output += 1
+            if ((self.num_output > self._min_tokens and token_id in self._stop_ids)
+                    or (self._grammar is not None and self._grammar.is_terminated())):
+                self.finish_reason = FinishReason.STOP
+            elif self.num_output >= self.max_output:
+                self.finish_reason = FinishReason.LENGTH
+        return len(token_ids), self.finish_reason
+
+
 class OutputProcessor:
     """Tracks one request's output and decides when it finishes."""
 
@@ -94,19 +136,15 @@ class OutputProcessor:
         """``grammar``: the output's constraint, advanced by the sampler before each token gets
         here (read only, to end the output where the grammar ends)."""
         self.request_id = request_id
-        self._grammar = grammar
         self.params = params
         self.num_prompt_tokens = len(prompt_token_ids)
+        # The token-id rules, for ``append``; the engine runs its own copy apart (module docstring).
+        self.token_stops = TokenStops(params, self.num_prompt_tokens, eos_token_ids,
+                                      max_total_tokens, grammar)
         self.output_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.stop_str: str | None = None  # the stop string that finished the output, if one did
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
-        self._eos = frozenset(() if params.ignore_eos else eos_token_ids)
-        self._stop_ids = frozenset(params.stop_token_ids)
-        # max_tokens, further capped by the context length when the backend gives one.
-        self._max_output = params.max_tokens
-        if max_total_tokens is not None:
-            self._max_output = max(0, min(self._max_output, max_total_tokens - self.num_prompt_tokens))
         self._text = ""      # all decoded output text (a matched stop string is cut off)
         self._sent = 0       # how much of _text has been emitted
 
@@ -125,12 +163,24 @@ class OutputProcessor:
     def append(self, token_ids: Sequence[int],
                logprobs: Sequence[TokenLogprob] | None = None) -> GenerateChunk:
         """Consumes newly sampled tokens; tokens after a finishing one are ignored."""
+        if self.finished:
+            return self.emit((), None, None)
+        num_kept, reason = self.token_stops.accept(token_ids)
+        return self.emit(token_ids[:num_kept], logprobs, reason)
+
+    def emit(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob] | None,
+             token_finish: FinishReason | None) -> GenerateChunk:
+        """The chunk of tokens :class:`TokenStops` accepted already, ``token_finish`` its verdict
+        on the last of them. Detokenizes them and applies the stop strings, which may end the
+        output earlier: then the tokens after the one completing the stop string are ignored
+        (neither emitted nor counted in usage)."""
         accepted: list[int] = []
-        for token_id in token_ids:
+        last = len(token_ids) - 1
+        for i, token_id in enumerate(token_ids):
             if self.finished:
                 break
             accepted.append(token_id)
-            self._push(token_id)
+            self._push(token_id, token_finish if i == last else None)
         chunk_logprobs = None
         if logprobs is not None and self.params.logprobs is not None:
             chunk_logprobs = tuple(logprobs[:len(accepted)])
@@ -152,18 +202,15 @@ class OutputProcessor:
         return GenerateChunk(request_id=self.request_id, text=self._take_text(), token_ids=(),
                              usage=self.usage, finish_reason=self.finish_reason, error=error)
 
-    def _push(self, token_id: int) -> None:
+    def _push(self, token_id: int, token_finish: FinishReason | None) -> None:
         self.output_ids.append(token_id)
-        num_output = len(self.output_ids)
-        is_stop = token_id in self._eos or token_id in self._stop_ids
-        if ((num_output > self.params.min_tokens and is_stop)
-                or (self._grammar is not None and self._grammar.is_terminated())):
+        if token_finish is FinishReason.STOP:
             # The stop token itself counts as generated but contributes no text.
             self.finish_reason = FinishReason.STOP
             self._add_text(self._detok.flush())
             return
         self._add_text(self._detok.push(token_id))
-        if not self.finished and num_output >= self._max_output:
+        if not self.finished and token_finish is FinishReason.LENGTH:
             self.finish_reason = FinishReason.LENGTH
             self._add_text(self._detok.flush())  # a stop string this completes still wins
 
