@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
+from llmplatform.engine.admission import check_generate, check_pooling, record_step
 from llmplatform.engine.block_manager import BlockManager
 from llmplatform.engine.config import EngineConfig
 from llmplatform.engine.isolation import pinned_fault
@@ -52,12 +53,11 @@ from llmplatform.engine.prefix_cache import PrefixCacheStats
 from llmplatform.engine.scheduler import Scheduler
 from llmplatform.engine.sequence import Sequence
 from llmplatform.engine.speculative.setup import make_proposer
-from llmplatform.errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
+from llmplatform.errors import ModelNotFoundError
 from llmplatform.sampling.grammar_sandbox import GrammarSandbox
 from llmplatform.sampling.output_processor import OutputProcessor, TokenStops, eos_token_ids_of
 from llmplatform.sampling.outputs import FinishReason
-from llmplatform.sampling.params import SamplingParams, check_prompt_token_ids
-from llmplatform.utils.logs import request_context
+from llmplatform.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     import numpy as np
@@ -158,37 +158,18 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises for a request that can never be served (before anything is allocated), every
-        token id it carries checked against the model's vocabulary (the logits' width). This is
-        the engine's admission check, run once by whoever admits the request (the backend's
-        ``check_request``, ``offline.LLM``); :meth:`add_request` then trusts it."""
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        vocab_size = int(self.runner.model.vocab_size)  # the logits' width
-        check_prompt_token_ids(prompt_token_ids, vocab_size)
-        params.check_vocab(vocab_size)
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ContextLengthExceededError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {total} tokens ({len(prompt_token_ids)} in the prompt, "
-                f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens.",
-                param="max_tokens")
-        if params.n > self.config.scheduler.max_num_seqs:
-            raise InvalidRequestError(
-                f"n={params.n} exceeds --max-num-seqs {self.config.scheduler.max_num_seqs}",
-                param="n")
+        """Raises for a request that can never be served (:func:`.admission.check_generate`),
+        before anything is allocated: the engine's admission check, run once by whoever admits
+        the request (the backend's ``check_request``, ``offline.LLM``); :meth:`add_request` then
+        trusts it."""
+        check_generate(prompt_token_ids, params, vocab_size=int(self.runner.model.vocab_size),
+                       max_model_len=self.max_model_len,
+                       max_num_seqs=self.config.scheduler.max_num_seqs)
 
     def validate_pooling(self, prompt_token_ids: list[int]) -> None:
-        """Raises for a pooling request that can never be served: empty, a token id outside the
-        vocabulary, or longer than ``max_model_len``."""
-        if not prompt_token_ids:
-            raise InvalidRequestError("the input is empty", param="input")
-        check_prompt_token_ids(prompt_token_ids, int(self.runner.model.vocab_size))
-        if len(prompt_token_ids) > self.max_model_len:
-            raise ContextLengthExceededError(
-                f"the input has {len(prompt_token_ids)} tokens, more than this model's maximum "
-                f"of {self.max_model_len}", param="input")
+        """Raises for a pooling request that can never be served (:func:`.admission.check_pooling`)."""
+        check_pooling(prompt_token_ids, vocab_size=int(self.runner.model.vocab_size),
+                      max_model_len=self.max_model_len)
 
     def add_pooling_request(self, request_id: str, prompt_token_ids: list[int],
                             pooling: PoolingParams) -> Sequence:
@@ -432,30 +413,8 @@ class LLMEngine:
                 state.first_scheduled_time = now
 
     def _record_stats(self, scheduled: SchedulerOutput) -> None:
-        stats = self.stats
-        stats.num_steps += 1
-        stats.num_preemptions += len(scheduled.preempted)
-        for seq_id in scheduled.preempted:
-            seq = self._outputs[seq_id].seq
-            with request_context(seq.request_id):
-                logger.debug("preempted output %d at %d tokens (KV cache full); it will be "
-                             "recomputed", seq.index, seq.num_tokens)
-        # A deferral waits for blocks a scheduled sequence computes, so no step that defers is
-        # empty (empty steps return before this).
-        stats.num_deferred_for_prefix += len(scheduled.deferred)
-        stats.num_computed_prompt_tokens += scheduled.num_prompt_tokens
-        for seq_id, num_blocks in scheduled.deferred:
-            seq = self._outputs[seq_id].seq
-            with request_context(seq.request_id):
-                logger.debug("output %d waits for %d prompt blocks another request is computing "
-                             "now (a shared prefix); it reuses them once cached", seq.index,
-                             num_blocks)
-        stats.num_batched_tokens += scheduled.num_batched_tokens
-        running = self.scheduler.running
-        slots = sum(len(s.block_table) for s in running) * self.block_manager.block_size
-        stored = sum(s.num_computed_tokens for s in running)
-        if slots:
-            stats.kv_efficiency_sum += stored / slots
+        record_step(self.stats, scheduled, {seq_id: state.seq for seq_id, state in self._outputs.items()},
+                    self.scheduler.running, self.block_manager.block_size)
 
     def _end(self, seq_id: int, reason: FinishReason, error: str | None = None) -> None:
         """Ends an output from outside its tokens (abort, rejection): finished in the scheduler
