@@ -8,15 +8,14 @@ sequences; a draft of another tokenizer refused."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from scipy.stats import chi2_contingency
 
 from llmplatform.engine.config import SpeculativeConfig
 from llmplatform.sampling.params import SamplingParams
 from tests.engine.test_engine import assert_all_blocks_free
-from tests.engine.test_speculative_engine import (BIAS, CODE, assert_same, greedy, make, mixed_params,
-                                                  prompts_of, run)
+from tests.engine.test_speculative_engine import (BIAS, CODE, assert_same, assert_same_distribution,
+                                                  greedy, make, mixed_params, prompts_of, run,
+                                                  sample_runs)
 
 
 @pytest.fixture(scope="module")
@@ -115,29 +114,12 @@ def test_sampled_tokens_follow_the_same_distribution(tiny_model_dir, shallow_dra
     prompt = plain.tokenizer(f"{CODE}{CODE}")["input_ids"]
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=6, ignore_eos=True, n=4,
                             logit_bias=BIAS)
-
-    def samples(engine, num_requests=60):
-        for r in range(num_requests):
-            engine.add_request(str(r), prompt, params)
-        tokens: dict[tuple[str, int], list[int]] = {}
-        while engine.has_unfinished():
-            for update in engine.step():
-                tokens.setdefault((update.request_id, update.index), []).extend(update.chunk.token_ids)
-        return [tuple(t) for t in tokens.values()]
-
     spec = make(tiny_model_dir, draft(shallow_draft_dir), max_num_seqs=4)
-    plain_samples, spec_samples = samples(plain), samples(spec)
+    plain_samples = sample_runs(plain, prompt, params, num_requests=60)
+    spec_samples = sample_runs(spec, prompt, params, num_requests=60)
     stats = spec.stats
     assert 0 < stats.num_spec_accepted_tokens < stats.num_spec_draft_tokens
-    for position in (1, 3, 5):
-        plain_tokens = [s[position] for s in plain_samples]
-        spec_tokens = [s[position] for s in spec_samples]
-        categories = sorted(set(plain_tokens) | set(spec_tokens))
-        table = np.array([[tokens.count(c) for c in categories]
-                          for tokens in (plain_tokens, spec_tokens)])
-        table = table[:, table.sum(axis=0) >= 5]
-        if table.shape[1] > 1:
-            assert chi2_contingency(table).pvalue > 1e-3, (position, table)
+    assert_same_distribution(plain_samples, spec_samples, positions=(1, 3, 5))
 
 
 def test_abort_frees_the_draft_pool_and_rebuild_keeps_the_draft(tiny_model_dir):

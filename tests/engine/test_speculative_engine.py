@@ -188,20 +188,26 @@ def test_sampled_tokens_follow_the_same_distribution(tiny_model_dir):
     prompt = plain.tokenizer(f"{CODE}{CODE}")["input_ids"]
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=6, ignore_eos=True, n=4,
                             logit_bias=BIAS)
-
-    def samples(engine, num_requests=80):
-        for r in range(num_requests):
-            engine.add_request(str(r), prompt, params)
-        tokens: dict[tuple[str, int], list[int]] = {}
-        while engine.has_unfinished():
-            for update in engine.step():
-                tokens.setdefault((update.request_id, update.index), []).extend(update.chunk.token_ids)
-        return [tuple(t) for t in tokens.values()]
-
     spec = make(tiny_model_dir, SPEC, max_num_seqs=4)
-    plain_samples, spec_samples = samples(plain), samples(spec)
+    plain_samples, spec_samples = sample_runs(plain, prompt, params), sample_runs(spec, prompt, params)
     assert spec.stats.num_spec_accepted_tokens > 0
-    for position in (1, 3, 5):
+    assert_same_distribution(plain_samples, spec_samples, positions=(1, 3, 5))
+
+
+def sample_runs(engine, prompt, params, num_requests=80) -> list[tuple[int, ...]]:
+    """The tokens of every output of ``num_requests`` requests of ``prompt``."""
+    for r in range(num_requests):
+        engine.add_request(str(r), prompt, params)
+    tokens: dict[tuple[str, int], list[int]] = {}
+    while engine.has_unfinished():
+        for update in engine.step():
+            tokens.setdefault((update.request_id, update.index), []).extend(update.chunk.token_ids)
+    return [tuple(t) for t in tokens.values()]
+
+
+def assert_same_distribution(plain_samples, spec_samples, positions) -> None:
+    """Two-sample chi-square per position over the categories seen at least 5 times: p > 1e-3."""
+    for position in positions:
         plain_tokens = [s[position] for s in plain_samples]
         spec_tokens = [s[position] for s in spec_samples]
         categories = sorted(set(plain_tokens) | set(spec_tokens))

@@ -1,12 +1,14 @@
 """Speculative decoding served end to end: a worker started with --speculative-config (the tiny
-model) answers the official client exactly as a plain worker does, streaming or not, and its
-/metrics count the proposals it verified and kept."""
+model; n-gram proposals, or the tiny model drafting for itself) answers the official client
+exactly as a plain worker does, streaming or not, and its /metrics count the proposals it verified
+and kept."""
 
 from __future__ import annotations
 
 import json
 
 import httpx
+import pytest
 
 from tests.integration.cluster import paged_tiny_llm, running_cluster
 
@@ -23,11 +25,13 @@ def _metric(text: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
-def test_speculating_worker_matches_a_plain_one_and_reports_acceptance(tiny_model_dir):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculating_worker_matches_a_plain_one_and_reports_acceptance(tiny_model_dir, method):
+    config = SPEC if method == "ngram" else {"model": str(tiny_model_dir), "num_speculative_tokens": 4}
     with running_cluster() as cluster:
         cluster.add_worker(paged_tiny_llm(tiny_model_dir))
         spec_url = cluster.add_worker(paged_tiny_llm(tiny_model_dir, model_names=("spec",),
-                                                     speculative_config=json.dumps(SPEC)))
+                                                     speculative_config=json.dumps(config)))
         client = cluster.openai_client(timeout_s=120)
         prompts = ["one two three one two three", "a quiet morning by the lake"]
         for prompt in prompts:
