@@ -13,9 +13,9 @@ import pytest
 from llmplatform.engine.config import SpeculativeConfig
 from llmplatform.sampling.params import SamplingParams
 from tests.engine.test_engine import assert_all_blocks_free
-from tests.engine.test_speculative_engine import (BIAS, CODE, assert_same, assert_same_distribution,
-                                                  greedy, make, mixed_params, prompts_of, run,
-                                                  sample_runs)
+from tests.engine.test_speculative_engine import (BIAS, CODE, assert_identical_in_setting, assert_same,
+                                                  assert_same_distribution, greedy, make, mixed_params,
+                                                  prompts_of, run, sample_runs)
 
 
 @pytest.fixture(scope="module")
@@ -57,18 +57,7 @@ def test_greedy_identical_in_a_mixed_batch(target_dir, tiny_model_dir):
 
 @pytest.mark.parametrize("setting", ["chunked", "preempted", "no_cache"])
 def test_identical_with_chunked_prefill_preemption_and_no_cache(tiny_model_dir, setting):
-    kwargs = {"chunked": {"budget": 24}, "preempted": {"num_blocks": 22, "max_model_len": 192},
-              "no_cache": {"caching": False}}[setting]
-    plain = make(tiny_model_dir, None, **kwargs)
-    prompts = prompts_of(plain.tokenizer)
-    params = [greedy(40 + 7 * i, ignore_eos=True, logit_bias=BIAS if i % 2 else ())
-              for i in range(len(prompts))]
-    expected = run(plain, prompts, params)
-    spec = make(tiny_model_dir, draft(tiny_model_dir), **kwargs)
-    assert_same(run(spec, prompts, params), expected)
-    assert spec.stats.num_spec_accepted_tokens > 0
-    if setting == "preempted":
-        assert spec.stats.num_preemptions > 0
+    assert_identical_in_setting(tiny_model_dir, draft(tiny_model_dir), setting)
 
 
 def test_logprobs_stop_strings_and_a_structured_output(tiny_model_dir):

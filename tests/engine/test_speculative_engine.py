@@ -111,6 +111,12 @@ def test_mixed_batch_identical_and_cached_blocks_reused(model_dir):
 
 @pytest.mark.parametrize("setting", ["chunked", "preempted", "no_cache"])
 def test_identical_with_chunked_prefill_preemption_and_no_cache(model_dir, setting):
+    assert_identical_in_setting(model_dir, SPEC, setting)
+
+
+def assert_identical_in_setting(model_dir, spec_config: SpeculativeConfig, setting: str) -> None:
+    """Greedy output with ``spec_config`` equals plain decoding's with chunked prefill (a 24-token
+    budget), preemption (22 blocks) or no prefix cache, and proposals were kept."""
     kwargs = {"chunked": {"budget": 24}, "preempted": {"num_blocks": 22, "max_model_len": 192},
               "no_cache": {"caching": False}}[setting]
     plain = make(model_dir, None, **kwargs)
@@ -118,7 +124,7 @@ def test_identical_with_chunked_prefill_preemption_and_no_cache(model_dir, setti
     params = [greedy(40 + 7 * i, ignore_eos=True, logit_bias=BIAS if i % 2 else ())
               for i in range(len(prompts))]
     expected = run(plain, prompts, params)
-    spec = make(model_dir, SPEC, **kwargs)
+    spec = make(model_dir, spec_config, **kwargs)
     assert_same(run(spec, prompts, params), expected)
     assert spec.stats.num_spec_accepted_tokens > 0
     if setting == "preempted":

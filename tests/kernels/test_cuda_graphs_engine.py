@@ -21,8 +21,8 @@ from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.engine.model_runner import ModelRunner
 from llmplatform.kernels import AttentionBackend
 from llmplatform.sampling.params import SamplingParams
+from tests.kernels.test_triton_engine import NEW_TOKENS, greedy_tokens
 
-NEW_TOKENS = 6
 
 
 class RerunCapture:
@@ -53,20 +53,6 @@ def make_engine(model_dir, device: torch.device, *, enforce_eager: bool) -> LLME
         cache=CacheConfig(block_size=4, num_blocks=64),
         scheduler=SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=16, max_model_len=64)),
         runner_factory=factory)
-
-
-def greedy_tokens(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    for _ in range(1000):
-        if not engine.has_unfinished():
-            break
-        for update in engine.step():
-            tokens[update.request_id].extend(update.chunk.token_ids)
-    assert not engine.has_unfinished()
-    return [tokens[str(i)] for i in range(len(prompts))]
 
 
 def test_greedy_output_replaying_decode_graphs_equals_eager(tiny_model_dir, triton_device: torch.device):
