@@ -53,6 +53,9 @@ class _DraftState:
     """The draft's record of one sequence: the tokens its K/V hold, positions 0.., and where."""
 
     fed: list[int] = field(default_factory=list)
+    # How many of ``fed`` were the sequence's own tokens when fed (not proposals): a sequence's
+    # tokens only grow, so these stay valid and only the rest is compared again.
+    num_confirmed: int = 0
     blocks: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
 
@@ -163,7 +166,8 @@ class DraftProposer:
             return None
         for _ in range(needed):
             state.blocks.append(self._free_blocks.pop())
-        cached = min(common_prefix(state.fed, tokens), len(tokens) - 1)
+        start = min(state.num_confirmed, len(tokens))
+        cached = min(start + common_prefix(state.fed[start:], tokens[start:]), len(tokens) - 1)
         del state.fed[cached:]
         return _Plan(seq, state, tokens, cached, k)
 
@@ -176,6 +180,7 @@ class DraftProposer:
             positions.extend(range(plan.num_cached, len(plan.tokens)))
             last_rows.append(len(input_ids) - 1)
             plan.state.fed.extend(new)
+            plan.state.num_confirmed = len(plan.tokens)
         self._step(plans, input_ids, positions, [p.num_cached for p in plans],
                    [len(p.tokens) - p.num_cached for p in plans], last_rows)
 
