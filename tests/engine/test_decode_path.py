@@ -74,30 +74,42 @@ def test_the_attention_variable_is_read_when_the_config_is_made(monkeypatch) -> 
 
 
 def test_fused_decode_steps_run_on_the_kernels(tiny_model_dir, monkeypatch) -> None:
+    """Each decode step's layers run as one C call each (kernels.cpu_decode_layer); with that call
+    taken away (``c_layer_rows`` -1), through the per-op kernels, fused attention included."""
     require_cpu_kernel()
-    fused_calls = []
-    real = llama.fused_decode_attention
+    fused_calls, layer_calls = [], []
+    real, real_layer = llama.fused_decode_attention, llama.decode_layer_cpu
 
     def counting(qkv, *args, **kwargs):
         out = real(qkv, *args, **kwargs)
         fused_calls.append((qkv.shape[0], out is not None))
         return out
 
+    def counting_layer(weights, step, *args):
+        layer_calls.append(step.rows)
+        return real_layer(weights, step, *args)
+
     monkeypatch.setattr(llama, "fused_decode_attention", counting)
+    monkeypatch.setattr(llama, "decode_layer_cpu", counting_layer)
     monkeypatch.delenv("LLMPLATFORM_ATTENTION_BACKEND", raising=False)
     engine = LLMEngine(EngineConfig(
         model=ModelConfig(str(tiny_model_dir), ("m",), device="cpu", dtype="bfloat16", decode_path="fused"),
         cache=CacheConfig(num_blocks=32), scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=128)))
     assert engine.runner.ops.decode_path == "fused" and engine.runner.ops.rotary is RowImpl.C
-    for i in range(3):
-        engine.add_request(str(i), list(range(10 + i, 40)), SamplingParams(temperature=0, max_tokens=5,
-                                                                           ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
+    assert engine.runner.ops.layer is RowImpl.C
     num_layers = engine.runner.model.num_layers
-    # the prefill step (90 tokens) never reaches it; each decode step's layers all take it
+    for per_op in (False, True):
+        if per_op:
+            engine.runner.model.model.c_layer_rows = -1
+        for i in range(3):
+            engine.add_request(f"{per_op}{i}", list(range(10 + i, 40)),
+                               SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+    # the prefill step (90 tokens) never reaches either; each decode step's layers all take one
+    assert layer_calls == [3] * (4 * num_layers)  # 4 decode steps after the one that prefilled
     assert all(rows == 3 and took for rows, took in fused_calls)
-    assert len(fused_calls) == 4 * num_layers  # 4 decode steps after the one that prefilled
+    assert len(fused_calls) == 4 * num_layers
 
 
 def test_batched_steps_on_the_blocked_kernel_decode_as_the_default_path(tiny_model_dir, monkeypatch) -> None:

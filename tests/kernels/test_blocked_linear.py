@@ -154,11 +154,16 @@ def test_settings_that_cannot_be_honoured_are_refused() -> None:
 
 @pytest.mark.parametrize("cpu, expected_rows", [("avx2", BLOCKED_ROWS), ("avx512_bf16", 0), ("amx", 0),
                                                 ("avx512", 0), ("no_avx2", 0)])
-def test_the_probes_decide_it(cpu, expected_rows, monkeypatch) -> None:
+def test_the_probes_decide_it(cpu, expected_rows, monkeypatch, request) -> None:
     """``plan_ops`` on this machine with its CPU's features faked where they are asked: torch's
     bf16 probes (``torch_utils.cpu_has_native_low_precision_matmul``) and the kernel's own
-    ``__builtin_cpu_supports`` answer (``cpu_linear.blocked_unavailable``)."""
+    ``__builtin_cpu_supports`` answer (``cpu_linear.blocked_unavailable``). The oneDNN dtypes
+    probed under the fake are not kept for later tests (on a bf16 CPU they would lack bf16)."""
+    from llmplatform.kernels import onednn_linear
+
     require_cpu_kernel()
+    onednn_linear.working_dtypes.cache_clear()
+    request.addfinalizer(onednn_linear.working_dtypes.cache_clear)
     monkeypatch.setattr("platform.machine", lambda: "x86_64")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: cpu == "avx512_bf16", raising=False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: cpu == "amx", raising=False)

@@ -75,6 +75,8 @@ def test_the_plan_for_each_case(device, dtype, compute, path, attention, kernels
            ops.decode_path, len(ops.fallbacks))
     assert got == expected
     assert ops.activation is ops.norm and ops.quantized is quantized
+    # the one-call layer (models.decode_layer) wherever the fused attention runs, unless quantized
+    assert ops.layer is (C if ops.rotary is C and not quantized else T)
     assert (ops.device_type, ops.dtype, ops.compute_dtype) == (device, dtype, compute)
     for fallback in ops.fallbacks:  # the reason is named, not just "eager"
         assert any(reason in fallback for reason in ("no C compiler found", "cc failed"))

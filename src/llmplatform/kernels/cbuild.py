@@ -1,6 +1,6 @@
 """Building and opening the CPU kernels' C sources (``csrc/*.c``), shared by every kernel file.
 
-A library is compiled once per source, flags, compiler and CPU (``-march=native``) with the system
+A library is compiled once per source (with the sources it includes), flags, compiler and CPU (``-march=native``) with the system
 C compiler (``$CC``, else ``cc``) into ``$LLMPLATFORM_CACHE/kernels`` and loaded from there
 afterwards (a second compiler run is never needed on the same machine). A library is opened only
 if it and its folder belong to this user and nobody else can write to them
@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -57,12 +58,26 @@ def compiler() -> str:
     return found
 
 
+def included_sources(source: Path) -> list[Path]:
+    """The ``.c`` files ``source`` includes (``#include "x.c"``), directly or through another."""
+    found: list[Path] = []
+    pending = [source]
+    while pending:
+        for name in re.findall(r'^#include "([^"]+\.c)"', pending.pop().read_text(), flags=re.MULTILINE):
+            path = source.parent / name
+            if path not in found:
+                found.append(path)
+                pending.append(path)
+    return found
+
+
 def library_path(source: Path, compiler: str) -> Path:
     """Where this source, these flags, this compiler and this CPU's library lives (the cache's
     ``kernels/`` folder is created 0700, or checked if present)."""
     key = hashlib.sha256()
     headers = [header.read_bytes() for header in sorted(source.parent.glob("*.h"))]  # shared by every source
-    for part in (source.read_bytes(), *headers, " ".join(CFLAGS).encode(), compiler.encode(),
+    included = [path.read_bytes() for path in included_sources(source)]  # decode_layer.c's kernels
+    for part in (source.read_bytes(), *included, *headers, " ".join(CFLAGS).encode(), compiler.encode(),
                  cpu_signature().encode()):
         key.update(part)
         key.update(b"\0")

@@ -69,7 +69,7 @@ class KernelAvailability:
     """What can run on this machine: None where a kernel builds, else why it does not."""
     triton: bool = False
     cpu_attention: str | None = "not probed"  # kernels.cpu_decode
-    row_kernels: str | None = "not probed"  # cpu_linear, cpu_norm, cpu_activation, cpu_rotary, cpu_decode, cpu_lora
+    row_kernels: str | None = "not probed"  # cpu_linear, cpu_norm, cpu_activation, cpu_rotary, cpu_decode, cpu_lora, cpu_decode_layer
     quant_kernel: str | None = "not probed"  # cpu_quant_linear's product
     dequantize_kernel: str | None = "not probed"  # cpu_quant_linear's dequantization
     onednn_dtypes: tuple[torch.dtype, ...] = ()  # dtypes whose prepacked oneDNN product passed its check
@@ -92,6 +92,7 @@ class ModelOps:
     norm: RowImpl = RowImpl.TORCH
     activation: RowImpl = RowImpl.TORCH
     rotary: RowImpl = RowImpl.TORCH  # with the K/V store and decode attention (kernels.fused_decode_attention)
+    layer: RowImpl = RowImpl.TORCH  # C: a qualifying decoder layer's decode step in one call (models.decode_layer)
     lora: RowImpl = RowImpl.TORCH  # adapters' products, every group of rows (kernels.cpu_lora; models.lora)
     quantized: bool = False  # projections kept in GGUF blocks (models.quantized)
     quantized_rows: int = 0  # quantized products of up to this many rows on the C kernel; more dequantize
@@ -106,6 +107,8 @@ class ModelOps:
         if self.small_rows:
             parts.append(f"products of up to {self.small_rows} rows on the C kernel over the "
                          f"{str(self.dtype).removeprefix('torch.')} weights")
+        if self.layer is RowImpl.C:
+            parts.append("each plain decoder layer of such a decode step in one C call")
         if self.blocked_rows:
             parts.append(f"products of {self.small_rows + 1}-{self.blocked_rows} rows on the blocked "
                          f"AVX2 kernel over the {str(self.dtype).removeprefix('torch.')} weights")
@@ -181,6 +184,7 @@ def resolve_ops(
         linear=linear, small_rows=small_rows, blocked_rows=blocked_rows, norm=row, activation=row, lora=row,
         # the fused attention writes the cache the CPU backend reads; another backend keeps its own ops
         rotary=row if backend is AttentionBackend.CPU and not partial_rotary else RowImpl.TORCH,
+        layer=row if backend is AttentionBackend.CPU and not partial_rotary and not quantized else RowImpl.TORCH,
         quantized=quantized, quantized_rows=quantized_rows, dequantize=dequantize,
         decode_path="fused" if fused else "eager", fallbacks=tuple(fallbacks))
 
@@ -253,8 +257,8 @@ def probe_kernels(device_type: str, *, row_kernels: bool = True, quantized: bool
     """What builds here for a model on ``device_type`` (builds the C kernels it asks about, once
     per machine: ``cbuild``). ``row_kernels``/``quantized``/``onednn``/``blocked``: whether to
     probe those (a plan that cannot use them need not build them)."""
-    from llmplatform.kernels import (cpu_activation, cpu_decode, cpu_linear, cpu_lora, cpu_norm,
-                                     cpu_quant_linear, cpu_rotary, onednn_linear)
+    from llmplatform.kernels import (cpu_activation, cpu_decode, cpu_decode_layer, cpu_linear, cpu_lora,
+                                     cpu_norm, cpu_quant_linear, cpu_rotary, onednn_linear)
     from llmplatform.utils.torch_utils import cpu_has_native_low_precision_matmul
 
     if device_type != "cpu":
@@ -267,7 +271,7 @@ def probe_kernels(device_type: str, *, row_kernels: bool = True, quantized: bool
         triton=triton_installed(),
         cpu_attention=_reason(decode),
         row_kernels=_reason(cpu_linear.kernel, cpu_norm.kernel, cpu_activation.kernel, cpu_rotary.kernel,
-                            decode, cpu_lora.kernel) if row_kernels else "not probed",
+                            decode, cpu_lora.kernel, cpu_decode_layer.kernel) if row_kernels else "not probed",
         quant_kernel=_reason(cpu_quant_linear.kernel) if quantized else "not probed",
         dequantize_kernel=_reason(cpu_quant_linear.dequantize_kernel) if quantized else "not probed",
         onednn_dtypes=onednn_linear.working_dtypes() if onednn else (),

@@ -34,6 +34,7 @@ from torch import nn
 
 from llmplatform.kernels import AttentionMetadata, fused_decode_attention, paged_attention, store_kv_cache
 from llmplatform.kernels.cpu_activation import silu_mul_cpu
+from llmplatform.kernels.cpu_decode_layer import DecodeLayerWeights, decode_layer_cpu, describe_step
 from llmplatform.kernels.ops import ModelOps, RowImpl
 from llmplatform.models.layers import (
     Linear,
@@ -42,6 +43,7 @@ from llmplatform.models.layers import (
     process_weights_after_loading,
     reference_ops,
 )
+from llmplatform.models.decode_layer import describe_all as describe_decoder_layers
 from llmplatform.models.parallel import (
     ShardGroup,
     check_divisible,
@@ -227,6 +229,8 @@ class LlamaDecoderLayer(nn.Module):
                                         sliding_window=sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device, ops=ops)
         self.mlp = mlp if mlp is not None else LlamaMLP(config, dtype=dtype, device=device, shard=shard, ops=ops)
+        self.ops_layer = (ops or reference_ops(dtype, device)).layer  # whether the one-call layer may run
+        self.c_layer: DecodeLayerWeights | None = None  # set after loading (models.decode_layer)
 
     def forward(
         self,
@@ -262,6 +266,7 @@ class LlamaModel(nn.Module):
             for index, window in enumerate(layer_windows(config)) if first <= index < end
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device, ops=ops)
+        self.c_layer_rows = kernel_rows(ops.small_rows if ops is not None and ops.layer is RowImpl.C else 0)
         self.rotary_emb = RotaryEmbedding(
             head_dim_of(config), rope_parameters(config), max_position=max_position,
             trained_max_position=config.max_position_embeddings, device=device,
@@ -283,8 +288,17 @@ class LlamaModel(nn.Module):
         else:
             x, residual = intermediate  # [T, hidden] each
         cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)  # [T, 1, head_dim] each, shared by all layers
+        # A decode step of a few rows: qualifying layers in one C call each (models.decode_layer).
+        c_step = None
+        if x.shape[0] <= self.c_layer_rows and kv_caches:
+            first = next((layer.c_layer for layer in self.layers if layer.c_layer is not None), None)
+            if first is not None:
+                c_step = describe_step(attn_metadata, cos, sin, kv_caches[0][0], kv_caches[0][1], first)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, self.rotary_emb, kv_cache, attn_metadata)
+            if c_step is not None and layer.c_layer is not None:
+                x, residual = decode_layer_cpu(layer.c_layer, c_step, *kv_cache, x, residual)
+            else:
+                x, residual = layer(x, residual, cos, sin, self.rotary_emb, kv_cache, attn_metadata)
         if self.stage is not None and not self.stage.is_last:
             return x, residual
         x, _ = self.norm(x, residual)  # [T, hidden]
@@ -383,6 +397,8 @@ class LlamaForCausalLM(nn.Module):
         with tied embeddings the output projection becomes a ``Linear`` over the embedding matrix
         (its own copy only where the plan needs another dtype or layout)."""
         process_weights_after_loading(self)
+        if isinstance(self.model, LlamaModel):
+            describe_decoder_layers(self.model.layers)
         if self.lm_head is None and self.has_head:
             head = Linear(self.config.hidden_size, [self.lm_head_weight.shape[0]], bias=False,
                           dtype=self.dtype, device="meta", ops=self.ops, prepack=False)

@@ -275,4 +275,5 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int) -> dict[tuple[i
                 lora = kind(projection, max_loras, max_rank)
                 setattr(owner, name, lora)
                 wrapped[(index, name)] = lora
+                layer.c_layer = None  # an adapter's product is not in the one-call layer (models.decode_layer)
     return wrapped
