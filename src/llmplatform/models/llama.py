@@ -54,6 +54,7 @@ from llmplatform.models.parallel import (
     vocab_embedding,
 )
 from llmplatform.models.pipeline import PipelineStage
+from llmplatform.models.weight_arena import pack_row_weights
 from llmplatform.models.rope import RotaryEmbedding, rope_max_position, rope_parameters
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -397,8 +398,7 @@ class LlamaForCausalLM(nn.Module):
         with tied embeddings the output projection becomes a ``Linear`` over the embedding matrix
         (its own copy only where the plan needs another dtype or layout)."""
         process_weights_after_loading(self)
-        if isinstance(self.model, LlamaModel):
-            describe_decoder_layers(self.model.layers)
+        tied: list[Linear] = []
         if self.lm_head is None and self.has_head:
             head = Linear(self.config.hidden_size, [self.lm_head_weight.shape[0]], bias=False,
                           dtype=self.dtype, device="meta", ops=self.ops, prepack=False)
@@ -407,6 +407,10 @@ class LlamaForCausalLM(nn.Module):
             # Not a submodule: the model's parameters, state dict and projection count stay the
             # checkpoint's (the weight is the embedding's).
             self.__dict__["_tied_lm_head"] = head
+            tied.append(head)
+        pack_row_weights(self, tied, self.model.embed_tokens if tied else None)  # before the C layers' pointers
+        if isinstance(self.model, LlamaModel):
+            describe_decoder_layers(self.model.layers)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden] (sharded: this rank's rows)
