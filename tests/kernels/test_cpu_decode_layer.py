@@ -98,9 +98,10 @@ def test_adapters_take_the_layers_back(tiny_model_dir) -> None:
     assert rows == []
 
 
-def test_steps_it_does_not_take(tiny_model_dir) -> None:
-    """A step that is not decode-only, or a cache the attention kernel does not take, is refused
-    (None: the per-op path runs)."""
+def test_steps_of_several_rows_a_sequence_become_one_query_a_row(tiny_model_dir) -> None:
+    """A step with several new rows of a sequence (verification, a short prefill) is described
+    as one-token queries, each over the cache up to its own position; a cache the attention
+    kernel does not take, or another dtype, is refused (None: the per-op path runs)."""
     engine = make(tiny_model_dir)
     weights = engine.runner.model.model.layers[0].c_layer
     k_cache, v_cache = engine.runner.kv_caches[0]
@@ -111,14 +112,59 @@ def test_steps_it_does_not_take(tiny_model_dir) -> None:
                                        block_tables=[[i] for i in range(len(query_lens))], block_size=16,
                                        device="cpu")
 
-    cos = torch.zeros(2, 1, head_dim, dtype=torch.bfloat16)
-    decode = metadata([1, 1])
-    assert cpu_decode_layer.describe_step(decode, cos, cos, k_cache, v_cache, weights) is not None
-    assert cpu_decode_layer.describe_step(metadata([2, 1]), torch.zeros(3, 1, head_dim, dtype=torch.bfloat16),
-                                          torch.zeros(3, 1, head_dim, dtype=torch.bfloat16), k_cache, v_cache,
+    def rope(rows: int) -> torch.Tensor:
+        return torch.zeros(rows, 1, head_dim, dtype=torch.bfloat16)
+
+    decode = cpu_decode_layer.describe_step(metadata([1, 1]), rope(2), rope(2), k_cache, v_cache, weights)
+    assert decode is not None and decode.rows == 2 and decode.keep == ()  # the step's own tensors
+    mixed = cpu_decode_layer.describe_step(metadata([2, 1]), rope(3), rope(3), k_cache, v_cache, weights)
+    tables, lens = mixed.keep
+    assert mixed.rows == 3 and lens.tolist() == [6, 7, 6] and tables[:, 0].tolist() == [0, 0, 1]
+    assert (mixed.block_tables, mixed.seq_lens) == (tables.data_ptr(), lens.data_ptr())
+    assert cpu_decode_layer.describe_step(metadata([1, 1]), rope(2).float(), rope(2).float(), k_cache, v_cache,
                                           weights) is None
-    assert cpu_decode_layer.describe_step(decode, cos.float(), cos.float(), k_cache, v_cache, weights) is None
-    assert cpu_decode_layer.describe_step(decode, cos, cos, k_cache.float(), v_cache.float(), weights) is None
+    assert cpu_decode_layer.describe_step(metadata([1, 1]), rope(2), rope(2), k_cache.float(), v_cache.float(),
+                                          weights) is None
+
+
+def test_short_prefill_chunks_run_in_it_as_causal_attention(tiny_model_dir) -> None:
+    """Prefill chunks of at most 16 tokens (a step budget of 16: the later chunks over a cached
+    context) run in the one-call layer, as would a verification step: greedy output equals the
+    per-op path's (whose multi-row steps run torch's causal attention) token for token, logprobs
+    to float32 rounding. (Verification steps: tests/engine/test_speculative_*.py, whose greedy
+    identity with the plain engine runs through this layer on the default fused path.)"""
+    engine = LLMEngine(EngineConfig(
+        model=ModelConfig(str(tiny_model_dir), ("m",), device="cpu", dtype="float32", decode_path="fused"),
+        cache=CacheConfig(block_size=16, kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=256)))
+    model = engine.runner.model.model
+
+    def outputs(per_op: bool, steps: list | None = None) -> dict:
+        model.c_layer_rows = -1 if per_op else engine.runner.ops.small_rows
+        real = llama.decode_layer_cpu
+        llama.decode_layer_cpu = lambda w, step, *a: steps.append(step.keep != ()) or real(w, step, *a)
+        try:
+            out: dict[str, list] = {}
+            for i in range(3):
+                prompt = [(5 * i + 7 * j) % 300 + 2 for j in range(12 + 8 * i)]  # 12-28 tokens
+                engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                                  logprobs=2))
+            while engine.has_unfinished():
+                for update in engine.step():
+                    out.setdefault(update.request_id, []).append(update.chunk)
+            return out
+        finally:
+            llama.decode_layer_cpu = real
+
+    multi_row: list[bool] = []
+    one_call = outputs(False, multi_row)
+    per_op = outputs(True)
+    assert any(multi_row)  # the prefill chunks ran in the one call
+    for rid in per_op:
+        assert [c.token_ids for c in one_call[rid]] == [c.token_ids for c in per_op[rid]]
+        got = [entry.logprob for c in one_call[rid] for entry in c.logprobs or ()]
+        want = [entry.logprob for c in per_op[rid] for entry in c.logprobs or ()]
+        assert got == pytest.approx(want, abs=1e-4)
 
 
 def test_the_library_is_rebuilt_when_a_kernel_it_includes_changes(tmp_path, monkeypatch) -> None:

@@ -103,24 +103,39 @@ def describe_layer(t: LayerTensors) -> DecodeLayerWeights:
 def describe_step(metadata: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, weights: DecodeLayerWeights) -> DecodeLayerStep | None:
     """The step's description for layers of ``weights``' shape (every layer of a model shares
-    it, and its caches one layout), or None when the kernel does not take this step: not decode-only, or a cache layout,
-    dtype or shape the rotary and attention kernels refuse (the per-op path then runs)."""
+    it, and its caches one layout), or None when the kernels do not take it (a cache layout,
+    dtype or shape the rotary and attention kernels refuse: the per-op path then runs).
+
+    A sequence with several new rows (a speculative verification, a short prefill chunk) is
+    computed as that many one-token queries: the layer stores every row's K/V before attention
+    runs, so row j of a sequence attending over the cache up to its own position (its own
+    length, its sequence's block table) is exactly causal attention within the step."""
     dtype = torch.bfloat16 if weights.is_bf16 else torch.float32
     rows = metadata.num_tokens
-    if not metadata.is_decode_only or cos.dtype != dtype or sin.dtype != dtype or k_cache.dtype != dtype:
+    if cos.dtype != dtype or sin.dtype != dtype or k_cache.dtype != dtype:
         return None
     if not (cos.is_contiguous() and sin.is_contiguous() and cos.numel() == rows * weights.head_dim
             and k_cache.is_contiguous() and k_cache.device.type == "cpu"
             and v_cache.shape == k_cache.shape and v_cache.dtype == dtype and v_cache.is_contiguous()
-            and tuple(k_cache.shape[2:]) == (weights.num_kv_heads, weights.head_dim)
             and cpu_decode.supports_heads(weights.num_heads, k_cache)):
         return None
     slots, tables, lens = metadata.slot_mapping, metadata.block_tables, metadata.seq_lens
     if slots.dtype != torch.int64 or tables.dtype != torch.int32 or lens.dtype != torch.int32 \
             or not (slots.is_contiguous() and tables.is_contiguous() and lens.is_contiguous()):
         return None
-    return DecodeLayerStep(rows, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+    keep: tuple[torch.Tensor, ...] = ()
+    if not metadata.is_decode_only:  # one (length, block table) per row
+        row_seq, row_lens = [], []
+        for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
+            row_seq += [i] * query_len
+            row_lens += range(seq_len - query_len + 1, seq_len + 1)
+        tables = tables.index_select(0, torch.tensor(row_seq, dtype=torch.long))  # [rows, max_blocks]
+        lens = torch.tensor(row_lens, dtype=torch.int32)  # [rows]
+        keep = (tables, lens)
+    step = DecodeLayerStep(rows, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
                            tables.shape[1], lens.data_ptr(), k_cache.shape[1], torch.get_num_threads())
+    step.keep = keep  # the per-row tensors live as long as the description that points at them
+    return step
 
 
 def decode_layer_cpu(
