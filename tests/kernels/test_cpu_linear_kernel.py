@@ -174,3 +174,18 @@ def test_silu_mul_kernel_equals_the_eager_ops(dtype) -> None:
     else:  # the exp's last fp32 bit can move a rounding: at most one bf16 step, rarely
         steps = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-30)) > 2**-8
         assert steps.float().mean() < 0.01
+
+
+def test_bf16_rows_on_dot_products_do_not_depend_on_their_batch() -> None:
+    """Where the CPU has AVX512-BF16 (``cpu_linear.dpbf16_rows``), bf16 products of 3 or more rows
+    sum each (row, weight row) pair in one fixed order: a row's result is the same bits in a call
+    of 3 rows as in one of 11 (a tail chunk of k included). Elsewhere the AVX2 path runs (its
+    accuracy: the float64 test above)."""
+    start = cpu_linear.dpbf16_rows()
+    if not start:
+        pytest.skip("this CPU has no AVX512-BF16: bf16 rows widen to fp32 on AVX2")
+    x, w, bias = case(11, 53, 200, torch.bfloat16, torch.bfloat16, seed=3)
+    whole = cpu_linear.small_linear_cpu(x, w, bias, out_dtype=torch.float32)
+    for rows in range(start, 11):
+        part = cpu_linear.small_linear_cpu(x[11 - rows:], w, bias, out_dtype=torch.float32)
+        assert torch.equal(part, whole[11 - rows:])

@@ -31,6 +31,15 @@ kernel = cbuild.LazyFunction(
 """The loaded kernel (built on the first call); raises ``cbuild.KernelUnavailableError`` if that
 is impossible here."""
 available = kernel.available
+_dpbf16_rows = cbuild.LazyFunction("small_linear.c", "small_linear_dpbf16_rows", [], ctypes.c_int,
+                                   "CPU projection kernel")
+
+
+def dpbf16_rows() -> int:
+    """The fewest bf16 rows ``small_linear_cpu`` multiplies with AVX512-BF16 dot products on this
+    CPU (bf16 inputs and weights; fewer rows, or other dtypes, widen to fp32 with AVX2), or 0
+    where the kernel was built without them (the CPU lacks the instructions)."""
+    return _dpbf16_rows()()
 
 
 def small_linear_cpu(

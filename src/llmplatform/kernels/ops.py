@@ -76,6 +76,7 @@ class KernelAvailability:
     blocked_kernel: str | None = "not probed"  # cpu_linear's blocked kernel (builds; AVX2 + FMA at run time)
     bf16_matmul: bool = False  # the CPU multiplies bf16 matrices natively (AMX, AVX512-BF16)
     avx512: bool = False  # the CPU has AVX-512F: oneDNN's fp32 GEMM runs 16 lanes wide, the blocked kernel 8
+    dpbf16_rows: int = 0  # bf16 products of this many rows or more on AVX512-BF16 dot products (cpu_linear); 0: none
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class ModelOps:
     activation: RowImpl = RowImpl.TORCH
     rotary: RowImpl = RowImpl.TORCH  # with the K/V store and decode attention (kernels.fused_decode_attention)
     layer: RowImpl = RowImpl.TORCH  # C: a qualifying decoder layer's decode step in one call (models.decode_layer)
+    dpbf16_rows: int = 0  # the row kernel's bf16 products of this many rows or more use AVX512-BF16 (logged)
     lora: RowImpl = RowImpl.TORCH  # adapters' products, every group of rows (kernels.cpu_lora; models.lora)
     quantized: bool = False  # projections kept in GGUF blocks (models.quantized)
     quantized_rows: int = 0  # quantized products of up to this many rows on the C kernel; more dequantize
@@ -106,7 +108,8 @@ class ModelOps:
                  f"decode path {self.decode_path}"]
         if self.small_rows:
             parts.append(f"products of up to {self.small_rows} rows on the C kernel over the "
-                         f"{str(self.dtype).removeprefix('torch.')} weights")
+                         f"{str(self.dtype).removeprefix('torch.')} weights"
+                         + (f" (AVX512-BF16 dot products from {self.dpbf16_rows} rows)" if self.dpbf16_rows else ""))
         if self.layer is RowImpl.C:
             parts.append("each plain decoder layer of such a decode step in one C call")
         if self.blocked_rows:
@@ -186,6 +189,7 @@ def resolve_ops(
         rotary=row if backend is AttentionBackend.CPU and not partial_rotary else RowImpl.TORCH,
         layer=row if backend is AttentionBackend.CPU and not partial_rotary and not quantized else RowImpl.TORCH,
         quantized=quantized, quantized_rows=quantized_rows, dequantize=dequantize,
+        dpbf16_rows=kernels.dpbf16_rows if fused and dtype == torch.bfloat16 else 0,
         decode_path="fused" if fused else "eager", fallbacks=tuple(fallbacks))
 
 
@@ -276,6 +280,7 @@ def probe_kernels(device_type: str, *, row_kernels: bool = True, quantized: bool
         dequantize_kernel=_reason(cpu_quant_linear.dequantize_kernel) if quantized else "not probed",
         onednn_dtypes=onednn_linear.working_dtypes() if onednn else (),
         blocked_kernel=blocked_kernel, avx512=avx512,
+        dpbf16_rows=cpu_linear.dpbf16_rows() if row_kernels and cpu_linear.available() else 0,
         bf16_matmul=cpu_has_native_low_precision_matmul(torch.bfloat16),
     )
 
