@@ -66,3 +66,17 @@ def test_the_huge_page_setting_is_read(tmp_path, monkeypatch) -> None:
     assert weight_arena.huge_page_mode() == "madvise"
     monkeypatch.setattr(weight_arena, "THP_SETTING", tmp_path / "missing")
     assert weight_arena.huge_page_mode() == "unknown"
+
+
+def test_a_kernel_without_huge_pages_still_gets_one_buffer(monkeypatch) -> None:
+    """madvise fails with EINVAL where the kernel has no THP: the buffer is made anyway."""
+    import mmap
+
+    class NoTHP(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(weight_arena.mmap, "mmap", NoTHP)
+    buffer = weight_arena.allocate(4096)
+    buffer.fill_(7)
+    assert buffer.shape == (4096,) and int(buffer[-1]) == 7

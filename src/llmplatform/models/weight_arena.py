@@ -46,7 +46,10 @@ def allocate(num_bytes: int) -> torch.Tensor:  # [num_bytes] uint8
     has ``madvise``); the tensor keeps the mapping alive."""
     mapping = mmap.mmap(-1, max(num_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping.madvise(mmap.MADV_HUGEPAGE)
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError as exc:  # a kernel built without THP (EINVAL): plain pages, one buffer still
+            logger.info("row weights: no huge pages (%s)", exc)
     return torch.frombuffer(mapping, dtype=torch.uint8, count=num_bytes)
 
 
