@@ -25,11 +25,13 @@ if TYPE_CHECKING:
 
 def describe(layer: LlamaDecoderLayer) -> DecodeLayerWeights | None:
     """The layer's C description when its plan runs the one-call layer and it qualifies, else None."""
+    from llmplatform.models.llama import LlamaMLP  # llama imports this module
+
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if layer.ops_layer is not RowImpl.C or attn.fused_rows <= 0:
         return None
-    if type(mlp).__name__ != "LlamaMLP" or mlp.small_rows <= 0 \
+    if type(mlp) is not LlamaMLP or mlp.small_rows <= 0 \
             or any(norm.unit_offset or norm.small_rows <= 0 for norm in norms) or norms[0].eps != norms[1].eps:
         return None
     projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
