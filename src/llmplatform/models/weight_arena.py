@@ -63,7 +63,8 @@ def pack_row_weights(model: nn.Module, extra: list[Linear] = (), embedding: nn.M
     them), then of ``extra`` (a head that is not a submodule), into one buffer; ``embedding``:
     the module whose weight a tied head's row weight is. Returns the bytes moved (0: nothing to
     move: no CPU projection runs on the row kernels)."""
-    linears = [m for m in [*model.modules(), *extra] if isinstance(m, Linear) and m._row_weight is not None
+    linears = [m for m in [*model.modules(), *extra]
+               if isinstance(m, Linear) and getattr(m, "_row_weight", None) is not None  # not: quantized
                and m._row_weight.device.type == "cpu" and m._row_weight.is_contiguous()]
     if not linears:
         return 0
