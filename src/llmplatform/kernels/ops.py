@@ -69,7 +69,8 @@ class KernelAvailability:
     """What can run on this machine: None where a kernel builds, else why it does not."""
     triton: bool = False
     cpu_attention: str | None = "not probed"  # kernels.cpu_decode
-    row_kernels: str | None = "not probed"  # cpu_linear, cpu_norm, cpu_activation, cpu_rotary, cpu_decode, cpu_lora, cpu_decode_layer
+    # cpu_linear, cpu_norm, cpu_activation, cpu_rotary, cpu_decode, cpu_lora, cpu_decode_layer:
+    row_kernels: str | None = "not probed"
     quant_kernel: str | None = "not probed"  # cpu_quant_linear's product
     dequantize_kernel: str | None = "not probed"  # cpu_quant_linear's dequantization
     onednn_dtypes: tuple[torch.dtype, ...] = ()  # dtypes whose prepacked oneDNN product passed its check
