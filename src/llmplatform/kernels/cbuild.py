@@ -2,11 +2,12 @@
 
 A library is compiled once per source (with the ``.c`` files it includes), flags, compiler and CPU
 (``-march=native``) with the system C compiler (``$CC``, else ``cc``) into
-``$LLMPLATFORM_CACHE/kernels`` and loaded from there afterwards (a second compiler run is never needed on the same machine). A library is opened only
-if it and its folder belong to this user and nobody else can write to them
-(``utils/cache_folder.py``): a planted one would run inside the worker. Libraries link the OpenMP
-runtime by its soname, ``libgomp.so.1``, which torch has already loaded, so a kernel's parallel
-loop uses the calling thread's own OpenMP team (the engine's step thread), not a second one.
+``$LLMPLATFORM_CACHE/kernels`` and loaded from there afterwards (a second compiler run is never
+needed on the same machine). A library is opened only if it and its folder belong to this user
+and nobody else can write to them (``utils/cache_folder.py``): a planted one would run inside the
+worker. Libraries link the OpenMP runtime by its soname, ``libgomp.so.1``, which torch has
+already loaded, so a kernel's parallel loop uses the calling thread's own OpenMP team (the
+engine's step thread), not a second one.
 """
 
 from __future__ import annotations
