@@ -6,7 +6,10 @@ from Python, a layer is eight kernel calls, each with its checks, output allocat
 conversion, which at one row cost about as much as the kernels themselves. Here the layer's
 weights are described once (``DecodeLayerWeights``, built after loading), the step's cache
 addressing once per step (``DecodeLayerStep``), and each layer is one call that runs the same
-kernels in the same order: the output is bit for bit the per-op path's.
+kernels in the same order: on a decode step the output is bit for bit the per-op path's. Steps of
+up to ``small_rows`` rows where a sequence has several (verification, short prefill chunks) run
+here too, one query per row (``describe_step``), where the per-op path runs torch's causal
+attention: the same result to float rounding.
 """
 
 from __future__ import annotations

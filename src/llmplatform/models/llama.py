@@ -289,7 +289,7 @@ class LlamaModel(nn.Module):
         else:
             x, residual = intermediate  # [T, hidden] each
         cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)  # [T, 1, head_dim] each, shared by all layers
-        # A decode step of a few rows: qualifying layers in one C call each (models.decode_layer).
+        # A step of a few rows: qualifying layers in one C call each (models.decode_layer).
         c_step = None
         if x.shape[0] <= self.c_layer_rows and kv_caches:
             first = next((layer.c_layer for layer in self.layers if layer.c_layer is not None), None)

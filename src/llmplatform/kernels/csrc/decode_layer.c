@@ -1,4 +1,5 @@
-/* One decoder layer of a Llama-style model for a decode step of a few rows, in one call:
+/* One decoder layer of a Llama-style model for a step of a few rows (each a one-token query: see
+ * kernels/cpu_decode_layer.py), in one call:
  *
  *   normed, residual' = rms_norm(x + residual)             (residual NULL at layer 0: residual' = x)
  *   qkv   = normed . W_qkv^T (+ b)                        [m, (H + 2 Hkv) D]
