@@ -111,7 +111,7 @@ def test_rms_norm_kernel_equals_the_eager_module(dtype, rows, with_residual) -> 
         assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-6).all()
     from llmplatform.kernels.ops import ModelOps, RowImpl
 
-    routing = RMSNorm(96, 1e-5, dtype=dtype, device="cpu", ops=ModelOps(small_rows=8, norm=RowImpl.C))
+    routing = RMSNorm(96, 1e-5, dtype=dtype, device="cpu", ops=ModelOps(small_rows=8, row_op_rows=8, norm=RowImpl.C))
     routing.load_state_dict(norm.state_dict())
     routed, _ = routing(x, residual)
     assert torch.equal(routed, got if rows <= 8 else want)

@@ -144,4 +144,4 @@ def test_an_empty_call_never_reaches_a_kernel_the_plan_did_not_choose() -> None:
     layer.process_weights_after_loading()
     assert layer(torch.empty(0, 8)).shape == (0, 4)
     norm = layers.RMSNorm(8, 1e-5, dtype=F32, device="cpu", ops=ops)
-    assert norm.small_rows == -1 and layer.small_rows == -1
+    assert norm.c_rows == -1 and layer.small_rows == -1

@@ -3,8 +3,9 @@
 Every module of a model takes the one ``ModelOps`` of its model in its constructor and calls the
 ops it names; nothing reads the environment or looks at a tensor's device to pick a kernel while
 a step runs, and nothing switches a built model to other kernels. The only choice left to a call
-is the one the plan fixes a number for: products, norms, activations and the decode attention of
-up to ``small_rows`` rows run on the C kernels, products of more rows up to ``blocked_rows``
+is the one the plan fixes a number for: products of up to ``small_rows`` rows and norms,
+activations and the decode attention of up to ``row_op_rows`` rows run on the C kernels, products
+of more rows up to ``blocked_rows``
 (batched decode steps) on the blocked C kernel where the plan chose it, larger calls (prefill
 chunks) on the plan's ``linear`` (the same idea as vLLM's ``CustomOp``, whose forward is bound
 once per platform, and its attention backend selector, which picks one backend per model from device, dtype and what is
@@ -40,6 +41,12 @@ BLOCKED_ROWS = 64
 plan chose it: the batched decode steps of up to 64 sequences. Larger calls (prefill chunks) keep
 the plan's ``linear``, whose packing pays off over more rows."""
 
+ROW_OP_ROWS = 64
+"""Most rows a norm, an activation or a decode step's rotary + K/V store + attention runs on the C
+kernels on the fused path: every batched decode step. Row by row work, where the C calls replace
+several torch ops each (at 32 rows, ~10 ms of a ~70 ms SmolLM2 step were torch's elementwise ops
+and their Python); larger calls (prefill chunks) keep torch's multi-threaded ops."""
+
 DECODE_PATHS = ("auto", "eager", "fused")
 BLOCKED_CHOICES = ("auto", "on", "off")
 ATTENTION_CHOICES = ("auto", "triton", "cpu", "torch")
@@ -59,7 +66,7 @@ class LinearImpl(enum.Enum):
 
 class RowImpl(enum.Enum):
     """Who runs a norm, an activation or the rotary + K/V store + decode attention of up to
-    ``small_rows`` rows (more rows always run on torch)."""
+    ``row_op_rows`` rows (more rows always run on torch)."""
     TORCH = "torch"
     C = "c"  # one C call (kernels.cpu_norm, cpu_activation, cpu_rotary + cpu_decode)
 
@@ -90,6 +97,7 @@ class ModelOps:
     attention: AttentionBackend = AttentionBackend.TORCH
     linear: LinearImpl = LinearImpl.TORCH
     small_rows: int = 0
+    row_op_rows: int = 0  # norms, activations, decode attention of up to this many rows on C (RowImpl.C)
     blocked_rows: int = 0  # products of small_rows + 1 .. blocked_rows rows on the blocked kernel; 0: none
     norm: RowImpl = RowImpl.TORCH
     activation: RowImpl = RowImpl.TORCH
@@ -111,6 +119,8 @@ class ModelOps:
             parts.append(f"products of up to {self.small_rows} rows on the C kernel over the "
                          f"{str(self.dtype).removeprefix('torch.')} weights"
                          + (f" (AVX512-BF16 dot products from {self.dpbf16_rows} rows)" if self.dpbf16_rows else ""))
+        if self.row_op_rows:
+            parts.append(f"norms, activations and decode attention of up to {self.row_op_rows} rows on C kernels")
         if self.layer is RowImpl.C:
             parts.append("each plain decoder layer of such a decode step in one C call")
         if self.blocked_rows:
@@ -185,7 +195,7 @@ def resolve_ops(
             dequantize = RowImpl.C
     return ModelOps(
         device_type=device_type, dtype=dtype, compute_dtype=compute_dtype, attention=backend,
-        linear=linear, small_rows=small_rows, blocked_rows=blocked_rows, norm=row, activation=row, lora=row,
+        linear=linear, small_rows=small_rows, row_op_rows=ROW_OP_ROWS if fused else 0, blocked_rows=blocked_rows, norm=row, activation=row, lora=row,
         # the fused attention writes the cache the CPU backend reads; another backend keeps its own ops
         rotary=row if backend is AttentionBackend.CPU and not partial_rotary else RowImpl.TORCH,
         layer=row if backend is AttentionBackend.CPU and not partial_rotary and not quantized else RowImpl.TORCH,

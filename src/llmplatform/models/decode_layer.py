@@ -31,8 +31,8 @@ def describe(layer: LlamaDecoderLayer) -> DecodeLayerWeights | None:
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if layer.ops_layer is not RowImpl.C or attn.fused_rows <= 0:
         return None
-    if type(mlp) is not LlamaMLP or mlp.small_rows <= 0 \
-            or any(norm.unit_offset or norm.small_rows <= 0 for norm in norms) or norms[0].eps != norms[1].eps:
+    if type(mlp) is not LlamaMLP or mlp.c_rows <= 0 \
+            or any(norm.unit_offset or norm.c_rows <= 0 for norm in norms) or norms[0].eps != norms[1].eps:
         return None
     projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if any(type(p) is not Linear or p._row_weight is None or p.small_rows <= 0 for p in projections):

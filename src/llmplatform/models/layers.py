@@ -145,14 +145,14 @@ class RMSNorm(nn.Module):
         # never the (1 + w) variant: the kernel rounds the normalized rows to the model dtype
         # before scaling by a model-dtype weight, which for bf16 is not Gemma's one fp32 product.
         use_c = ops.norm is RowImpl.C and not unit_offset
-        self.small_rows = kernel_rows(ops.small_rows if use_c else 0)
+        self.c_rows = kernel_rows(ops.row_op_rows if use_c else 0)
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
         residual: torch.Tensor | None = None,  # [T, hidden]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed [T, hidden], new residual [T, hidden])
-        if x.shape[0] <= self.small_rows:
+        if x.shape[0] <= self.c_rows:
             return rms_norm_cpu(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual  # [T, hidden], in the model dtype like the reference implementation

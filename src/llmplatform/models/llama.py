@@ -142,7 +142,7 @@ class LlamaAttention(nn.Module):
         # one fused call (kernels.fused_decode_attention); never (-1) on the eager path, nor with
         # q/k norms, which that call has no place for (they come before its rotary).
         fused = ops.rotary is RowImpl.C and not qk_norm
-        self.fused_rows = kernel_rows(ops.small_rows if fused else 0)
+        self.fused_rows = kernel_rows(ops.row_op_rows if fused else 0)
 
     def forward(
         self,
@@ -205,11 +205,11 @@ class LlamaMLP(nn.Module):
                                     ops=ops)
         # steps of up to this many tokens: silu * up in one C call (the kernel knows no GELU)
         use_c = ops.activation is RowImpl.C and activation == "silu"
-        self.small_rows = kernel_rows(ops.small_rows if use_c else 0)
+        self.c_rows = kernel_rows(ops.row_op_rows if use_c else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        if x.shape[0] <= self.small_rows:
+        if x.shape[0] <= self.c_rows:
             return self.down_proj(silu_mul_cpu(gate_up))  # [T, hidden]
         gate = gate_up[:, : self.intermediate_size]  # [T, intermediate]
         act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")

@@ -10,24 +10,43 @@
  */
 #include "cpu_math.h"
 
+/* One row. Inlined with is_bf16 a constant, so every loop vectorizes; the sum of squares is
+ * kept in vector lanes and added up at the end (one fixed order, like torch's own mean, which
+ * does not sum in sequence either). Scalar, a 32-row call took ~120 us, as long as the torch ops. */
+static inline __attribute__((always_inline)) void norm_row(
+        const void *x, const void *residual, void *residual_out, void *out, const void *weight,
+        int64_t base, int64_t hidden, float eps, const int is_bf16) {
+    float sum_sq = 0.0f;
+    if (residual) {
+#pragma omp simd reduction(+ : sum_sq)
+        for (int64_t i = 0; i < hidden; i++) {
+            const float h = round_to(load_value(x, base + i, is_bf16) + load_value(residual, base + i, is_bf16),
+                                     is_bf16);
+            store_value(residual_out, base + i, h, is_bf16);
+            sum_sq += h * h;
+        }
+    } else {
+#pragma omp simd reduction(+ : sum_sq)
+        for (int64_t i = 0; i < hidden; i++) {
+            const float h = load_value(x, base + i, is_bf16);
+            sum_sq += h * h;
+        }
+    }
+    const float inv = 1.0f / sqrtf(sum_sq / (float)hidden + eps);
+    const void *h = residual ? residual_out : x;
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; i++)
+        store_value(out, base + i, load_value(weight, i, is_bf16) * round_to(load_value(h, base + i, is_bf16) * inv,
+                                                                           is_bf16), is_bf16);
+}
+
 void rms_norm(const void *x, const void *residual, void *residual_out, void *out, const void *weight,
               int64_t rows, int64_t hidden, float eps, int is_bf16, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 64)
     for (int64_t r = 0; r < rows; r++) {
-        int64_t base = r * hidden;
-        float sum_sq = 0.0f;
-        for (int64_t i = 0; i < hidden; i++) {
-            float h = load_value(x, base + i, is_bf16);
-            if (residual) {
-                h = round_to(h + load_value(residual, base + i, is_bf16), is_bf16);
-                store_value(residual_out, base + i, h, is_bf16);
-            }
-            sum_sq += h * h;
-        }
-        float inv = 1.0f / sqrtf(sum_sq / (float)hidden + eps);
-        for (int64_t i = 0; i < hidden; i++) {
-            float h = residual ? load_value(residual_out, base + i, is_bf16) : load_value(x, base + i, is_bf16);
-            store_value(out, base + i, load_value(weight, i, is_bf16) * round_to(h * inv, is_bf16), is_bf16);
-        }
+        if (is_bf16)
+            norm_row(x, residual, residual_out, out, weight, r * hidden, hidden, eps, 1);
+        else
+            norm_row(x, residual, residual_out, out, weight, r * hidden, hidden, eps, 0);
     }
 }
