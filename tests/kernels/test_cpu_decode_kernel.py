@@ -113,6 +113,47 @@ def test_long_sequences_with_peaked_scores() -> None:
     torch.testing.assert_close(got.double(), dense_decode(query, keys, values, 64**-0.5), atol=1e-5, rtol=1e-5)
 
 
+def windowed_decode(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float,
+                    window: int, softcap: float) -> torch.Tensor:
+    """float64 reference with a sliding window (the last ``window`` keys) and soft-capped scores."""
+    out = []
+    for i, (k, v) in enumerate(zip(keys, values)):
+        group = query.shape[1] // k.shape[1]
+        k64 = k[-window:].double().repeat_interleave(group, dim=1)  # [L, H, D]
+        v64 = v[-window:].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", query[i].double(), k64) * scale
+        scores = softcap * torch.tanh(scores / softcap)
+        out.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), v64))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 80])  # 80: not a multiple of 32, the widening copy
+def test_bf16_caches_with_windows_softcaps_and_peaked_scores(head_dim) -> None:
+    """A bf16 cache on an AVX512-BF16 CPU attends with bf16 dot products (q and the probabilities
+    rounded to bf16; elsewhere the widening copy): the window's first block partly masked, blocks
+    before it poisoned with NaN, a last block of odd length, scores of magnitude ~50 whose
+    maximum keeps moving, and soft-capping, all within bf16's own rounding of the output. The
+    slots past each sequence's end hold NaN: the kernel must not read them."""
+    lens = [1, 17, 33, 250, 1031]
+    window, softcap = 41, 30.0
+    query, k_cache, v_cache, tables, seq_lens, keys, values = paged_case(
+        lens, num_heads=12, num_kv_heads=4, head_dim=head_dim, block_size=16, dtype=torch.bfloat16,
+        query_scale=6.0, seed=5)
+    for i, length in enumerate(lens):  # what the engine's freeing leaves before each window
+        for index in range(max(0, length - window) // 16):
+            block = int(tables[i, index])
+            k_cache[block], v_cache[block] = float("nan"), float("nan")
+        if length % 16:
+            last = int(tables[i, length // 16])
+            k_cache[last, length % 16:], v_cache[last, length % 16:] = float("nan"), float("nan")
+    scale = head_dim**-0.5
+    got = cpu_decode.paged_decode_attention_cpu(query, k_cache, v_cache, tables, seq_lens, scale,
+                                                sliding_window=window, softcap=softcap)
+    assert torch.isfinite(got).all()
+    expected = windowed_decode(query, keys, values, scale, window, softcap)
+    torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=2e-2)
+
+
 def test_query_may_be_a_strided_view() -> None:
     """The model passes q as a view into the fused q/k rotary output."""
     query, k_cache, v_cache, tables, seq_lens, keys, values = paged_case(

@@ -14,6 +14,11 @@
  * masked. Soft-capping (softcap > 0): scores become softcap * tanh(score / softcap) before the
  * mask and the softmax (Gemma 2).
  *
+ * On a CPU with AVX512-BF16 a bf16 cache is read by bf16 dot products (attend_block_bf16): q and
+ * the probabilities are rounded to bf16 for the products, as a bf16 model's reference attention
+ * rounds them (its error against float64 stays below that reference's; the float32 path's is
+ * ~1e-7). Half the instructions: at 32 sequences the float32 copy was bound by arithmetic.
+ *
  * Built at first use by llmplatform/kernels/cpu_decode.py (cc -O3 -march=native -fopenmp).
  */
 #include "cpu_math.h"
@@ -198,6 +203,9 @@ static inline __attribute__((always_inline)) void prefetch_lines(const next_bloc
 
 typedef struct {
     __m512 q[FAST_MAX_CHUNKS], acc[FAST_MAX_CHUNKS];
+#if defined(__AVX512BF16__)
+    __m512bh q_bf16[FAST_MAX_CHUNKS / 2]; /* q rounded to bf16, 32 elements each (dot-product path) */
+#endif
     float max, sum; /* running max of the scores and sum of their exponentials */
 } head_state;
 
@@ -256,6 +264,86 @@ static inline __attribute__((always_inline)) void attend_block(
     }
 }
 
+#if defined(__AVX512BF16__)
+/* attend_block for a bf16 cache on a CPU with AVX512-BF16, chunks2 = head_dim / 32: the q.k and
+ * p.v products as bf16 dot products (vdpbf16ps: pairs of bf16 products summed into fp32 lanes),
+ * q and the probabilities rounded to bf16 first, as a bf16 model's reference attention rounds
+ * them. Half the instructions of the float32 path, which widens every K and V element. acc[2c]
+ * and acc[2c + 1] hold chunk c's 32 outputs interleaved by the unpacks (see unpermute_acc). */
+static inline __attribute__((always_inline)) void attend_block_bf16(
+        head_state *heads, int64_t group, const void *k_cache, const void *v_cache, int64_t base,
+        int64_t row, int64_t n, int64_t hidden, const int64_t chunks2, float softcap,
+        const next_block *next, int64_t first_line, int64_t share) {
+    const __mmask16 valid = (__mmask16)(((1u << n) - 1u) & ~((1u << hidden) - 1u));
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    const uint16_t *keys = (const uint16_t *)k_cache + base, *values = (const uint16_t *)v_cache + base;
+    __m512 partial[FAST_BLOCK];
+    uint32_t probs[FAST_MAX_GROUP][FAST_BLOCK / 2] __attribute__((aligned(32))); /* bf16 pairs (p[2i], p[2i + 1]) */
+    for (int64_t g = 0; g < group; g++) {
+        head_state *head = &heads[g];
+        for (int64_t j = 0; j < FAST_BLOCK; j++) {
+            if (j >= n) { partial[j] = _mm512_setzero_ps(); continue; }
+            __m512 p = _mm512_setzero_ps();
+            for (int64_t c = 0; c < chunks2; c++)
+                p = _mm512_dpbf16_ps(p, head->q_bf16[c], (__m512bh)_mm512_loadu_si512(keys + j * row + 32 * c));
+            partial[j] = p;
+        }
+        __m512 raw = sum16(partial);
+        if (softcap > 0.0f) {
+            float lanes[FAST_BLOCK] __attribute__((aligned(64)));
+            _mm512_store_ps(lanes, raw);
+            for (int64_t j = 0; j < FAST_BLOCK; j++) lanes[j] = softcap * tanhf(lanes[j] / softcap);
+            raw = _mm512_load_ps(lanes);
+        }
+        const __m512 scores = _mm512_mask_blend_ps(valid, neg_inf, raw);
+        const float block_max = _mm512_reduce_max_ps(scores);
+        if (block_max > head->max) {
+            const float correction = expf(head->max - block_max);
+            const __m512 correction16 = _mm512_set1_ps(correction);
+            head->sum *= correction;
+            for (int64_t c = 0; c < 2 * chunks2; c++) head->acc[c] = _mm512_mul_ps(head->acc[c], correction16);
+            head->max = block_max;
+        }
+        const __m512 p = _mm512_maskz_mov_ps(
+            valid, exp16_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(head->max))));
+        const __m256bh p_bf16 = _mm512_cvtneps_pbh(p);
+        /* the sum of what is multiplied: the rounded probabilities */
+        head->sum += _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32((__m256i)p_bf16), 16)));
+        _mm256_store_si256((__m256i *)probs[g], (__m256i)p_bf16);
+    }
+    const int64_t per_row = (share + FAST_BLOCK - 1) / FAST_BLOCK;
+    for (int64_t j = 0; j < FAST_BLOCK; j += 2) {
+        prefetch_lines(next, first_line + j * per_row, 2 * per_row);
+        if (j >= n) continue;
+        /* rows j and j + 1 interleaved (a row past n reads as zeros: its slot may hold anything) */
+        __m512i pairs[FAST_MAX_CHUNKS];
+        for (int64_t c = 0; c < chunks2; c++) {
+            const __m512i a = _mm512_loadu_si512(values + j * row + 32 * c);
+            const __m512i b = j + 1 < n ? _mm512_loadu_si512(values + (j + 1) * row + 32 * c) : _mm512_setzero_si512();
+            pairs[2 * c] = _mm512_unpacklo_epi16(a, b);
+            pairs[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+        }
+        for (int64_t g = 0; g < group; g++) {
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)probs[g][j / 2]);
+            for (int64_t c = 0; c < 2 * chunks2; c++)
+                heads[g].acc[c] = _mm512_dpbf16_ps(heads[g].acc[c], pp, (__m512bh)pairs[c]);
+        }
+    }
+}
+
+/* acc[2c], acc[2c + 1] (lanes interleaved by attend_block_bf16's unpacks) back in head order. */
+static inline void unpermute_acc(__m512 *acc, int64_t chunks2) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t c = 0; c < chunks2; c++) {
+        const __m512 lo = acc[2 * c], hi = acc[2 * c + 1];
+        acc[2 * c] = _mm512_permutex2var_ps(lo, first, hi);
+        acc[2 * c + 1] = _mm512_permutex2var_ps(lo, second, hi);
+    }
+}
+#endif
+
 /* One work item: sequence item / parts, and its share of the kv heads (all of them when parts is
  * 1, else one): several kv heads per item read each block row as one run (a block's rows hold
  * every kv head). */
@@ -263,7 +351,7 @@ static inline __attribute__((always_inline)) void decode_item_avx512(
         int64_t item, int64_t parts, const float *query, const void *k_cache, const void *v_cache,
         const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, float *out,
         int64_t num_heads, int64_t num_kv_heads, int64_t group, const int64_t chunks,
-        int cache_is_bf16, float scale, int64_t window, float softcap) {
+        int cache_is_bf16, float scale, int64_t window, float softcap, const int dot) {
     const int64_t s = item / parts, per_part = num_kv_heads / parts;
     const int64_t h0 = (item % parts) * per_part;
     const int64_t head_dim = chunks * 16, row = num_kv_heads * head_dim, len = seq_lens[s];
@@ -280,6 +368,11 @@ static inline __attribute__((always_inline)) void decode_item_avx512(
         }
         heads[i].max = -INFINITY;
         heads[i].sum = 0.0f;
+#if defined(__AVX512BF16__)
+        if (dot)
+            for (int64_t c = 0; c < chunks / 2; c++)
+                heads[i].q_bf16[c] = _mm512_cvtne2ps_pbh(heads[i].q[2 * c + 1], heads[i].q[2 * c]);
+#endif
     }
     for (int64_t start = first; start < len; start += FAST_BLOCK) {
         const int64_t n = len - start < FAST_BLOCK ? len - start : FAST_BLOCK;
@@ -296,10 +389,22 @@ static inline __attribute__((always_inline)) void decode_item_avx512(
             next.lines = rows * 2 * next.row_lines;
         }
         const int64_t share = (next.lines + per_part - 1) / per_part; /* each head's call asks for a share */
-        for (int64_t h = 0; h < per_part; h++)
+        for (int64_t h = 0; h < per_part; h++) {
+#if defined(__AVX512BF16__)
+            if (dot) {
+                attend_block_bf16(heads + h * group, group, k_cache, v_cache, base + h * head_dim, row, n, hidden,
+                                  chunks / 2, softcap, &next, h * share, share);
+                continue;
+            }
+#endif
             attend_block(heads + h * group, group, k_cache, v_cache, base + h * head_dim, row, n, hidden,
                          chunks, cache_is_bf16, softcap, &next, h * share, share);
+        }
     }
+#if defined(__AVX512BF16__)
+    if (dot)
+        for (int64_t i = 0; i < per_part * group; i++) unpermute_acc(heads[i].acc, chunks / 2);
+#endif
     for (int64_t i = 0; i < per_part * group; i++) {
         float *dst = out + (s * num_heads + h0 * group + i) * head_dim;
         const __m512 inv = _mm512_set1_ps(heads[i].sum > 0.0f ? 1.0f / heads[i].sum : 0.0f);
@@ -332,18 +437,28 @@ int paged_decode_attention(const float *query, const void *k_cache, const void *
         /* A whole sequence per item when there are enough sequences to share out (contiguous
          * reads), else one kv head per item (more items than threads). */
         const int64_t parts = num_seqs >= 4 * (int64_t)num_threads && num_heads <= 64 ? 1 : num_kv_heads;
-#define FAST_LOOP(CHUNKS)                                                                          \
+#define FAST_LOOP(CHUNKS, DOT)                                                                     \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                     \
     for (int64_t item = 0; item < num_seqs * parts; item++)                                        \
         decode_item_avx512(item, parts, query, k_cache, v_cache, block_tables, table_stride,       \
                            seq_lens, out, num_heads, num_kv_heads, group, CHUNKS, cache_is_bf16, scale,  \
-                           window, softcap)
+                           window, softcap, DOT)
+#if defined(__AVX512BF16__)
+        if (cache_is_bf16 && head_dim == 64) {
+            FAST_LOOP(4, 1);
+            return 0;
+        }
+        if (cache_is_bf16 && head_dim % 32 == 0) {
+            FAST_LOOP(head_dim / 16, 1);
+            return 0;
+        }
+#endif
         if (head_dim == 64) {
-            FAST_LOOP(4);
+            FAST_LOOP(4, 0);
         } else if (head_dim == 128) {
-            FAST_LOOP(8);
+            FAST_LOOP(8, 0);
         } else {
-            FAST_LOOP(head_dim / 16);
+            FAST_LOOP(head_dim / 16, 0);
         }
 #undef FAST_LOOP
         return 0;
