@@ -61,7 +61,7 @@ class AttentionBackend(enum.Enum):
 class LinearImpl(enum.Enum):
     """How a dense projection multiplies the rows it does not leave to the C kernel."""
     TORCH = "torch"  # F.linear over the weight in the compute dtype
-    ONEDNN = "onednn"  # oneDNN over the weight prepacked once (CPU; the LM head excepted)
+    ONEDNN = "onednn"  # oneDNN over the weight prepacked once (CPU; an untied LM head excepted)
 
 
 class RowImpl(enum.Enum):

@@ -48,7 +48,8 @@ class Linear(nn.Module):
     ``ops.blocked_rows`` (batched decode steps) on its blocked kernel over the same weight, larger
     ones on ``ops.linear``
     over the weight in ``ops.compute_dtype`` (oneDNN's prepacked copy unless ``prepack`` is False:
-    the LM head, whose vocabulary-sized product gains nothing). ``process_weights_after_loading``
+    a separate LM head, whose plain weight the model hands out as ``lm_head_weight``; a tied one
+    is prepacked). ``process_weights_after_loading``
     makes those forms of the weight once, after the loader filled it."""
 
     def __init__(

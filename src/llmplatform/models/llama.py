@@ -400,8 +400,10 @@ class LlamaForCausalLM(nn.Module):
         process_weights_after_loading(self)
         tied: list[Linear] = []
         if self.lm_head is None and self.has_head:
+            # prepacked for oneDNN like any projection: a copy (the embedding keeps its weight),
+            # worth it on a vocabulary-sized product (49,152 x 576, 32 rows: 8.8 -> 7.0 ms)
             head = Linear(self.config.hidden_size, [self.lm_head_weight.shape[0]], bias=False,
-                          dtype=self.dtype, device="meta", ops=self.ops, prepack=False)
+                          dtype=self.dtype, device="meta", ops=self.ops)
             head.weight = self.model.embed_tokens.weight
             head.process_weights_after_loading()
             # Not a submodule: the model's parameters, state dict and projection count stay the

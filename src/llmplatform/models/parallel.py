@@ -228,7 +228,7 @@ def vocab_embedding(group: ShardGroup | None, vocab_size: int, dim: int, *, dtyp
 
 def lm_head_linear(group: ShardGroup | None, hidden_size: int, vocab_size: int, *,
                    dtype: torch.dtype, device: torch.device | str, ops: ModelOps | None = None) -> Linear:
-    """The output projection (never prepacked: see ``Linear``)."""
+    """The output projection of an untied model (not prepacked: see ``Linear``)."""
     if group is None or group.size == 1:
         return Linear(hidden_size, [vocab_size], bias=False, dtype=dtype, device=device, ops=ops, prepack=False)
     return VocabParallelLMHead(hidden_size, vocab_size, group, dtype=dtype, device=device, ops=ops)

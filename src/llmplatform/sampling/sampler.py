@@ -75,11 +75,16 @@ class Sampler:
 
         logits = self.process(logits, rows)
 
-        greedy = torch.tensor([r.params.greedy for r in rows], device=device)
-        token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
-        if greedy.any():
-            token_ids[greedy] = logits[greedy].argmax(dim=-1)
-        random_rows = (~greedy).nonzero().flatten().tolist()
+        greedy_rows = [r.params.greedy for r in rows]
+        if all(greedy_rows):  # the common batch: no masked copy of the logits
+            token_ids = logits.argmax(dim=-1)
+            random_rows: list[int] = []
+        else:
+            greedy = torch.tensor(greedy_rows, device=device)
+            token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
+            if greedy.any():
+                token_ids[greedy] = logits[greedy].argmax(dim=-1)
+            random_rows = (~greedy).nonzero().flatten().tolist()
         if random_rows:
             sub_rows = [rows[i] for i in random_rows]
             probs = self.probabilities(logits[random_rows], sub_rows)
