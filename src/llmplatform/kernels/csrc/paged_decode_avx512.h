@@ -94,6 +94,29 @@ typedef struct {
     float max, sum; /* running max of the scores and sum of their exponentials */
 } head_state;
 
+/* A block's 16 raw scores (q.k times the scale) of one query head -> its softmax weights under
+ * the running max: soft-capped, masked to the visible rows, the accumulator and the running sum
+ * rescaled when the max grows. The caller adds the weights it multiplies by to head->sum. */
+static inline __attribute__((always_inline)) __m512 block_weights(head_state *head, __m512 raw, __mmask16 valid,
+                                                                  float softcap, int64_t acc_chunks) {
+    if (softcap > 0.0f) { /* no vector tanh in the intrinsics: lane by lane */
+        float lanes[FAST_BLOCK] __attribute__((aligned(64)));
+        _mm512_store_ps(lanes, raw);
+        for (int64_t j = 0; j < FAST_BLOCK; j++) lanes[j] = softcap * tanhf(lanes[j] / softcap);
+        raw = _mm512_load_ps(lanes);
+    }
+    const __m512 scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), raw);
+    const float block_max = _mm512_reduce_max_ps(scores);
+    if (block_max > head->max) { /* rescale what was summed under the old max */
+        const float correction = expf(head->max - block_max);
+        const __m512 correction16 = _mm512_set1_ps(correction);
+        head->sum *= correction;
+        for (int64_t c = 0; c < acc_chunks; c++) head->acc[c] = _mm512_mul_ps(head->acc[c], correction16);
+        head->max = block_max;
+    }
+    return _mm512_maskz_mov_ps(valid, exp16_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(head->max))));
+}
+
 /* One block (n <= 16 rows starting at base) for the `group` query heads sharing one kv head;
  * asks for lines first_line .. first_line + share - 1 of the next block on the way. */
 static inline __attribute__((always_inline)) void attend_block(
@@ -102,7 +125,6 @@ static inline __attribute__((always_inline)) void attend_block(
         const next_block *next, int64_t first_line, int64_t share) {
     /* Rows hidden .. n - 1 are visible (the first hidden ones lie before the window). */
     const __mmask16 valid = (__mmask16)(((1u << n) - 1u) & ~((1u << hidden) - 1u));
-    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     __m512 k[FAST_BLOCK][FAST_MAX_CHUNKS], partial[FAST_BLOCK];
     float probs[FAST_MAX_GROUP][FAST_BLOCK] __attribute__((aligned(64)));
     for (int64_t j = 0; j < n; j++)
@@ -115,24 +137,7 @@ static inline __attribute__((always_inline)) void attend_block(
             for (int64_t c = 1; c < chunks; c++) p = _mm512_fmadd_ps(head->q[c], k[j][c], p);
             partial[j] = p;
         }
-        __m512 raw = sum16(partial);
-        if (softcap > 0.0f) { /* no vector tanh in the intrinsics: lane by lane */
-            float lanes[FAST_BLOCK] __attribute__((aligned(64)));
-            _mm512_store_ps(lanes, raw);
-            for (int64_t j = 0; j < FAST_BLOCK; j++) lanes[j] = softcap * tanhf(lanes[j] / softcap);
-            raw = _mm512_load_ps(lanes);
-        }
-        const __m512 scores = _mm512_mask_blend_ps(valid, neg_inf, raw);
-        const float block_max = _mm512_reduce_max_ps(scores);
-        if (block_max > head->max) { /* rescale what was summed under the old max */
-            const float correction = expf(head->max - block_max);
-            const __m512 correction16 = _mm512_set1_ps(correction);
-            head->sum *= correction;
-            for (int64_t c = 0; c < chunks; c++) head->acc[c] = _mm512_mul_ps(head->acc[c], correction16);
-            head->max = block_max;
-        }
-        const __m512 p = _mm512_maskz_mov_ps(
-            valid, exp16_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(head->max))));
+        const __m512 p = block_weights(head, sum16(partial), valid, softcap, chunks);
         head->sum += _mm512_reduce_add_ps(p);
         _mm512_store_ps(probs[g], p);
     }
@@ -160,7 +165,6 @@ static inline __attribute__((always_inline)) void attend_block_bf16(
         int64_t row, int64_t n, int64_t hidden, const int64_t chunks2, float softcap,
         const next_block *next, int64_t first_line, int64_t share) {
     const __mmask16 valid = (__mmask16)(((1u << n) - 1u) & ~((1u << hidden) - 1u));
-    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     const uint16_t *keys = (const uint16_t *)k_cache + base, *values = (const uint16_t *)v_cache + base;
     __m512 partial[FAST_BLOCK];
     uint32_t probs[FAST_MAX_GROUP][FAST_BLOCK / 2] __attribute__((aligned(32))); /* bf16 pairs (p[2i], p[2i + 1]) */
@@ -173,24 +177,7 @@ static inline __attribute__((always_inline)) void attend_block_bf16(
                 p = _mm512_dpbf16_ps(p, head->q_bf16[c], (__m512bh)_mm512_loadu_si512(keys + j * row + 32 * c));
             partial[j] = p;
         }
-        __m512 raw = sum16(partial);
-        if (softcap > 0.0f) {
-            float lanes[FAST_BLOCK] __attribute__((aligned(64)));
-            _mm512_store_ps(lanes, raw);
-            for (int64_t j = 0; j < FAST_BLOCK; j++) lanes[j] = softcap * tanhf(lanes[j] / softcap);
-            raw = _mm512_load_ps(lanes);
-        }
-        const __m512 scores = _mm512_mask_blend_ps(valid, neg_inf, raw);
-        const float block_max = _mm512_reduce_max_ps(scores);
-        if (block_max > head->max) {
-            const float correction = expf(head->max - block_max);
-            const __m512 correction16 = _mm512_set1_ps(correction);
-            head->sum *= correction;
-            for (int64_t c = 0; c < 2 * chunks2; c++) head->acc[c] = _mm512_mul_ps(head->acc[c], correction16);
-            head->max = block_max;
-        }
-        const __m512 p = _mm512_maskz_mov_ps(
-            valid, exp16_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(head->max))));
+        const __m512 p = block_weights(head, sum16(partial), valid, softcap, 2 * chunks2);
         const __m256bh p_bf16 = _mm512_cvtneps_pbh(p);
         /* the sum of what is multiplied: the rounded probabilities */
         head->sum += _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(
