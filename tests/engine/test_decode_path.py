@@ -15,7 +15,7 @@ from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.kernels import cpu_linear
 from llmplatform.kernels.cbuild import KernelUnavailableError
 from llmplatform.kernels.ops import SMALL_ROWS, AttentionBackend, RowImpl
-from llmplatform.models import llama
+from llmplatform.models import attention, llama
 from llmplatform.sampling.params import SamplingParams
 from tests.kernels.conftest import require_cpu_kernel
 
@@ -78,7 +78,7 @@ def test_fused_decode_steps_run_on_the_kernels(tiny_model_dir, monkeypatch) -> N
     taken away (``c_layer_rows`` -1), through the per-op kernels, fused attention included."""
     require_cpu_kernel()
     fused_calls, layer_calls = [], []
-    real, real_layer = llama.fused_decode_attention, llama.decode_layer_cpu
+    real, real_layer = attention.fused_decode_attention, llama.decode_layer_cpu
 
     def counting(qkv, *args, **kwargs):
         out = real(qkv, *args, **kwargs)
@@ -89,7 +89,7 @@ def test_fused_decode_steps_run_on_the_kernels(tiny_model_dir, monkeypatch) -> N
         layer_calls.append(step.rows)
         return real_layer(weights, step, *args)
 
-    monkeypatch.setattr(llama, "fused_decode_attention", counting)
+    monkeypatch.setattr(attention, "fused_decode_attention", counting)
     monkeypatch.setattr(llama, "decode_layer_cpu", counting_layer)
     monkeypatch.delenv("LLMPLATFORM_ATTENTION_BACKEND", raising=False)
     engine = LLMEngine(EngineConfig(

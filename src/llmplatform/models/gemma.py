@@ -37,8 +37,8 @@ from torch import nn
 from llmplatform.kernels import AttentionMetadata
 from llmplatform.kernels.ops import ModelOps
 from llmplatform.models.layers import RMSNorm, reference_ops
-from llmplatform.models.llama import (KVCache, LlamaAttention, LlamaForCausalLM, LlamaMLP, head_dim_of,
-                                     layer_windows)
+from llmplatform.models.attention import KVCache, LlamaAttention, head_dim_of
+from llmplatform.models.llama import LlamaForCausalLM, LlamaMLP, layer_windows
 from llmplatform.models.parallel import ShardGroup, vocab_embedding
 from llmplatform.models.rope import RotaryEmbedding, rope_parameters
 
