@@ -58,15 +58,17 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:  # [n, k] -> oneDNN's layout,
 
 def onednn_linear(x: torch.Tensor,  # [T, k]
                   packed: torch.Tensor,  # prepack(weight)
-                  bias: torch.Tensor | None) -> torch.Tensor:  # [T, n] in x's dtype
+                  bias: torch.Tensor | None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:  # [T, n] in out_dtype (default: x's)
     dtype = packed.dtype
+    out_dtype = out_dtype or x.dtype
     rows = x.shape[0]
     padded = onednn_rows(rows)
     xw = x.to(dtype)
     if padded != rows:
         xw = F.pad(xw, (0, 0, 0, padded - rows))
     y = torch.ops.mkldnn._linear_pointwise(xw.contiguous(), packed, bias, "none", [], "")[:rows]
-    return y if x.dtype == dtype else y.to(x.dtype)
+    return y if out_dtype == dtype else y.to(out_dtype)
 
 
 def check(dtype: torch.dtype) -> str | None:

@@ -102,12 +102,12 @@ class Linear(nn.Module):
             return small_linear_cpu(x, self._row_weight, self._row_bias, out_dtype)
         if x.shape[0] <= self.blocked_rows:
             return blocked_linear_cpu(x, self._row_weight, self._row_bias, out_dtype)
+        if self._onednn_weight is not None:  # converts once, to what the caller wants
+            return onednn_linear.onednn_linear(x, self._onednn_weight, self.bias, out_dtype)
         y = self._product(x)
         return y if out_dtype is None or out_dtype == y.dtype else y.to(out_dtype)
 
-    def _product(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out] in x's dtype
-        if self._onednn_weight is not None:
-            return onednn_linear.onednn_linear(x, self._onednn_weight, self.bias)
+    def _product(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out] in x's dtype, torch's product
         if x.dtype == self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
