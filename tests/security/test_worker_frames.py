@@ -97,8 +97,10 @@ def test_a_frame_over_the_cap_fails_its_request_not_the_gateway(gateway, stream:
     if not stream:
         assert getattr(error, "status_code", None) == 502, error
     # Uncapped, the gateway held all 48 MiB (and copied it per read); capped, at most the cap
-    # and one read, some of which the allocator keeps.
-    assert grown < MAX_WORKER_FRAME_BYTES + 8 * 2**20, f"the gateway grew by {grown / 2**20:.1f} MiB"
+    # and one read, some of which the allocator keeps: a buffer at the cap can be reallocated
+    # while it grows, and under a loaded suite (2 cores) the gateway was seen at 33 MiB once, so
+    # the bound is two buffers at the cap plus reads, still under the 48 MiB the worker sent.
+    assert grown < 2 * MAX_WORKER_FRAME_BYTES + 8 * 2**20, f"the gateway grew by {grown / 2**20:.1f} MiB"
     assert _chat(gateway.url, "Hi again", stream=stream)  # the same worker, served as before
 
 
