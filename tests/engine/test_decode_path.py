@@ -14,7 +14,7 @@ from llmplatform.engine.decode_path import model_ops
 from llmplatform.engine.llm_engine import LLMEngine
 from llmplatform.kernels import cpu_linear
 from llmplatform.kernels.cbuild import KernelUnavailableError
-from llmplatform.kernels.ops import SMALL_ROWS, AttentionBackend, RowImpl
+from llmplatform.kernels.ops import DPBF16_ROWS, SMALL_ROWS, AttentionBackend, RowImpl
 from llmplatform.models import attention, llama
 from llmplatform.sampling.params import SamplingParams
 from tests.kernels.conftest import require_cpu_kernel
@@ -34,7 +34,8 @@ def test_eager_runs_no_row_kernel() -> None:
 def test_auto_is_fused_on_cpu_when_the_kernels_build() -> None:
     require_cpu_kernel()
     ops = model_ops(config("auto"), CPU, torch.bfloat16, torch.float32)
-    assert (ops.decode_path, ops.small_rows, ops.rotary, ops.fallbacks) == ("fused", SMALL_ROWS, RowImpl.C, ())
+    rows = DPBF16_ROWS if ops.dpbf16_rows else SMALL_ROWS  # AVX512-BF16: every bf16 decode step
+    assert (ops.decode_path, ops.small_rows, ops.rotary, ops.fallbacks) == ("fused", rows, RowImpl.C, ())
 
 
 def test_without_the_kernels_auto_falls_back_loudly_and_fused_refuses(monkeypatch, caplog) -> None:

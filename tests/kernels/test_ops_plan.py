@@ -10,6 +10,7 @@ import torch
 
 from llmplatform.kernels.cbuild import KernelUnavailableError
 from llmplatform.kernels.ops import (
+    DPBF16_ROWS,
     SMALL_ROWS,
     AttentionBackend,
     KernelAvailability,
@@ -27,6 +28,10 @@ NO_CC = KernelAvailability(triton=False, cpu_attention="no C compiler found", ro
 QUANT_BROKEN = KernelAvailability(triton=False, cpu_attention=None, row_kernels=None,
                                   quant_kernel="cc failed", dequantize_kernel=None, onednn_dtypes=(F32, BF16),
                                   blocked_kernel=None, bf16_matmul=True)
+# a CPU with AVX512-BF16: the row kernel multiplies bf16 rows with dot products
+DPBF16 = KernelAvailability(triton=False, cpu_attention=None, row_kernels=None, quant_kernel=None,
+                            dequantize_kernel=None, onednn_dtypes=(F32, BF16), blocked_kernel=None,
+                            bf16_matmul=True, avx512=True, dpbf16_rows=1)
 CUDA = KernelAvailability(triton=True, cpu_attention="not a CPU model", row_kernels="not a CPU model",
                           quant_kernel="not a CPU model", dequantize_kernel="not a CPU model")
 CUDA_NO_TRITON = KernelAvailability(triton=False, cpu_attention="not a CPU model", row_kernels="not a CPU model")
@@ -52,6 +57,15 @@ CASES = [
     ("cpu", BF16, BF16, "auto", "auto", QUANT_BROKEN, True, (A.CPU, LinearImpl.ONEDNN, SMALL_ROWS, C, C, 0, C,
                                                               "fused", 1)),
     ("cpu", F32, F32, "auto", "auto", NO_CC, True, (A.TORCH, LinearImpl.ONEDNN, 0, T, T, 0, T, "eager", 1)),
+    # AVX512-BF16: a bf16 model's products of every decode step (up to 64 rows) on the dot-product
+    # kernel; an fp32 model's keep 16 (the kernel widens there), quantized products keep their 16
+    ("cpu", BF16, BF16, "auto", "auto", DPBF16, False, (A.CPU, LinearImpl.ONEDNN, DPBF16_ROWS, C, C, 0, T,
+                                                        "fused", 0)),
+    ("cpu", F32, F32, "auto", "auto", DPBF16, False, (A.CPU, LinearImpl.ONEDNN, SMALL_ROWS, C, C, 0, T,
+                                                      "fused", 0)),
+    ("cpu", BF16, BF16, "auto", "auto", DPBF16, True, (A.CPU, LinearImpl.ONEDNN, DPBF16_ROWS, C, C, SMALL_ROWS, C,
+                                                       "fused", 0)),
+    ("cpu", BF16, BF16, "eager", "auto", DPBF16, False, (A.CPU, LinearImpl.ONEDNN, 0, T, T, 0, T, "eager", 0)),
     ("cuda", BF16, BF16, "auto", "auto", CUDA, False, (A.TRITON, LinearImpl.TORCH, 0, T, T, 0, T, "eager", 0)),
     ("cuda", F32, F32, "eager", "torch", CUDA, False, (A.TORCH, LinearImpl.TORCH, 0, T, T, 0, T, "eager", 0)),
     ("cuda", BF16, BF16, "auto", "auto", CUDA_NO_TRITON, False, (A.TORCH, LinearImpl.TORCH, 0, T, T, 0, T,

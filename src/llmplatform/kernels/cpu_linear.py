@@ -1,6 +1,7 @@
 """The CPU projection kernels: ``y = x W^T (+ b)`` for the few rows of a decode step
-(``csrc/small_linear.c``) and for the 17-64 of a batched one (``csrc/blocked_linear.c``), built on
-first use (``cbuild``) and called through ctypes.
+(``csrc/small_linear.c``; on a CPU with AVX512-BF16, bf16 dot-product tiles for every decode step
+of up to 64 rows) and for the 17-64 of a batched one on CPUs without bf16 instructions
+(``csrc/blocked_linear.c``), built on first use (``cbuild``) and called through ctypes.
 
 At 1-16 rows a projection's cost is reading its weight once: oneDNN's fp32 product over the fp32
 copy that a CPU without bf16 matrix instructions multiplies in (``torch_utils.resolve_compute_dtype``)
@@ -36,9 +37,9 @@ _dpbf16_rows = cbuild.LazyFunction("small_linear.c", "small_linear_dpbf16_rows",
 
 
 def dpbf16_rows() -> int:
-    """The fewest bf16 rows ``small_linear_cpu`` multiplies with AVX512-BF16 dot products on this
-    CPU (bf16 inputs and weights; fewer rows, or other dtypes, widen to fp32 with AVX2), or 0
-    where the kernel was built without them (the CPU lacks the instructions)."""
+    """The fewest rows ``small_linear_cpu`` multiplies over bf16 weights with AVX512-BF16 dot
+    products on this CPU (1: all; fp32 input rows are rounded to bf16 first; fp32 weights widen
+    with AVX2), or 0 where the kernel was built without them (the CPU lacks the instructions)."""
     return _dpbf16_rows()()
 
 

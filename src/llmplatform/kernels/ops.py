@@ -32,9 +32,15 @@ import torch
 from llmplatform.kernels.cbuild import KernelUnavailableError
 
 SMALL_ROWS = 16
-"""Most rows a call of the fused decode path runs on the C kernels (measured: at 32 rows oneDNN's
-blocked GEMM over the fp32 copy wins; at 1-16 the kernel streams fewer bytes for the same
-arithmetic: ``benchmarks/decode_step.py``)."""
+"""Most rows a product of the fused decode path runs on the row kernel where it widens the weights
+to fp32 (measured: at 32 rows oneDNN's blocked GEMM over the fp32 copy wins; at 1-16 the kernel
+streams fewer bytes for the same arithmetic: ``benchmarks/decode_step.py``)."""
+
+DPBF16_ROWS = 64
+"""Most rows a bf16 product of the fused decode path runs on the row kernel where that kernel
+multiplies with AVX512-BF16 dot products (``cpu_linear.dpbf16_rows``): its 4 x 4 tiles run
+SmolLM2's 30 layers of 32-row products in ~18 ms where oneDNN's bf16 GEMM takes ~26, and 64 rows
+in ~34 against ~43 (2-core EPYC, ``benchmarks/linear_ceiling.py``). Prefill chunks keep oneDNN."""
 
 BLOCKED_ROWS = 64
 """Most rows a product runs on the blocked kernel (``cpu_linear.blocked_linear_cpu``) where the
@@ -118,7 +124,8 @@ class ModelOps:
         if self.small_rows:
             parts.append(f"products of up to {self.small_rows} rows on the C kernel over the "
                          f"{str(self.dtype).removeprefix('torch.')} weights"
-                         + (f" (AVX512-BF16 dot products from {self.dpbf16_rows} rows)" if self.dpbf16_rows else ""))
+                         + (f" (AVX512-BF16 dot products from {self.dpbf16_rows} row"
+                            f"{'s' if self.dpbf16_rows > 1 else ''})" if self.dpbf16_rows else ""))
         if self.row_op_rows:
             parts.append(f"norms, activations and decode attention of up to {self.row_op_rows} rows on C kernels")
         if self.layer is RowImpl.C:
@@ -177,6 +184,8 @@ def resolve_ops(
             fallbacks.append(f"decode path: eager (the fused path's C kernel is unavailable: "
                              f"{kernels.row_kernels})")
     small_rows = SMALL_ROWS if fused else 0
+    if fused and dtype == torch.bfloat16 and kernels.dpbf16_rows and blocked != "on":
+        small_rows = DPBF16_ROWS  # every bf16 decode step (see DPBF16_ROWS); `on` forces the blocked kernel
     row = RowImpl.C if fused else RowImpl.TORCH
     linear = LinearImpl.TORCH
     if device_type == "cpu" and onednn and compute_dtype in kernels.onednn_dtypes:
@@ -187,7 +196,7 @@ def resolve_ops(
         if device_type != "cpu":
             raise ValueError(f"--quantization gguf runs on the CPU only, not {device_type}")
         if fused and kernels.quant_kernel is None:
-            quantized_rows = small_rows
+            quantized_rows = SMALL_ROWS
         elif fused:
             fallbacks.append(f"quantized projections: every product dequantizes (the C kernel is "
                              f"unavailable: {kernels.quant_kernel})")

@@ -25,23 +25,6 @@ static inline __m512 load16(const void *cache, int64_t offset, int is_bf16) {
     return _mm512_loadu_ps((const float *)cache + offset);
 }
 
-/* Lane j of the result = the sum of v[j]'s 16 lanes. 15 adds and 30 shuffles for 16 rows,
- * where 16 separate horizontal sums take about 4 times as many instructions. */
-static inline __m512 sum16(const __m512 v[16]) {
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: [v2i, v2i+1, v2i, v2i+1] partial sums */
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) /* per 128-bit lane: rows 4i..4i+3, that lane's share */
-        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int i = 0; i < 2; i++) /* 128-bit lanes: pairs of lanes of b[2i], then of b[2i+1], added */
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 /* exp_nonpositive on 16 lanes (same polynomial); 2^k applied by scalef. */
 static inline __m512 exp16_nonpositive(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
