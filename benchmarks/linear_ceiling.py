@@ -11,13 +11,16 @@ for the same arithmetic.
 As a script it measures the products of a batched decode step on CPU, the default model's
 (SmolLM2-135M: 30 layers of fused q/k/v [960, 576], o [576, 576], gate/up [3072, 576], down
 [576, 1536], and the tied LM head [49152, 576]) at 17, 32 and 64 rows of bf16 activations, for
-three ways of multiplying them, all in one run, interleaved step by step:
+four ways of multiplying them, all in one run, interleaved step by step:
 
 - ``blocked``: the blocked AVX2 kernel over the bf16 weights (``cpu_linear.blocked_linear_cpu``);
 - ``onednn-fp32``: oneDNN over the prepacked fp32 copy, what a CPU without bf16 matrix
-  instructions runs today (the LM head: ``F.linear`` over its fp32 copy, as the engine does);
-- ``onednn-bf16``: oneDNN over the prepacked bf16 weights, what a CPU with AVX512-BF16 or AMX
-  runs (the LM head: ``F.linear`` in bf16).
+  instructions runs today;
+- ``onednn-bf16``: oneDNN over the prepacked bf16 weights, what a CPU with AMX runs past 16 rows
+  (the LM head prepacked too in both, as the engine does for a tied one);
+- ``row``: the row kernel (``cpu_linear.small_linear_cpu``) over the bf16 weights, what a CPU
+  with AVX512-BF16 runs for every decode step of up to 64 rows (its dot-product tiles; elsewhere
+  the kernel's widening path, which the engine uses for at most 16 rows).
 
 Each step runs every layer's four products over that layer's own weights (so they come from
 memory, as in the engine); per shape it reports GFLOP/s over the 30 layers (median of the
@@ -27,7 +30,7 @@ repeats) and the 30-layer step time (the sum over shapes) with and without the L
 
 ``--isa avx2`` runs what an AVX2-only CPU would on this one: the kernel built without AVX-512
 (16 vector registers, its other tile) and oneDNN/MKL limited to AVX2 (``ONEDNN_MAX_CPU_ISA``,
-``MKL_ENABLE_INSTRUCTIONS``, set before torch loads); ``onednn-bf16`` is left out then (torch
+``MKL_ENABLE_INSTRUCTIONS``, set before torch loads); ``onednn-bf16`` and ``row`` are left out then (torch
 refuses to prepack bf16 weights without AVX-512, and the engine multiplies in fp32 there).
 """
 
@@ -167,7 +170,7 @@ def schedule_ceiling(model: Any, steps: list[tuple[int, int]], repeats: int,
 # ---- the batched decode step on CPU (the script) -----------------------------------------------
 
 SHAPES = ("qkv", "o", "gate_up", "down")
-SYSTEMS = ("blocked", "onednn-fp32", "onednn-bf16")
+SYSTEMS = ("blocked", "onednn-fp32", "onednn-bf16", "row")
 
 
 def default_model_weights() -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
@@ -213,16 +216,17 @@ def blocked_kernel(isa: str) -> Any:
 
 def products(system: str, layers: list[dict[str, torch.Tensor]], head: torch.Tensor, blocked: Any) -> Any:
     """(per-layer callables by shape, the LM head's callable) for ``system``, weights prepared once."""
-    from llmplatform.kernels import onednn_linear
+    from llmplatform.kernels import cpu_linear, onednn_linear
 
-    if system == "blocked":
-        return ([{s: (lambda x, w=l[s]: blocked(x, w)) for s in SHAPES} for l in layers],
-                lambda x: blocked(x, head))
+    if system in ("blocked", "row"):
+        kernel = blocked if system == "blocked" else cpu_linear.small_linear_cpu
+        return ([{s: (lambda x, w=l[s]: kernel(x, w)) for s in SHAPES} for l in layers],
+                lambda x: kernel(x, head))
     dtype = torch.float32 if system == "onednn-fp32" else torch.bfloat16
     packed = [{s: onednn_linear.prepack(l[s].to(dtype)) for s in SHAPES} for l in layers]
-    head_w = head.to(dtype)
+    head_p = onednn_linear.prepack(head.to(dtype))  # as the engine prepacks a tied head
     return ([{s: (lambda x, p=p[s]: onednn_linear.onednn_linear(x, p, None)) for s in SHAPES} for p in packed],
-            lambda x: F.linear(x.to(dtype), head_w).to(x.dtype))
+            lambda x: onednn_linear.onednn_linear(x, head_p, None))
 
 
 @torch.inference_mode()

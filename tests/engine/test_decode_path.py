@@ -17,6 +17,7 @@ from llmplatform.kernels.cbuild import KernelUnavailableError
 from llmplatform.kernels.ops import DPBF16_ROWS, SMALL_ROWS, AttentionBackend, RowImpl
 from llmplatform.models import attention, llama
 from llmplatform.sampling.params import SamplingParams
+from llmplatform.utils.torch_utils import cpu_has_amx
 from tests.kernels.conftest import require_cpu_kernel
 
 CPU = torch.device("cpu")
@@ -34,7 +35,8 @@ def test_eager_runs_no_row_kernel() -> None:
 def test_auto_is_fused_on_cpu_when_the_kernels_build() -> None:
     require_cpu_kernel()
     ops = model_ops(config("auto"), CPU, torch.bfloat16, torch.float32)
-    rows = DPBF16_ROWS if ops.dpbf16_rows else SMALL_ROWS  # AVX512-BF16: every bf16 decode step
+    # AVX512-BF16 without AMX: every bf16 decode step on the row kernel
+    rows = DPBF16_ROWS if ops.dpbf16_rows and not cpu_has_amx() else SMALL_ROWS
     assert (ops.decode_path, ops.small_rows, ops.rotary, ops.fallbacks) == ("fused", rows, RowImpl.C, ())
 
 

@@ -32,6 +32,9 @@ QUANT_BROKEN = KernelAvailability(triton=False, cpu_attention=None, row_kernels=
 DPBF16 = KernelAvailability(triton=False, cpu_attention=None, row_kernels=None, quant_kernel=None,
                             dequantize_kernel=None, onednn_dtypes=(F32, BF16), blocked_kernel=None,
                             bf16_matmul=True, avx512=True, dpbf16_rows=1)
+AMX = KernelAvailability(triton=False, cpu_attention=None, row_kernels=None, quant_kernel=None,
+                         dequantize_kernel=None, onednn_dtypes=(F32, BF16), blocked_kernel=None,
+                         bf16_matmul=True, avx512=True, dpbf16_rows=1, amx=True)
 CUDA = KernelAvailability(triton=True, cpu_attention="not a CPU model", row_kernels="not a CPU model",
                           quant_kernel="not a CPU model", dequantize_kernel="not a CPU model")
 CUDA_NO_TRITON = KernelAvailability(triton=False, cpu_attention="not a CPU model", row_kernels="not a CPU model")
@@ -65,6 +68,8 @@ CASES = [
                                                       "fused", 0)),
     ("cpu", BF16, BF16, "auto", "auto", DPBF16, True, (A.CPU, LinearImpl.ONEDNN, DPBF16_ROWS, C, C, SMALL_ROWS, C,
                                                        "fused", 0)),
+    # AMX: batched steps keep oneDNN's product on the tiles (small rows as elsewhere)
+    ("cpu", BF16, BF16, "auto", "auto", AMX, False, (A.CPU, LinearImpl.ONEDNN, SMALL_ROWS, C, C, 0, T, "fused", 0)),
     ("cpu", BF16, BF16, "eager", "auto", DPBF16, False, (A.CPU, LinearImpl.ONEDNN, 0, T, T, 0, T, "eager", 0)),
     ("cuda", BF16, BF16, "auto", "auto", CUDA, False, (A.TRITON, LinearImpl.TORCH, 0, T, T, 0, T, "eager", 0)),
     ("cuda", F32, F32, "eager", "torch", CUDA, False, (A.TORCH, LinearImpl.TORCH, 0, T, T, 0, T, "eager", 0)),

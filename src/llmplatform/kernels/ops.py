@@ -40,7 +40,8 @@ DPBF16_ROWS = 64
 """Most rows a bf16 product of the fused decode path runs on the row kernel where that kernel
 multiplies with AVX512-BF16 dot products (``cpu_linear.dpbf16_rows``): its 4 x 4 tiles run
 SmolLM2's 30 layers of 32-row products in ~18 ms where oneDNN's bf16 GEMM takes ~26, and 64 rows
-in ~34 against ~43 (2-core EPYC, ``benchmarks/linear_ceiling.py``). Prefill chunks keep oneDNN."""
+in ~34 against ~43 (2-core EPYC). Prefill chunks keep oneDNN; so do the 17-64-row steps of a CPU
+with AMX, whose tile instructions oneDNN uses (vdpbf16ps has not been measured against them)."""
 
 BLOCKED_ROWS = 64
 """Most rows a product runs on the blocked kernel (``cpu_linear.blocked_linear_cpu``) where the
@@ -91,6 +92,7 @@ class KernelAvailability:
     bf16_matmul: bool = False  # the CPU multiplies bf16 matrices natively (AMX, AVX512-BF16)
     avx512: bool = False  # the CPU has AVX-512F: oneDNN's fp32 GEMM runs 16 lanes wide, the blocked kernel 8
     dpbf16_rows: int = 0  # bf16 products of this many rows or more on AVX512-BF16 dot products (cpu_linear); 0: none
+    amx: bool = False  # the CPU has AMX tiles: oneDNN's bf16 product runs on them
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,7 @@ def resolve_ops(
             fallbacks.append(f"decode path: eager (the fused path's C kernel is unavailable: "
                              f"{kernels.row_kernels})")
     small_rows = SMALL_ROWS if fused else 0
-    if fused and dtype == torch.bfloat16 and kernels.dpbf16_rows and blocked != "on":
+    if fused and dtype == torch.bfloat16 and kernels.dpbf16_rows and not kernels.amx and blocked != "on":
         small_rows = DPBF16_ROWS  # every bf16 decode step (see DPBF16_ROWS); `on` forces the blocked kernel
     row = RowImpl.C if fused else RowImpl.TORCH
     linear = LinearImpl.TORCH
@@ -283,7 +285,7 @@ def probe_kernels(device_type: str, *, row_kernels: bool = True, quantized: bool
     probe those (a plan that cannot use them need not build them)."""
     from llmplatform.kernels import (cpu_activation, cpu_decode, cpu_decode_layer, cpu_linear, cpu_lora,
                                      cpu_norm, cpu_quant_linear, cpu_rotary, onednn_linear)
-    from llmplatform.utils.torch_utils import cpu_has_native_low_precision_matmul
+    from llmplatform.utils.torch_utils import cpu_has_amx, cpu_has_native_low_precision_matmul
 
     if device_type != "cpu":
         return KernelAvailability(triton=triton_installed(), cpu_attention="not a CPU model",
@@ -302,6 +304,7 @@ def probe_kernels(device_type: str, *, row_kernels: bool = True, quantized: bool
         blocked_kernel=blocked_kernel, avx512=avx512,
         dpbf16_rows=cpu_linear.dpbf16_rows() if row_kernels and cpu_linear.available() else 0,
         bf16_matmul=cpu_has_native_low_precision_matmul(torch.bfloat16),
+        amx=cpu_has_amx(),
     )
 
 

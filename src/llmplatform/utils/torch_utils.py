@@ -53,6 +53,16 @@ def cpu_has_native_low_precision_matmul(dtype: torch.dtype) -> bool:
     return False
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (Sapphire Rapids and later Xeons), which oneDNN's bf16
+    product uses."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    try:
+        return bool(probe is not None and probe())
+    except RuntimeError:  # pragma: no cover - a torch build without the probe's backing
+        return False
+
+
 def resolve_compute_dtype(choice: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype of the engine's matrix products for a model held in ``dtype``.
 
