@@ -182,15 +182,17 @@ def test_silu_mul_kernel_equals_the_eager_ops(dtype) -> None:
 
 
 def test_bf16_rows_on_dot_products_do_not_depend_on_their_batch() -> None:
-    """Where the CPU has AVX512-BF16 (``cpu_linear.dpbf16_rows``), bf16 products of 3 or more rows
-    sum each (row, weight row) pair in one fixed order: a row's result is the same bits in a call
-    of 3 rows as in one of 11 (a tail chunk of k included). Elsewhere the AVX2 path runs (its
-    accuracy: the float64 test above)."""
+    """Where the CPU has AVX512-BF16 (``cpu_linear.dpbf16_rows``: from 1 row), bf16 products sum
+    each (row, weight row) pair in one fixed order and round it the same way whether it lands in
+    a whole 4 x 4 tile or an edge one: a row's result is the same bits in a call of 1 row as in
+    one of 11 (53 weight rows: an edge tile of columns; a tail chunk of k), in fp32 and in bf16.
+    Elsewhere the AVX2 path runs (its accuracy: the float64 test above)."""
     start = cpu_linear.dpbf16_rows()
     if not start:
         pytest.skip("this CPU has no AVX512-BF16: bf16 rows widen to fp32 on AVX2")
     x, w, bias = case(11, 53, 200, torch.bfloat16, torch.bfloat16, seed=3)
-    whole = cpu_linear.small_linear_cpu(x, w, bias, out_dtype=torch.float32)
-    for rows in range(start, 11):
-        part = cpu_linear.small_linear_cpu(x[11 - rows:], w, bias, out_dtype=torch.float32)
-        assert torch.equal(part, whole[11 - rows:])
+    for out_dtype in (torch.float32, torch.bfloat16):
+        whole = cpu_linear.small_linear_cpu(x, w, bias, out_dtype=out_dtype)
+        for rows in range(start, 11):
+            part = cpu_linear.small_linear_cpu(x[11 - rows:], w, bias, out_dtype=out_dtype)
+            assert torch.equal(part, whole[11 - rows:])

@@ -101,33 +101,38 @@ static inline __attribute__((always_inline)) __m512 dpbf16_tile(const uint16_t *
     return sum16(acc);
 }
 
-/* Stores a tile's results (plus the bias) at rows m0.., columns n0.. of y. */
+/* Stores a tile's results (plus the bias) at rows m0.., columns n0.. of y: a whole tile as four
+ * rows of four, an edge tile's valid part from the same vector (the same roundings either way). */
 static inline __attribute__((always_inline)) void store_tile(__m512 v, const float *bias, void *y, int y_bf16,
                                                              int64_t m0, int64_t m, int64_t n0, int64_t n) {
-    if (m0 + TILE_ROWS <= m && n0 + TILE_COLS <= n) {  /* whole: 4 rows of 4 */
-        if (bias) v = _mm512_add_ps(v, _mm512_broadcast_f32x4(_mm_loadu_ps(bias + n0)));
-        if (y_bf16) {  /* rounded to nearest even, as store_value */
-            __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-            uint16_t *row = (uint16_t *)y + m0 * n + n0;
+    const int64_t rows = m - m0 < TILE_ROWS ? m - m0 : TILE_ROWS, cols = n - n0 < TILE_COLS ? n - n0 : TILE_COLS;
+    if (bias) v = _mm512_add_ps(v, _mm512_broadcast_f32x4(_mm_maskz_loadu_ps((__mmask8)((1u << cols) - 1), bias + n0)));
+    if (y_bf16) {  /* rounded to nearest even, as store_value */
+        __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+        uint16_t *row = (uint16_t *)y + m0 * n + n0;
+        if (rows == TILE_ROWS && cols == TILE_COLS) {
             __m128i lo = _mm256_castsi256_si128(h), hi = _mm256_extracti128_si256(h, 1);
             _mm_storel_epi64((__m128i *)row, lo);
             _mm_storeh_pd((double *)(row + n), _mm_castsi128_pd(lo));
             _mm_storel_epi64((__m128i *)(row + 2 * n), hi);
             _mm_storeh_pd((double *)(row + 3 * n), _mm_castsi128_pd(hi));
-        } else {
-            float *row = (float *)y + m0 * n + n0;
-            _mm_storeu_ps(row, _mm512_castps512_ps128(v));
-            _mm_storeu_ps(row + n, _mm512_extractf32x4_ps(v, 1));
-            _mm_storeu_ps(row + 2 * n, _mm512_extractf32x4_ps(v, 2));
-            _mm_storeu_ps(row + 3 * n, _mm512_extractf32x4_ps(v, 3));
+            return;
         }
+        uint16_t out[TILE_ROWS * TILE_COLS];
+        _mm256_storeu_si256((__m256i *)out, h);
+        for (int64_t r = 0; r < rows; r++) memcpy(row + r * n, out + r * TILE_COLS, (size_t)cols * sizeof(uint16_t));
         return;
     }
-    float sums[TILE_ROWS * TILE_COLS];
-    _mm512_storeu_ps(sums, v);
-    for (int64_t r = 0; r < TILE_ROWS && m0 + r < m; r++)
-        for (int64_t c = 0; c < TILE_COLS && n0 + c < n; c++)
-            store_value(y, (m0 + r) * n + n0 + c, sums[r * TILE_COLS + c] + (bias ? bias[n0 + c] : 0.0f), y_bf16);
+    float out[TILE_ROWS * TILE_COLS], *row = (float *)y + m0 * n + n0;
+    if (rows == TILE_ROWS && cols == TILE_COLS) {
+        _mm_storeu_ps(row, _mm512_castps512_ps128(v));
+        _mm_storeu_ps(row + n, _mm512_extractf32x4_ps(v, 1));
+        _mm_storeu_ps(row + 2 * n, _mm512_extractf32x4_ps(v, 2));
+        _mm_storeu_ps(row + 3 * n, _mm512_extractf32x4_ps(v, 3));
+        return;
+    }
+    _mm512_storeu_ps(out, v);
+    for (int64_t r = 0; r < rows; r++) memcpy(row + r * n, out + r * TILE_COLS, (size_t)cols * sizeof(float));
 }
 
 static void small_linear_dpbf16(const uint16_t *x, const uint16_t *w, const float *bias, void *y,
