@@ -39,8 +39,8 @@ streams fewer bytes for the same arithmetic: ``benchmarks/decode_step.py``)."""
 DPBF16_ROWS = 64
 """Most rows a bf16 product of the fused decode path runs on the row kernel where that kernel
 multiplies with AVX512-BF16 dot products (``cpu_linear.dpbf16_rows``): its 4 x 4 tiles run
-SmolLM2's 30 layers of 32-row products in ~18 ms where oneDNN's bf16 GEMM takes ~26, and 64 rows
-in ~34 against ~43 (2-core EPYC). Prefill chunks keep oneDNN; so do the 17-64-row steps of a CPU
+SmolLM2's 30 layers of 32-row products in ~20 ms where oneDNN's bf16 GEMM takes ~26, and 64 rows
+in ~40 against ~46 (2-core EPYC, ``benchmarks/linear_ceiling.py``). Prefill chunks keep oneDNN; so do the 17-64-row steps of a CPU
 with AMX, whose tile instructions oneDNN uses (vdpbf16ps has not been measured against them)."""
 
 BLOCKED_ROWS = 64
