@@ -16,6 +16,14 @@ to the first event that carries text; the inter-token latencies (ITL) are the ga
 successive events that carry text (an event may carry more than one token: a gateway holds back
 text that might start a stop string or half a UTF-8 character); end-to-end (E2E) runs to the end
 of the response body.
+
+A request whose connection the server closed before answering (``RemoteProtocolError`` before the
+response's status line) is sent again, at most ``MAX_RESENDS`` times, as the official ``openai``
+client does with connection errors: llama.cpp's ``llama-server`` closes a connection after a
+streamed response although it advertises keep-alive, so the next request on that pooled connection
+is dropped unanswered (about one in five at one stream); the request is sent again on a new
+connection (the pool's other idle ones may be as stale). The request keeps its first send time, so
+its TTFT and E2E include the lost attempt; the summary counts them (``num_resent``).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from serve_systems import cluster_headers
 
 
 CONNECT_TIMEOUT_S = 10.0
+MAX_RESENDS = 2  # per request, only when the server closed the connection before answering
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,8 @@ class RequestResult:
     output_tokens: int = 0
     tokens_from_usage: bool = False
     finish_reason: str | None = None
+    status: int | None = None  # the response's HTTP status, once its headers arrived
+    resent: int = 0  # times sent again after the server closed the connection without answering
     start_s: float = 0.0  # send time, from the start of the run
     ttft_s: float | None = None
     e2e_s: float = 0.0
@@ -117,11 +128,22 @@ async def send_request(client: httpx.AsyncClient, target: Target, request: Bench
     start = time.perf_counter()
     result.start_s = start - run_start
     text_times: list[float] = []
+    stream = _stream_worker if target.api == "worker" else _stream_openai
     try:
-        if target.api == "worker":
-            await _stream_worker(client, target, request, result, text_times)
-        else:
-            await _stream_openai(client, target, request, result, text_times)
+        await stream(client, target, request, result, text_times)
+    except httpx.RemoteProtocolError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        # Closed before answering: the request was not served. Sent again on a new connection
+        # (the pool's other idle ones may be just as stale).
+        while result.status is None and result.resent < MAX_RESENDS:
+            result.resent += 1
+            result.error = None
+            try:
+                async with httpx.AsyncClient(timeout=client.timeout, trust_env=False,
+                                             headers=client.headers) as fresh:
+                    await stream(fresh, target, request, result, text_times)
+            except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as again:
+                result.error = f"{type(again).__name__}: {again}"
     except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     end = time.perf_counter()
@@ -143,6 +165,7 @@ async def _stream_openai(client: httpx.AsyncClient, target: Target, request: Ben
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
             **target.extra_body}
     async with client.stream("POST", f"{target.url}/completions", json=body) as response:
+        result.status = response.status_code
         if response.status_code != 200:
             detail = (await response.aread()).decode(errors="replace")
             result.error = f"HTTP {response.status_code}: {detail[:300]}"
@@ -187,6 +210,7 @@ async def _stream_worker(client: httpx.AsyncClient, target: Target, request: Ben
     body = {"model": target.model, "prompt": request.prompt, "max_new_tokens": request.output_len,
             "temperature": 0.0, "echo": False, "ignore_eos": True, **target.extra_body}
     async with client.stream("POST", f"{target.url}/worker_generate_stream", json=body) as response:
+        result.status = response.status_code
         if response.status_code != 200:
             detail = (await response.aread()).decode(errors="replace")
             result.error = f"HTTP {response.status_code}: {detail[:300]}"
@@ -309,7 +333,8 @@ def _ms(values: Sequence[float], q: float) -> float | None:
 def summarize(run: RunResult) -> dict[str, Any]:
     """Throughputs over the run's wall time (completed requests only) and latency percentiles
     (linear interpolation between samples, in ms). ``num_short`` counts completed requests that
-    generated fewer tokens than asked (a server that did not ignore EOS)."""
+    generated fewer tokens than asked (a server that did not ignore EOS), ``num_resent`` requests
+    sent again after the server closed their connection without answering."""
     ok = [r for r in run.results if r.ok]
     wall = max(run.wall_s, 1e-9)
     output_tokens = sum(r.output_tokens for r in ok)
@@ -327,6 +352,7 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "num_completed": len(ok),
         "num_failed": len(run.results) - len(ok),
         "num_short": sum(r.output_tokens < r.expected_output_tokens for r in ok),
+        "num_resent": sum(r.resent > 0 for r in run.results),
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
         "expected_output_tokens": sum(r.expected_output_tokens for r in run.results),

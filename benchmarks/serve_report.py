@@ -197,6 +197,9 @@ def markdown(meta: dict[str, Any], runs: dict[str, dict[float, dict[str, Any]]],
             if s["tokens_counted_from"] not in (None, "usage"):
                 notes.append(f"{system} at {level_name(mode, value)}: output tokens counted from "
                              f"{s['tokens_counted_from']} (no usage in the stream)")
+            if s.get("num_resent"):
+                notes.append(f"{system} at {level_name(mode, value)}: {s['num_resent']} requests sent again "
+                             "after the server closed their connection without answering")
             if s["errors"]:
                 notes.append(f"{system} at {level_name(mode, value)}: {s['num_failed']} failed: "
                              + "; ".join(s["errors"]))

@@ -104,7 +104,8 @@ class Bench:
             summary = summarize(run)
             per_request = [{"ok": r.ok, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
                             "expected_output_tokens": r.expected_output_tokens, "start": round(r.start_s, 4),
-                            "ttft": None if r.ttft_s is None else round(r.ttft_s, 5), "e2e": round(r.e2e_s, 5)}
+                            "ttft": None if r.ttft_s is None else round(r.ttft_s, 5), "e2e": round(r.e2e_s, 5),
+                            "resent": r.resent}
                            for r in run.results]
             self.runs[system][value] = {"summary": summary, "cores": cores, "requests": per_request}
             log(f"{system} @ {value:g}: {summary['num_completed']}/{summary['num_requests']} ok, "

@@ -9,6 +9,11 @@ test suite never builds llama.cpp). It takes llama-server's command line (``-m``
 Like the real server, it stops at "EOS" (after one token, ``finish_reason`` "stop") unless the
 request says ``ignore_eos``; it generates nothing, it just counts: prompt tokens with the
 tokenizer found next to ``-m`` (a model directory), output tokens up to ``max_tokens``.
+Connections behave as llama-server's do: HTTP/1.1 with keep-alive, a stream sent in chunks, and
+a connection that carried a stream is closed without an answer when its next request arrives (the
+real server closes it shortly after the stream, while its headers advertise keep-alive; a pooled
+client that sends the next request on it gets no response).
+
 ``--record PATH`` (ours) appends its command line and every request body to PATH, one JSON per
 line, so the test can check what the benchmark sent.
 """
@@ -41,18 +46,28 @@ def main() -> None:
     tokenizer = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
 
     class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.0"  # the body ends when the connection closes
+        protocol_version = "HTTP/1.1"
+        streamed = False  # this connection carried a stream: its next request goes unanswered
 
         def log_message(self, *_: object) -> None:
             pass
 
         def do_GET(self) -> None:
+            if self._drop_after_stream():
+                return
             if self.path == "/health":
                 self._json(200, {"status": "ok"})
             else:
                 self._json(404, {"error": {"code": 404, "message": "File Not Found", "type": "not_found_error"}})
 
+        def _drop_after_stream(self) -> bool:
+            if self.streamed:
+                self.close_connection = True
+            return self.streamed
+
         def do_POST(self) -> None:
+            if self._drop_after_stream():
+                return
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
             if record is not None:
                 with record.open("a") as f:
@@ -64,14 +79,21 @@ def main() -> None:
             n = int(body.get("max_tokens", 16)) if body.get("ignore_eos") else 1
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("Keep-Alive", "timeout=5, max=100")
             self.end_headers()
+            self.streamed = True
+
+            def send(raw: bytes) -> None:  # one HTTP chunk
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(raw), raw))
+                self.wfile.flush()
+
             cmpl_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
 
             def chunk(choice: dict, **extra: object) -> None:
                 data = {"choices": [choice], "created": int(time.time()), "model": args.alias,
                         "system_fingerprint": "b0-standin", "object": "text_completion", "id": cmpl_id, **extra}
-                self.wfile.write(b"data: " + json.dumps(data).encode() + b"\n\n")
-                self.wfile.flush()
+                send(b"data: " + json.dumps(data).encode() + b"\n\n")
 
             for _ in range(n):
                 chunk({"text": " tok", "index": 0, "logprobs": None, "finish_reason": None})
@@ -82,7 +104,8 @@ def main() -> None:
             chunk({"text": "", "index": 0, "logprobs": None, "finish_reason": "length" if n > 1 else "stop"},
                   **({"usage": usage} if include_usage else {}),
                   timings={"prompt_n": prompt_tokens, "predicted_n": n})
-            self.wfile.write(b"data: [DONE]\n\n")
+            send(b"data: [DONE]\n\n")
+            send(b"")  # the last chunk
 
         def _json(self, status: int, data: dict) -> None:
             raw = json.dumps(data).encode()
