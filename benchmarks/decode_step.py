@@ -18,7 +18,13 @@ The floor: the bytes of the weights one step reads (every projection and the LM 
 dtype the path streams them: as loaded for ``fused``, the compute dtype for ``eager``) over the
 memory bandwidth measured in the same run by a streaming read (``torch.sum`` of a 512 MiB fp32
 tensor on the engine's threads, the best of several). ``--profile`` adds a torch.profiler table
-of the op time of one path's steps at each batch size.
+of the op time of one path's steps at each batch size (prefill steps with ``--prefill``).
+
+``--prefill`` times prefill steps instead: each turn gives every engine B fresh prompts of
+``--prompt-len`` tokens (B x prompt-len at most 2,048: one chunk) and times the one step that
+prefills them all (then drains them). On the same model the eager and fused paths' prefill
+steps differ only in the norms and the SwiGLU (torch's ops vs the C kernels); both multiply on
+oneDNN and attend with torch.
 
 The machine's load average is printed at the start and the end: other processes on the cores
 skew every absolute number here.
@@ -102,6 +108,54 @@ def start_batch(engine: Any, batch: int, prompts: list[list[int]], tag: str, arg
         engine.step()
 
 
+def time_prefill_steps(engines: dict[str, Any], paths: list[str], rng: random.Random, vocab: int,
+                       args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--prefill``: per batch size, ``--steps`` turns; in each, every engine prefills the same B
+    fresh prompts in one timed step, then finishes them (one token each)."""
+    from llmplatform.sampling.params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    results = []
+    for batch in args.batch_sizes:
+        if batch * args.prompt_len > 2048:
+            raise SystemExit(f"--prefill: {batch} x {args.prompt_len} tokens is more than one 2,048-token chunk")
+        times: dict[str, list[float]] = {p: [] for p in paths}
+        for turn in range(args.steps + 2):  # two warm-up turns
+            prompts = [[rng.randrange(1000, vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
+            for p, engine in engines.items():
+                for i, prompt in enumerate(prompts):
+                    engine.add_request(f"p{batch}-{turn}-{i}", prompt, params)
+                start = time.perf_counter()
+                engine.step()
+                if turn >= 2:
+                    times[p].append(time.perf_counter() - start)
+                while engine.has_unfinished():
+                    engine.step()
+        if args.profile in engines:
+            from torch.profiler import ProfilerActivity, profile
+
+            engine = engines[args.profile]
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for turn in range(3):
+                    for i in range(batch):
+                        engine.add_request(f"prof{batch}-{turn}-{i}",
+                                           [rng.randrange(1000, vocab) for _ in range(args.prompt_len)], params)
+                    engine.step()
+                    while engine.has_unfinished():
+                        engine.step()
+            print(f"\nprofile of 3 prefill steps (and their one decode step), path {args.profile}, {batch} prompts "
+                  "(C kernels called through ctypes are not listed; the table's total is what torch ran):")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        med = {p: statistics.median(t) * 1e3 for p, t in times.items()}
+        best = {p: min(t) * 1e3 for p, t in times.items()}
+        results.append({"batch": batch, "prefill_tokens": batch * args.prompt_len, "median_ms": med,
+                        "best_ms": best, "ratio_to_first": {p: med[p] / med[paths[0]] for p in paths}})
+        print(f"| {batch} x {args.prompt_len} tokens | " + " | ".join(f"{med[p]:.1f} ({best[p]:.1f})" for p in paths)
+              + " | " + " | ".join(f"{med[p] / med[paths[0]]:.2f}x" for p in paths[1:]) + " | "
+              + " | ".join(f"{batch * args.prompt_len / med[p] * 1e3:.0f}" for p in paths) + " |")
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,6 +166,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--profile", default=None, help="a path to profile with torch.profiler")
+    parser.add_argument("--prefill", action="store_true",
+                        help="time prefill steps of B prompts (B x --prompt-len <= 2048) instead")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -143,7 +199,9 @@ def main() -> None:
     print(f"\n| batch | {' | '.join(f'{p} ms/step (best)' for p in paths)} | "
           f"{' | '.join(f'{p}/{paths[0]}' for p in paths[1:])} | {' | '.join(f'{p} tok/s' for p in paths)} |")
     print("|---" * (1 + 2 * len(paths) + len(paths) - 1) + "|")
-    for batch in args.batch_sizes:
+    if args.prefill:
+        results = time_prefill_steps(engines, paths, rng, vocab, args)
+    for batch in [] if args.prefill else args.batch_sizes:
         for p, engine in engines.items():
             start_batch(engine, batch, prompts, f"b{batch}", args)
         times: dict[str, list[float]] = {p: [] for p in paths}

@@ -3,6 +3,8 @@ and the fused decode path's layers against the eager ones."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,10 +118,13 @@ def test_rms_norm_kernel_equals_the_eager_module(dtype, rows, with_residual) -> 
         assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-6).all()
     from llmplatform.kernels.ops import ModelOps, RowImpl
 
+    # A plan that puts norms on C runs every call there, past row_op_rows too (prefill chunks).
     routing = RMSNorm(96, 1e-5, dtype=dtype, device="cpu", ops=ModelOps(small_rows=8, row_op_rows=8, norm=RowImpl.C))
     routing.load_state_dict(norm.state_dict())
     routed, _ = routing(x, residual)
-    assert torch.equal(routed, got if rows <= 8 else want)
+    assert torch.equal(routed, got)
+    assert torch.equal(rms_norm_cpu(x[-1:], None if residual is None else residual[-1:], norm.weight, norm.eps)[0],
+                       got[-1:])  # a row's result does not depend on the call's other rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -165,15 +170,23 @@ def test_fused_decode_attention_equals_the_separate_ops(dtype, monkeypatch) -> N
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_kernel_equals_the_eager_ops(dtype) -> None:
+@pytest.mark.parametrize("rows", [5, 70])  # 70: the parallel loop
+def test_silu_mul_kernel_equals_the_eager_ops(dtype, rows) -> None:
     from llmplatform.kernels.cpu_activation import silu_mul_cpu
+    from llmplatform.kernels.ops import ModelOps, RowImpl
+    from llmplatform.models.llama import LlamaMLP
 
     g = torch.Generator().manual_seed(3)
-    gate_up = (4 * torch.randn(5, 2 * 300, generator=g)).to(dtype)
+    gate_up = (4 * torch.randn(rows, 2 * 300, generator=g)).to(dtype)
     gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])  # the far tails and zero
     want = F.silu(gate_up[:, :300]) * gate_up[:, 300:]
     got = silu_mul_cpu(gate_up)
-    assert got.dtype == dtype and got.shape == (5, 300)
+    assert got.dtype == dtype and got.shape == (rows, 300)
+    assert torch.equal(silu_mul_cpu(gate_up[-1:]), got[-1:])  # a row's result does not depend on the split
+    config = SimpleNamespace(hidden_size=16, intermediate_size=300, hidden_act="silu")
+    for ops, c_rows in ((ModelOps(row_op_rows=8, activation=RowImpl.C), layers.ALL_ROWS), (ModelOps(), -1)):
+        # every call on C where the plan says so (past row_op_rows: prefill chunks), else none
+        assert LlamaMLP(config, dtype=dtype, device="cpu", ops=ops).c_rows == c_rows
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=3e-6, atol=1e-6)
     else:  # the exp's last fp32 bit can move a rounding: at most one bf16 step, rarely

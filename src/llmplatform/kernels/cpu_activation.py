@@ -1,5 +1,6 @@
-"""``silu(gate) * up`` in one C pass (``csrc/silu_mul.c``) for the fused decode path's MLP,
-with the eager roundings (silu rounded to the model dtype, then the product)."""
+"""``silu(gate) * up`` in one C pass (``csrc/silu_mul.c``) for the fused path's MLP (every
+call: decode steps and prefill chunks, whose rows it splits over torch's thread count), with the
+eager roundings (silu rounded to the model dtype, then the product)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from llmplatform.kernels import cbuild
 
 kernel = cbuild.LazyFunction("silu_mul.c", "silu_mul",
-                             [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int],
+                             [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int],
                              None, "CPU SiLU-and-mul kernel")
 available = kernel.available
 
@@ -24,5 +25,6 @@ def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, I]
     gate_up = gate_up.contiguous()
     rows, size = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, size, dtype=gate_up.dtype)
-    function(gate_up.data_ptr(), out.data_ptr(), rows, size, int(gate_up.dtype == torch.bfloat16))
+    function(gate_up.data_ptr(), out.data_ptr(), rows, size, int(gate_up.dtype == torch.bfloat16),
+             torch.get_num_threads())
     return out

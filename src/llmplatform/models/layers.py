@@ -10,6 +10,7 @@ inference only, so no autograd graph is ever recorded, whatever mode the caller 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +27,9 @@ def reference_ops(dtype: torch.dtype, device: torch.device | str) -> ModelOps:
     """The ops of a block built without a plan: torch everywhere, products in ``dtype`` (tests and
     tools that build single blocks; a model always passes its plan)."""
     return ModelOps(device_type=torch.device(device).type, dtype=dtype, compute_dtype=dtype)
+
+
+ALL_ROWS = sys.maxsize  # a block's c_rows where every call runs on its C kernel
 
 
 def kernel_rows(limit: int) -> int:
@@ -142,11 +146,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.unit_offset = unit_offset
         self.weight = _empty_param(hidden_size, dtype=dtype, device=device)
-        # calls of up to this many rows run as one C call (kernels.cpu_norm, the same roundings);
-        # never the (1 + w) variant: the kernel rounds the normalized rows to the model dtype
+        # every call runs as one C call (kernels.cpu_norm, the same roundings) where the plan says
+        # so; never the (1 + w) variant: the kernel rounds the normalized rows to the model dtype
         # before scaling by a model-dtype weight, which for bf16 is not Gemma's one fp32 product.
-        use_c = ops.norm is RowImpl.C and not unit_offset
-        self.c_rows = kernel_rows(ops.row_op_rows if use_c else 0)
+        self.c_rows = ALL_ROWS if ops.norm is RowImpl.C and not unit_offset else -1
 
     def forward(
         self,

@@ -38,6 +38,7 @@ from llmplatform.kernels.cpu_activation import silu_mul_cpu
 from llmplatform.kernels.cpu_decode_layer import DecodeLayerWeights, decode_layer_cpu, describe_step
 from llmplatform.kernels.ops import ModelOps, RowImpl
 from llmplatform.models.layers import (
+    ALL_ROWS,
     Linear,
     RMSNorm,
     kernel_rows,
@@ -104,9 +105,8 @@ class LlamaMLP(nn.Module):
                                           dtype=dtype, device=device, ops=ops)
         self.down_proj = row_linear(shard, size, config.hidden_size, bias=bias, dtype=dtype, device=device,
                                     ops=ops)
-        # steps of up to this many tokens: silu * up in one C call (the kernel knows no GELU)
-        use_c = ops.activation is RowImpl.C and activation == "silu"
-        self.c_rows = kernel_rows(ops.row_op_rows if use_c else 0)
+        # silu * up in one C call where the plan says so, every call (the kernel knows no GELU)
+        self.c_rows = ALL_ROWS if ops.activation is RowImpl.C and activation == "silu" else -1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]

@@ -93,7 +93,7 @@ int decode_layer(const struct decode_layer_weights *w, const struct decode_layer
         rc = -1;
         goto done;
     }
-    silu_mul(gate_up, act, m, w->intermediate, bf);
+    silu_mul(gate_up, act, m, w->intermediate, bf, threads);
     if (small_linear(act, bf, w->down, w->down_bf16, w->down_bias, out, bf, m, d, w->intermediate, threads))
         rc = -1;
 done:
