@@ -43,20 +43,18 @@ def cpu_has_native_low_precision_matmul(dtype: torch.dtype) -> bool:
         return True
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported") if dtype == torch.bfloat16 \
         else ("_is_amx_fp16_supported",)
-    for name in probes:
-        probe = getattr(torch.cpu, name, None)
-        try:
-            if probe is not None and probe():
-                return True
-        except RuntimeError:  # pragma: no cover - a torch build without the probe's backing
-            continue
-    return False
+    return any(_cpu_probe(name) for name in probes)
 
 
 def cpu_has_amx() -> bool:
     """Whether this CPU has AMX tiles (Sapphire Rapids and later Xeons), which oneDNN's bf16
     product uses."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return _cpu_probe("_is_amx_tile_supported")
+
+
+def _cpu_probe(name: str) -> bool:
+    """torch.cpu's feature probe ``name``; False where this torch has no such probe."""
+    probe = getattr(torch.cpu, name, None)
     try:
         return bool(probe is not None and probe())
     except RuntimeError:  # pragma: no cover - a torch build without the probe's backing
