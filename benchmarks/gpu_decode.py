@@ -51,13 +51,15 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def write_checkpoint(shape: dict[str, Any], out_dir: Path, dtype: torch.dtype) -> int:
-    """A random Llama of ``shape`` in ``out_dir`` with the default tokenizer; its parameter count."""
+def write_checkpoint(shape: dict[str, Any], out_dir: Path, dtype: torch.dtype,
+                     tokenizer_dir: Path | None = None) -> int:
+    """A random Llama of ``shape`` in ``out_dir`` with the default model's tokenizer (taken from
+    ``tokenizer_dir`` where given: a folder of its tokenizer files); its parameter count."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from llmplatform.llm.resolve import load_tokenizer, resolve_model
 
-    default_dir = resolve_model(None).path
+    default_dir = tokenizer_dir or resolve_model(None).path
     tokenizer = load_tokenizer(default_dir)
     config = LlamaConfig(**shape, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
@@ -201,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="batch-1 decode steps timed")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                         help="each engine's share (one at a time; transformers runs after them)")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="a folder of the default model's tokenizer files, where the default model is not "
+                             "installed (gpu_check.sh on a GPU machine); default: the default model's")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -218,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="gpu-decode-") as tmp:
         model_dir = Path(tmp)
-        num_params = write_checkpoint(shape, model_dir, getattr(torch, args.dtype))
+        num_params = write_checkpoint(shape, model_dir, getattr(torch, args.dtype), args.tokenizer)
         graphs = ours(model_dir, args, enforce_eager=False)
         eager = ours(model_dir, args, enforce_eager=True)
         hf = transformers_generate(model_dir, args)

@@ -36,6 +36,9 @@ def _no_leaked_llmplatform_variables():
 #   packaged GGUF). The first run converts it into the real cache (~20 s); later runs reuse it.
 # tiny_model_dir: a tiny random Llama (a few MB) with the default model's real tokenizer and
 #   chat template, for fast tests that need real weights and real tokenization, not good text.
+# default_tokenizer_dir: where the tiny models take that tokenizer from: the default model, or
+#   $LLMPLATFORM_TEST_TOKENIZER_DIR where that is set (a folder of the default model's tokenizer
+#   files, for a machine without the default model: benchmarks/gpu_check.sh's GPU machine).
 # =============================================================================================
 
 # Tokenizer-side files copied from the default model into the tiny one.
@@ -68,10 +71,16 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+def default_tokenizer_dir(request: pytest.FixtureRequest) -> Path:
+    override = os.environ.get("LLMPLATFORM_TEST_TOKENIZER_DIR")
+    return Path(override) if override else request.getfixturevalue("default_model_dir")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer_dir: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), default_model_dir, LlamaConfig, LlamaForCausalLM,
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), default_tokenizer_dir, LlamaConfig, LlamaForCausalLM,
                       TINY_LLAMA)
 
 
@@ -91,10 +100,10 @@ TINY_QWEN3 = {**TINY_LLAMA, "head_dim": 32}
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer_dir: Path) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen3"), default_model_dir, Qwen3Config, Qwen3ForCausalLM,
+    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen3"), default_tokenizer_dir, Qwen3Config, Qwen3ForCausalLM,
                       TINY_QWEN3, adjust=_randomize_norms)
 
 
@@ -114,18 +123,18 @@ TINY_PHI3_LONGROPE = {
 
 
 @pytest.fixture(scope="session")
-def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer_dir: Path) -> Path:
     from transformers import Phi3Config, Phi3ForCausalLM
 
-    return _save_tiny(tmp_path_factory.mktemp("tiny-phi3"), default_model_dir, Phi3Config, Phi3ForCausalLM,
+    return _save_tiny(tmp_path_factory.mktemp("tiny-phi3"), default_tokenizer_dir, Phi3Config, Phi3ForCausalLM,
                       TINY_PHI3, adjust=_randomize_norms)
 
 
 @pytest.fixture(scope="session")
-def tiny_phi3_longrope_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+def tiny_phi3_longrope_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer_dir: Path) -> Path:
     from transformers import Phi3Config, Phi3ForCausalLM
 
-    return _save_tiny(tmp_path_factory.mktemp("tiny-phi3-longrope"), default_model_dir, Phi3Config,
+    return _save_tiny(tmp_path_factory.mktemp("tiny-phi3-longrope"), default_tokenizer_dir, Phi3Config,
                       Phi3ForCausalLM, TINY_PHI3_LONGROPE, adjust=_randomize_norms)
 
 
@@ -138,18 +147,18 @@ TINY_QWEN3_MOE = {**TINY_QWEN3, "moe_intermediate_size": 32, "num_experts": 8, "
 
 
 @pytest.fixture(scope="session")
-def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer_dir: Path) -> Path:
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    return _save_tiny(tmp_path_factory.mktemp("tiny-mixtral"), default_model_dir, MixtralConfig,
+    return _save_tiny(tmp_path_factory.mktemp("tiny-mixtral"), default_tokenizer_dir, MixtralConfig,
                       MixtralForCausalLM, TINY_MIXTRAL, adjust=_randomize_norms)
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer_dir: Path) -> Path:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen3-moe"), default_model_dir, Qwen3MoeConfig,
+    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen3-moe"), default_tokenizer_dir, Qwen3MoeConfig,
                       Qwen3MoeForCausalLM, TINY_QWEN3_MOE, adjust=_randomize_norms)
 
 
@@ -179,18 +188,18 @@ def _randomize_gemma_norms(model) -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_gemma2_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+def tiny_gemma2_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer_dir: Path) -> Path:
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    return _save_tiny(tmp_path_factory.mktemp("tiny-gemma2"), default_model_dir, Gemma2Config, Gemma2ForCausalLM,
+    return _save_tiny(tmp_path_factory.mktemp("tiny-gemma2"), default_tokenizer_dir, Gemma2Config, Gemma2ForCausalLM,
                       TINY_GEMMA2, adjust=_randomize_gemma_norms)
 
 
 @pytest.fixture(scope="session")
-def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer_dir: Path) -> Path:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    return _save_tiny(tmp_path_factory.mktemp("tiny-gemma3"), default_model_dir, Gemma3TextConfig,
+    return _save_tiny(tmp_path_factory.mktemp("tiny-gemma3"), default_tokenizer_dir, Gemma3TextConfig,
                       Gemma3ForCausalLM, TINY_GEMMA3, adjust=_randomize_gemma_norms)
 
 
@@ -201,21 +210,21 @@ TINY_MISTRAL_SWA = {**TINY_LLAMA, "sliding_window": 16, "max_position_embeddings
 
 
 @pytest.fixture(scope="session")
-def tiny_mistral_swa_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+def tiny_mistral_swa_dir(tmp_path_factory: pytest.TempPathFactory, default_tokenizer_dir: Path) -> Path:
     from transformers import MistralConfig, MistralForCausalLM
 
-    return _save_tiny(tmp_path_factory.mktemp("tiny-mistral-swa"), default_model_dir, MistralConfig,
+    return _save_tiny(tmp_path_factory.mktemp("tiny-mistral-swa"), default_tokenizer_dir, MistralConfig,
                       MistralForCausalLM, TINY_MISTRAL_SWA, adjust=_randomize_norms)
 
 
-def _save_tiny(out_dir: Path, default_model_dir: Path, config_class, model_class, sizes: dict,
+def _save_tiny(out_dir: Path, tokenizer_dir: Path, config_class, model_class, sizes: dict,
                adjust=None) -> Path:
     import torch
     from transformers import GenerationConfig
 
     from llmplatform.llm.resolve import load_tokenizer
 
-    tokenizer = load_tokenizer(default_model_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
     eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     config = config_class(
@@ -237,8 +246,8 @@ def _save_tiny(out_dir: Path, default_model_dir: Path, config_class, model_class
     model.save_pretrained(str(out_dir), safe_serialization=True)
 
     for name in _TOKENIZER_FILES:
-        if (default_model_dir / name).is_file():
-            shutil.copy2(default_model_dir / name, out_dir / name)
+        if (tokenizer_dir / name).is_file():
+            shutil.copy2(tokenizer_dir / name, out_dir / name)
     # The default model's limit is 8192; the tiny model's positions stop at 512.
     tokenizer_config_path = out_dir / "tokenizer_config.json"
     tokenizer_config = json.loads(tokenizer_config_path.read_text())
