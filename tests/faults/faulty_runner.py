@@ -17,7 +17,9 @@ through any API:
 - ``processing_marker``: the token sampled for such a request cannot be processed (its output
   processing, detokenizing and stop handling, raises on it);
 - ``step_marker``: the forward pass raises whenever a step schedules such a request;
-- ``fail_rebuild``: rebuilding the engine after a failed step raises.
+- ``fail_rebuild``: rebuilding the engine after a failed step raises;
+- ``step_delay_s``: every forward pass takes at least this much longer (a slow model, for a
+  test whose generation must outlast a deadline on any machine).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +52,7 @@ class Faults:
     processing_marker: str | None = None
     step_marker: str | None = None
     fail_rebuild: bool = False
+    step_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("sampling_marker", "processing_marker", "step_marker"):
@@ -133,6 +137,7 @@ class FaultyRunner(ModelRunner):
         if any(self._markers.carries(prompt(item.seq_id), self.faults.step_marker)
                for item in scheduled.scheduled):
             raise InjectedFault("injected fault: the forward pass failed")
+        time.sleep(self.faults.step_delay_s)  # on the step thread, as a slow forward would be
         output = super()._execute(scheduled)
         for i, seq_id in enumerate(output.seq_ids):
             if self._markers.carries(prompt(seq_id), self.faults.processing_marker):

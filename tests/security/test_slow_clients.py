@@ -30,6 +30,7 @@ from tests.faults.harness import (
     worker_app,
     worker_status,
 )
+from tests.faults.faulty_runner import Faults
 from tests.integration.cluster import paged_tiny_llm, wait_for_models
 from tests.polling import wait_until
 from tests.processes import free_port
@@ -88,13 +89,19 @@ def test_connections_past_the_cap_are_refused_and_service_resumes(tmp_path: Path
 STALL_LIMITS = ConnectionLimits(write_stall_timeout_s=1.0, send_buffer_bytes=4096)
 """A 1 s stall timeout; and a send buffer as a real network would have (loopback lets the kernel
 take megabytes from a client that does not read, more than the tiny model's longest answer)."""
+STEP_DELAY_S = 0.025
+"""Each step of the worker's engine this much slower: its 400 tokens take over 10 s, so the
+generation is still running when the 1 s stall cuts the stream on any machine (unslowed, the
+tiny model could finish them before the cut reached it, and nothing was left to abort)."""
 
 
 @pytest.fixture(scope="module")
 def real_cluster(tiny_model_dir: Path) -> Iterator[tuple[str, str, Any]]:
     with contextlib.ExitStack() as stack:
         controller = stack.enter_context(serve_in_thread(controller_app()))
-        app = worker_app(paged_tiny_llm(tiny_model_dir), controller)
+        app = worker_app(paged_tiny_llm(tiny_model_dir,
+                                        runner_factory=Faults(step_delay_s=STEP_DELAY_S).runner_factory()),
+                         controller)
         worker = stack.enter_context(serve_worker(app))
         wait_for_models(controller, ["tiny"])
         gateway = stack.enter_context(serve_in_thread(gateway_app(controller), limits=STALL_LIMITS))
