@@ -146,14 +146,50 @@ def time_prefill_steps(engines: dict[str, Any], paths: list[str], rng: random.Ra
             print(f"\nprofile of 3 prefill steps (and their one decode step), path {args.profile}, {batch} prompts "
                   "(C kernels called through ctypes are not listed; the table's total is what torch ran):")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
-        med = {p: statistics.median(t) * 1e3 for p, t in times.items()}
-        best = {p: min(t) * 1e3 for p, t in times.items()}
-        results.append({"batch": batch, "prefill_tokens": batch * args.prompt_len, "median_ms": med,
-                        "best_ms": best, "ratio_to_first": {p: med[p] / med[paths[0]] for p in paths}})
-        print(f"| {batch} x {args.prompt_len} tokens | " + " | ".join(f"{med[p]:.1f} ({best[p]:.1f})" for p in paths)
-              + " | " + " | ".join(f"{med[p] / med[paths[0]]:.2f}x" for p in paths[1:]) + " | "
-              + " | ".join(f"{batch * args.prompt_len / med[p] * 1e3:.0f}" for p in paths) + " |")
+        results.append({"batch": batch, "prefill_tokens": batch * args.prompt_len,
+                        **table_row(f"{batch} x {args.prompt_len} tokens", batch * args.prompt_len, times, paths)})
     return results
+
+
+def time_decode_steps(engines: dict[str, Any], paths: list[str], prompts: list[list[int]],
+                      args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per batch size, ``--steps`` decode steps of every engine, taking turns."""
+    results = []
+    for batch in args.batch_sizes:
+        for p, engine in engines.items():
+            start_batch(engine, batch, prompts, f"b{batch}", args)
+        times: dict[str, list[float]] = {p: [] for p in paths}
+        for _ in range(args.steps):
+            for p, engine in engines.items():
+                start = time.perf_counter()
+                engine.step()
+                times[p].append(time.perf_counter() - start)
+        if args.profile in engines:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(5):
+                    engines[args.profile].step()
+            print(f"\nprofile of 5 steps, path {args.profile}, batch {batch}:")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        for p, engine in engines.items():
+            for i in range(batch):
+                engine.abort(f"b{batch}-{i}")
+            while engine.has_unfinished():
+                engine.step()
+        results.append({"batch": batch, **table_row(str(batch), batch, times, paths)})
+    return results
+
+
+def table_row(label: str, tokens: int, times: dict[str, list[float]], paths: list[str]) -> dict[str, Any]:
+    """Prints one row of the table (median and best ms a step, ratios to the first path, tokens/s)
+    and returns its numbers."""
+    med = {p: statistics.median(t) * 1e3 for p, t in times.items()}
+    best = {p: min(t) * 1e3 for p, t in times.items()}
+    print(f"| {label} | " + " | ".join(f"{med[p]:.1f} ({best[p]:.1f})" for p in paths) + " | "
+          + " | ".join(f"{med[p] / med[paths[0]]:.2f}x" for p in paths[1:]) + " | "
+          + " | ".join(f"{tokens / med[p] * 1e3:.0f}" for p in paths) + " |")
+    return {"median_ms": med, "best_ms": best, "ratio_to_first": {p: med[p] / med[paths[0]] for p in paths}}
 
 
 def main() -> None:
@@ -195,42 +231,11 @@ def main() -> None:
     rng = random.Random(0)
     vocab = engines[paths[0]].tokenizer.vocab_size
     prompts = [[rng.randrange(1000, vocab) for _ in range(args.prompt_len)] for _ in range(max(args.batch_sizes))]
-    results: list[dict[str, Any]] = []
     print(f"\n| batch | {' | '.join(f'{p} ms/step (best)' for p in paths)} | "
           f"{' | '.join(f'{p}/{paths[0]}' for p in paths[1:])} | {' | '.join(f'{p} tok/s' for p in paths)} |")
     print("|---" * (1 + 2 * len(paths) + len(paths) - 1) + "|")
-    if args.prefill:
-        results = time_prefill_steps(engines, paths, rng, vocab, args)
-    for batch in [] if args.prefill else args.batch_sizes:
-        for p, engine in engines.items():
-            start_batch(engine, batch, prompts, f"b{batch}", args)
-        times: dict[str, list[float]] = {p: [] for p in paths}
-        for _ in range(args.steps):
-            for p, engine in engines.items():
-                start = time.perf_counter()
-                engine.step()
-                times[p].append(time.perf_counter() - start)
-        if args.profile in engines:
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                for _ in range(5):
-                    engines[args.profile].step()
-            print(f"\nprofile of 5 steps, path {args.profile}, batch {batch}:")
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
-        for p, engine in engines.items():
-            for i in range(batch):
-                engine.abort(f"b{batch}-{i}")
-            while engine.has_unfinished():
-                engine.step()
-        med = {p: statistics.median(t) * 1e3 for p, t in times.items()}
-        best = {p: min(t) * 1e3 for p, t in times.items()}
-        row = {"batch": batch, "median_ms": med, "best_ms": best,
-               "ratio_to_first": {p: med[p] / med[paths[0]] for p in paths}}
-        results.append(row)
-        print(f"| {batch} | " + " | ".join(f"{med[p]:.1f} ({best[p]:.1f})" for p in paths) + " | "
-              + " | ".join(f"{med[p] / med[paths[0]]:.2f}x" for p in paths[1:]) + " | "
-              + " | ".join(f"{batch / med[p] * 1e3:.0f}" for p in paths) + " |")
+    results = (time_prefill_steps(engines, paths, rng, vocab, args) if args.prefill
+               else time_decode_steps(engines, paths, prompts, args))
     load_end = os.getloadavg()
     print(f"\nload average at end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")
     summary = {"bandwidth_gbps": bandwidth, "floor_ms": floors, "results": results,
