@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,5 +95,6 @@ def test_the_decode_benchmark_runs_with_what_travels(gpu_machine_env, carried, t
 def test_the_gpu_tests_and_the_kernel_benchmark_import_with_what_travels(gpu_machine_env):
     out = run(["-m", "pytest", "tests/kernels", "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider"],
               gpu_machine_env)
-    assert "error" not in out.lower() and "tests collected" in out
+    # run() asserted exit 0: pytest exits 2 on any collection error
+    assert re.search(r"^[1-9]\d*/\d+ tests collected", out, re.M), out[-500:]
     assert "--quick" in run(["benchmarks/kernel_bench.py", "--help"], gpu_machine_env)
