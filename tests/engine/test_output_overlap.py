@@ -72,6 +72,20 @@ def split_floats(outputs: dict) -> tuple[dict, list[float]]:
     return strip(outputs), floats
 
 
+def joined(outputs: dict) -> dict:
+    """Each output's chunk records as one: texts, token ids and logprobs concatenated, the last
+    chunk's finish, stop string and usage, the first's prompt logprobs."""
+    whole = {}
+    for key, chunks in outputs.items():
+        record = dict(chunks[-1])
+        record["text"] = "".join(c["text"] for c in chunks)
+        record["token_ids"] = tuple(t for c in chunks for t in c["token_ids"])
+        record["logprobs"] = [lp for c in chunks for lp in (c["logprobs"] or ())]
+        record["prompt_logprobs"] = chunks[0]["prompt_logprobs"]
+        whole[key] = record
+    return whole
+
+
 def assert_same_outputs(got: dict, expected: dict) -> None:
     got_records, got_floats = split_floats(got)
     expected_records, expected_floats = split_floats(expected)
@@ -133,7 +147,13 @@ def test_outputs_are_identical_with_and_without_the_overlap(model_dir, spec):
     requests = requests_with_stops(model_dir, spec)
     expected, _ = run(make(model_dir, "off", spec=spec), requests)
     got, seqs = run(make(model_dir, "on", spec=spec), requests)
-    assert_same_outputs(got, expected)
+    if spec is None:
+        assert_same_outputs(got, expected)
+    else:
+        # With the overlap a stopped output runs one step more; that step's rows can leave
+        # another sequence fewer proposals in it (the step's row and token limits), so with
+        # speculation outputs may split into chunks differently: each whole output is the same.
+        assert_same_outputs(joined(got), joined(expected))
     stopped = [k for k, chunks in expected.items() if chunks[-1]["stop_str"] is not None]
     assert stopped, "some stop string ended an output"
     if spec is None:

@@ -6,8 +6,8 @@ request must draw the same numbers whatever else is in the batch).
 
 Order of operations (the usual one, as in HF and vLLM):
 penalties -> logit_bias -> grammar mask -> min_tokens mask -> greedy argmax | temperature ->
-top-k -> top-p -> min-p -> draw. The min_tokens mask comes after logit_bias so that no bias can
-bring back a stop id too early. Reported log-probabilities are those of the model's raw
+top-k -> top-p -> min-p -> draw (the last four in sampling.distribution). The min_tokens mask
+comes after logit_bias so that no bias can bring back a stop id too early. Reported log-probabilities are those of the model's raw
 distribution (before any processing).
 
 Constrained rows (a row with a ``grammar``: structured outputs, forced tool calls) get their
@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
+from llmplatform.sampling.distribution import draw, probabilities
 from llmplatform.sampling.output_processor import token_text
 from llmplatform.sampling.outputs import TokenLogprob, TopLogprob
 from llmplatform.sampling.params import SamplingParams
@@ -87,8 +88,9 @@ class Sampler:
             random_rows = (~greedy).nonzero().flatten().tolist()
         if random_rows:
             sub_rows = [rows[i] for i in random_rows]
-            probs = self.probabilities(logits[random_rows], sub_rows)
-            token_ids[random_rows] = _draw(probs, sub_rows)
+            sub_logits = logits if len(random_rows) == num_rows else logits[random_rows]
+            probs = self.probabilities(sub_logits, sub_rows)
+            token_ids[random_rows] = draw(probs, sub_rows)
 
         ids = token_ids.tolist()
         records: list[TokenLogprob | None] = [None] * num_rows
@@ -111,9 +113,8 @@ class Sampler:
     @staticmethod
     def probabilities(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """The distribution a non-greedy row draws from: processed logits over its temperature,
-        then top-k, top-p and min-p, softmaxed (``[num_rows, vocab]``)."""
-        temperature = torch.tensor([r.params.temperature for r in rows], device=processed.device)
-        return torch.softmax(_top_k_top_p_min_p(processed / temperature.unsqueeze(1), rows), dim=-1)
+        softmaxed, then top-k, top-p and min-p (``[num_rows, vocab]``; sampling.distribution)."""
+        return probabilities(processed, rows)
 
     def logprob_records(self, logprobs: torch.Tensor, token_ids: Sequence[int], num_top: int
                         ) -> list[TokenLogprob]:
@@ -235,51 +236,3 @@ def _token_counts(histories: Sequence[Sequence[int]], vocab_size: int, device: t
             padded[i, :len(history)] = torch.as_tensor(list(history), dtype=torch.long)
     counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
     return counts[:, :vocab_size]
-
-
-def _top_k_top_p_min_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    device = logits.device
-    vocab_size = logits.shape[1]
-    # A top_k at or above the vocabulary is no filter; clamping also keeps huge wire values
-    # (up to 2**63 and beyond) out of the int64 tensor below.
-    top_k = [min(r.params.top_k or vocab_size, vocab_size) for r in rows]
-    top_p = [r.params.top_p for r in rows]
-    min_p = [r.params.min_p for r in rows]
-    if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
-        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab_size, device=device).unsqueeze(0)
-        remove = ranks >= torch.tensor(top_k, device=device).unsqueeze(1)
-        sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-        # Remove a token when the tokens more likely than it already reach top_p (the most
-        # likely token always stays).
-        cumulative_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        remove |= cumulative_before >= torch.tensor(top_p, device=device).unsqueeze(1)
-        remove[:, 0] = False
-        logits = torch.full_like(logits, float("-inf")).scatter(
-            1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
-    if any(p > 0.0 for p in min_p):
-        probs = torch.softmax(logits, dim=-1)
-        threshold = torch.tensor(min_p, device=device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
-    return logits
-
-
-def draw(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """One token per row of ``probs`` (each seeded row from its own generator)."""
-    return _draw(probs, rows)
-
-
-def _draw(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Samples one token per row with the exponential race: argmax(p / E), E ~ Exp(1).
-
-    Equivalent to drawing from ``probs``; each seeded row draws its noise from its own generator,
-    so its choice does not depend on the other rows.
-    """
-    noise = torch.empty_like(probs)
-    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-    if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
-    for i, row in enumerate(rows):
-        if row.generator is not None:
-            noise[i].exponential_(generator=row.generator)
-    return (probs / noise).argmax(dim=-1)

@@ -39,7 +39,8 @@ from llmplatform.engine.config import ModelConfig, SpeculativeConfig
 from llmplatform.engine.model_setup import prepare_model
 from llmplatform.engine.speculative.proposer import ProposalRoom, decoding_sequences
 from llmplatform.kernels import AttentionMetadata
-from llmplatform.sampling.sampler import Sampler, SamplingRow, draw, make_generator
+from llmplatform.sampling.distribution import draw
+from llmplatform.sampling.sampler import Sampler, SamplingRow, make_generator
 
 if TYPE_CHECKING:
     from llmplatform.engine.block_manager import BlockManager

@@ -31,8 +31,9 @@ import torch
 
 from llmplatform.engine.outputs import AcceptedTokens
 from llmplatform.engine.runner_state import RunnerSequence
+from llmplatform.sampling.distribution import draw
 from llmplatform.sampling.outputs import TokenLogprob
-from llmplatform.sampling.sampler import Sampler, SamplingRow, draw
+from llmplatform.sampling.sampler import Sampler, SamplingRow
 
 
 @dataclass(frozen=True)
