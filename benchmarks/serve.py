@@ -26,7 +26,8 @@ two share the CPU. Workload (``--seed``): at each level its own requests, drawn 
 ``random.Random("serve/{seed}/{level}")`` (the same for every system; distinct across levels so no
 level hits a prefix cache filled by an earlier one): per request a prompt length in
 ``--prompt-len`` and an output length in ``--output-len``, then random tokens decoded to text.
-Requests are greedy, streaming ``/v1/completions`` with ``max_tokens`` = the output length and EOS
+Requests are greedy (``--sampling`` merges sampling fields into every system's requests instead),
+streaming ``/v1/completions`` with ``max_tokens`` = the output length and EOS
 ignored (``ignore_eos`` for llmplatform and other vLLM-style servers; for ``transformers serve``, a
 ``generation_config`` with ``eos_token_id: -1``); every report counts the tokens each server says
 it generated (``usage``) and flags requests that stopped short.
@@ -121,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--prompt-len", type=parse_range, default=(32, 512), help="prompt tokens LOW:HIGH (32:512)")
     load.add_argument("--output-len", type=parse_range, default=(32, 192), help="output tokens LOW:HIGH (32:192)")
     load.add_argument("--seed", type=int, default=0, help="seed of the workload and of the Poisson arrivals (0)")
+    load.add_argument("--sampling", type=json.loads, default={},
+                      help='sampling fields merged into every request of every system, e.g. '
+                      '\'{"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0}\' (default: greedy)')
     load.add_argument("--warmup-requests", type=int, default=4,
                       help="untimed requests per system first (prompts from --prompt-len, 8-16 tokens out; 4)")
     load.add_argument("--gateway-pairs", type=int, default=48,
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": shlex.join(["python", *sys.argv]),
         "model": model_name, "model_path": model_path, "dtype": args.dtype, "device": args.device,
         "cpu_count": os.cpu_count(), "cpu": cpu_description(), "mode": mode, "levels": levels, "seed": args.seed,
-        "prompt_len": list(args.prompt_len), "output_len": list(args.output_len),
+        "prompt_len": list(args.prompt_len), "output_len": list(args.output_len), "sampling": args.sampling,
         "loadavg_before": " ".join(f"{x:.2f}" for x in os.getloadavg()), "log_dir": str(log_dir),
     }
     bench = Bench(args, mode, levels, tokenizer)

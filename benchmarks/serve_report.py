@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,7 @@ def markdown(meta: dict[str, Any], runs: dict[str, dict[float, dict[str, Any]]],
         f"{' (' + meta['cpu'] + ')' if meta.get('cpu') else ''}; "
         f"prompts {meta['prompt_len'][0]}-{meta['prompt_len'][1]} tokens, outputs "
         f"{meta['output_len'][0]}-{meta['output_len'][1]} tokens (EOS ignored), seed {meta['seed']}; "
+        f"{'sampling ' + json.dumps(meta['sampling']) if meta.get('sampling') else 'greedy'}; "
         f"streaming `/v1/completions` (the direct worker: `/worker_generate_stream`). Load average "
         f"before {meta['loadavg_before']}, after {meta['loadavg_after']}.",
         "",

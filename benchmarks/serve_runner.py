@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -79,6 +80,8 @@ class Bench:
                    before_run: Callable[[], None] | None = None) -> None:
         """Warm-up, then one run per level; ``before_run`` is called before each run."""
         args = self.args
+        if args.sampling:  # the same sampling fields for every system (greedy without them)
+            target = dataclasses.replace(target, extra_body={**target.extra_body, **args.sampling})
         if args.warmup_requests > 0:
             # Prompts over the whole range (first prefill shapes cost extra in some servers), short outputs.
             warmup = make_requests(self.tokenizer, self.allowed, args.warmup_requests, f"warmup/{args.seed}",

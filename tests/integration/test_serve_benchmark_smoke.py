@@ -178,11 +178,14 @@ def test_ratios_flag_rows_that_lost_different_cpu_to_the_hypervisor(bench):
 STANDIN = Path(__file__).with_name("llamacpp_standin.py")
 
 
+SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0}
+
+
 def test_llamacpp_systems_against_a_stand_in_server(bench, tiny_model_dir, tmp_path):
     """The llamacpp systems' start, client and report code against a stand-in llama-server
     (`llamacpp_standin.py`: llama.cpp's command line and response shape, no model): the test
     suite never builds llama.cpp. The stand-in stops after one token unless asked to ignore EOS,
-    as the real server does, and records what the benchmark sent."""
+    as the real server does, and records what the benchmark sent (here with --sampling)."""
     record = tmp_path / "standin.jsonl"
     # Run the stand-in with this interpreter (its shebang's python3 may be one without our
     # dependencies, e.g. the system one when the suite runs from a virtual environment).
@@ -193,7 +196,8 @@ def test_llamacpp_systems_against_a_stand_in_server(bench, tiny_model_dir, tmp_p
         "--systems", "llamacpp,llamacpp-q8_0", "--model-path", str(tiny_model_dir), "--concurrency", "1,3",
         "--num-prompts", "4", "--llama-server", str(server),
         "--llamacpp-gguf", f"bf16={tiny_model_dir},q8_0={tiny_model_dir}", "--llamacpp-slots", "4",
-        f"--llamacpp-args=--record {record}", "--bandwidth-buffer-mib", "8", "--log-dir", str(tmp_path / "logs")])
+        f"--llamacpp-args=--record {record}", "--bandwidth-buffer-mib", "8", "--log-dir", str(tmp_path / "logs"),
+        "--sampling", json.dumps(SAMPLING)])
     assert result["failures"] == {}, result["failures"]
     assert code == 0
     for system in ("llamacpp", "llamacpp-q8_0"):
@@ -214,8 +218,10 @@ def test_llamacpp_systems_against_a_stand_in_server(bench, tiny_model_dir, tmp_p
         assert int(flags["-c"]) == 4 * 256  # 40 + 9 tokens + margin, rounded up to 256 per slot
         assert flags["-t"] == flags["-tb"]
     bodies = [line["body"] for line in lines if line.get("path") == "/v1/completions"]
-    assert bodies and all(b["stream"] and b["ignore_eos"] is True and b["temperature"] == 0.0
-                          and b["stream_options"] == {"include_usage": True} for b in bodies)
+    # --sampling's fields in every request (warm-up included), over the greedy default.
+    assert bodies and all(b["stream"] and b["ignore_eos"] is True and b["stream_options"] == {"include_usage": True}
+                          and {k: b[k] for k in SAMPLING} == SAMPLING for b in bodies)
+    assert result["meta"]["sampling"] == SAMPLING and f"sampling {json.dumps(SAMPLING)}" in report
     # The ratios to llama.cpp bf16 (here: the Q8_0 row over the bf16 one) and the bandwidth floor.
     rows = result["ratios"]["llamacpp"]["llamacpp-q8_0"]
     assert set(rows) == {"1", "3"} and all(row["tok_s"] > 0 and row["targets"] == {} for row in rows.values())
