@@ -6,7 +6,8 @@
                                  [--workloads shared,skewed,unshared,shared_bound]
                                  [--bound-cache-fraction 0.6]
                                  [--skewed-requests 64] [--skew 0.8] [--unshared-requests 32]
-                                 [--output-len 8] [--seed 0] [--controller-flag=--FLAG=V]
+                                 [--output-len 8] [--seed 0] [--refresh-interval 1.0]
+                                 [--controller-flag=--FLAG=V]
                                  [--worker-flag=--FLAG=V] [--out FILE]
 
 Two paged workers of the model (default: the packaged SmolLM2-135M-Instruct, bf16, CPU; each
@@ -159,18 +160,20 @@ def cluster(policy: str, controller: str, workers: list[str], args: argparse.Nam
                                                  controller_port, "--dispatch-method", policy,
                                                  *args.controller_flag], env, log_dir),
                  _start(f"{policy}-gateway", [sys.executable, "-m", "llmplatform.openai_api", "--port",
-                                              gateway.rsplit(":", 1)[1], "--controller-address", controller],
+                                              gateway.rsplit(":", 1)[1], "--controller-address", controller,
+                                              "--worker-refresh-interval", str(args.refresh_interval)],
                         env, log_dir)]
     try:
         started = Cluster(controller, gateway, workers)
-        _wait_ready(started, processes, args.startup_timeout, log_dir, policy)
+        _wait_ready(started, processes, args, log_dir, policy)
         yield started
     finally:
         _stop(processes)
 
 
-def _wait_ready(c: Cluster, processes: list[subprocess.Popen[bytes]], timeout_s: float, log_dir: Path,
-                policy: str) -> None:
+def _wait_ready(c: Cluster, processes: list[subprocess.Popen[bytes]], args: argparse.Namespace,
+                log_dir: Path, policy: str) -> None:
+    timeout_s = args.startup_timeout
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in processes):
@@ -179,7 +182,7 @@ def _wait_ready(c: Cluster, processes: list[subprocess.Popen[bytes]], timeout_s:
             listed = httpx.get(f"{c.controller}/list_workers", timeout=5).json()["workers"]
             models = httpx.get(f"{c.gateway}/v1/models", timeout=5)
             if len(listed) == 2 and models.status_code == 200:
-                time.sleep(1.5)  # the gateway's routing table reads the list every second
+                time.sleep(1.5 * args.refresh_interval)  # the gateway's routing table reads the list
                 return
         except (httpx.HTTPError, ValueError, KeyError):
             pass
@@ -266,11 +269,11 @@ def measure(c: Cluster, requests: list[Request], args: argparse.Namespace) -> di
     for url in c.workers:  # every workload starts cold
         httpx.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
     # The reset reaches the controller with a heartbeat (a new cache epoch), then the gateway's
-    # table with its next read of the list (every second).
+    # table with its next read of the list (every --refresh-interval).
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(a == b for a, b in zip(_cache_epochs(c), epochs)):
         time.sleep(0.1)
-    time.sleep(1.2)
+    time.sleep(1.2 * args.refresh_interval)
     before = [worker_counters(url) for url in c.workers]
     decisions_before = routing_decisions(c)
     outcomes, wall_s = asyncio.run(run_closed_loop(c.gateway, requests, args.concurrency, args.output_len))
@@ -337,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (for the ideal)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--refresh-interval", type=float, default=1.0,
+                        help="the gateways' --worker-refresh-interval (their default, 1 s); the waits for a "
+                        "gateway to see a change scale with it")
     parser.add_argument("--controller-flag", action="append", default=[],
                         help="an extra controller flag (repeat; e.g. --controller-flag=--cache-aware-balance-threshold=2)")
     parser.add_argument("--worker-flag", action="append", default=[],

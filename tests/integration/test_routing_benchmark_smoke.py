@@ -18,7 +18,7 @@ def test_routing_benchmark_smoke(tiny_model_dir, tmp_path, capsys):
                        "--policies", "least_load,cache_aware", "--concurrency", "2",
                        "--num-prefixes", "2", "--questions-per-prefix", "3", "--prefix-tokens", "120",
                        "--skewed-requests", "8", "--unshared-requests", "3", "--unshared-tokens", "20",
-                       "--output-len", "2", "--worker-flag=--max-num-batched-tokens=512",
+                       "--output-len", "2", "--worker-flag=--max-num-batched-tokens=512", "--refresh-interval", "0.25",
                        "--out", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
