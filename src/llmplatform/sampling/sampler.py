@@ -7,8 +7,8 @@ request must draw the same numbers whatever else is in the batch).
 Order of operations (the usual one, as in HF and vLLM):
 penalties -> logit_bias -> grammar mask -> min_tokens mask -> greedy argmax | temperature ->
 top-k -> top-p -> min-p -> draw (the last four in sampling.distribution). The min_tokens mask
-comes after logit_bias so that no bias can bring back a stop id too early. Reported log-probabilities are those of the model's raw
-distribution (before any processing).
+comes after logit_bias so that no bias can bring back a stop id too early. Reported
+log-probabilities are those of the model's raw distribution (before any processing).
 
 Constrained rows (a row with a ``grammar``: structured outputs, forced tool calls) get their
 grammar's bitmask applied after the biases, so that no bias can bring back a forbidden token;
