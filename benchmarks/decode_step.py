@@ -151,6 +151,18 @@ def time_prefill_steps(engines: dict[str, Any], paths: list[str], rng: random.Ra
     return results
 
 
+def interleaved_step_times(engines: dict[str, Any], steps: int) -> dict[str, list[float]]:
+    """``steps`` rounds in which every engine takes one step in turn (the same noise from other
+    processes lands on all): each engine's step times."""
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(steps):
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            engine.step()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def time_decode_steps(engines: dict[str, Any], paths: list[str], prompts: list[list[int]],
                       args: argparse.Namespace) -> list[dict[str, Any]]:
     """Per batch size, ``--steps`` decode steps of every engine, taking turns."""
@@ -158,12 +170,7 @@ def time_decode_steps(engines: dict[str, Any], paths: list[str], prompts: list[l
     for batch in args.batch_sizes:
         for p, engine in engines.items():
             start_batch(engine, batch, prompts, f"b{batch}", args)
-        times: dict[str, list[float]] = {p: [] for p in paths}
-        for _ in range(args.steps):
-            for p, engine in engines.items():
-                start = time.perf_counter()
-                engine.step()
-                times[p].append(time.perf_counter() - start)
+        times = interleaved_step_times(engines, args.steps)
         if args.profile in engines:
             from torch.profiler import ProfilerActivity, profile
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_step import start_batch, streaming_read_gbps  # noqa: E402
+from decode_step import interleaved_step_times, start_batch, streaming_read_gbps  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "data" / "opticks_excerpt.txt"
 SYSTEMS = ("bf16", "q8_0", "q4_1")
@@ -122,12 +122,7 @@ def decode_times(engines: dict[str, Any], batch: int, prompts: list[list[int]], 
                  ) -> dict[str, list[float]]:
     for system, engine in engines.items():
         start_batch(engine, batch, prompts, f"b{batch}", args)
-    times: dict[str, list[float]] = {system: [] for system in engines}
-    for _ in range(args.steps):
-        for system, engine in engines.items():
-            start = time.perf_counter()
-            engine.step()
-            times[system].append(time.perf_counter() - start)
+    times = interleaved_step_times(engines, args.steps)
     for engine in engines.values():
         for i in range(batch):
             engine.abort(f"b{batch}-{i}")
