@@ -74,8 +74,9 @@ def test_a_better_priority_request_overtakes_the_queue(client, paged):
         wait_until(lambda: (paged.load().num_running, paged.load().num_waiting) == (running, waiting),
                    what=f"{name} queued", context=paged.load)
 
-    # A long request holds the only slot while three more queue behind it, then a better one.
-    start("blocker", 10, 200, running=1, waiting=0)
+    # A long request (near the tiny model's 512-token context) holds the only slot while three
+    # more queue behind it, then a better one.
+    start("blocker", 10, 440, running=1, waiting=0)  # long enough to outlast the queueing on a slow machine
     for i in range(3):
         start(f"low-{i}", 10, 24, running=1, waiting=i + 1)
     start("high", 1, 24, running=1, waiting=4)
